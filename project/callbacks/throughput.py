@@ -1,0 +1,57 @@
+"""Per-epoch throughput: how fast the whole job trains, and how fast each device does."""
+
+import time
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+
+
+class EpochThroughput(L.Callback):
+    """Logs ``perf/samples_per_sec`` (all ranks together), ``perf/samples_per_sec_per_device`` and ``perf/epoch_time_s``.
+
+    Samples per second counts training only (epoch start to the last training batch, device synchronised);
+    epoch time is the whole epoch as a user waits for it, validation included.
+    """
+
+    def __init__(self) -> None:
+        self._epoch_start = 0.0
+        self._train_time = None
+        self._samples = 0
+
+    def _synchronize(self, pl_module: L.LightningModule) -> None:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._synchronize(pl_module)
+        self._epoch_start = time.perf_counter()
+        self._train_time = None
+        self._samples = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        self._samples += extract_batch_size(batch)
+
+    def _stop_train_clock(self, pl_module: L.LightningModule) -> None:
+        if self._train_time is None:
+            self._synchronize(pl_module)
+            self._train_time = time.perf_counter() - self._epoch_start
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.training:  # validation inside a training epoch ends its training part
+            self._stop_train_clock(pl_module)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_train_clock(pl_module)
+        samples = trainer.strategy.reduce(
+            torch.tensor(float(self._samples), device=pl_module.device), reduce_op="sum"
+        ).item()
+        samples_per_sec = samples / self._train_time
+        pl_module.log_dict(
+            {
+                "perf/samples_per_sec": samples_per_sec,
+                "perf/samples_per_sec_per_device": samples_per_sec / trainer.world_size,
+                "perf/epoch_time_s": time.perf_counter() - self._epoch_start,
+            },
+            on_epoch=True,
+        )

@@ -1,0 +1,84 @@
+"""Checks of a composed config that run before any worker process or W&B run starts.
+
+Each failure is a ``ConfigError`` whose message names the key, what is wrong and the fix, in one paragraph.
+"""
+
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; ``str()`` is the message for the user."""
+
+    def __init__(self, key: str, problem: str, fix: str) -> None:
+        super().__init__(f"{key}: {problem} Fix: {fix}")
+        self.key = key
+
+
+def _positive_int(cfg: DictConfig, key: str, fix: str) -> int:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}.", fix)
+    return value
+
+
+def uses_cuda(cfg: DictConfig) -> bool:
+    """Whether the trainer will run on CUDA devices (accelerator gpu/cuda, or auto with GPUs present)."""
+    accelerator = str(cfg.trainer.accelerator)
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """``ckpt_path=last`` means this job dir's ``checkpoints/last.ckpt``; any other value is a file path."""
+    if cfg.ckpt_path is None:
+        return None
+    if cfg.ckpt_path == "last":
+        return str(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt")
+    return str(cfg.ckpt_path)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` for the first setting that cannot work."""
+    devices = _positive_int(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
+    num_nodes = _positive_int(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
+    batch_size = _positive_int(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
+    _positive_int(cfg, "strategy.processes", "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.")
+
+    if uses_cuda(cfg):
+        available = torch.cuda.device_count()
+        if available == 0:
+            raise ConfigError(
+                "trainer.accelerator",
+                f"is {cfg.trainer.accelerator!r} but this machine has no CUDA GPU.",
+                "use trainer.accelerator=cpu (or auto), or run on a machine with GPUs.",
+            )
+        if devices > available:
+            raise ConfigError(
+                "trainer.devices",
+                f"asks for {devices} GPUs but this machine has {available}.",
+                f"set trainer.devices={available} or fewer, or trainer.accelerator=cpu for CPU processes.",
+            )
+
+    datamodule = instantiate(cfg.data)  # cheap: data is generated in setup(), not here
+    data_parallel = devices * num_nodes
+    global_batch = batch_size * data_parallel
+    if global_batch > datamodule.num_train_samples:
+        raise ConfigError(
+            "data.batch_size",
+            f"gives a global batch of {batch_size} x {data_parallel} devices = {global_batch} samples, more than the "
+            f"{datamodule.num_train_samples} training samples, so an epoch would have no full batch.",
+            f"lower data.batch_size to at most {datamodule.num_train_samples // data_parallel}, or use more training data.",
+        )
+
+    ckpt_path = resolve_ckpt_path(cfg)
+    if ckpt_path is not None and not Path(ckpt_path).exists():
+        hint = (
+            "ckpt_path=last resumes the run dir given by hydra.run.dir=<that run's dir>; run with that override, "
+            "or pass the checkpoint file itself as ckpt_path=<path>."
+            if cfg.ckpt_path == "last"
+            else "pass an existing checkpoint file (a run's checkpoints/*.ckpt), or ckpt_path=null to start fresh."
+        )
+        raise ConfigError("ckpt_path", f"{ckpt_path} does not exist.", hint)

@@ -1,0 +1,45 @@
+"""A LightningDataModule for in-memory datasets, batched by ``GlobalBatchSampler``."""
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from project.data.sampling import GlobalBatchSampler
+
+
+class InMemoryDataModule(L.LightningDataModule):
+    """Subclasses build ``self.train_set`` and ``self.val_set`` in ``setup``; this class batches them.
+
+    ``batch_size`` is per data-parallel replica (seed 000: "keep batch size per GPU the same"), so the global
+    batch is ``batch_size * trainer.world_size``.
+    """
+
+    def __init__(self, batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.seed = seed
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    @property
+    def num_train_samples(self) -> int:
+        """Training set size, known before ``setup`` so bad batch sizes are caught before workers start."""
+        raise NotImplementedError
+
+    def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        sampler = GlobalBatchSampler(
+            num_samples=len(dataset),
+            batch_size=self.batch_size,
+            rank=self.trainer.global_rank,
+            world_size=self.trainer.world_size,
+            shuffle=train,
+            seed=self.seed,
+            drop_last=train,
+        )
+        return DataLoader(dataset, batch_sampler=sampler, pin_memory=torch.cuda.is_available())
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)

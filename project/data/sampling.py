@@ -1,0 +1,64 @@
+"""Batch sampling that makes a run independent of how it is parallelised.
+
+Lightning's default ``DistributedSampler`` shuffles per replica count and pads the last batch with repeated
+samples, so ``ddp`` on 2 devices neither sees the batches of 1 device nor computes exact validation metrics.
+``GlobalBatchSampler`` instead shuffles the whole set once per epoch (from ``seed`` and the epoch), cuts it into
+global batches and hands rank ``r`` the ``r``-th slice of each. Training drops the incomplete last global batch;
+evaluation keeps every sample exactly once, in slices of near-equal size, and gives every rank the same number of
+batches (collective-heavy strategies such as FSDP need that).
+"""
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's slice of each global batch of ``batch_size * world_size`` samples."""
+
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = False,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        global_batch = batch_size * world_size
+        if drop_last and num_samples < global_batch:
+            raise ValueError(f"{num_samples} samples cannot fill one global batch of {global_batch}")
+        if not drop_last and num_samples < world_size:
+            raise ValueError(f"{num_samples} samples cannot give each of {world_size} ranks one")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        whole, rest = divmod(num_samples, global_batch)
+        self.num_global_batches = whole if drop_last or rest == 0 else whole + 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this at each epoch start, so the shuffle order depends on the epoch, not the process."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_global_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_samples, generator=generator)
+        else:
+            order = torch.arange(self.num_samples)
+        used = order[: self.num_global_batches * self.batch_size * self.world_size] if self.drop_last else order
+        # One slice per (global batch, rank), sizes differing by at most one; slice i*W + r is rank r's part
+        # of global batch i. With drop_last every slice has exactly batch_size samples.
+        slices = torch.tensor_split(used, self.num_global_batches * self.world_size)
+        for batch in range(self.num_global_batches):
+            yield slices[batch * self.world_size + self.rank].tolist()

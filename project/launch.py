@@ -1,0 +1,131 @@
+"""From a composed Hydra config to a running job: check it, then train in this process or start one worker per device.
+
+Why not Lightning's own launcher: for DDP it re-executes ``sys.argv``, so each worker of a Hydra multirun job
+would start the whole sweep again. Instead the job's resolved config is written to ``<job dir>/config.yaml`` and
+torch's elastic launcher (what ``torchrun`` uses) starts ``python -m project.worker <that file>`` once per device.
+The workers see torchelastic's environment, so Lightning joins them into one process group without relaunching.
+"""
+
+import os
+import sys
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from project.checks import ConfigError, check_config, uses_cuda
+from project.console import print_config_tree
+from project.training import train
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (or any torchelastic agent) already started this process as one rank of the job."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def job_config(cfg: DictConfig) -> DictConfig:
+    """The resolved config of this Hydra job, plus what only the Hydra process knows.
+
+    Adds ``choices`` (the option picked in each config group, e.g. ``strategy: ddp``) and, in a multirun, names
+    the W&B group after the sweep dir so the sweep's runs appear together.
+    """
+    hydra_cfg = HydraConfig.get()
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.choices = {group: option for group, option in hydra_cfg.runtime.choices.items() if "hydra/" not in group and group != "hydra"}
+        wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
+        if wandb_cfg is not None and wandb_cfg.group is None and hydra_cfg.mode == RunMode.MULTIRUN:
+            wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+
+
+@contextmanager
+def _worker_threads(num_workers: int):
+    """Split this machine's cores between CPU workers unless the user set OMP_NUM_THREADS (torchrun sets 1)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
+    try:
+        yield
+    finally:
+        del os.environ["OMP_NUM_THREADS"]
+
+
+def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
+    """Start ``num_workers`` processes of ``python -m project.worker config_file`` on this machine; wait for all."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    launch_config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=num_workers,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as `torchrun --standalone`
+        max_restarts=0,
+        logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+    )
+    try:
+        with _worker_threads(num_workers):
+            elastic_launch(launch_config, sys.executable)("-m", "project.worker", str(config_file))
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        raise SystemExit(
+            f"Training failed in worker rank {rank} (exit code {failure.exitcode}); its traceback is above. "
+            f"All {num_workers} workers were stopped."
+        ) from None
+
+
+def share_output_dir(cfg: DictConfig) -> DictConfig:
+    """Under torchrun every rank composed its own config; make all ranks write to rank 0's job dir.
+
+    The dirs differ only if the ranks started in different seconds (the dir name is a timestamp).
+    """
+    dist.init_process_group("nccl" if uses_cuda(cfg) else "gloo")
+    shared = [cfg.paths.output_dir]
+    dist.broadcast_object_list(shared, src=0)
+    if shared[0] != cfg.paths.output_dir:
+        own_dir = Path(cfg.paths.output_dir)
+        if own_dir.is_dir() and not any(own_dir.iterdir()):
+            own_dir.rmdir()  # the empty dir Hydra made for this rank
+        cfg.paths.output_dir = shared[0]
+    return cfg
+
+
+def run(cfg: DictConfig) -> dict[str, float] | None:
+    """Check the config, then train; returns the final metrics where this process trained."""
+    cfg = job_config(cfg)
+    check_config(cfg)
+    if cfg.print_config and int(os.environ.get("RANK", "0")) == 0:
+        print_config_tree(cfg)
+    num_workers = cfg.strategy.processes
+    if launched_by_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+        if world_size != num_workers * cfg.trainer.num_nodes:
+            raise ConfigError(
+                "trainer.devices",
+                f"asks for {num_workers} processes per node but torchrun started {world_size} in all.",
+                f"pass the same count to both: torchrun --nproc-per-node {world_size} train.py trainer.devices={world_size}.",
+            )
+        return train(share_output_dir(cfg))
+    if num_workers == 1 and cfg.trainer.num_nodes == 1:
+        return train(cfg)
+    if cfg.trainer.num_nodes > 1:
+        raise ConfigError(
+            "trainer.num_nodes",
+            "is more than 1, which needs one launcher per machine.",
+            "start train.py on every machine with torchrun (or srun on SLURM), as the README shows.",
+        )
+    output_dir = Path(cfg.paths.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    config_file = output_dir / "config.yaml"
+    OmegaConf.save(cfg, config_file)
+    launch_workers(config_file, num_workers, output_dir / "workers")
+    return None

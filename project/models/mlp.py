@@ -1,0 +1,24 @@
+"""The seeds' ``LargeModel``: a stack of Linear layers with ReLU between them, as an ordered block sequence.
+
+``MLP(10000, [5000, 1000], 10)`` is exactly seed 000's model (Linear 10000→5000→1000→10 with ReLU).
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    """Linear → ReLU blocks, then a Linear head; ``blocks`` holds them in order."""
+
+    def __init__(self, input_dim: int, hidden_dims: Sequence[int], num_classes: int) -> None:
+        super().__init__()
+        widths = [input_dim, *hidden_dims]
+        hidden = [nn.Sequential(nn.Linear(w_in, w_out), nn.ReLU()) for w_in, w_out in zip(widths, widths[1:])]
+        self.blocks = nn.ModuleList([*hidden, nn.Linear(widths[-1], num_classes)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x

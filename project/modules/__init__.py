@@ -1,0 +1,1 @@
+"""LightningModules: they wrap the plain ``nn.Module`` models with loss, metrics and optimisation."""

@@ -1,0 +1,53 @@
+"""One training job in one process: build data, model, loggers, callbacks and Trainer from the config, then fit.
+
+Every process of a job runs this: the single process of a one-device run, each worker the launcher starts, or
+each rank that torchrun starts.
+"""
+
+from typing import Any
+
+import lightning as L
+import wandb
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.pytorch.trainer.states import TrainerStatus
+from omegaconf import DictConfig, OmegaConf
+
+from project.checks import resolve_ckpt_path
+
+
+def build_strategy(strategy_cfg: DictConfig) -> Any:
+    """The Lightning strategy: a string Lightning understands (``auto``) or a ``_target_`` node to instantiate."""
+    lightning_strategy = strategy_cfg.lightning
+    return instantiate(lightning_strategy) if isinstance(lightning_strategy, DictConfig) else lightning_strategy
+
+
+def build_loggers(cfg: DictConfig) -> list[Logger]:
+    """Instantiate each configured logger; W&B also receives the resolved config (group choices included)."""
+    run_config = OmegaConf.to_container(cfg, resolve=True)
+    loggers = []
+    for logger_cfg in (cfg.logger or {}).values():
+        logger = instantiate(logger_cfg, _partial_=True)  # partial: `config` is also instantiate's own argument name
+        is_wandb = issubclass(logger.func, WandbLogger)
+        loggers.append(logger(config=run_config) if is_wandb else logger())
+    return loggers
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Fit the configured model; returns the last epoch's logged metrics."""
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    module = instantiate(cfg.model)
+    loggers = build_loggers(cfg)
+    callbacks = [instantiate(callback) for callback in (cfg.callbacks or {}).values()]
+    trainer = instantiate(
+        cfg.trainer, strategy=build_strategy(cfg.strategy), callbacks=callbacks, logger=loggers or False
+    )
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
+    finally:
+        # Close the W&B run in this process, also on failure, so none is left half-open and the next job of
+        # an in-process sweep starts a new one.
+        if wandb.run is not None:
+            wandb.finish(exit_code=0 if trainer.state.status == TrainerStatus.FINISHED else 1)
+    return {name: float(value) for name, value in trainer.callback_metrics.items()}

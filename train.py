@@ -1,0 +1,32 @@
+"""Train a model with Hydra-composed config: ``python train.py [group=option ...] [key=value ...]``.
+
+See README.md; ``python train.py --help`` lists the config groups.
+"""
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from project.checks import ConfigError
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    from project.launch import run  # imported here so that --help and --cfg stay fast
+
+    try:
+        metrics = run(cfg)
+    except ConfigError as error:
+        # One paragraph naming key and fix; raised before any worker or W&B run starts.
+        sys.exit(f"Config error: {error}")
+    # A sweeper optimising a metric reads the return value.
+    return None if metrics is None else metrics.get("val/acc")
+
+
+if __name__ == "__main__":
+    if int(os.environ.get("RANK", "0")) > 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun ranks > 0: only rank 0 keeps Hydra's log file and .hydra/ record of the job.
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+    main()
