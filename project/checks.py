@@ -73,6 +73,14 @@ def check_config(cfg: DictConfig) -> None:
             f"lower data.batch_size to at most {datamodule.num_train_samples // data_parallel}, or use more training data.",
         )
 
+    if datamodule.num_val_samples < data_parallel:
+        raise ConfigError(
+            "data.num_val",
+            f"gives {datamodule.num_val_samples} validation samples, fewer than the {data_parallel} devices that "
+            "each need one.",
+            f"use at least {data_parallel} validation samples, or fewer devices.",
+        )
+
     ckpt_path = resolve_ckpt_path(cfg)
     if ckpt_path is not None and not Path(ckpt_path).exists():
         hint = (

@@ -6,6 +6,7 @@ torch's elastic launcher (what ``torchrun`` uses) starts ``python -m project.wor
 The workers see torchelastic's environment, so Lightning joins them into one process group without relaunching.
 """
 
+import logging
 import os
 import sys
 import uuid
@@ -83,24 +84,34 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
         ) from None
 
 
-def share_output_dir(cfg: DictConfig) -> DictConfig:
-    """Under torchrun every rank composed its own config; make all ranks write to rank 0's job dir.
+def share_output_dir(cfg: DictConfig) -> None:
+    """Under torchrun every rank composed its own config; point all ranks at rank 0's job dir.
 
-    The dirs differ only if the ranks started in different seconds (the dir name is a timestamp).
+    Done before resolving, so every path that interpolates ``paths.output_dir`` follows. The dirs differ only
+    if the ranks started in different seconds (the dir name is a timestamp).
     """
     dist.init_process_group("nccl" if uses_cuda(cfg) else "gloo")
-    shared = [cfg.paths.output_dir]
+    own_dir = HydraConfig.get().runtime.output_dir
+    shared = [own_dir]
     dist.broadcast_object_list(shared, src=0)
-    if shared[0] != cfg.paths.output_dir:
-        own_dir = Path(cfg.paths.output_dir)
-        if own_dir.is_dir() and not any(own_dir.iterdir()):
-            own_dir.rmdir()  # the empty dir Hydra made for this rank
-        cfg.paths.output_dir = shared[0]
-    return cfg
+    if shared[0] != own_dir:
+        if Path(own_dir).is_dir() and not any(Path(own_dir).iterdir()):
+            Path(own_dir).rmdir()  # the empty dir Hydra made for this rank
+        with open_dict(cfg):
+            cfg.paths.output_dir = shared[0]
+
+
+def _log_once_per_line() -> None:
+    """``import lightning`` adds a console handler to the "lightning" logger that also propagates to the root;
+    under Hydra the root already prints (and writes the job's log file), so drop Lightning's own handler."""
+    logging.getLogger("lightning").handlers.clear()
 
 
 def run(cfg: DictConfig) -> dict[str, float] | None:
     """Check the config, then train; returns the final metrics where this process trained."""
+    _log_once_per_line()
+    if launched_by_torchrun():
+        share_output_dir(cfg)
     cfg = job_config(cfg)
     check_config(cfg)
     if cfg.print_config and int(os.environ.get("RANK", "0")) == 0:
@@ -111,21 +122,23 @@ def run(cfg: DictConfig) -> dict[str, float] | None:
         if world_size != num_workers * cfg.trainer.num_nodes:
             raise ConfigError(
                 "trainer.devices",
-                f"asks for {num_workers} processes per node but torchrun started {world_size} in all.",
-                f"pass the same count to both: torchrun --nproc-per-node {world_size} train.py trainer.devices={world_size}.",
+                f"asks for {num_workers} processes per node x {cfg.trainer.num_nodes} nodes, but torchrun started "
+                f"{world_size} in all.",
+                "give both the same counts: torchrun --nnodes N --nproc-per-node D train.py trainer.num_nodes=N "
+                "trainer.devices=D.",
             )
-        return train(share_output_dir(cfg))
-    if num_workers == 1 and cfg.trainer.num_nodes == 1:
-        return train(cfg)
-    if cfg.trainer.num_nodes > 1:
+    elif cfg.trainer.num_nodes > 1:
         raise ConfigError(
             "trainer.num_nodes",
-            "is more than 1, which needs one launcher per machine.",
-            "start train.py on every machine with torchrun (or srun on SLURM), as the README shows.",
+            "is more than 1, which needs a launcher on every machine.",
+            "start train.py on each machine with torchrun (on SLURM: srun ... torchrun), as the README shows.",
         )
-    output_dir = Path(cfg.paths.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    config_file = output_dir / "config.yaml"
-    OmegaConf.save(cfg, config_file)
-    launch_workers(config_file, num_workers, output_dir / "workers")
+    # The resolved config this job trains with: the job's record, and what launched workers load.
+    config_file = Path(cfg.paths.output_dir) / "config.yaml"
+    if int(os.environ.get("RANK", "0")) == 0:
+        config_file.parent.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, config_file)
+    if launched_by_torchrun() or num_workers == 1:
+        return train(cfg)
+    launch_workers(config_file, num_workers, config_file.parent / "workers")
     return None

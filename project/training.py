@@ -4,6 +4,7 @@ Every process of a job runs this: the single process of a one-device run, each w
 each rank that torchrun starts.
 """
 
+import warnings
 from typing import Any
 
 import lightning as L
@@ -14,6 +15,9 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, OmegaConf
 
 from project.checks import resolve_ckpt_path
+
+# Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
+warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
 def build_strategy(strategy_cfg: DictConfig) -> Any:

@@ -43,15 +43,9 @@ class EpochThroughput(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop_train_clock(pl_module)
-        samples = trainer.strategy.reduce(
-            torch.tensor(float(self._samples), device=pl_module.device), reduce_op="sum"
-        ).item()
-        samples_per_sec = samples / self._train_time
-        pl_module.log_dict(
-            {
-                "perf/samples_per_sec": samples_per_sec,
-                "perf/samples_per_sec_per_device": samples_per_sec / trainer.world_size,
-                "perf/epoch_time_s": time.perf_counter() - self._epoch_start,
-            },
-            on_epoch=True,
-        )
+        epoch_time = time.perf_counter() - self._epoch_start
+        samples_per_sec = self._samples / self._train_time  # this rank's
+        # sync_dist reduces across ranks with reduce_fx: the job's rate is the sum of the ranks' rates.
+        pl_module.log("perf/samples_per_sec", samples_per_sec, sync_dist=True, reduce_fx="sum")
+        pl_module.log("perf/samples_per_sec_per_device", samples_per_sec, sync_dist=True, reduce_fx="mean")
+        pl_module.log("perf/epoch_time_s", epoch_time, sync_dist=True, reduce_fx="max")

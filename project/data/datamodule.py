@@ -11,7 +11,7 @@ class InMemoryDataModule(L.LightningDataModule):
     """Subclasses build ``self.train_set`` and ``self.val_set`` in ``setup``; this class batches them.
 
     ``batch_size`` is per data-parallel replica (seed 000: "keep batch size per GPU the same"), so the global
-    batch is ``batch_size * trainer.world_size``.
+    batch is ``batch_size * trainer.world_size`` (devices x nodes).
     """
 
     def __init__(self, batch_size: int, seed: int) -> None:
@@ -24,6 +24,11 @@ class InMemoryDataModule(L.LightningDataModule):
     @property
     def num_train_samples(self) -> int:
         """Training set size, known before ``setup`` so bad batch sizes are caught before workers start."""
+        raise NotImplementedError
+
+    @property
+    def num_val_samples(self) -> int:
+        """Validation set size, known before ``setup``."""
         raise NotImplementedError
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:

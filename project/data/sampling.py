@@ -4,8 +4,8 @@ Lightning's default ``DistributedSampler`` shuffles per replica count and pads t
 samples, so ``ddp`` on 2 devices neither sees the batches of 1 device nor computes exact validation metrics.
 ``GlobalBatchSampler`` instead shuffles the whole set once per epoch (from ``seed`` and the epoch), cuts it into
 global batches and hands rank ``r`` the ``r``-th slice of each. Training drops the incomplete last global batch;
-evaluation keeps every sample exactly once, in slices of near-equal size, and gives every rank the same number of
-batches (collective-heavy strategies such as FSDP need that).
+evaluation keeps every sample exactly once, in non-empty slices of near-equal size, and gives every rank the same
+number of batches (collective-heavy strategies such as FSDP need that).
 """
 
 from collections.abc import Iterator
@@ -40,8 +40,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
-        whole, rest = divmod(num_samples, global_batch)
-        self.num_global_batches = whole if drop_last or rest == 0 else whole + 1
+        if drop_last:
+            self.num_global_batches = num_samples // global_batch
+        else:  # ceil, but never more slices than samples: an evaluation slice may then hold one extra sample
+            self.num_global_batches = min(-(-num_samples // global_batch), num_samples // world_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Lightning calls this at each epoch start, so the shuffle order depends on the epoch, not the process."""

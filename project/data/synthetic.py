@@ -63,6 +63,10 @@ class SyntheticDataModule(InMemoryDataModule):
     def num_train_samples(self) -> int:
         return self.num_train
 
+    @property
+    def num_val_samples(self) -> int:
+        return self.num_val
+
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return

@@ -1,0 +1,31 @@
+"""Bad input: a one-paragraph error naming the key and the fix, exit code != 0, before any worker or W&B run."""
+
+import pytest
+
+from conftest import TINY, train
+
+BAD_INPUTS = [
+    (["trainer.devices=0"], "trainer.devices: must be a positive integer, got 0"),
+    (["strategy=ddp", "trainer.devices=-2"], "trainer.devices: must be a positive integer, got -2"),
+    (["data.batch_size=0"], "data.batch_size: must be a positive integer, got 0"),
+    (["strategy=ddp", "trainer.devices=2", "data.batch_size=-1"], "data.batch_size: must be a positive integer"),
+    (["trainer.accelerator=gpu", "trainer.devices=2"], "trainer.accelerator: is 'gpu' but this machine has no CUDA GPU"),
+    (["ckpt_path=/nonexistent/model.ckpt"], "ckpt_path: /nonexistent/model.ckpt does not exist"),
+    (["ckpt_path=last"], "ckpt_path=last resumes the run dir given by hydra.run.dir"),
+    (["strategy=ddp", "trainer.devices=2", "data.batch_size=600"], "data.batch_size: gives a global batch of 600 x 2"),
+    (["strategy=ddp", "trainer.devices=4", "data.num_val=3"], "data.num_val: gives 3 validation samples"),
+    (["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], "trainer.num_nodes: is more than 1"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_INPUTS, ids=[" ".join(o) for o, _ in BAD_INPUTS])
+def test_bad_input_fails_fast_with_a_clear_message(overrides, message, home, tmp_path):
+    job_dir = tmp_path / "job"
+    result = train([*TINY, f"hydra.run.dir={job_dir}", *overrides], home, expect_ok=False, timeout=60)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Fix:" in result.stderr and "Traceback" not in result.stderr
+    # Nothing started: no worker processes (their launcher dir), no W&B run, no checkpoint.
+    assert not (job_dir / "workers").exists()
+    assert not (job_dir / "wandb").exists()
+    assert not (job_dir / "checkpoints").exists()

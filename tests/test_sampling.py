@@ -1,0 +1,63 @@
+"""GlobalBatchSampler: the same global batches for any world size, every validation sample exactly once."""
+
+import pytest
+
+from project.data.sampling import GlobalBatchSampler
+
+
+def rank_batches(num_samples, batch_size, world_size, **kwargs):
+    """Each rank's batches, as lists of index lists."""
+    return [
+        list(GlobalBatchSampler(num_samples, batch_size, rank, world_size, **kwargs)) for rank in range(world_size)
+    ]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_training_global_batches_do_not_depend_on_world_size(world_size, epoch):
+    single = GlobalBatchSampler(1000, 8 * world_size, shuffle=True, seed=7, drop_last=True)
+    single.set_epoch(epoch)
+    samplers = [GlobalBatchSampler(1000, 8, r, world_size, shuffle=True, seed=7, drop_last=True) for r in range(world_size)]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    per_rank = [list(s) for s in samplers]
+    global_batches = list(single)
+    assert len(global_batches) == 1000 // (8 * world_size)
+    for step, global_batch in enumerate(global_batches):
+        parts = [per_rank[rank][step] for rank in range(world_size)]
+        assert all(len(part) == 8 for part in parts)
+        assert sum(parts, []) == global_batch  # rank r holds the r-th slice, in order
+
+
+def test_shuffle_changes_with_epoch_and_repeats_with_seed():
+    sampler = GlobalBatchSampler(100, 10, shuffle=True, seed=3, drop_last=True)
+    first = list(sampler)
+    assert first == list(GlobalBatchSampler(100, 10, shuffle=True, seed=3, drop_last=True))
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    assert sorted(sum(first, [])) == list(range(100))
+
+
+def test_training_drops_only_the_incomplete_global_batch():
+    batches = rank_batches(103, 5, 2, shuffle=True, drop_last=True)
+    assert [len(b) for b in batches] == [10, 10]
+    assert len(set(sum(batches[0] + batches[1], []))) == 100
+
+
+@pytest.mark.parametrize(
+    "num_samples,batch_size,world_size", [(103, 5, 2), (10, 4, 3), (7, 100, 4), (64, 8, 4), (5, 1, 2), (9, 2, 4)]
+)
+def test_evaluation_sees_every_sample_once_with_equal_batch_counts(num_samples, batch_size, world_size):
+    batches = rank_batches(num_samples, batch_size, world_size)
+    assert len({len(b) for b in batches}) == 1  # every rank runs the same number of steps
+    seen = [i for rank in batches for batch in rank for i in batch]
+    assert sorted(seen) == list(range(num_samples))
+    # Never empty; one sample over batch_size only where the set cannot be split evenly otherwise.
+    assert all(1 <= len(batch) <= batch_size + 1 for rank in batches for batch in rank)
+
+
+def test_too_few_samples_are_refused():
+    with pytest.raises(ValueError, match="cannot fill one global batch"):
+        GlobalBatchSampler(10, 8, 0, 2, drop_last=True)
+    with pytest.raises(ValueError, match="cannot give each of 4 ranks one"):
+        GlobalBatchSampler(3, 8, 0, 4)

@@ -1,0 +1,168 @@
+"""End-to-end runs of ``python train.py`` (and torchrun) as users start them, read back from their W&B files."""
+
+import math
+import shutil
+
+import pytest
+import torch
+import yaml
+
+from conftest import TINY, torchrun, train
+from wandb_offline import OfflineRun, offline_runs
+
+pytestmark = pytest.mark.slow
+
+EPOCH_KEYS = ["train/loss", "train/acc", "val/loss", "val/acc", "perf/samples_per_sec", "perf/epoch_time_s"]
+
+
+def only_run(job_dir) -> OfflineRun:
+    runs = offline_runs(job_dir)
+    assert len(runs) == 1, f"expected one W&B run in {job_dir}, found {len(runs)}"
+    return runs[0]
+
+
+def assert_close(a: list[float], b: list[float], rel: float) -> None:
+    assert len(a) == len(b) and a, (a, b)
+    for x, y in zip(a, b):
+        assert math.isclose(x, y, rel_tol=rel), (a, b)
+
+
+def assert_epoch_metrics(run: OfflineRun, epochs: int) -> None:
+    """Each key logged once per epoch, against `epoch` 0..epochs-1."""
+    for key in EPOCH_KEYS:
+        rows = [row for row in run.history if key in row]
+        assert [row["epoch"] for row in rows] == list(range(epochs)), key
+
+
+@pytest.fixture(scope="session")
+def single_run(runs_dir, home):
+    """auto on one device, global batch 64."""
+    job_dir = runs_dir / "single"
+    train([*TINY, f"hydra.run.dir={job_dir}", "data.batch_size=64"], home)
+    return job_dir
+
+
+@pytest.fixture(scope="session")
+def ddp_run(runs_dir, home):
+    """ddp on two CPU processes, 32 per device: the same global batch of 64."""
+    job_dir = runs_dir / "ddp"
+    result = train([*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2", "data.batch_size=32"], home)
+    assert "distributed_backend=gloo" in result.output and "Starting with 2 processes" in result.output
+    return job_dir
+
+
+def test_single_device_run_logs_every_epoch_to_wandb(single_run):
+    run = only_run(single_run)
+    assert run.exit_code == 0
+    assert run.name == "mlp-auto-1dev" and run.group == ""
+    assert_epoch_metrics(run, epochs=3)
+    # epoch is the x-axis of every chart; the summary keeps the best val/acc.
+    definitions = {d.glob_name or d.name: d for d in run.metric_definitions}
+    assert definitions["*"].step_metric == "epoch"
+    assert definitions["val/acc"].summary.max
+    assert run.summary["val/acc"] == {"max": max(run.series("val/acc"))}
+    # The logged config is the resolved config, with the option picked in each group.
+    assert run.config["choices"]["strategy"] == "auto" and run.config["choices"]["model"] == "mlp"
+    assert run.config["trainer"]["devices"] == 1 and "${" not in str(run.config)
+    # Learning happened.
+    losses = run.series("train/loss")
+    assert losses[-1] < losses[0] and run.series("val/acc")[-1] > 0.3  # chance: 0.1
+
+
+def test_checkpoints_live_in_the_job_dir(single_run):
+    checkpoints = sorted(p.name for p in (single_run / "checkpoints").iterdir())
+    assert "last.ckpt" in checkpoints and any(name.startswith("epoch002-val_acc") for name in checkpoints)
+    saved = yaml.safe_load((single_run / "config.yaml").read_text())
+    assert saved["paths"]["output_dir"] == str(single_run)
+
+
+def test_ddp_gives_the_numbers_of_one_device_with_the_same_global_batch(single_run, ddp_run):
+    single, ddp = only_run(single_run), only_run(ddp_run)
+    assert ddp.name == "mlp-ddp-2dev" and ddp.config["choices"]["strategy"] == "ddp"
+    assert_epoch_metrics(ddp, epochs=3)
+    for key in ["train/loss", "val/loss", "train/acc", "val/acc"]:
+        assert_close(ddp.series(key), single.series(key), rel=1e-4)
+
+
+def test_torchrun_launch_matches_the_builtin_launcher(runs_dir, home, ddp_run):
+    job_dir = runs_dir / "torchrun"
+    torchrun(2, [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2", "data.batch_size=32"], home)
+    run = only_run(job_dir)
+    assert_epoch_metrics(run, epochs=3)
+    assert_close(run.series("val/loss"), only_run(ddp_run).series("val/loss"), rel=1e-6)
+
+
+def test_multirun_with_ddp_runs_each_job_once(runs_dir, home):
+    sweep_dir = runs_dir / "sweep"
+    result = train(
+        ["-m", *TINY, "trainer.max_epochs=2", f"hydra.sweep.dir={sweep_dir}", "strategy=ddp", "trainer.devices=1,2"],
+        home,
+        timeout=400,
+    )
+    assert result.output.count("Launching 2 jobs locally") == 1  # no worker started a sweep of its own
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1"]
+    runs = [only_run(job) for job in jobs]
+    assert [r.name for r in runs] == ["mlp-ddp-1dev", "mlp-ddp-2dev"]
+    assert {r.group for r in runs} == {sweep_dir.name}
+    for run in runs:
+        assert run.exit_code == 0
+        assert_epoch_metrics(run, epochs=2)
+
+
+def test_four_cpu_processes(runs_dir, home):
+    job_dir = runs_dir / "ddp4"
+    result = train([*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=4", "trainer.max_epochs=1"], home)
+    assert "Starting with 4 processes" in result.output
+    assert_epoch_metrics(only_run(job_dir), epochs=1)
+
+
+def test_resume_after_interruption_matches_the_uninterrupted_run(runs_dir, home, single_run):
+    job_dir = runs_dir / "resumed"
+    common = [*TINY, f"hydra.run.dir={job_dir}", "data.batch_size=64"]
+    train([*common, "trainer.max_epochs=1"], home)  # "interrupted" after epoch 1 of 3
+    state = torch.load(job_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert state["epoch"] == 0
+    first_part = only_run(job_dir)
+    shutil.move(first_part.path, job_dir / "first-part")
+    train([*common, "ckpt_path=last"], home)  # resumed to epoch 3
+    resumed, straight = only_run(job_dir), only_run(single_run)
+    assert [row["epoch"] for row in resumed.history if "train/loss" in row] == [1, 2]
+    for key in ["train/loss", "val/loss", "train/acc", "val/acc"]:
+        assert_close(first_part.series(key) + resumed.series(key), straight.series(key), rel=1e-6)
+
+
+def test_resume_from_a_checkpoint_file(runs_dir, home, single_run):
+    job_dir = runs_dir / "from-file"
+    train([*TINY, f"hydra.run.dir={job_dir}", "trainer.max_epochs=4", f"ckpt_path={single_run}/checkpoints/last.ckpt"], home)
+    assert [row["epoch"] for row in only_run(job_dir).history if "val/loss" in row] == [3]
+
+
+@pytest.mark.parametrize("logger", ["csv", "none"])
+def test_other_loggers(logger, runs_dir, home):
+    job_dir = runs_dir / f"logger-{logger}"
+    train([*TINY, f"hydra.run.dir={job_dir}", f"logger={logger}", "trainer.max_epochs=1"], home)
+    assert not (job_dir / "wandb").exists()
+    metrics_files = list(job_dir.glob("csv/version_*/metrics.csv"))
+    if logger == "csv":
+        header = metrics_files[0].read_text().splitlines()[0].split(",")
+        assert {"epoch", "train/loss", "val/acc", "perf/samples_per_sec"} <= set(header)
+    else:
+        assert not metrics_files
+
+
+def test_default_run_learns_like_seed_002(runs_dir, home):
+    """Plain `python train.py`: loss falls and accuracy rises every epoch; val accuracy >= 0.8 after 5 epochs."""
+    job_dir = runs_dir / "default"
+    train([f"hydra.run.dir={job_dir}"], home)
+    run = only_run(job_dir)
+    assert_epoch_metrics(run, epochs=5)
+    for key, sign in [("train/loss", -1), ("val/loss", -1), ("train/acc", 1), ("val/acc", 1)]:
+        values = run.series(key)
+        assert all(sign * (b - a) > 0 for a, b in zip(values, values[1:])), (key, values)
+    assert run.series("val/acc")[-1] >= 0.8
+
+
+def test_fast_dev_run(runs_dir, home):
+    result = train([*TINY, f"hydra.run.dir={runs_dir / 'fast-dev'}", "debug=fast_dev_run"], home)
+    assert "fast_dev_run" in result.output
