@@ -55,6 +55,8 @@ class EpochWandbLogger(WandbLogger):
         self, mode: str | None = None, summary_metric: str = "val/acc", summary_mode: str = "max", **kwargs: Any
     ) -> None:
         super().__init__(mode=resolve_wandb_mode(mode), **kwargs)
+        # Lightning 2.6 always passes `anonymous`, which wandb 0.31 deprecated with a warning on every run.
+        self._wandb_init.pop("anonymous", None)
         self.summary_metric = summary_metric
         self.summary_mode = summary_mode
 

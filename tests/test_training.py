@@ -166,3 +166,23 @@ def test_default_run_learns_like_seed_002(runs_dir, home):
 def test_fast_dev_run(runs_dir, home):
     result = train([*TINY, f"hydra.run.dir={runs_dir / 'fast-dev'}", "debug=fast_dev_run"], home)
     assert "fast_dev_run" in result.output
+
+
+def test_seed_000_experiment(runs_dir, home):
+    """experiment=seed_large_model: the 55M-parameter LargeModel, batch 10 per device, DDP on 2 devices, 3 epochs."""
+    job_dir = runs_dir / "seed-000"
+    result = train([f"hydra.run.dir={job_dir}", "experiment=seed_large_model", "print_config=false"], home)
+    assert "55.0 M" in result.output  # Lightning's parameter count of the seed model
+    run = only_run(job_dir)
+    assert run.name == "mlp-ddp-2dev" and run.tags == ["seed_large_model"]
+    assert_epoch_metrics(run, epochs=3)
+    assert run.series("train/loss")[-1] < run.series("train/loss")[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_run(runs_dir, home):
+    job_dir = runs_dir / "gpu"
+    train([*TINY, f"hydra.run.dir={job_dir}", "trainer.accelerator=gpu", "trainer.devices=1"], home)
+    run = only_run(job_dir)
+    assert run.config["trainer"]["accelerator"] == "gpu"
+    assert_epoch_metrics(run, epochs=3)
