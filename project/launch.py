@@ -37,7 +37,9 @@ def job_config(cfg: DictConfig) -> DictConfig:
     hydra_cfg = HydraConfig.get()
     cfg = cfg.copy()
     with open_dict(cfg):
-        cfg.choices = {group: option for group, option in hydra_cfg.runtime.choices.items() if "hydra/" not in group and group != "hydra"}
+        cfg.choices = {
+            group: option for group, option in hydra_cfg.runtime.choices.items() if not group.startswith("hydra")
+        }
         wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
         if wandb_cfg is not None and wandb_cfg.group is None and hydra_cfg.mode == RunMode.MULTIRUN:
             wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
@@ -107,38 +109,43 @@ def _log_once_per_line() -> None:
     logging.getLogger("lightning").handlers.clear()
 
 
-def run(cfg: DictConfig) -> dict[str, float] | None:
-    """Check the config, then train; returns the final metrics where this process trained."""
-    _log_once_per_line()
-    if launched_by_torchrun():
-        share_output_dir(cfg)
-    cfg = job_config(cfg)
-    check_config(cfg)
-    if cfg.print_config and int(os.environ.get("RANK", "0")) == 0:
-        print_config_tree(cfg)
-    num_workers = cfg.strategy.processes
-    if launched_by_torchrun():
-        world_size = int(os.environ["WORLD_SIZE"])
-        if world_size != num_workers * cfg.trainer.num_nodes:
-            raise ConfigError(
-                "trainer.devices",
-                f"asks for {num_workers} processes per node x {cfg.trainer.num_nodes} nodes, but torchrun started "
-                f"{world_size} in all.",
-                "give both the same counts: torchrun --nnodes N --nproc-per-node D train.py trainer.num_nodes=N "
-                "trainer.devices=D.",
-            )
-    elif cfg.trainer.num_nodes > 1:
+def check_launch(cfg: DictConfig, torchrun: bool) -> None:
+    """Process counts this launcher can honour: torchrun's world size must match the config, and several
+    nodes need a launcher (torchrun) on each."""
+    expected = cfg.strategy.processes * cfg.trainer.num_nodes
+    if torchrun and int(os.environ["WORLD_SIZE"]) != expected:
+        raise ConfigError(
+            "trainer.devices",
+            f"asks for {cfg.strategy.processes} processes per node x {cfg.trainer.num_nodes} nodes, but torchrun "
+            f"started {os.environ['WORLD_SIZE']} in all.",
+            "give both the same counts: torchrun --nnodes N --nproc-per-node D train.py trainer.num_nodes=N "
+            "trainer.devices=D.",
+        )
+    if not torchrun and cfg.trainer.num_nodes > 1:
         raise ConfigError(
             "trainer.num_nodes",
             "is more than 1, which needs a launcher on every machine.",
             "start train.py on each machine with torchrun (on SLURM: srun ... torchrun), as the README shows.",
         )
+
+
+def run(cfg: DictConfig) -> dict[str, float] | None:
+    """Check the config, then train; returns the final metrics where this process trained."""
+    _log_once_per_line()
+    torchrun = launched_by_torchrun()
+    if torchrun:
+        share_output_dir(cfg)
+    cfg = job_config(cfg)
+    check_config(cfg)
+    check_launch(cfg, torchrun)
     # The resolved config this job trains with: the job's record, and what launched workers load.
     config_file = Path(cfg.paths.output_dir) / "config.yaml"
     if int(os.environ.get("RANK", "0")) == 0:
+        if cfg.print_config:
+            print_config_tree(cfg)
         config_file.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, config_file)
-    if launched_by_torchrun() or num_workers == 1:
+    if torchrun or cfg.strategy.processes == 1:
         return train(cfg)
-    launch_workers(config_file, num_workers, config_file.parent / "workers")
+    launch_workers(config_file, cfg.strategy.processes, config_file.parent / "workers")
     return None

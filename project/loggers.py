@@ -6,8 +6,9 @@ import socket
 from typing import Any
 from urllib.parse import urlparse
 
+import wandb
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 
 def _has_wandb_credentials(host: str) -> bool:
@@ -48,13 +49,20 @@ def resolve_wandb_mode(mode: str | None, timeout_s: float = 3.0) -> str:
 class EpochWandbLogger(WandbLogger):
     """Lightning's WandbLogger with ``epoch`` as every chart's x-axis and the best ``summary_metric`` in the summary.
 
-    ``mode``: online / offline / disabled, or None to decide with :func:`resolve_wandb_mode`.
+    ``mode``: online / offline / disabled, or None to decide with :func:`resolve_wandb_mode`. If an online start
+    still fails (after ``init_timeout_s``), the run logs offline instead of failing.
     """
 
     def __init__(
-        self, mode: str | None = None, summary_metric: str = "val/acc", summary_mode: str = "max", **kwargs: Any
+        self,
+        mode: str | None = None,
+        summary_metric: str = "val/acc",
+        summary_mode: str = "max",
+        init_timeout_s: float = 30.0,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(mode=resolve_wandb_mode(mode), **kwargs)
+        settings = wandb.Settings(init_timeout=init_timeout_s)
+        super().__init__(mode=resolve_wandb_mode(mode), settings=settings, **kwargs)
         # Lightning 2.6 always passes `anonymous`, which wandb 0.31 deprecated with a warning on every run.
         self._wandb_init.pop("anonymous", None)
         self.summary_metric = summary_metric
@@ -64,7 +72,14 @@ class EpochWandbLogger(WandbLogger):
     @rank_zero_only
     def experiment(self):
         first_access = self._experiment is None
-        run = WandbLogger.experiment.fget(self)
+        try:
+            run = WandbLogger.experiment.fget(self)
+        except Exception as error:  # noqa: BLE001 - any failure to reach W&B must not end the training run
+            if self._wandb_init.get("mode") != "online":
+                raise
+            rank_zero_warn(f"W&B could not start online ({error}); logging offline instead (sync later).")
+            self._wandb_init["mode"] = "offline"
+            run = WandbLogger.experiment.fget(self)
         if first_access:
             # Lightning logs `epoch` with every epoch-level dict; make it the x-axis of everything.
             run.define_metric("epoch")

@@ -29,3 +29,18 @@ def test_bad_input_fails_fast_with_a_clear_message(overrides, message, home, tmp
     assert not (job_dir / "workers").exists()
     assert not (job_dir / "wandb").exists()
     assert not (job_dir / "checkpoints").exists()
+
+
+def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
+    """A failure inside the workers (past the checks) ends all of them and says which rank failed."""
+    job_dir = tmp_path / "job"
+    result = train(
+        [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2", "model.net._target_=no.such.Model"],
+        home,
+        expect_ok=False,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert "Training failed in worker rank" in result.stderr and "All 2 workers were stopped" in result.stderr
+    assert "no.such.Model" in result.output  # the worker's own traceback is shown
+    assert not (job_dir / "wandb").exists()

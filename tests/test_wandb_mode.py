@@ -60,3 +60,20 @@ def test_logged_in_but_unreachable_means_offline_quickly(clean_env):
     start = time.perf_counter()
     assert resolve_wandb_mode(None) == "offline"
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.slow  # waits out W&B's (shortened) init timeout and retries
+def test_online_start_that_fails_falls_back_to_offline(clean_env, tmp_path):
+    """Forced online with a server that refuses: the run is created offline instead of failing the training."""
+    from project.loggers import EpochWandbLogger
+
+    clean_env.setenv("WANDB_API_KEY", "x" * 40)
+    clean_env.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")
+    logger = EpochWandbLogger(mode="online", init_timeout_s=5, save_dir=str(tmp_path), project="test")
+    with pytest.warns(UserWarning, match="W&B could not start online"):
+        run = logger.experiment
+    try:
+        assert run.settings.mode == "offline"
+        assert list(tmp_path.glob("wandb/offline-run-*"))
+    finally:
+        run.finish()
