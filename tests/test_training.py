@@ -154,7 +154,9 @@ def test_other_loggers(logger, runs_dir, home):
 def test_default_run_learns_like_seed_002(runs_dir, home):
     """Plain `python train.py`: loss falls and accuracy rises every epoch; val accuracy >= 0.8 after 5 epochs."""
     job_dir = runs_dir / "default"
-    train([f"hydra.run.dir={job_dir}"], home)
+    result = train([f"hydra.run.dir={job_dir}"], home)
+    assert "CONFIG" in result.output and "choices" in result.output  # the printed config tree
+    assert "Epoch 4/4" in result.output  # the Rich progress bar
     run = only_run(job_dir)
     assert_epoch_metrics(run, epochs=5)
     for key, sign in [("train/loss", -1), ("val/loss", -1), ("train/acc", 1), ("val/acc", 1)]:
