@@ -6,7 +6,8 @@ Each failure is a ``ConfigError`` whose message names the key, what is wrong and
 from pathlib import Path
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
+from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 
@@ -31,6 +32,13 @@ def uses_cuda(cfg: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def strategy_shards_model(cfg: DictConfig) -> bool:
+    """Whether the configured Lightning strategy is a ModelParallelStrategy (FSDP2): it saves and loads sharded
+    checkpoints, and supports fewer precisions."""
+    target = OmegaConf.select(cfg, "strategy.lightning._target_")
+    return target is not None and issubclass(get_class(target), ModelParallelStrategy)
+
+
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """``ckpt_path=last`` means this job dir's ``checkpoints/last.ckpt``; any other value is a file path."""
     if cfg.ckpt_path is None:
@@ -38,6 +46,35 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     if cfg.ckpt_path == "last":
         return str(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt")
     return str(cfg.ckpt_path)
+
+
+def _check_precision_and_offload(cfg: DictConfig) -> None:
+    precision = str(cfg.trainer.precision)
+    if precision.startswith("16") and not uses_cuda(cfg):
+        raise ConfigError(
+            "trainer.precision",
+            f"is {precision!r}, but float16 training needs a CUDA GPU and this run is on the CPU.",
+            "use trainer.precision=bf16-mixed (CPUs support bfloat16) or 32-true.",
+        )
+    if precision.startswith("bf16") and uses_cuda(cfg) and not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            "trainer.precision",
+            f"is {precision!r}, but this GPU has no bfloat16 support.",
+            "use trainer.precision=16-mixed or 32-true.",
+        )
+    if precision == "16-mixed" and strategy_shards_model(cfg):
+        raise ConfigError(
+            "trainer.precision",
+            "is '16-mixed', which Lightning's ModelParallelStrategy (under strategy=fsdp) does not support.",
+            "use trainer.precision=bf16-mixed (parameters are then gathered in bf16, gradients reduced in "
+            "strategy.lightning.reduce_dtype).",
+        )
+    if OmegaConf.select(cfg, "strategy.lightning.cpu_offload") and not uses_cuda(cfg):
+        raise ConfigError(
+            "strategy.lightning.cpu_offload",
+            "moves parameter shards from GPU to CPU memory, but this run has no GPU.",
+            "set strategy.lightning.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
+        )
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -61,6 +98,8 @@ def check_config(cfg: DictConfig) -> None:
                 f"asks for {devices} GPUs but this machine has {available}.",
                 f"set trainer.devices={available} or fewer, or trainer.accelerator=cpu for CPU processes.",
             )
+
+    _check_precision_and_offload(cfg)
 
     datamodule = instantiate(cfg.data)  # cheap: data is generated in setup(), not here
     data_parallel = devices * num_nodes

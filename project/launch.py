@@ -18,7 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from project.checks import ConfigError, check_config, uses_cuda
+from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
+from project.checks import ConfigError, check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
 from project.console import print_config_tree
 from project.training import train
 
@@ -109,6 +110,20 @@ def _log_once_per_line() -> None:
     logging.getLogger("lightning").handlers.clear()
 
 
+def checkpoint_to_load(cfg: DictConfig) -> str | None:
+    """``ckpt_path`` as a path this job's strategy can load: a sharded checkpoint is consolidated into
+    ``<job dir>/consolidated.ckpt`` (by one process) for strategies that load single files."""
+    path = resolve_ckpt_path(cfg)
+    if path is None or not is_sharded_checkpoint(path) or strategy_shards_model(cfg):
+        return path
+    target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
+    if int(os.environ.get("RANK", "0")) == 0:
+        consolidate_checkpoint(path, target)
+    if dist.is_initialized():
+        dist.barrier()  # torchrun: the other ranks wait for rank 0's file
+    return str(target)
+
+
 def check_launch(cfg: DictConfig, torchrun: bool) -> None:
     """Process counts this launcher can honour: torchrun's world size must match the config, and several
     nodes need a launcher (torchrun) on each."""
@@ -138,6 +153,7 @@ def run(cfg: DictConfig) -> dict[str, float] | None:
     cfg = job_config(cfg)
     check_config(cfg)
     check_launch(cfg, torchrun)
+    cfg.ckpt_path = checkpoint_to_load(cfg)
     # The resolved config this job trains with: the job's record, and what launched workers load.
     config_file = Path(cfg.paths.output_dir) / "config.yaml"
     if int(os.environ.get("RANK", "0")) == 0:

@@ -1,11 +1,14 @@
 """Shared helpers: run ``python train.py`` (or torchrun) as a user would, in an isolated HOME, and find its outputs."""
 
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from wandb_offline import OfflineRun, offline_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,3 +64,45 @@ def home(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def runs_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
+
+
+# Logged once per epoch by every run.
+EPOCH_KEYS = [
+    "train/loss",
+    "train/acc",
+    "val/loss",
+    "val/acc",
+    "perf/samples_per_sec",
+    "perf/epoch_time_s",
+    "memory/params_mb",
+    "memory/grads_mb",
+    "memory/optimizer_mb",
+    "memory/model_state_mb",
+]
+
+
+def only_run(job_dir) -> OfflineRun:
+    runs = offline_runs(job_dir)
+    assert len(runs) == 1, f"expected one W&B run in {job_dir}, found {len(runs)}"
+    return runs[0]
+
+
+def assert_close(a: list[float], b: list[float], rel: float) -> None:
+    assert len(a) == len(b) and a, (a, b)
+    for x, y in zip(a, b):
+        assert math.isclose(x, y, rel_tol=rel), (a, b)
+
+
+def assert_epoch_metrics(run: OfflineRun, epochs: int) -> None:
+    """Each key logged once per epoch, against `epoch` 0..epochs-1."""
+    for key in EPOCH_KEYS:
+        rows = [row for row in run.history if key in row]
+        assert [row["epoch"] for row in rows] == list(range(epochs)), key
+
+
+@pytest.fixture(scope="session")
+def single_run(runs_dir, home):
+    """auto on one device, global batch 64."""
+    job_dir = runs_dir / "single"
+    train([*TINY, f"hydra.run.dir={job_dir}", "data.batch_size=64"], home)
+    return job_dir

@@ -15,6 +15,11 @@ BAD_INPUTS = [
     (["strategy=ddp", "trainer.devices=2", "data.batch_size=600"], "data.batch_size: gives a global batch of 600 x 2"),
     (["strategy=ddp", "trainer.devices=4", "data.num_val=3"], "data.num_val: gives 3 validation samples"),
     (["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], "trainer.num_nodes: is more than 1"),
+    (["trainer.precision=16-mixed"], "trainer.precision: is '16-mixed', but float16 training needs a CUDA GPU"),
+    (
+        ["strategy=fsdp", "trainer.devices=2", "strategy.lightning.cpu_offload=true"],
+        "strategy.lightning.cpu_offload: moves parameter shards from GPU to CPU memory, but this run has no GPU",
+    ),
 ]
 
 

@@ -1,5 +1,6 @@
 """Lightning callbacks of this project."""
 
+from project.callbacks.memory import DeviceMemory
 from project.callbacks.throughput import EpochThroughput
 
-__all__ = ["EpochThroughput"]
+__all__ = ["DeviceMemory", "EpochThroughput"]

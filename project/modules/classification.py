@@ -35,6 +35,12 @@ class ClassificationModule(L.LightningModule):
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
 
+    def configure_model(self) -> None:
+        """Let the strategy parallelise the plain model (FSDP shards it per block); a no-op for DDP and one device."""
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None:
+            parallelize(self.net)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 

@@ -1,0 +1,115 @@
+"""strategy=fsdp: the numbers of one device, 1/N of the model state per device, sharded checkpoints."""
+
+import shutil
+
+import pytest
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from conftest import TINY, assert_close, assert_epoch_metrics, only_run, train
+from project.checkpoints import is_sharded_checkpoint
+from project.strategies import FSDPStrategy
+
+LOSS_KEYS = ["train/loss", "val/loss", "train/acc", "val/acc"]
+TWO_DEVICES = ["trainer.devices=2", "data.batch_size=32"]  # the single_run's global batch of 64
+
+
+@pytest.fixture(scope="session")
+def ddp_fsdp_sweep(runs_dir, home):
+    """`python train.py -m strategy=ddp,fsdp trainer.devices=2`: job 0 is ddp, job 1 fsdp."""
+    sweep_dir = runs_dir / "ddp-fsdp"
+    train(["-m", *TINY, *TWO_DEVICES, f"hydra.sweep.dir={sweep_dir}", "strategy=ddp,fsdp"], home, timeout=400)
+    return sweep_dir / "0", sweep_dir / "1"
+
+
+@pytest.mark.slow
+def test_fsdp_gives_the_numbers_of_one_device_and_of_ddp(ddp_fsdp_sweep, single_run):
+    ddp_dir, fsdp_dir = ddp_fsdp_sweep
+    ddp, fsdp, single = only_run(ddp_dir), only_run(fsdp_dir), only_run(single_run)
+    assert fsdp.name == "mlp-fsdp-2dev" and fsdp.group == ddp.group
+    assert_epoch_metrics(fsdp, epochs=3)
+    for key in LOSS_KEYS:
+        assert_close(fsdp.series(key), single.series(key), rel=1e-4)
+        assert_close(fsdp.series(key), ddp.series(key), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_fsdp_holds_half_the_model_state_of_ddp_per_device(ddp_fsdp_sweep):
+    ddp, fsdp = (only_run(job) for job in ddp_fsdp_sweep)
+    for part in ["params", "grads", "optimizer"]:
+        assert fsdp.series(f"memory/{part}_mb")[-1] > 0
+    ddp_state, fsdp_state = ddp.series("memory/model_state_mb")[-1], fsdp.series("memory/model_state_mb")[-1]
+    assert ddp_state > 0 and fsdp_state <= 0.55 * ddp_state, (fsdp_state, ddp_state)
+    # DDP holds the whole model: params + grads + one momentum buffer, each the size of the model.
+    num_params = (32 * 64 + 64) + (64 * 32 + 32) + (32 * 10 + 10)  # TINY's MLP 32 -> 64 -> 32 -> 10
+    assert ddp_state == pytest.approx(3 * num_params * 4 / 2**20)
+
+
+@pytest.mark.slow
+def test_fsdp_options_keep_the_numbers(ddp_fsdp_sweep, runs_dir, home):
+    """ZeRO-2-like resharding and activation checkpointing change memory and speed, not results; bf16 stays close."""
+    fsdp = only_run(ddp_fsdp_sweep[1])
+    exact_dir, bf16_dir = runs_dir / "fsdp-zero2-ac", runs_dir / "fsdp-bf16"
+    fsdp_args = [*TINY, *TWO_DEVICES, "strategy=fsdp"]
+    train([*fsdp_args, f"hydra.run.dir={exact_dir}", "strategy.lightning.reshard_after_forward=false",
+           "strategy.lightning.activation_checkpointing=true"], home)
+    train([*fsdp_args, f"hydra.run.dir={bf16_dir}", "trainer.precision=bf16-mixed",
+           "strategy.lightning.save_distributed_checkpoint=false"], home)
+    for key in LOSS_KEYS:
+        assert_close(only_run(exact_dir).series(key), fsdp.series(key), rel=1e-4)
+    assert_close(only_run(bf16_dir).series("val/loss"), fsdp.series("val/loss"), rel=3e-2)
+    assert (bf16_dir / "checkpoints" / "last.ckpt").is_file()  # one full file when not distributed
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_and_consolidates_into_one_device(ddp_fsdp_sweep, single_run, runs_dir, home):
+    straight = only_run(ddp_fsdp_sweep[1])
+    job_dir = runs_dir / "fsdp-resumed"
+    common = [*TINY, *TWO_DEVICES, "strategy=fsdp", f"hydra.run.dir={job_dir}"]
+    train([*common, "trainer.max_epochs=1"], home)
+    last = job_dir / "checkpoints" / "last.ckpt"
+    assert is_sharded_checkpoint(last) and len(list(last.glob("*.distcp"))) == 2  # one shard file per rank
+    epoch_one = shutil.copytree(last, runs_dir / "fsdp-epoch-1.ckpt")
+    first_part = only_run(job_dir)
+    first_part.path.rename(job_dir / "first-part")
+    train([*common, "ckpt_path=last"], home)  # resume to epoch 3
+    resumed = only_run(job_dir)
+    for key in LOSS_KEYS:
+        assert_close(first_part.series(key) + resumed.series(key), straight.series(key), rel=1e-6)
+
+    # The sharded checkpoint of epoch 1 into strategy=auto on one device: consolidated, then trained onwards
+    # as if the whole run had been on one device.
+    auto_dir = runs_dir / "fsdp-to-auto"
+    train([*TINY, "data.batch_size=64", f"hydra.run.dir={auto_dir}", f"ckpt_path={epoch_one}"], home)
+    assert (auto_dir / "consolidated.ckpt").is_file()
+    continued, single = only_run(auto_dir), only_run(single_run)
+    for key in LOSS_KEYS:
+        assert_close(continued.series(key), single.series(key)[1:], rel=1e-4)
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A save that dies half-way (here: raises after writing one shard) never replaces `last`."""
+    last = tmp_path / "last.ckpt"
+    last.mkdir()
+    (last / "meta.pt").write_text("epoch 1, complete")
+
+    def dies_while_writing(self, checkpoint, path, storage_options=None):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "__0_0.distcp").write_text("half of epoch 2")
+        raise KeyboardInterrupt  # the run is killed here
+
+    monkeypatch.setattr(ModelParallelStrategy, "save_checkpoint", dies_while_writing)
+    strategy = FSDPStrategy()
+    with pytest.raises(KeyboardInterrupt):
+        strategy.save_checkpoint({}, last)
+    assert sorted(p.name for p in last.iterdir()) == ["meta.pt"]
+    assert (last / "meta.pt").read_text() == "epoch 1, complete"
+
+    def writes_completely(self, checkpoint, path, storage_options=None):
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "__0_0.distcp").write_text("epoch 2")
+        (path / "meta.pt").write_text("epoch 2, complete")
+
+    monkeypatch.setattr(ModelParallelStrategy, "save_checkpoint", writes_completely)
+    strategy.save_checkpoint({}, last)  # the next save also clears the dead one's leftovers
+    assert (last / "meta.pt").read_text() == "epoch 2, complete"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
