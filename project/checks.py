@@ -10,6 +10,8 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from project.parallel import block_sizes, split_blocks
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; ``str()`` is the message for the user."""
@@ -77,10 +79,93 @@ def _check_precision_and_offload(cfg: DictConfig) -> None:
         )
 
 
+def pipeline_ranks(cfg: DictConfig) -> int:
+    """Ranks one pipeline spans (1 for strategies without a pipeline)."""
+    stages_per_rank = OmegaConf.select(cfg, "strategy.lightning.stages_per_rank")
+    return cfg.strategy.lightning.num_stages // stages_per_rank if stages_per_rank else 1
+
+
+def data_parallel_size(cfg: DictConfig) -> int:
+    """Replicas that split each global batch: every process, except that a pipeline's ranks share one."""
+    return cfg.strategy.processes * cfg.trainer.num_nodes // pipeline_ranks(cfg)
+
+
+def _check_pipeline(cfg: DictConfig) -> None:
+    stages_per_rank = OmegaConf.select(cfg, "strategy.lightning.stages_per_rank")
+    if stages_per_rank is None:
+        return
+    lightning = cfg.strategy.lightning
+    key = "strategy.lightning."
+    if stages_per_rank < 1 or lightning.num_stages % stages_per_rank:
+        raise ConfigError(
+            key + "stages_per_rank",
+            f"is {stages_per_rank}, which does not divide the {lightning.num_stages} stages.",
+            "use a divisor of strategy.lightning.num_stages (1 unless the schedule is interleaved_1f1b).",
+        )
+    schedule = lightning.schedule
+    if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+        raise ConfigError(key + "schedule", f"is {schedule!r}.", "use gpipe, 1f1b or interleaved_1f1b.")
+    if (schedule == "interleaved_1f1b") != (stages_per_rank > 1):
+        raise ConfigError(
+            key + "stages_per_rank",
+            f"is {stages_per_rank} with schedule {schedule}: interleaving means several stages per rank, the other "
+            "schedules run one.",
+            "use schedule=interleaved_1f1b with stages_per_rank >= 2, or stages_per_rank=1 with gpipe or 1f1b.",
+        )
+    ranks, processes = pipeline_ranks(cfg), cfg.strategy.processes * cfg.trainer.num_nodes
+    if processes % ranks:
+        raise ConfigError(
+            "trainer.devices",
+            f"gives {processes} processes, not a multiple of the {ranks} ranks one pipeline needs "
+            f"({lightning.num_stages} stages / {stages_per_rank} per rank).",
+            f"use a multiple of {ranks} devices (the factor beyond {ranks} is data parallel).",
+        )
+    microbatches, batch_size = lightning.microbatches, cfg.data.batch_size
+    if microbatches < 1 or batch_size % microbatches:
+        raise ConfigError(
+            key + "microbatches",
+            f"is {microbatches}, which does not divide data.batch_size={batch_size} into equal micro-batches.",
+            f"choose microbatches dividing {batch_size}, or change data.batch_size.",
+        )
+    if schedule != "gpipe" and microbatches < ranks:
+        raise ConfigError(
+            key + "microbatches",
+            f"is {microbatches}, fewer than the {ranks} pipeline ranks: {schedule} needs at least one micro-batch in "
+            "flight per rank.",
+            f"use strategy.lightning.microbatches={ranks} or more (a multiple of {ranks} for interleaved_1f1b).",
+        )
+    if schedule == "interleaved_1f1b" and microbatches % ranks:
+        raise ConfigError(
+            key + "microbatches",
+            f"is {microbatches}; interleaved_1f1b runs micro-batches in rounds of {ranks} (the pipeline ranks).",
+            f"use a multiple of {ranks}.",
+        )
+
+
+def _check_stage_split(cfg: DictConfig) -> None:
+    """Strategies that split the model into stages: the split must exist for this model."""
+    num_stages = OmegaConf.select(cfg, "strategy.lightning.num_stages")
+    if num_stages is None:
+        return
+    blocks_per_stage = OmegaConf.select(cfg, "strategy.lightning.blocks_per_stage")
+    with torch.device("meta"):  # sizes only, nothing allocated
+        net = instantiate(cfg.model.net)
+    try:
+        split_blocks(block_sizes(net), num_stages, blocks_per_stage)
+    except ValueError as error:
+        key = "strategy.lightning.blocks_per_stage" if blocks_per_stage is not None else "strategy.lightning.num_stages"
+        fix = (
+            f"give {num_stages} positive counts that add up to {len(net.blocks)}, or blocks_per_stage=null to balance."
+            if blocks_per_stage is not None
+            else f"use at most {len(net.blocks)} stages (trainer.devices or strategy.lightning.num_stages), or a deeper model."
+        )
+        raise ConfigError(key, f"cannot split the model: {error}.", fix) from None
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first setting that cannot work."""
     devices = _positive_int(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
-    num_nodes = _positive_int(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
+    _positive_int(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
     batch_size = _positive_int(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
     _positive_int(cfg, "strategy.processes", "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.")
 
@@ -100,14 +185,16 @@ def check_config(cfg: DictConfig) -> None:
             )
 
     _check_precision_and_offload(cfg)
+    _check_pipeline(cfg)
+    _check_stage_split(cfg)
 
     datamodule = instantiate(cfg.data)  # cheap: data is generated in setup(), not here
-    data_parallel = devices * num_nodes
+    data_parallel = data_parallel_size(cfg)
     global_batch = batch_size * data_parallel
     if global_batch > datamodule.num_train_samples:
         raise ConfigError(
             "data.batch_size",
-            f"gives a global batch of {batch_size} x {data_parallel} devices = {global_batch} samples, more than the "
+            f"gives a global batch of {batch_size} x {data_parallel} data-parallel replicas = {global_batch} samples, more than the "
             f"{datamodule.num_train_samples} training samples, so an epoch would have no full batch.",
             f"lower data.batch_size to at most {datamodule.num_train_samples // data_parallel}, or use more training data.",
         )

@@ -3,11 +3,82 @@
 Strategies call these; the models know nothing about them.
 """
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def block_sizes(model: nn.Module) -> list[int]:
+    """Parameters per block: what a balanced stage split balances."""
+    return [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+
+
+def split_blocks(
+    block_sizes: Sequence[int], num_stages: int, blocks_per_stage: Sequence[int] | None = None
+) -> list[range]:
+    """Cut the block sequence into ``num_stages`` contiguous, non-empty stages; returns each stage's block indices.
+
+    ``blocks_per_stage`` gives the split by hand (e.g. ``[2, 1]``); otherwise the split balances parameters:
+    of all contiguous splits, the one whose largest stage holds the fewest parameters (``block_sizes``).
+    Raises ValueError for impossible requests.
+    """
+    num_blocks = len(block_sizes)
+    if blocks_per_stage is not None:
+        if len(blocks_per_stage) != num_stages or sum(blocks_per_stage) != num_blocks or min(blocks_per_stage) < 1:
+            raise ValueError(
+                f"blocks_per_stage {list(blocks_per_stage)} must give each of the {num_stages} stages at least one "
+                f"block and cover all {num_blocks} blocks"
+            )
+        bounds = [0]
+        for count in blocks_per_stage:
+            bounds.append(bounds[-1] + count)
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    if num_stages > num_blocks:
+        raise ValueError(f"{num_stages} stages need at least {num_stages} blocks, the model has {num_blocks}")
+    prefix = [0]
+    for size in block_sizes:
+        prefix.append(prefix[-1] + size)
+    # largest[s][i]: the smallest possible largest stage when the first i blocks form s stages; cut[s][i]: its last cut.
+    inf = float("inf")
+    largest = [[inf] * (num_blocks + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_blocks + 1) for _ in range(num_stages + 1)]
+    largest[0][0] = 0
+    for stages in range(1, num_stages + 1):
+        for end in range(stages, num_blocks + 1):
+            for start in range(stages - 1, end):
+                candidate = max(largest[stages - 1][start], prefix[end] - prefix[start])
+                if candidate < largest[stages][end]:
+                    largest[stages][end], cut[stages][end] = candidate, start
+    ranges, end = [], num_blocks
+    for stages in range(num_stages, 0, -1):
+        start = cut[stages][end]
+        ranges.append(range(start, end))
+        end = start
+    return ranges[::-1]
+
+
+def place_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
+    """Put each stage's blocks on its device."""
+    for block_ids, device in zip(stages, devices):
+        for index in block_ids:
+            model.blocks[index].to(device)
+
+
+def connect_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
+    """Make each stage move its incoming activations to its own device (the naive, sequential pipeline)."""
+    for block_ids, device in zip(stages, devices):
+        model.blocks[block_ids[0]].register_forward_pre_hook(_inputs_to(device))
+
+
+def _inputs_to(device: torch.device):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return tuple(arg.to(device) if isinstance(arg, torch.Tensor) else arg for arg in args)
+
+    return hook
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:

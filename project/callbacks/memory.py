@@ -13,20 +13,31 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def model_state_bytes(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, int]:
-    """Parameters, gradients and optimizer state held by this device."""
-    params = list(module.parameters())
-    return {
-        "params": sum(local_bytes(p) for p in params),
-        "grads": sum(local_bytes(p.grad) for p in params if p.grad is not None),
-        "optimizer": sum(
-            local_bytes(value)
-            for optimizer in optimizers
-            for state in optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        ),
-    }
+def model_state_bytes(
+    module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], placement: dict[int, int] | None = None
+) -> dict[str, int]:
+    """Parameters, gradients and optimizer state held by the fullest device of this process.
+
+    ``placement`` maps ``id(parameter)`` to the device (stage) holding it, for a process that drives several
+    (``strategy=model_parallel``); by default the process has one device.
+    """
+    placement = placement or {}
+    per_device: dict[int, dict[str, int]] = {}
+
+    def add(parameter: torch.Tensor, part: str, tensor: torch.Tensor) -> None:
+        sizes = per_device.setdefault(placement.get(id(parameter), 0), {"params": 0, "grads": 0, "optimizer": 0})
+        sizes[part] += local_bytes(tensor)
+
+    for parameter in module.parameters():
+        add(parameter, "params", parameter)
+        if parameter.grad is not None:
+            add(parameter, "grads", parameter.grad)
+    for optimizer in optimizers:
+        for parameter, state in optimizer.state.items():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    add(parameter, "optimizer", value)
+    return max(per_device.values(), key=lambda sizes: sum(sizes.values()))
 
 
 class DeviceMemory(L.Callback):
@@ -45,7 +56,8 @@ class DeviceMemory(L.Callback):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        self._sizes = model_state_bytes(pl_module, trainer.optimizers)
+        placement = getattr(trainer.strategy, "parameter_stage", None)
+        self._sizes = model_state_bytes(pl_module, trainer.optimizers, placement)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         sizes = dict(self._sizes)

@@ -6,9 +6,11 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from project.data.sampling import data_parallel_rank_and_size
+
 
 class EpochThroughput(L.Callback):
-    """Logs ``perf/samples_per_sec`` (all ranks together), ``perf/samples_per_sec_per_device`` and ``perf/epoch_time_s``.
+    """Logs ``perf/samples_per_sec`` (the job), ``perf/samples_per_sec_per_device`` and ``perf/epoch_time_s``.
 
     Samples per second counts training only (epoch start to the last training batch, device synchronised);
     epoch time is the whole epoch as a user waits for it, validation included.
@@ -44,8 +46,10 @@ class EpochThroughput(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop_train_clock(pl_module)
         epoch_time = time.perf_counter() - self._epoch_start
-        samples_per_sec = self._samples / self._train_time  # this rank's
-        # sync_dist reduces across ranks with reduce_fx: the job's rate is the sum of the ranks' rates.
-        pl_module.log("perf/samples_per_sec", samples_per_sec, sync_dist=True, reduce_fx="sum")
-        pl_module.log("perf/samples_per_sec_per_device", samples_per_sec, sync_dist=True, reduce_fx="mean")
+        rate = self._samples / self._train_time  # samples this rank's device processed per second
+        _, replicas = data_parallel_rank_and_size(trainer)
+        # A replica's ranks (its pipeline stages) all see the replica's samples: count them once. sync_dist
+        # reduces across ranks with reduce_fx: the job's rate is the sum of the ranks' shares.
+        pl_module.log("perf/samples_per_sec", rate * replicas / trainer.world_size, sync_dist=True, reduce_fx="sum")
+        pl_module.log("perf/samples_per_sec_per_device", rate, sync_dist=True, reduce_fx="mean")
         pl_module.log("perf/epoch_time_s", epoch_time, sync_dist=True, reduce_fx="max")

@@ -4,14 +4,14 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from project.data.sampling import GlobalBatchSampler
+from project.data.sampling import GlobalBatchSampler, data_parallel_rank_and_size
 
 
 class InMemoryDataModule(L.LightningDataModule):
     """Subclasses build ``self.train_set`` and ``self.val_set`` in ``setup``; this class batches them.
 
     ``batch_size`` is per data-parallel replica (seed 000: "keep batch size per GPU the same"), so the global
-    batch is ``batch_size * trainer.world_size`` (devices x nodes).
+    batch is ``batch_size`` times the data-parallel replicas (devices x nodes for DDP and FSDP).
     """
 
     def __init__(self, batch_size: int, seed: int) -> None:
@@ -32,11 +32,12 @@ class InMemoryDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        rank, replicas = data_parallel_rank_and_size(self.trainer)
         sampler = GlobalBatchSampler(
             num_samples=len(dataset),
             batch_size=self.batch_size,
-            rank=self.trainer.global_rank,
-            world_size=self.trainer.world_size,
+            rank=rank,
+            world_size=replicas,
             shuffle=train,
             seed=self.seed,
             drop_last=train,

@@ -10,8 +10,19 @@ number of batches (collective-heavy strategies such as FSDP need that).
 
 from collections.abc import Iterator
 
+import lightning as L
 import torch
 from torch.utils.data import Sampler
+
+
+def data_parallel_rank_and_size(trainer: L.Trainer) -> tuple[int, int]:
+    """This process's replica and the number of replicas that split each global batch.
+
+    Lightning's strategies say it in ``distributed_sampler_kwargs``: every rank for DDP and FSDP, one per
+    pipeline for pipeline parallelism (the stages of a pipeline share a batch); none on a single device.
+    """
+    kwargs = trainer.distributed_sampler_kwargs
+    return (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
