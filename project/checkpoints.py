@@ -18,14 +18,19 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
 
 
-def _optimizer_state_by_position(state: dict) -> dict:
-    """Sharded optimizer state is keyed by parameter name; a plain optimizer wants positions in its param groups."""
-    positions: dict[str, int] = {}
-    groups = [
-        {**group, "params": [positions.setdefault(name, len(positions)) for name in group["params"]]}
-        for group in state["param_groups"]
-    ]
-    return {"state": {positions[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+def _optimizer_state_by_position(state: dict, parameter_names: list[str]) -> dict:
+    """Sharded optimizer state is keyed by parameter name; a plain optimizer wants positions in its parameter
+    list, which follows the model's parameter order (``parameter_names``).
+
+    One parameter group is assumed, as ``configure_optimizers`` builds it; its stored name list may cover only
+    one pipeline rank's parameters, so the list is rebuilt from the model's.
+    """
+    (group,) = state["param_groups"]
+    positions = {name: index for index, name in enumerate(parameter_names)}
+    return {
+        "state": {positions[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": list(range(len(parameter_names)))}],
+    }
 
 
 def consolidate_checkpoint(sharded_dir: str | Path, output_file: str | Path) -> Path:
@@ -40,8 +45,11 @@ def consolidate_checkpoint(sharded_dir: str | Path, output_file: str | Path) -> 
         dcp_to_torch_save(sharded_dir, gathered_file)
         gathered = torch.load(gathered_file, weights_only=False)
     checkpoint["state_dict"] = gathered.pop("state_dict")
+    parameter_names = list(checkpoint["state_dict"])  # the models keep no buffers in their state dicts
     optimizer_keys = sorted((key for key in gathered if key.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-    checkpoint["optimizer_states"] = [_optimizer_state_by_position(gathered[key]) for key in optimizer_keys]
+    checkpoint["optimizer_states"] = [
+        _optimizer_state_by_position(gathered[key], parameter_names) for key in optimizer_keys
+    ]
     output_file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, output_file)
     return output_file

@@ -13,13 +13,21 @@ metrics, loggers, checkpoints) is Lightning's, unchanged.
 """
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+from project.checkpoints import META_FILE, is_sharded_checkpoint
 from project.parallel import apply_fsdp, block_sizes, split_blocks
 from project.strategies.sharded import ShardedCheckpointStrategy
 
@@ -107,6 +115,25 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         if self.device_mesh["data_parallel"].size() > 1:
             for stage_module in self.stage_modules:
                 apply_fsdp(stage_module, self.device_mesh["data_parallel"])
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Each rank reads its own blocks and their optimizer state from a sharded checkpoint.
+
+        Lightning's loader insists on DTensor parameters, which a pipeline without data parallelism does not have;
+        and the optimizer's parameter groups differ per rank, so only their tensors are read back (the groups'
+        hyperparameters come from the config, the LR schedule from Lightning's own state).
+        """
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not is_sharded_checkpoint(path):
+            raise ValueError(f"strategy=pipeline resumes from the sharded checkpoints it saves; {path} is not one")
+        model_state = get_model_state_dict(self.model)
+        dcp.load({"state_dict": model_state}, checkpoint_id=path)
+        self.model.load_state_dict(model_state)
+        for index, optimizer in enumerate(self.optimizers):
+            optimizer_state = get_optimizer_state_dict(self.model, optimizer)
+            dcp.load({f"optimizer_{index}": {"state": optimizer_state["state"]}}, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state)
+        return torch.load(path / META_FILE, weights_only=weights_only)
 
     def _make_schedule(self, loss_fn) -> Any:
         stages = [
