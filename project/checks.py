@@ -37,7 +37,7 @@ def uses_cuda(cfg: DictConfig) -> bool:
 def strategy_shards_model(cfg: DictConfig) -> bool:
     """Whether the configured Lightning strategy is a ModelParallelStrategy (FSDP2): it saves and loads sharded
     checkpoints, and supports fewer precisions."""
-    target = OmegaConf.select(cfg, "strategy.lightning._target_")
+    target = OmegaConf.select(cfg, "strategy._target_")
     return target is not None and issubclass(get_class(target), ModelParallelStrategy)
 
 
@@ -69,20 +69,20 @@ def _check_precision_and_offload(cfg: DictConfig) -> None:
             "trainer.precision",
             "is '16-mixed', which Lightning's ModelParallelStrategy (under strategy=fsdp) does not support.",
             "use trainer.precision=bf16-mixed (parameters are then gathered in bf16, gradients reduced in "
-            "strategy.lightning.reduce_dtype).",
+            "strategy.reduce_dtype).",
         )
-    if OmegaConf.select(cfg, "strategy.lightning.cpu_offload") and not uses_cuda(cfg):
+    if OmegaConf.select(cfg, "strategy.cpu_offload") and not uses_cuda(cfg):
         raise ConfigError(
-            "strategy.lightning.cpu_offload",
+            "strategy.cpu_offload",
             "moves parameter shards from GPU to CPU memory, but this run has no GPU.",
-            "set strategy.lightning.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
+            "set strategy.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
         )
 
 
 def pipeline_ranks(cfg: DictConfig) -> int:
     """Ranks one pipeline spans (1 for strategies without a pipeline)."""
-    stages_per_rank = OmegaConf.select(cfg, "strategy.lightning.stages_per_rank")
-    return cfg.strategy.lightning.num_stages // stages_per_rank if stages_per_rank else 1
+    stages_per_rank = OmegaConf.select(cfg, "strategy.stages_per_rank")
+    return cfg.strategy.num_stages // stages_per_rank if stages_per_rank else 1
 
 
 def data_parallel_size(cfg: DictConfig) -> int:
@@ -91,18 +91,18 @@ def data_parallel_size(cfg: DictConfig) -> int:
 
 
 def _check_pipeline(cfg: DictConfig) -> None:
-    stages_per_rank = OmegaConf.select(cfg, "strategy.lightning.stages_per_rank")
+    stages_per_rank = OmegaConf.select(cfg, "strategy.stages_per_rank")
     if stages_per_rank is None:
         return
-    lightning = cfg.strategy.lightning
-    key = "strategy.lightning."
-    if stages_per_rank < 1 or lightning.num_stages % stages_per_rank:
+    strategy = cfg.strategy
+    key = "strategy."
+    if stages_per_rank < 1 or strategy.num_stages % stages_per_rank:
         raise ConfigError(
             key + "stages_per_rank",
-            f"is {stages_per_rank}, which does not divide the {lightning.num_stages} stages.",
-            "use a divisor of strategy.lightning.num_stages (1 unless the schedule is interleaved_1f1b).",
+            f"is {stages_per_rank}, which does not divide the {strategy.num_stages} stages.",
+            "use a divisor of strategy.num_stages (1 unless the schedule is interleaved_1f1b).",
         )
-    schedule = lightning.schedule
+    schedule = strategy.schedule
     if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
         raise ConfigError(key + "schedule", f"is {schedule!r}.", "use gpipe, 1f1b or interleaved_1f1b.")
     if (schedule == "interleaved_1f1b") != (stages_per_rank > 1):
@@ -117,10 +117,10 @@ def _check_pipeline(cfg: DictConfig) -> None:
         raise ConfigError(
             "trainer.devices",
             f"gives {processes} processes, not a multiple of the {ranks} ranks one pipeline needs "
-            f"({lightning.num_stages} stages / {stages_per_rank} per rank).",
+            f"({strategy.num_stages} stages / {stages_per_rank} per rank).",
             f"use a multiple of {ranks} devices (the factor beyond {ranks} is data parallel).",
         )
-    microbatches, batch_size = lightning.microbatches, cfg.data.batch_size
+    microbatches, batch_size = strategy.microbatches, cfg.data.batch_size
     if microbatches < 1 or batch_size % microbatches:
         raise ConfigError(
             key + "microbatches",
@@ -132,7 +132,7 @@ def _check_pipeline(cfg: DictConfig) -> None:
             key + "microbatches",
             f"is {microbatches}, fewer than the {ranks} pipeline ranks: {schedule} needs at least one micro-batch in "
             "flight per rank.",
-            f"use strategy.lightning.microbatches={ranks} or more (a multiple of {ranks} for interleaved_1f1b).",
+            f"use strategy.microbatches={ranks} or more (a multiple of {ranks} for interleaved_1f1b).",
         )
     if schedule == "interleaved_1f1b" and microbatches % ranks:
         raise ConfigError(
@@ -144,20 +144,20 @@ def _check_pipeline(cfg: DictConfig) -> None:
 
 def _check_stage_split(cfg: DictConfig) -> None:
     """Strategies that split the model into stages: the split must exist for this model."""
-    num_stages = OmegaConf.select(cfg, "strategy.lightning.num_stages")
+    num_stages = OmegaConf.select(cfg, "strategy.num_stages")
     if num_stages is None:
         return
-    blocks_per_stage = OmegaConf.select(cfg, "strategy.lightning.blocks_per_stage")
+    blocks_per_stage = OmegaConf.select(cfg, "strategy.blocks_per_stage")
     with torch.device("meta"):  # sizes only, nothing allocated
         net = instantiate(cfg.model.net)
     try:
         split_blocks(block_sizes(net), num_stages, blocks_per_stage)
     except ValueError as error:
-        key = "strategy.lightning.blocks_per_stage" if blocks_per_stage is not None else "strategy.lightning.num_stages"
+        key = "strategy.blocks_per_stage" if blocks_per_stage is not None else "strategy.num_stages"
         fix = (
             f"give {num_stages} positive counts that add up to {len(net.blocks)}, or blocks_per_stage=null to balance."
             if blocks_per_stage is not None
-            else f"use at most {len(net.blocks)} stages (trainer.devices or strategy.lightning.num_stages), or a deeper model."
+            else f"use at most {len(net.blocks)} stages (trainer.devices or strategy.num_stages), or a deeper model."
         )
         raise ConfigError(key, f"cannot split the model: {error}.", fix) from None
 

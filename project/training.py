@@ -21,9 +21,11 @@ warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
 
 
 def build_strategy(strategy_cfg: DictConfig) -> Any:
-    """The Lightning strategy: a string Lightning understands (``auto``) or a ``_target_`` node to instantiate."""
-    lightning_strategy = strategy_cfg.lightning
-    return instantiate(lightning_strategy) if isinstance(lightning_strategy, DictConfig) else lightning_strategy
+    """The Lightning strategy of the ``strategy`` group: its ``_target_`` built with every option but ``processes``
+    (the launcher's), or Lightning's own ``"auto"`` where the option names no class."""
+    if "_target_" not in strategy_cfg:
+        return "auto"
+    return instantiate(OmegaConf.masked_copy(strategy_cfg, [key for key in strategy_cfg if key != "processes"]))
 
 
 def build_loggers(cfg: DictConfig) -> list[Logger]:

@@ -17,24 +17,24 @@ BAD_INPUTS = [
     (["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], "trainer.num_nodes: is more than 1"),
     (["trainer.precision=16-mixed"], "trainer.precision: is '16-mixed', but float16 training needs a CUDA GPU"),
     (
-        ["strategy=fsdp", "trainer.devices=2", "strategy.lightning.cpu_offload=true"],
-        "strategy.lightning.cpu_offload: moves parameter shards from GPU to CPU memory, but this run has no GPU",
+        ["strategy=fsdp", "trainer.devices=2", "strategy.cpu_offload=true"],
+        "strategy.cpu_offload: moves parameter shards from GPU to CPU memory, but this run has no GPU",
     ),
-    (["strategy=model_parallel", "trainer.devices=4"], "strategy.lightning.num_stages: cannot split the model: 4 stages"),
+    (["strategy=model_parallel", "trainer.devices=4"], "strategy.num_stages: cannot split the model: 4 stages"),
     (
-        ["strategy=pipeline", "trainer.devices=2", "strategy.lightning.blocks_per_stage=[1,1]"],
-        "strategy.lightning.blocks_per_stage: cannot split the model",
-    ),
-    (
-        ["strategy=pipeline", "trainer.devices=2", "data.batch_size=30", "strategy.lightning.microbatches=4"],
-        "strategy.lightning.microbatches: is 4, which does not divide data.batch_size=30",
+        ["strategy=pipeline", "trainer.devices=2", "strategy.blocks_per_stage=[1,1]"],
+        "strategy.blocks_per_stage: cannot split the model",
     ),
     (
-        ["strategy=pipeline", "trainer.devices=2", "strategy.lightning.microbatches=1"],
-        "strategy.lightning.microbatches: is 1, fewer than the 2 pipeline ranks",
+        ["strategy=pipeline", "trainer.devices=2", "data.batch_size=30", "strategy.microbatches=4"],
+        "strategy.microbatches: is 4, which does not divide data.batch_size=30",
     ),
     (
-        ["strategy=pipeline", "trainer.devices=3", "strategy.lightning.num_stages=2"],
+        ["strategy=pipeline", "trainer.devices=2", "strategy.microbatches=1"],
+        "strategy.microbatches: is 1, fewer than the 2 pipeline ranks",
+    ),
+    (
+        ["strategy=pipeline", "trainer.devices=3", "strategy.num_stages=2"],
         "trainer.devices: gives 3 processes, not a multiple of the 2 ranks one pipeline needs",
     ),
 ]

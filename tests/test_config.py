@@ -111,7 +111,7 @@ def test_hydra_cli_flags():
     job = run_cli("--cfg", "job", "strategy=ddp", "trainer.devices=2")
     assert job.returncode == 0
     printed = OmegaConf.create(job.stdout)
-    assert printed.trainer.devices == 2 and printed.strategy.lightning._target_.endswith("DDPStrategy")
+    assert printed.trainer.devices == 2 and printed.strategy._target_.endswith("DDPStrategy")
     info = run_cli("--info")
     assert info.returncode == 0 and "Config search path" in info.stdout
 

@@ -50,10 +50,10 @@ def test_fsdp_options_keep_the_numbers(ddp_fsdp_sweep, runs_dir, home):
     fsdp = only_run(ddp_fsdp_sweep[1])
     exact_dir, bf16_dir = runs_dir / "fsdp-zero2-ac", runs_dir / "fsdp-bf16"
     fsdp_args = [*TINY, *TWO_DEVICES, "strategy=fsdp"]
-    train([*fsdp_args, f"hydra.run.dir={exact_dir}", "strategy.lightning.reshard_after_forward=false",
-           "strategy.lightning.activation_checkpointing=true"], home)
+    train([*fsdp_args, f"hydra.run.dir={exact_dir}", "strategy.reshard_after_forward=false",
+           "strategy.activation_checkpointing=true"], home)
     train([*fsdp_args, f"hydra.run.dir={bf16_dir}", "trainer.precision=bf16-mixed",
-           "strategy.lightning.save_distributed_checkpoint=false"], home)
+           "strategy.save_distributed_checkpoint=false"], home)
     for key in LOSS_KEYS:
         assert_close(only_run(exact_dir).series(key), fsdp.series(key), rel=1e-4)
     assert_close(only_run(bf16_dir).series("val/loss"), fsdp.series("val/loss"), rel=3e-2)

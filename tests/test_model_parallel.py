@@ -41,10 +41,10 @@ def test_model_parallel_gives_the_numbers_of_one_device(stages, single_run, runs
 
 @pytest.fixture(scope="session")
 def pipeline_sweep(runs_dir, home):
-    """`-m strategy=pipeline strategy.lightning.schedule=gpipe,1f1b trainer.devices=2`: jobs 0 and 1."""
+    """`-m strategy=pipeline strategy.schedule=gpipe,1f1b trainer.devices=2`: jobs 0 and 1."""
     sweep_dir = runs_dir / "pipeline"
     train(["-m", *TINY, *BATCH_64, f"hydra.sweep.dir={sweep_dir}", "strategy=pipeline", "trainer.devices=2",
-           "strategy.lightning.schedule=gpipe,1f1b"], home, timeout=400)
+           "strategy.schedule=gpipe,1f1b"], home, timeout=400)
     return sweep_dir / "0", sweep_dir / "1"
 
 
@@ -63,7 +63,7 @@ def test_pipeline_schedules_give_the_numbers_of_one_device(pipeline_sweep, singl
 def test_pipeline_times_data_parallel_gives_the_numbers_of_one_device(single_run, runs_dir, home):
     job_dir = runs_dir / "pipeline-2x2"
     result = train([*TINY, "data.batch_size=32", f"hydra.run.dir={job_dir}", "strategy=pipeline", "trainer.devices=4",
-                    "strategy.lightning.num_stages=2"], home)
+                    "strategy.num_stages=2"], home)
     assert "Starting with 4 processes" in result.output
     run, single = only_run(job_dir), only_run(single_run)
     for key in LOSS_KEYS:
@@ -77,8 +77,8 @@ def test_interleaved_pipeline_matches_model_parallel(runs_dir, home):
     reference_dir, job_dir = runs_dir / "mp-4-blocks", runs_dir / "interleaved"
     train([*deeper, f"hydra.run.dir={reference_dir}", "strategy=model_parallel", "trainer.devices=4"], home)
     train([*deeper, f"hydra.run.dir={job_dir}", "strategy=pipeline", "trainer.devices=2",
-           "strategy.lightning.schedule=interleaved_1f1b", "strategy.lightning.num_stages=4",
-           "strategy.lightning.stages_per_rank=2"], home)
+           "strategy.schedule=interleaved_1f1b", "strategy.num_stages=4",
+           "strategy.stages_per_rank=2"], home)
     for key in LOSS_KEYS:
         assert_close(only_run(job_dir).series(key), only_run(reference_dir).series(key), rel=1e-4)
 
