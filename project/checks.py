@@ -147,6 +147,13 @@ def _check_stage_split(cfg: DictConfig) -> None:
     num_stages = OmegaConf.select(cfg, "strategy.num_stages")
     if num_stages is None:
         return
+    if OmegaConf.select(cfg, "model.net.tie_weights"):
+        raise ConfigError(
+            "model.net.tie_weights",
+            "ties the first stage's token embedding to the last stage's output layer, but stages on different "
+            "devices would each train their own copy.",
+            "set model.net.tie_weights=false for model_parallel and pipeline.",
+        )
     blocks_per_stage = OmegaConf.select(cfg, "strategy.blocks_per_stage")
     with torch.device("meta"):  # sizes only, nothing allocated
         net = instantiate(cfg.model.net)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import InterpolationResolutionError
 
 from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
 from project.checks import ConfigError, check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
@@ -44,7 +45,15 @@ def job_config(cfg: DictConfig) -> DictConfig:
         wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
         if wandb_cfg is not None and wandb_cfg.group is None and hydra_cfg.mode == RunMode.MULTIRUN:
             wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    try:
+        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    except InterpolationResolutionError as error:
+        raise ConfigError(
+            str(error.full_key),
+            f"cannot be resolved: {error.msg}",
+            "choose options that fit together (model=gpt with data=tokens or data=text; model=mlp with "
+            "data=synthetic), or set the key explicitly.",
+        ) from None
 
 
 @contextmanager

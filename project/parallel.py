@@ -61,17 +61,28 @@ def split_blocks(
     return ranges[::-1]
 
 
+def stage_modules(model: nn.Module, stages: Sequence[range], stage: int) -> list[nn.Module]:
+    """The modules stage ``stage`` runs, in order: its blocks, with the stem first on the first stage and the
+    head last on the last."""
+    modules = [model.blocks[index] for index in stages[stage]]
+    if stage == 0:
+        modules.insert(0, model.stem)
+    if stage == len(stages) - 1:
+        modules.append(model.head)
+    return modules
+
+
 def place_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
-    """Put each stage's blocks on its device."""
-    for block_ids, device in zip(stages, devices):
-        for index in block_ids:
-            model.blocks[index].to(device)
+    """Put each stage's modules on its device."""
+    for stage, device in enumerate(devices):
+        for module in stage_modules(model, stages, stage):
+            module.to(device)
 
 
 def connect_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
     """Make each stage move its incoming activations to its own device (the naive, sequential pipeline)."""
-    for block_ids, device in zip(stages, devices):
-        model.blocks[block_ids[0]].register_forward_pre_hook(_inputs_to(device))
+    for stage, device in enumerate(devices):
+        stage_modules(model, stages, stage)[0].register_forward_pre_hook(_inputs_to(device))
 
 
 def _inputs_to(device: torch.device):
@@ -85,10 +96,11 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
     """Recompute each block's activations in backward instead of keeping them.
 
     The composable ``checkpoint`` hooks the block in place, so parameter names, and with them checkpoints, stay
-    the same as without it.
+    the same as without it. Asking twice (model option and strategy option) applies it once.
     """
     for block in model.blocks:
-        checkpoint(block)
+        if checkpoint.state(block) is None:
+            checkpoint(block)
 
 
 def apply_fsdp(

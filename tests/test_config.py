@@ -34,6 +34,8 @@ def test_every_group_exists_with_options():
     assert {p.stem for p in (CONF / "debug").glob("*.yaml")} >= {"fast_dev_run", "overfit", "limit_batches"}
 
 
+# Options that need a partner option: a language model needs token data and the other way round.
+PARTNERS = {"model=gpt": ["data=tokens"], "data=tokens": ["model=gpt"], "data=text": ["model=gpt", "data.path=x.txt"]}
 OPTIONS = [
     f"{path.parent.name}={path.stem}"
     for path in sorted(CONF.glob("*/*.yaml"))
@@ -43,7 +45,8 @@ OPTIONS = [
 
 @pytest.mark.parametrize("override", OPTIONS)
 def test_every_option_composes_and_resolves(override):
-    cfg = compose_train([override])
+    partners = next((extra for prefix, extra in PARTNERS.items() if override.startswith(prefix)), [])
+    cfg = compose_train([override, *partners])
     del cfg.hydra
     OmegaConf.resolve(cfg)  # every interpolation resolves
     assert cfg.seed is not None and "ckpt_path" in cfg and "tags" in cfg
@@ -107,7 +110,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_hydra_cli_flags():
     help_text = run_cli("--help")
     assert help_text.returncode == 0
-    assert "strategy: auto, ddp" in help_text.stdout and "logger: csv, none, wandb" in help_text.stdout
+    assert "strategy: auto, ddp, fsdp, model_parallel, pipeline" in help_text.stdout
+    assert "logger: csv, none, wandb" in help_text.stdout and "model: gpt, gpt_125m" in help_text.stdout
     job = run_cli("--cfg", "job", "strategy=ddp", "trainer.devices=2")
     assert job.returncode == 0
     printed = OmegaConf.create(job.stdout)

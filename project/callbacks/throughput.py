@@ -10,7 +10,8 @@ from project.data.sampling import data_parallel_rank_and_size
 
 
 class EpochThroughput(L.Callback):
-    """Logs ``perf/samples_per_sec`` (the job), ``perf/samples_per_sec_per_device`` and ``perf/epoch_time_s``.
+    """Logs ``perf/samples_per_sec`` (the job), ``perf/samples_per_sec_per_device``, ``perf/epoch_time_s`` and, when
+    the inputs are token ids, ``perf/tokens_per_sec`` (the job).
 
     Samples per second counts training only (epoch start to the last training batch, device synchronised);
     epoch time is the whole epoch as a user waits for it, validation included.
@@ -20,6 +21,8 @@ class EpochThroughput(L.Callback):
         self._epoch_start = 0.0
         self._train_time = None
         self._samples = 0
+        self._tokens = 0
+        self._tokens = 0
 
     def _synchronize(self, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":
@@ -30,9 +33,13 @@ class EpochThroughput(L.Callback):
         self._epoch_start = time.perf_counter()
         self._train_time = None
         self._samples = 0
+        self._tokens = 0
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         self._samples += extract_batch_size(batch)
+        inputs = batch[0]
+        if not torch.is_floating_point(inputs):  # token ids: every element is a token
+            self._tokens += inputs.numel()
 
     def _stop_train_clock(self, pl_module: L.LightningModule) -> None:
         if self._train_time is None:
@@ -50,6 +57,9 @@ class EpochThroughput(L.Callback):
         _, replicas = data_parallel_rank_and_size(trainer)
         # A replica's ranks (its pipeline stages) all see the replica's samples: count them once. sync_dist
         # reduces across ranks with reduce_fx: the job's rate is the sum of the ranks' shares.
-        pl_module.log("perf/samples_per_sec", rate * replicas / trainer.world_size, sync_dist=True, reduce_fx="sum")
+        share = replicas / trainer.world_size
+        pl_module.log("perf/samples_per_sec", rate * share, sync_dist=True, reduce_fx="sum")
+        if self._tokens:
+            pl_module.log("perf/tokens_per_sec", self._tokens / self._train_time * share, sync_dist=True, reduce_fx="sum")
         pl_module.log("perf/samples_per_sec_per_device", rate, sync_dist=True, reduce_fx="mean")
         pl_module.log("perf/epoch_time_s", epoch_time, sync_dist=True, reduce_fx="max")

@@ -10,15 +10,21 @@ from torch import nn
 
 
 class MLP(nn.Module):
-    """Linear → ReLU blocks, then a Linear head; ``blocks`` holds them in order."""
+    """Linear → ReLU blocks, then a Linear output block; ``blocks`` holds them in order.
+
+    Like every model here it is ``head(blocks(stem(x)))``; for the MLP, stem and head do nothing.
+    """
 
     def __init__(self, input_dim: int, hidden_dims: Sequence[int], num_classes: int) -> None:
         super().__init__()
         widths = [input_dim, *hidden_dims]
         hidden = [nn.Sequential(nn.Linear(w_in, w_out), nn.ReLU()) for w_in, w_out in zip(widths, widths[1:])]
+        self.stem = nn.Identity()
         self.blocks = nn.ModuleList([*hidden, nn.Linear(widths[-1], num_classes)])
+        self.head = nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
         for block in self.blocks:
             x = block(x)
-        return x
+        return self.head(x)

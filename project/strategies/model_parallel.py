@@ -14,7 +14,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from project.parallel import block_sizes, connect_stages, place_stages, split_blocks
+from project.parallel import block_sizes, connect_stages, place_stages, split_blocks, stage_modules
 
 
 class ManualModelParallelStrategy(SingleDeviceStrategy):
@@ -52,7 +52,10 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
         self.stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
         connect_stages(model, self.stages, self.stage_devices)
         self.parameter_stage = {
-            id(p): stage for stage, block_ids in enumerate(self.stages) for i in block_ids for p in model.blocks[i].parameters()
+            id(parameter): stage
+            for stage in range(self.num_stages)
+            for module in stage_modules(model, self.stages, stage)
+            for parameter in module.parameters()
         }
         self._staged_model = model
 

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from project.checkpoints import META_FILE, is_sharded_checkpoint
-from project.parallel import apply_fsdp, block_sizes, split_blocks
+from project.parallel import apply_fsdp, block_sizes, split_blocks, stage_modules
 from project.strategies.sharded import ShardedCheckpointStrategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -38,23 +38,28 @@ warnings.filterwarnings("ignore", message=r".*was called before the ``update`` m
 
 
 class StageModule(nn.Module):
-    """The blocks ``block_ids`` of ``model``, run in order: one pipeline stage. Shares the model's parameters."""
+    """The modules of one pipeline stage, run in order; shares the model's parameters."""
 
-    def __init__(self, model: nn.Module, block_ids: range) -> None:
+    def __init__(self, modules: list[nn.Module]) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(model.blocks[i] for i in block_ids)
+        self.layers = nn.ModuleList(modules)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
+        for layer in self.layers:
+            x = layer(x)
         return x
 
 
-def keep_blocks(model: nn.Module, block_ids: set[int]) -> None:
-    """Free the blocks this rank does not run; ``nn.Identity`` keeps the other blocks' names (and checkpoints)."""
-    for index in range(len(model.blocks)):
-        if index not in block_ids:
+def keep_only(model: nn.Module, kept: list[nn.Module]) -> None:
+    """Free the stem, blocks and head this rank does not run; ``nn.Identity`` in their place keeps the names of
+    the others (and so the checkpoint keys) unchanged."""
+    kept_ids = {id(module) for module in kept}
+    for index, block in enumerate(model.blocks):
+        if id(block) not in kept_ids:
             model.blocks[index] = nn.Identity()
+    for name in ("stem", "head"):
+        if id(getattr(model, name)) not in kept_ids:
+            setattr(model, name, nn.Identity())
 
 
 class PipelineStrategy(ShardedCheckpointStrategy):
@@ -110,8 +115,8 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         if self.stage_modules:
             return
         stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
-        keep_blocks(model, {i for stage in self.stage_ids for i in stages[stage]})
-        self.stage_modules = [StageModule(model, stages[stage]) for stage in self.stage_ids]
+        self.stage_modules = [StageModule(stage_modules(model, stages, stage)) for stage in self.stage_ids]
+        keep_only(model, [module for stage in self.stage_modules for module in stage.layers])
         if self.device_mesh["data_parallel"].size() > 1:
             for stage_module in self.stage_modules:
                 apply_fsdp(stage_module, self.device_mesh["data_parallel"])

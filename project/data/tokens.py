@@ -1,0 +1,145 @@
+"""Token data: a synthetic language whose best possible loss is known, and byte-level text from a local file.
+
+``MarkovTokenDataModule``: sequences from a random sparse Markov chain over the vocabulary. Each token has
+``branching`` possible successors with random probabilities, so the next token depends on the current one only
+and no model can beat the chain's entropy rate H = sum_s pi(s) * H(P(s, .)) nats per token (pi: the stationary
+distribution). A trained model's loss approaches H from above: ``entropy_floor``.
+"""
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import TensorDataset
+
+from project.data.datamodule import InMemoryDataModule
+
+
+def random_markov_chain(vocab_size: int, branching: int, generator: torch.Generator) -> torch.Tensor:
+    """A (vocab, vocab) transition matrix; row s spreads Dirichlet(1) weights over ``branching`` random successors."""
+    transitions = torch.zeros(vocab_size, vocab_size)
+    for state in range(vocab_size):
+        successors = torch.randperm(vocab_size, generator=generator)[:branching]
+        weights = -torch.log(torch.rand(branching, generator=generator))  # Dirichlet(1) by normalised exponentials
+        transitions[state, successors] = weights / weights.sum()
+    return transitions
+
+
+def stationary_distribution(transitions: torch.Tensor, steps: int = 10_000) -> torch.Tensor:
+    """pi with pi P = pi, by power iteration from the uniform distribution (in float64, renormalised so float32
+    rows that sum to 1 only up to rounding do not drift)."""
+    transitions = transitions.double()
+    transitions = transitions / transitions.sum(dim=1, keepdim=True)
+    pi = torch.full((len(transitions),), 1.0 / len(transitions), dtype=torch.float64)
+    for _ in range(steps):
+        pi = pi @ transitions
+        pi = pi / pi.sum()
+    return pi
+
+
+def entropy_rate(transitions: torch.Tensor) -> float:
+    """Nats per token of the chain in its stationary regime: the best achievable cross-entropy."""
+    p = transitions.double()
+    row_entropy = -(p * torch.log(p.clamp_min(1e-300))).sum(dim=1)
+    return float(stationary_distribution(transitions) @ row_entropy)
+
+
+def sample_sequences(
+    transitions: torch.Tensor, num_sequences: int, length: int, generator: torch.Generator
+) -> torch.Tensor:
+    """``num_sequences`` walks of ``length`` tokens, each started from the stationary distribution."""
+    tokens = torch.empty(num_sequences, length, dtype=torch.long)
+    tokens[:, 0] = torch.multinomial(stationary_distribution(transitions).float(), num_sequences, replacement=True, generator=generator)
+    for position in range(1, length):
+        tokens[:, position] = torch.multinomial(transitions[tokens[:, position - 1]], 1, generator=generator).squeeze(1)
+    return tokens
+
+
+def next_token_dataset(sequences: torch.Tensor) -> TensorDataset:
+    """Inputs are each sequence but its last token; targets, each but its first."""
+    return TensorDataset(sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous())
+
+
+class MarkovTokenDataModule(InMemoryDataModule):
+    """Train and validation sequences from one random Markov chain, deterministic from ``seed``."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        branching: int,
+        seq_length: int,
+        num_train: int,
+        num_val: int,
+        batch_size: int,
+        seed: int,
+    ) -> None:
+        super().__init__(batch_size=batch_size, seed=seed)
+        self.vocab_size, self.branching, self.seq_length = vocab_size, branching, seq_length
+        self.num_train, self.num_val = num_train, num_val
+        self._transitions: torch.Tensor | None = None
+
+    @property
+    def num_train_samples(self) -> int:
+        return self.num_train
+
+    @property
+    def num_val_samples(self) -> int:
+        return self.num_val
+
+    @property
+    def transitions(self) -> torch.Tensor:
+        if self._transitions is None:
+            self._transitions = random_markov_chain(
+                self.vocab_size, self.branching, torch.Generator().manual_seed(self.seed)
+            )
+        return self._transitions
+
+    @property
+    def entropy_floor(self) -> float:
+        """The best achievable validation loss, in nats per token."""
+        return entropy_rate(self.transitions)
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        sequences = sample_sequences(self.transitions, self.num_train + self.num_val, self.seq_length + 1, generator)
+        self.train_set = next_token_dataset(sequences[: self.num_train])
+        self.val_set = next_token_dataset(sequences[self.num_train :])
+
+
+class TextDataModule(InMemoryDataModule):
+    """Byte-level tokens (vocabulary 256) of a local text file, cut into sequences; the last ``val_fraction`` of
+    the file is the validation split, so no text is in both."""
+
+    def __init__(self, path: str, seq_length: int, val_fraction: float, batch_size: int, seed: int) -> None:
+        super().__init__(batch_size=batch_size, seed=seed)
+        self.path = Path(path)
+        self.seq_length = seq_length
+        self.val_fraction = val_fraction
+
+    def _split_sizes(self) -> tuple[int, int]:
+        """Sequences in each split (of seq_length + 1 tokens, overlapping by one), from the file size alone."""
+        num_bytes = self.path.stat().st_size
+        val_bytes = int(num_bytes * self.val_fraction)
+        return (num_bytes - val_bytes - 1) // self.seq_length, (val_bytes - 1) // self.seq_length
+
+    @property
+    def num_train_samples(self) -> int:
+        return self._split_sizes()[0]
+
+    @property
+    def num_val_samples(self) -> int:
+        return self._split_sizes()[1]
+
+    def _sequences(self, data: torch.Tensor, count: int) -> torch.Tensor:
+        starts = torch.arange(count) * self.seq_length
+        return data[starts[:, None] + torch.arange(self.seq_length + 1)]
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        data = torch.frombuffer(bytearray(self.path.read_bytes()), dtype=torch.uint8).long()
+        num_train, num_val = self._split_sizes()
+        val_start = len(data) - int(len(data) * self.val_fraction)
+        self.train_set = next_token_dataset(self._sequences(data[:val_start], num_train))
+        self.val_set = next_token_dataset(self._sequences(data[val_start:], num_val))

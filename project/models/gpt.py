@@ -1,0 +1,120 @@
+"""A GPT-style decoder: token + position embedding, pre-norm transformer blocks, final norm, LM head.
+
+Read top to bottom: ``CausalSelfAttention`` and ``MLP`` make a ``Block``; ``GPT`` is ``head(blocks(stem(tokens)))``,
+the same stem / blocks / head shape as the other models, so strategies shard or split it by block.
+"""
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).split(dim, dim=2)
+        q, k, v = (t.view(batch, length, self.num_heads, dim // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        dropout = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, length, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attention = CausalSelfAttention(dim, num_heads, dropout)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class Embedding(nn.Module):
+    """Token plus learned position embedding."""
+
+    def __init__(self, vocab_size: int, max_length: int, dim: int, dropout: float) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.positions = nn.Embedding(max_length, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.dropout(self.tokens(tokens) + self.positions(positions))
+
+
+class LMHead(nn.Module):
+    """Final norm and the projection to vocabulary logits."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer mapping token ids (batch, length) to next-token logits (batch, length, vocab)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_length: int,
+        num_layers: int,
+        dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        tie_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} must be a multiple of num_heads {num_heads}")
+        self.stem = Embedding(vocab_size, max_length, dim, dropout)
+        self.blocks = nn.ModuleList(Block(dim, num_heads, dropout) for _ in range(num_layers))
+        self.head = LMHead(dim, vocab_size)
+        if tie_weights:  # GPT-2's choice: the output projection reuses the token embedding
+            self.head.output.weight = self.stem.tokens.weight
+        self.apply(self._init_weights)
+        for name, parameter in self.named_parameters():
+            if name.endswith(("proj.weight", "down.weight")):  # GPT-2: scale the residual projections by depth
+                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * num_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.stem(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -1,0 +1,38 @@
+"""Next-token prediction: token cross-entropy, perplexity, and the data's entropy floor next to the val loss."""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torchmetrics import MeanMetric
+from torchmetrics.text import Perplexity
+
+from project.modules.base import TrainingModule
+
+
+class TokenCrossEntropy(nn.Module):
+    """Mean cross-entropy over every token of a (batch, length, vocab) logits tensor."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class LanguageModelModule(TrainingModule):
+    """``net`` maps token ids (batch, length) to next-token logits. Logs ``train/loss``, ``val/loss`` and
+    ``val/perplexity`` per epoch, and ``data/entropy_floor`` when the data knows its best achievable loss."""
+
+    def __init__(self, net: nn.Module, **kwargs) -> None:
+        super().__init__(net, **kwargs)
+        self.criterion = TokenCrossEntropy()
+        self.train_metrics = nn.ModuleDict({"loss": MeanMetric()})
+        self.val_metrics = nn.ModuleDict({"loss": MeanMetric(), "perplexity": Perplexity()})
+
+    def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        metrics = self.train_metrics if split == "train" else self.val_metrics
+        metrics["loss"].update(loss.detach(), weight=target.numel())  # the mean over tokens
+        if "perplexity" in metrics:
+            metrics["perplexity"].update(outputs.detach().float(), target)
+
+    def on_validation_epoch_end(self) -> None:
+        floor = getattr(self.trainer.datamodule, "entropy_floor", None)
+        if floor is not None:  # plotted beside val/loss: how far the model is from the best possible
+            self.log("data/entropy_floor", floor)

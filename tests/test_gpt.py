@@ -1,0 +1,144 @@
+"""model=gpt with token data: size presets, the known entropy floor, every strategy, activation checkpointing."""
+
+import math
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from conftest import assert_close, only_run, train
+from project.data.tokens import MarkovTokenDataModule, TextDataModule, entropy_rate, random_markov_chain
+from project.models import GPT
+from project.modules.language_model import TokenCrossEntropy
+from project.parallel import apply_activation_checkpointing
+from test_config import compose_train
+
+# A GPT and a language small enough for seconds per run; the default optimizer and schedule.
+TINY_GPT = [
+    "model=gpt",
+    "data=tokens",
+    "data.vocab_size=32",
+    "data.seq_length=16",
+    "data.num_train=512",
+    "data.num_val=100",
+    "data.batch_size=16",
+    "model.net.dim=32",
+    "model.net.num_heads=2",
+    "trainer.max_epochs=2",
+    "print_config=false",
+    "~callbacks.progress_bar",
+    "+trainer.enable_progress_bar=false",
+]
+LM_KEYS = ["train/loss", "val/loss", "val/perplexity"]
+
+
+@pytest.mark.parametrize(
+    "preset,expected_millions", [("gpt_125m", 124.4), ("gpt_350m", 354.8), ("gpt_1_3b", 1313.6)]
+)
+def test_size_presets_on_the_meta_device(preset, expected_millions):
+    """GPT-2's vocabulary and context; built on the meta device, so nothing is allocated."""
+    cfg = compose_train([f"model={preset}", "data=tokens", "data.vocab_size=50257", "data.seq_length=1024"])
+    with torch.device("meta"):
+        net = instantiate(cfg.model.net)
+    count = sum(p.numel() for p in net.parameters())  # a tied weight counts once
+    print(f"{preset}: {count / 1e6:.1f} M parameters")
+    assert count / 1e6 == pytest.approx(expected_millions, rel=0.01)
+
+
+def test_entropy_rate_of_a_known_chain():
+    # Two states that swap with probability p: stationary (1/2, 1/2), entropy rate h(p).
+    p = 0.2
+    transitions = torch.tensor([[1 - p, p], [p, 1 - p]])
+    assert entropy_rate(transitions) == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)), rel=1e-6)
+    chain = random_markov_chain(16, 3, torch.Generator().manual_seed(0))
+    assert torch.allclose(chain.sum(dim=1), torch.ones(16)) and ((chain > 0).sum(dim=1) == 3).all()
+    assert 0 < entropy_rate(chain) < math.log(3)
+
+
+def test_markov_data_matches_its_floor():
+    """The empirical loss of the true transition probabilities on the sampled data is the entropy floor."""
+    dm = MarkovTokenDataModule(vocab_size=32, branching=4, seq_length=64, num_train=2000, num_val=10,
+                               batch_size=8, seed=3)
+    dm.setup("fit")
+    inputs, targets = dm.train_set.tensors
+    empirical = -torch.log(dm.transitions[inputs, targets]).mean().item()
+    assert empirical == pytest.approx(dm.entropy_floor, rel=0.02)
+    again = MarkovTokenDataModule(32, 4, 64, 2000, 10, 8, seed=3)
+    again.setup("fit")
+    assert torch.equal(again.train_set.tensors[0], inputs)  # deterministic from the seed
+
+
+def test_text_data_is_bytes_split_without_overlap(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(bytes(range(256)) * 8)  # 2048 bytes
+    dm = TextDataModule(str(text), seq_length=16, val_fraction=0.25, batch_size=4, seed=0)
+    assert (dm.num_train_samples, dm.num_val_samples) == (95, 31)  # known before setup, for the checks
+    dm.setup("fit")
+    inputs, targets = dm.train_set.tensors
+    assert len(inputs) == 95 and inputs.shape[1] == 16 and int(inputs.max()) <= 255
+    assert torch.equal(inputs[:, 1:], targets[:, :-1])  # targets are the next bytes
+    assert int(dm.val_set.tensors[0][0, 0]) == 1536 % 256  # the split starts at the last quarter
+
+
+def test_activation_checkpointing_same_loss_less_saved_activation_memory():
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (4, 32))
+    losses, saved = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = GPT(vocab_size=64, max_length=32, num_layers=4, dim=64, num_heads=4)
+        if checkpointing:
+            apply_activation_checkpointing(model)
+        saved_bytes = 0
+
+        def pack(tensor):
+            nonlocal saved_bytes
+            saved_bytes += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = TokenCrossEntropy()(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+        saved.append(saved_bytes)
+    assert losses[0] == losses[1]
+    assert saved[1] < 0.5 * saved[0], saved  # activations kept for backward
+
+
+@pytest.fixture(scope="session")
+def gpt_auto(runs_dir, home):
+    job_dir = runs_dir / "gpt-auto"
+    train([*TINY_GPT, f"hydra.run.dir={job_dir}", "data.batch_size=32"], home)  # the 2-device runs' global batch
+    return job_dir
+
+
+@pytest.mark.slow
+def test_gpt_logs_language_model_metrics(gpt_auto):
+    run = only_run(gpt_auto)
+    assert run.name == "gpt-auto-1dev"
+    for key in [*LM_KEYS, "perf/tokens_per_sec", "memory/model_state_mb", "data/entropy_floor"]:
+        assert len(run.series(key)) == 2, key
+    for loss, perplexity in zip(run.series("val/loss"), run.series("val/perplexity")):
+        assert perplexity == pytest.approx(math.exp(loss), rel=1e-4)
+    assert run.summary["val/loss"] == {"min": min(run.series("val/loss"))}
+    floor = run.series("data/entropy_floor")[0]
+    assert floor < run.series("val/loss")[-1] < run.series("val/loss")[0]
+    tokens_per_sec, samples_per_sec = run.series("perf/tokens_per_sec")[0], run.series("perf/samples_per_sec")[0]
+    assert tokens_per_sec == pytest.approx(16 * samples_per_sec, rel=1e-3)  # 16 tokens per sequence
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategies,batch_size",
+    [("ddp,fsdp", 16), ("model_parallel,pipeline", 32)],  # 2 replicas of 16, or 1 replica of 32: global 32
+)
+def test_gpt_gives_the_numbers_of_one_device_with_every_strategy(strategies, batch_size, gpt_auto, runs_dir, home):
+    sweep_dir = runs_dir / f"gpt-{strategies.replace(',', '-')}"
+    train(["-m", *TINY_GPT, f"hydra.sweep.dir={sweep_dir}", "trainer.devices=2", f"data.batch_size={batch_size}",
+           f"strategy={strategies}"], home, timeout=600)
+    reference = only_run(gpt_auto)
+    for job, strategy in enumerate(strategies.split(",")):
+        run = only_run(sweep_dir / str(job))
+        assert run.name == f"gpt-{strategy}-2dev"
+        for key in LM_KEYS:
+            assert_close(run.series(key), reference.series(key), rel=1e-4)
