@@ -53,7 +53,7 @@ def test_pipeline_schedules_give_the_numbers_of_one_device(pipeline_sweep, singl
     single = only_run(single_run)
     for job_dir, schedule in zip(pipeline_sweep, ["gpipe", "1f1b"]):
         run = only_run(job_dir)
-        assert run.config["strategy"]["lightning"]["schedule"] == schedule
+        assert run.config["strategy"]["schedule"] == schedule
         assert_epoch_metrics(run, epochs=3)  # metrics from the last stage reach rank 0's W&B run
         for key in LOSS_KEYS:
             assert_close(run.series(key), single.series(key), rel=1e-4)
