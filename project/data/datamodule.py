@@ -49,3 +49,20 @@ class InMemoryDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)
+
+
+class GeneratedDataModule(InMemoryDataModule):
+    """For data made up in ``setup``: the split sizes are given, so they are known before any data exists."""
+
+    def __init__(self, num_train: int, num_val: int, batch_size: int, seed: int) -> None:
+        super().__init__(batch_size=batch_size, seed=seed)
+        self.num_train = num_train
+        self.num_val = num_val
+
+    @property
+    def num_train_samples(self) -> int:
+        return self.num_train
+
+    @property
+    def num_val_samples(self) -> int:
+        return self.num_val

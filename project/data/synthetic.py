@@ -9,7 +9,7 @@ clusters, not random draws, so validation accuracy measures learning. Everything
 import torch
 from torch.utils.data import TensorDataset
 
-from project.data.datamodule import InMemoryDataModule
+from project.data.datamodule import GeneratedDataModule
 
 
 def make_cluster_data(
@@ -31,7 +31,7 @@ def make_cluster_data(
     return x, cluster % num_classes
 
 
-class SyntheticDataModule(InMemoryDataModule):
+class SyntheticDataModule(GeneratedDataModule):
     """Train and validation sets drawn from one task, deterministic from ``seed``."""
 
     def __init__(
@@ -47,8 +47,7 @@ class SyntheticDataModule(InMemoryDataModule):
         batch_size: int,
         seed: int,
     ) -> None:
-        super().__init__(batch_size=batch_size, seed=seed)
-        self.num_train = num_train
+        super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed)
         self.task = dict(
             num_features=num_features,
             num_classes=num_classes,
@@ -57,15 +56,6 @@ class SyntheticDataModule(InMemoryDataModule):
             cluster_std=cluster_std,
             noise_std=noise_std,
         )
-        self.num_val = num_val
-
-    @property
-    def num_train_samples(self) -> int:
-        return self.num_train
-
-    @property
-    def num_val_samples(self) -> int:
-        return self.num_val
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:

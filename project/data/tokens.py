@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from project.data.datamodule import InMemoryDataModule
+from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
 
 
 def random_markov_chain(vocab_size: int, branching: int, generator: torch.Generator) -> torch.Tensor:
@@ -59,7 +59,7 @@ def next_token_dataset(sequences: torch.Tensor) -> TensorDataset:
     return TensorDataset(sequences[:, :-1].contiguous(), sequences[:, 1:].contiguous())
 
 
-class MarkovTokenDataModule(InMemoryDataModule):
+class MarkovTokenDataModule(GeneratedDataModule):
     """Train and validation sequences from one random Markov chain, deterministic from ``seed``."""
 
     def __init__(
@@ -72,18 +72,9 @@ class MarkovTokenDataModule(InMemoryDataModule):
         batch_size: int,
         seed: int,
     ) -> None:
-        super().__init__(batch_size=batch_size, seed=seed)
+        super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed)
         self.vocab_size, self.branching, self.seq_length = vocab_size, branching, seq_length
-        self.num_train, self.num_val = num_train, num_val
         self._transitions: torch.Tensor | None = None
-
-    @property
-    def num_train_samples(self) -> int:
-        return self.num_train
-
-    @property
-    def num_val_samples(self) -> int:
-        return self.num_val
 
     @property
     def transitions(self) -> torch.Tensor:
