@@ -21,8 +21,8 @@ def main(cfg: DictConfig) -> float | None:
     except ConfigError as error:
         # One paragraph naming key and fix; raised before any worker or W&B run starts.
         sys.exit(f"Config error: {error}")
-    # A sweeper optimising a metric reads the return value.
-    return None if metrics is None else metrics.get("val/acc")
+    # A sweeper optimising a metric reads the return value (only where this process trained).
+    return None if metrics is None else metrics.get(cfg.best_metric.name)
 
 
 if __name__ == "__main__":

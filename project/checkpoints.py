@@ -22,10 +22,13 @@ def _optimizer_state_by_position(state: dict, parameter_names: list[str]) -> dic
     """Sharded optimizer state is keyed by parameter name; a plain optimizer wants positions in its parameter
     list, which follows the model's parameter order (``parameter_names``).
 
-    One parameter group is assumed, as ``configure_optimizers`` builds it; its stored name list may cover only
-    one pipeline rank's parameters, so the list is rebuilt from the model's.
+    One parameter group is assumed, as ``configure_optimizers`` builds it. Its stored name list is the order to
+    use (it names a tied weight once); a pipeline's may cover only rank 0's parameters, and then the model's
+    order stands in.
     """
     (group,) = state["param_groups"]
+    if set(state["state"]) <= set(group["params"]):
+        parameter_names = list(group["params"])
     positions = {name: index for index, name in enumerate(parameter_names)}
     return {
         "state": {positions[name]: value for name, value in state["state"].items()},

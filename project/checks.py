@@ -96,6 +96,19 @@ def _check_pipeline(cfg: DictConfig) -> None:
         return
     strategy = cfg.strategy
     key = "strategy."
+    # The schedule runs forward and backward itself, outside Lightning's autocast, accumulation and clipping.
+    for setting, default, what in [
+        ("precision", "32-true", "mixed precision"),
+        ("accumulate_grad_batches", 1, "gradient accumulation"),
+        ("gradient_clip_val", None, "gradient clipping"),
+    ]:
+        value = cfg.trainer[setting]
+        if value != default:
+            raise ConfigError(
+                f"trainer.{setting}",
+                f"is {value!r}, but strategy=pipeline does not support {what} yet.",
+                f"leave trainer.{setting}={default} with the pipeline (or use strategy=fsdp).",
+            )
     if stages_per_rank < 1 or strategy.num_stages % stages_per_rank:
         raise ConfigError(
             key + "stages_per_rank",
@@ -144,9 +157,9 @@ def _check_pipeline(cfg: DictConfig) -> None:
 
 def _check_stage_split(cfg: DictConfig) -> None:
     """Strategies that split the model into stages: the split must exist for this model."""
-    num_stages = OmegaConf.select(cfg, "strategy.num_stages")
-    if num_stages is None:
+    if OmegaConf.select(cfg, "strategy.num_stages") is None:
         return
+    num_stages = _positive_int(cfg, "strategy.num_stages", "set strategy.num_stages to the stages to split the model into.")
     if OmegaConf.select(cfg, "model.net.tie_weights"):
         raise ConfigError(
             "model.net.tie_weights",
@@ -167,6 +180,24 @@ def _check_stage_split(cfg: DictConfig) -> None:
             else f"use at most {len(net.blocks)} stages (trainer.devices or strategy.num_stages), or a deeper model."
         )
         raise ConfigError(key, f"cannot split the model: {error}.", fix) from None
+
+
+def _check_checkpoint(cfg: DictConfig) -> None:
+    ckpt_path = resolve_ckpt_path(cfg)
+    if ckpt_path is not None and not Path(ckpt_path).exists():
+        hint = (
+            "ckpt_path=last resumes the run dir given by hydra.run.dir=<that run's dir>; run with that override, "
+            "or pass the checkpoint file itself as ckpt_path=<path>."
+            if cfg.ckpt_path == "last"
+            else "pass an existing checkpoint file (a run's checkpoints/*.ckpt), or ckpt_path=null to start fresh."
+        )
+        raise ConfigError("ckpt_path", f"{ckpt_path} does not exist.", hint)
+    if ckpt_path is not None and OmegaConf.select(cfg, "strategy.stages_per_rank") and not Path(ckpt_path).is_dir():
+        raise ConfigError(
+            "ckpt_path",
+            f"{ckpt_path} is a single-file checkpoint; strategy=pipeline resumes only the sharded checkpoints it saves.",
+            "resume it with the strategy that wrote it (or auto), or start the pipeline fresh with ckpt_path=null.",
+        )
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -192,8 +223,8 @@ def check_config(cfg: DictConfig) -> None:
             )
 
     _check_precision_and_offload(cfg)
-    _check_pipeline(cfg)
     _check_stage_split(cfg)
+    _check_pipeline(cfg)
 
     datamodule = instantiate(cfg.data)  # cheap: data is generated in setup(), not here
     data_parallel = data_parallel_size(cfg)
@@ -209,17 +240,9 @@ def check_config(cfg: DictConfig) -> None:
     if datamodule.num_val_samples < data_parallel:
         raise ConfigError(
             "data.num_val",
-            f"gives {datamodule.num_val_samples} validation samples, fewer than the {data_parallel} devices that "
-            "each need one.",
+            f"gives {datamodule.num_val_samples} validation samples, fewer than the {data_parallel} data-parallel "
+            "replicas that each need one.",
             f"use at least {data_parallel} validation samples, or fewer devices.",
         )
 
-    ckpt_path = resolve_ckpt_path(cfg)
-    if ckpt_path is not None and not Path(ckpt_path).exists():
-        hint = (
-            "ckpt_path=last resumes the run dir given by hydra.run.dir=<that run's dir>; run with that override, "
-            "or pass the checkpoint file itself as ckpt_path=<path>."
-            if cfg.ckpt_path == "last"
-            else "pass an existing checkpoint file (a run's checkpoints/*.ckpt), or ckpt_path=null to start fresh."
-        )
-        raise ConfigError("ckpt_path", f"{ckpt_path} does not exist.", hint)
+    _check_checkpoint(cfg)

@@ -66,6 +66,9 @@ def runs_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("runs")
 
 
+# The per-epoch results that must not depend on how a run is parallelised.
+LOSS_KEYS = ["train/loss", "val/loss", "train/acc", "val/acc"]
+
 # Logged once per epoch by every run.
 EPOCH_KEYS = [
     "train/loss",

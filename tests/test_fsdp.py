@@ -5,11 +5,10 @@ import shutil
 import pytest
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from conftest import TINY, assert_close, assert_epoch_metrics, only_run, train
+from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, only_run, train
 from project.checkpoints import is_sharded_checkpoint
 from project.strategies import FSDPStrategy
 
-LOSS_KEYS = ["train/loss", "val/loss", "train/acc", "val/acc"]
 TWO_DEVICES = ["trainer.devices=2", "data.batch_size=32"]  # the single_run's global batch of 64
 
 

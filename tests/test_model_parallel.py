@@ -3,11 +3,10 @@ checkpoints, and clear errors for splits that cannot work."""
 
 import pytest
 
-from conftest import TINY, assert_close, assert_epoch_metrics, only_run, train
+from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, only_run, train
 from project.checkpoints import is_sharded_checkpoint
 from project.parallel import split_blocks
 
-LOSS_KEYS = ["train/loss", "val/loss", "train/acc", "val/acc"]
 BATCH_64 = ["data.batch_size=64"]  # the single_run's global batch, one replica
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import TINY, assert_close, assert_epoch_metrics, only_run, torchrun, train
+from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, only_run, torchrun, train
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def test_ddp_gives_the_numbers_of_one_device_with_the_same_global_batch(single_r
     single, ddp = only_run(single_run), only_run(ddp_run)
     assert ddp.name == "mlp-ddp-2dev" and ddp.config["choices"]["strategy"] == "ddp"
     assert_epoch_metrics(ddp, epochs=3)
-    for key in ["train/loss", "val/loss", "train/acc", "val/acc"]:
+    for key in LOSS_KEYS:
         assert_close(ddp.series(key), single.series(key), rel=1e-4)
 
 
@@ -96,7 +96,7 @@ def test_resume_after_interruption_matches_the_uninterrupted_run(runs_dir, home,
     train([*common, "ckpt_path=last"], home)  # resumed to epoch 3
     resumed, straight = only_run(job_dir), only_run(single_run)
     assert [row["epoch"] for row in resumed.history if "train/loss" in row] == [1, 2]
-    for key in ["train/loss", "val/loss", "train/acc", "val/acc"]:
+    for key in LOSS_KEYS:
         assert_close(first_part.series(key) + resumed.series(key), straight.series(key), rel=1e-6)
 
 
@@ -134,8 +134,17 @@ def test_default_run_learns_like_seed_002(runs_dir, home):
 
 
 def test_fast_dev_run(runs_dir, home):
-    result = train([*TINY, f"hydra.run.dir={runs_dir / 'fast-dev'}", "debug=fast_dev_run"], home)
-    assert "fast_dev_run" in result.output
+    job_dir = runs_dir / "fast-dev"
+    result = train([*TINY, f"hydra.run.dir={job_dir}", "debug=fast_dev_run"], home)
+    assert "Running in `fast_dev_run` mode: will run the requested loop using 1 batch(es)" in result.output
+    assert not list(job_dir.glob("wandb/offline-run-*"))  # Lightning swaps the loggers for a dummy
+
+
+def test_overfit_drives_the_training_loss_down(runs_dir, home):
+    job_dir = runs_dir / "overfit"
+    train([*TINY, f"hydra.run.dir={job_dir}", "debug=overfit", "trainer.max_epochs=30"], home)
+    losses = only_run(job_dir).series("train/loss")
+    assert len(losses) == 30 and losses[-1] < 0.05 * losses[0], losses
 
 
 def test_seed_000_experiment(runs_dir, home):

@@ -22,7 +22,6 @@ class EpochThroughput(L.Callback):
         self._train_time = None
         self._samples = 0
         self._tokens = 0
-        self._tokens = 0
 
     def _synchronize(self, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":

@@ -14,10 +14,11 @@ class InMemoryDataModule(L.LightningDataModule):
     batch is ``batch_size`` times the data-parallel replicas (devices x nodes for DDP and FSDP).
     """
 
-    def __init__(self, batch_size: int, seed: int) -> None:
+    def __init__(self, batch_size: int, seed: int, shuffle: bool = True) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.seed = seed
+        self.shuffle = shuffle  # reshuffle the training set every epoch (debug=overfit turns it off)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -38,7 +39,7 @@ class InMemoryDataModule(L.LightningDataModule):
             batch_size=self.batch_size,
             rank=rank,
             world_size=replicas,
-            shuffle=train,
+            shuffle=train and self.shuffle,
             seed=self.seed,
             drop_last=train,
         )
@@ -54,8 +55,8 @@ class InMemoryDataModule(L.LightningDataModule):
 class GeneratedDataModule(InMemoryDataModule):
     """For data made up in ``setup``: the split sizes are given, so they are known before any data exists."""
 
-    def __init__(self, num_train: int, num_val: int, batch_size: int, seed: int) -> None:
-        super().__init__(batch_size=batch_size, seed=seed)
+    def __init__(self, num_train: int, num_val: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle)
         self.num_train = num_train
         self.num_val = num_val
 

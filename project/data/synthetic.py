@@ -46,8 +46,9 @@ class SyntheticDataModule(GeneratedDataModule):
         noise_std: float,
         batch_size: int,
         seed: int,
+        shuffle: bool = True,
     ) -> None:
-        super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed)
+        super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed, shuffle=shuffle)
         self.task = dict(
             num_features=num_features,
             num_classes=num_classes,

@@ -71,10 +71,12 @@ class MarkovTokenDataModule(GeneratedDataModule):
         num_val: int,
         batch_size: int,
         seed: int,
+        shuffle: bool = True,
     ) -> None:
-        super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed)
+        super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed, shuffle=shuffle)
         self.vocab_size, self.branching, self.seq_length = vocab_size, branching, seq_length
         self._transitions: torch.Tensor | None = None
+        self._entropy_floor: float | None = None
 
     @property
     def transitions(self) -> torch.Tensor:
@@ -87,7 +89,9 @@ class MarkovTokenDataModule(GeneratedDataModule):
     @property
     def entropy_floor(self) -> float:
         """The best achievable validation loss, in nats per token."""
-        return entropy_rate(self.transitions)
+        if self._entropy_floor is None:
+            self._entropy_floor = entropy_rate(self.transitions)
+        return self._entropy_floor
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
@@ -102,8 +106,10 @@ class TextDataModule(InMemoryDataModule):
     """Byte-level tokens (vocabulary 256) of a local text file, cut into sequences; the last ``val_fraction`` of
     the file is the validation split, so no text is in both."""
 
-    def __init__(self, path: str, seq_length: int, val_fraction: float, batch_size: int, seed: int) -> None:
-        super().__init__(batch_size=batch_size, seed=seed)
+    def __init__(
+        self, path: str, seq_length: int, val_fraction: float, batch_size: int, seed: int, shuffle: bool = True
+    ) -> None:
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle)
         self.path = Path(path)
         self.seq_length = seq_length
         self.val_fraction = val_fraction

@@ -16,7 +16,8 @@ class TrainingModule(L.LightningModule):
     """Trains ``net`` (a plain model, ``head(blocks(stem(x)))``) on ``(inputs, targets)`` batches.
 
     Subclasses set ``criterion`` (loss of a batch or micro-batch), ``train_metrics`` and ``val_metrics``
-    (ModuleDicts of torchmetrics, reduced across ranks once at epoch end) and ``update_metrics``.
+    (ModuleDicts of torchmetrics with a ``loss`` MeanMetric, reduced across ranks once at epoch end) and
+    ``update_task_metrics`` for the metrics beyond the loss.
 
     The protocol strategies use: ``configure_model`` hands ``net`` to ``strategy.parallelize`` (FSDP shards it,
     model/pipeline parallelism split it); a pipeline strategy runs the steps itself with ``criterion`` per
@@ -50,12 +51,23 @@ class TrainingModule(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def metrics_for(self, split: str) -> nn.ModuleDict:
+        return self.train_metrics if split == "train" else self.val_metrics
+
     def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        """Add a batch to ``split``'s metrics (train or val)."""
+        metrics = self.metrics_for(split)
+        # Weighted by the targets it averages over, the epoch's loss is the mean over all samples (or tokens),
+        # whatever the batch sizes.
+        metrics["loss"].update(loss.detach(), weight=target.numel())
+        self.update_task_metrics(metrics, outputs.detach(), target)
+
+    def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
         raise NotImplementedError
 
     def log_metrics(self, split: str) -> None:
         """Log ``split``'s metrics (train or val) for the epoch."""
-        metrics = self.train_metrics if split == "train" else self.val_metrics
+        metrics = self.metrics_for(split)
         self.log_dict(
             {f"{split}/{name}": metric for name, metric in metrics.items()}, on_step=False, on_epoch=True, prog_bar=True
         )

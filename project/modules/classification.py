@@ -22,8 +22,5 @@ class ClassificationModule(TrainingModule):
         self.train_metrics = _classification_metrics(num_classes)
         self.val_metrics = _classification_metrics(num_classes)
 
-    def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
-        metrics = self.train_metrics if split == "train" else self.val_metrics
-        # Weighting by batch size makes the epoch value the mean over samples, whatever the batch sizes.
-        metrics["loss"].update(loss.detach(), weight=target.numel())
-        metrics["acc"].update(outputs.detach(), target)
+    def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        metrics["acc"].update(outputs, target)

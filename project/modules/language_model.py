@@ -26,11 +26,9 @@ class LanguageModelModule(TrainingModule):
         self.train_metrics = nn.ModuleDict({"loss": MeanMetric()})
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric(), "perplexity": Perplexity()})
 
-    def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
-        metrics = self.train_metrics if split == "train" else self.val_metrics
-        metrics["loss"].update(loss.detach(), weight=target.numel())  # the mean over tokens
-        if "perplexity" in metrics:
-            metrics["perplexity"].update(outputs.detach().float(), target)
+    def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        if "perplexity" in metrics:  # validation only
+            metrics["perplexity"].update(outputs.float(), target)
 
     def on_validation_epoch_end(self) -> None:
         floor = getattr(self.trainer.datamodule, "entropy_floor", None)

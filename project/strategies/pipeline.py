@@ -38,15 +38,16 @@ warnings.filterwarnings("ignore", message=r".*was called before the ``update`` m
 
 
 class StageModule(nn.Module):
-    """The modules of one pipeline stage, run in order; shares the model's parameters."""
+    """The modules of one pipeline stage, run in order; shares the model's parameters. They are its ``blocks``,
+    so ``apply_fsdp`` shards the stage module by module."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(modules)
+        self.blocks = nn.ModuleList(modules)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
+        for block in self.blocks:
+            x = block(x)
         return x
 
 
@@ -116,7 +117,7 @@ class PipelineStrategy(ShardedCheckpointStrategy):
             return
         stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
         self.stage_modules = [StageModule(stage_modules(model, stages, stage)) for stage in self.stage_ids]
-        keep_only(model, [module for stage in self.stage_modules for module in stage.layers])
+        keep_only(model, [module for stage in self.stage_modules for module in stage.blocks])
         if self.device_mesh["data_parallel"].size() > 1:
             for stage_module in self.stage_modules:
                 apply_fsdp(stage_module, self.device_mesh["data_parallel"])
@@ -146,7 +147,7 @@ class PipelineStrategy(ShardedCheckpointStrategy):
             for module, stage in zip(self.stage_modules, self.stage_ids)
         ]
         schedule_class = SCHEDULES[self.schedule_name]
-        stage_arg = stages if self.stages_per_rank > 1 or schedule_class is ScheduleInterleaved1F1B else stages[0]
+        stage_arg = stages if self.stages_per_rank > 1 else stages[0]  # the multi-stage schedules take a list
         return schedule_class(stage_arg, n_microbatches=self.microbatches, loss_fn=loss_fn)
 
     def _run_schedule(self, schedule, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
