@@ -30,6 +30,11 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def is_rank_zero() -> bool:
+    """This process is rank 0 of its job (always, unless torchrun started several)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def job_config(cfg: DictConfig) -> DictConfig:
     """The resolved config of this Hydra job, plus what only the Hydra process knows.
 
@@ -126,7 +131,7 @@ def checkpoint_to_load(cfg: DictConfig) -> str | None:
     if path is None or not is_sharded_checkpoint(path) or strategy_shards_model(cfg):
         return path
     target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank_zero():
         consolidate_checkpoint(path, target)
     if dist.is_initialized():
         dist.barrier()  # torchrun: the other ranks wait for rank 0's file
@@ -165,7 +170,7 @@ def run(cfg: DictConfig) -> dict[str, float] | None:
     cfg.ckpt_path = checkpoint_to_load(cfg)
     # The resolved config this job trains with: the job's record, and what launched workers load.
     config_file = Path(cfg.paths.output_dir) / "config.yaml"
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_rank_zero():
         if cfg.print_config:
             print_config_tree(cfg)
         config_file.parent.mkdir(parents=True, exist_ok=True)
