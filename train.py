@@ -9,7 +9,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from project.checks import ConfigError
+from project.errors import ConfigError
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")

@@ -10,15 +10,8 @@ from hydra.utils import get_class, instantiate
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from project.errors import ConfigError
 from project.parallel import block_sizes, split_blocks
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; ``str()`` is the message for the user."""
-
-    def __init__(self, key: str, problem: str, fix: str) -> None:
-        super().__init__(f"{key}: {problem} Fix: {fix}")
-        self.key = key
 
 
 def _positive_int(cfg: DictConfig, key: str, fix: str) -> int:

@@ -20,8 +20,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
 from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
-from project.checks import ConfigError, check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
+from project.checks import check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
 from project.console import print_config_tree
+from project.errors import ConfigError
 from project.training import train
 
 

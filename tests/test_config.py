@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from project.checks import ConfigError, check_config
+from project.checks import check_config
+from project.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
