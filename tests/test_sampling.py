@@ -2,26 +2,25 @@
 
 import pytest
 
-from project.data.sampling import GlobalBatchSampler
+from project.data.sampling import EpochShuffle, GlobalBatchSampler
+
+
+def sampler(num_samples, batch_size, rank=0, world_size=1, shuffle=False, seed=0, drop_last=False, epoch=0):
+    order = EpochShuffle(num_samples, shuffle=shuffle, seed=seed)
+    order.set_epoch(epoch)
+    return GlobalBatchSampler(order, batch_size, rank, world_size, drop_last=drop_last)
 
 
 def rank_batches(num_samples, batch_size, world_size, **kwargs):
     """Each rank's batches, as lists of index lists."""
-    return [
-        list(GlobalBatchSampler(num_samples, batch_size, rank, world_size, **kwargs)) for rank in range(world_size)
-    ]
+    return [list(sampler(num_samples, batch_size, rank, world_size, **kwargs)) for rank in range(world_size)]
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("epoch", [0, 1])
 def test_training_global_batches_do_not_depend_on_world_size(world_size, epoch):
-    single = GlobalBatchSampler(1000, 8 * world_size, shuffle=True, seed=7, drop_last=True)
-    single.set_epoch(epoch)
-    samplers = [GlobalBatchSampler(1000, 8, r, world_size, shuffle=True, seed=7, drop_last=True) for r in range(world_size)]
-    for sampler in samplers:
-        sampler.set_epoch(epoch)
-    per_rank = [list(s) for s in samplers]
-    global_batches = list(single)
+    global_batches = list(sampler(1000, 8 * world_size, shuffle=True, seed=7, drop_last=True, epoch=epoch))
+    per_rank = rank_batches(1000, 8, world_size, shuffle=True, seed=7, drop_last=True, epoch=epoch)
     assert len(global_batches) == 1000 // (8 * world_size)
     for step, global_batch in enumerate(global_batches):
         parts = [per_rank[rank][step] for rank in range(world_size)]
@@ -30,11 +29,9 @@ def test_training_global_batches_do_not_depend_on_world_size(world_size, epoch):
 
 
 def test_shuffle_changes_with_epoch_and_repeats_with_seed():
-    sampler = GlobalBatchSampler(100, 10, shuffle=True, seed=3, drop_last=True)
-    first = list(sampler)
-    assert first == list(GlobalBatchSampler(100, 10, shuffle=True, seed=3, drop_last=True))
-    sampler.set_epoch(1)
-    assert list(sampler) != first
+    first = list(sampler(100, 10, shuffle=True, seed=3, drop_last=True))
+    assert first == list(sampler(100, 10, shuffle=True, seed=3, drop_last=True))
+    assert list(sampler(100, 10, shuffle=True, seed=3, drop_last=True, epoch=1)) != first
     assert sorted(sum(first, [])) == list(range(100))
 
 
@@ -58,6 +55,6 @@ def test_evaluation_sees_every_sample_once_with_equal_batch_counts(num_samples, 
 
 def test_too_few_samples_are_refused():
     with pytest.raises(ValueError, match="cannot fill one global batch"):
-        GlobalBatchSampler(10, 8, 0, 2, drop_last=True)
+        sampler(10, 8, 0, 2, drop_last=True)
     with pytest.raises(ValueError, match="cannot give each of 4 ranks one"):
-        GlobalBatchSampler(3, 8, 0, 4)
+        sampler(3, 8, 0, 4)

@@ -13,26 +13,38 @@ class EpochThroughput(L.Callback):
     """Logs ``perf/samples_per_sec`` (the job), ``perf/samples_per_sec_per_device``, ``perf/epoch_time_s`` and, when
     the inputs are token ids, ``perf/tokens_per_sec`` (the job).
 
-    Samples per second counts training only (epoch start to the last training batch, device synchronised);
-    epoch time is the whole epoch as a user waits for it, validation included.
+    The rates count training time only: the train clock runs from the epoch start and stops while the epoch
+    validates (and during what follows validation, such as checkpointing, until the next training batch starts).
+    It is read with the device synchronised. ``perf/epoch_time_s`` is the whole epoch as a user waits for it,
+    validation included.
     """
 
     def __init__(self) -> None:
         self._epoch_start = 0.0
-        self._train_time = None
+        self._segment_start: float | None = None  # when the train clock last started; None while it is stopped
+        self._train_time = 0.0
         self._samples = 0
         self._tokens = 0
 
-    def _synchronize(self, pl_module: L.LightningModule) -> None:
+    def _now(self, pl_module: L.LightningModule) -> float:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
+        return time.perf_counter()
+
+    def _stop_train_clock(self, pl_module: L.LightningModule) -> None:
+        if self._segment_start is not None:
+            self._train_time += self._now(pl_module) - self._segment_start
+            self._segment_start = None
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._synchronize(pl_module)
-        self._epoch_start = time.perf_counter()
-        self._train_time = None
+        self._epoch_start = self._segment_start = self._now(pl_module)
+        self._train_time = 0.0
         self._samples = 0
         self._tokens = 0
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if self._segment_start is None:  # the first batch after a validation
+            self._segment_start = self._now(pl_module)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         self._samples += extract_batch_size(batch)
@@ -40,13 +52,8 @@ class EpochThroughput(L.Callback):
         if not torch.is_floating_point(inputs):  # token ids: every element is a token
             self._tokens += inputs.numel()
 
-    def _stop_train_clock(self, pl_module: L.LightningModule) -> None:
-        if self._train_time is None:
-            self._synchronize(pl_module)
-            self._train_time = time.perf_counter() - self._epoch_start
-
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.training:  # validation inside a training epoch ends its training part
+        if not trainer.sanity_checking:  # a validation inside a training epoch pauses its clock
             self._stop_train_clock(pl_module)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -4,7 +4,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from project.data.sampling import GlobalBatchSampler, data_parallel_rank_and_size
+from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
 
 
 class InMemoryDataModule(L.LightningDataModule):
@@ -34,16 +34,9 @@ class InMemoryDataModule(L.LightningDataModule):
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
         rank, replicas = data_parallel_rank_and_size(self.trainer)
-        sampler = GlobalBatchSampler(
-            num_samples=len(dataset),
-            batch_size=self.batch_size,
-            rank=rank,
-            world_size=replicas,
-            shuffle=train and self.shuffle,
-            seed=self.seed,
-            drop_last=train,
-        )
-        return DataLoader(dataset, batch_sampler=sampler, pin_memory=torch.cuda.is_available())
+        order = EpochShuffle(len(dataset), shuffle=train and self.shuffle, seed=self.seed)
+        batches = GlobalBatchSampler(order, self.batch_size, rank=rank, world_size=replicas, drop_last=train)
+        return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)

@@ -2,10 +2,10 @@
 
 Lightning's default ``DistributedSampler`` shuffles per replica count and pads the last batch with repeated
 samples, so ``ddp`` on 2 devices neither sees the batches of 1 device nor computes exact validation metrics.
-``GlobalBatchSampler`` instead shuffles the whole set once per epoch (from ``seed`` and the epoch), cuts it into
-global batches and hands rank ``r`` the ``r``-th slice of each. Training drops the incomplete last global batch;
-evaluation keeps every sample exactly once, in non-empty slices of near-equal size, and gives every rank the same
-number of batches (collective-heavy strategies such as FSDP need that).
+Here ``EpochShuffle`` orders the whole set once per epoch (from ``seed`` and the epoch) and ``GlobalBatchSampler``
+cuts that order into global batches and hands rank ``r`` the ``r``-th slice of each. Training drops the
+incomplete last global batch; evaluation keeps every sample exactly once, in non-empty slices of near-equal size,
+and gives every rank the same number of batches (collective-heavy strategies such as FSDP need that).
 """
 
 from collections.abc import Iterator
@@ -25,50 +25,64 @@ def data_parallel_rank_and_size(trainer: L.Trainer) -> tuple[int, int]:
     return (kwargs["rank"], kwargs["num_replicas"]) if kwargs else (0, 1)
 
 
+class EpochShuffle(Sampler[int]):
+    """The order of the whole set in one epoch: a permutation drawn from ``seed + epoch``, or the natural order.
+
+    It depends on nothing else (not the process, not the device count). Lightning calls ``set_epoch`` at every
+    epoch start on ``dataloader.batch_sampler.sampler``, which is where ``GlobalBatchSampler`` keeps this object.
+    """
+
+    def __init__(self, num_samples: int, shuffle: bool, seed: int = 0) -> None:
+        self.num_samples = num_samples
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        if not self.shuffle:
+            return iter(range(self.num_samples))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=generator).tolist())
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
-    """Yields this rank's slice of each global batch of ``batch_size * world_size`` samples."""
+    """Yields this rank's slice of each global batch of ``batch_size * world_size`` samples, in ``sampler``'s order."""
 
     def __init__(
         self,
-        num_samples: int,
+        sampler: EpochShuffle,
         batch_size: int,
         rank: int = 0,
         world_size: int = 1,
-        shuffle: bool = False,
-        seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        num_samples = len(sampler)
         global_batch = batch_size * world_size
         if drop_last and num_samples < global_batch:
             raise ValueError(f"{num_samples} samples cannot fill one global batch of {global_batch}")
         if not drop_last and num_samples < world_size:
             raise ValueError(f"{num_samples} samples cannot give each of {world_size} ranks one")
-        self.num_samples = num_samples
+        self.sampler = sampler
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
-        self.shuffle = shuffle
-        self.seed = seed
         self.drop_last = drop_last
-        self.epoch = 0
         if drop_last:
             self.num_global_batches = num_samples // global_batch
         else:  # ceil, but never more slices than samples: an evaluation slice may then hold one extra sample
             self.num_global_batches = min(-(-num_samples // global_batch), num_samples // world_size)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Lightning calls this at each epoch start, so the shuffle order depends on the epoch, not the process."""
-        self.epoch = epoch
-
     def __len__(self) -> int:
         return self.num_global_batches
 
     def __iter__(self) -> Iterator[list[int]]:
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.num_samples, generator=generator)
-        else:
-            order = torch.arange(self.num_samples)
+        order = torch.tensor(list(self.sampler))
         used = order[: self.num_global_batches * self.batch_size * self.world_size] if self.drop_last else order
         # One slice per (global batch, rank), sizes differing by at most one; slice i*W + r is rank r's part
         # of global batch i. With drop_last every slice has exactly batch_size samples.
