@@ -6,10 +6,14 @@ Strategies call these; the models know nothing about them.
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from project.models.init import initial_value
 
 
 def block_sizes(model: nn.Module) -> list[int]:
@@ -73,10 +77,10 @@ def stage_modules(model: nn.Module, stages: Sequence[range], stage: int) -> list
 
 
 def place_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
-    """Put each stage's modules on its device."""
+    """Allocate each stage's modules (built on the meta device) on its own device; ``materialize`` fills them."""
     for stage, device in enumerate(devices):
         for module in stage_modules(model, stages, stage):
-            module.to(device)
+            module.to_empty(device=device)
 
 
 def connect_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
@@ -103,6 +107,16 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
             checkpoint(block)
 
 
+# Compute dtype of FSDP's gathered parameters for each Trainer precision; None keeps the parameters' own dtype.
+# (16-mixed is refused by the checks: Lightning's ModelParallelStrategy does not support it.)
+_FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16}
+
+
+def fsdp_param_dtype(precision: str) -> torch.dtype | None:
+    """The dtype FSDP gathers and computes parameters in under ``precision`` (the sharded masters stay fp32)."""
+    return _FSDP_PARAM_DTYPES.get(precision)
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -125,3 +139,46 @@ def apply_fsdp(
     for block in model.blocks:
         fully_shard(block, **options)
     fully_shard(model, **options)
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate what is still on the meta device on ``device`` and give every parameter its initial value.
+
+    Strategies act on the meta model first, so by now a rank holds only what it keeps: FSDP's shards, its pipeline
+    stages (whatever a strategy placed itself stays where it is). Each parameter's full initial value is computed
+    on the CPU, one parameter at a time (``project.models.init``), and a sharded parameter keeps its own slice, so
+    the weights depend on ``seed`` alone, not on the strategy or the device count.
+    """
+    if any(buffer.is_meta for buffer in model.buffers()):
+        raise NotImplementedError("materialize initialises parameters; this model's buffers would stay empty")
+    if any(parameter.is_meta for parameter in model.parameters()):
+        model.to_empty(device=device)
+    for name, parameter in model.named_parameters():
+        value = initial_value(model, name, seed).to(parameter.device)
+        if isinstance(parameter, DTensor):
+            # src_data_rank=None: every rank slices its own copy, nothing is sent.
+            value = distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=None)
+            value, parameter = value.to_local(), parameter.to_local()
+        parameter.copy_(value)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Sequence[torch.Tensor], max_norm: float, pipeline_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Scale the gradients so that the L2 norm of the whole model's gradient is at most ``max_norm``; returns it.
+
+    This rank's ``parameters`` may be a part of the model: sharded (FSDP's DTensors add up over their mesh) and,
+    with ``pipeline_group``, one stage of several, whose squared norms add up over the group (as torchtitan's).
+    """
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    if pipeline_group is not None:
+        total_norm = total_norm**2
+        dist.all_reduce(total_norm, group=pipeline_group)
+        total_norm = total_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm

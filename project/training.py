@@ -8,6 +8,7 @@ import warnings
 from typing import Any
 
 import lightning as L
+import torch
 import wandb
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import Logger, WandbLogger
@@ -28,6 +29,13 @@ def build_strategy(strategy_cfg: DictConfig) -> Any:
     return instantiate(OmegaConf.masked_copy(strategy_cfg, [key for key in strategy_cfg if key != "processes"]))
 
 
+def build_net(cfg: DictConfig) -> torch.nn.Module:
+    """The plain model on the meta device: shapes only, no memory. Each rank materialises only what it keeps,
+    once the strategy has sharded or split it (``TrainingModule.configure_model``)."""
+    with torch.device("meta"):
+        return instantiate(cfg.model.net)
+
+
 def build_loggers(cfg: DictConfig) -> list[Logger]:
     """Instantiate each configured logger; W&B also receives the resolved config (group choices included)."""
     run_config = OmegaConf.to_container(cfg, resolve=True)
@@ -43,7 +51,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Fit the configured model; returns the last epoch's logged metrics."""
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
-    module = instantiate(cfg.model)
+    module = instantiate(cfg.model, net=build_net(cfg))
     loggers = build_loggers(cfg)
     callbacks = [instantiate(callback) for callback in (cfg.callbacks or {}).values()]
     trainer = instantiate(

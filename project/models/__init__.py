@@ -1,7 +1,10 @@
 """Plain PyTorch models, each ``head(blocks(stem(x)))``: ``blocks`` is the ordered block sequence strategies shard
-or split; ``stem`` goes with the first stage, ``head`` with the last."""
+or split; ``stem`` goes with the first stage, ``head`` with the last. Each model says how a parameter starts
+(``init_parameter``); ``project.models.init`` draws every parameter from the seed, so models can be built on the
+meta device and materialised piece by piece."""
 
 from project.models.gpt import GPT
+from project.models.init import init_weights
 from project.models.mlp import MLP
 
-__all__ = ["GPT", "MLP"]
+__all__ = ["GPT", "MLP", "init_weights"]

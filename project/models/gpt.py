@@ -1,7 +1,8 @@
 """A GPT-style decoder: token + position embedding, pre-norm transformer blocks, final norm, LM head.
 
 Read top to bottom: ``CausalSelfAttention`` and ``MLP`` make a ``Block``; ``GPT`` is ``head(blocks(stem(tokens)))``,
-the same stem / blocks / head shape as the other models, so strategies shard or split it by block.
+the same stem / blocks / head shape as the other models, so strategies shard or split it by block. Its initial
+weights are GPT-2's scheme (``GPT.init_parameter``), drawn parameter by parameter from the seed.
 """
 
 import math
@@ -101,17 +102,20 @@ class GPT(nn.Module):
         self.head = LMHead(dim, vocab_size)
         if tie_weights:  # GPT-2's choice: the output projection reuses the token embedding
             self.head.output.weight = self.stem.tokens.weight
-        self.apply(self._init_weights)
-        for name, parameter in self.named_parameters():
-            if name.endswith(("proj.weight", "down.weight")):  # GPT-2: scale the residual projections by depth
-                nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * num_layers))
+        self.num_layers = num_layers
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """GPT-2's initialisation: weights and embeddings normal with std 0.02, the residual projections scaled
+        down by sqrt(2 x layers) so the residual stream does not grow with depth; biases 0, norms 1 and 0."""
+        module = self.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, nn.LayerNorm):
+            tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        elif name.endswith(("proj.weight", "down.weight")):
+            tensor.normal_(0.0, 0.02 / math.sqrt(2 * self.num_layers), generator=generator)
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.stem(tokens)

@@ -3,6 +3,7 @@
 ``MLP(10000, [5000, 1000], 10)`` is exactly seed 000's model (Linear 10000→5000→1000→10 with ReLU).
 """
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,12 @@ class MLP(nn.Module):
         self.stem = nn.Identity()
         self.blocks = nn.ModuleList([*hidden, nn.Linear(widths[-1], num_classes)])
         self.head = nn.Identity()
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """PyTorch's default for a Linear layer: weight and bias uniform in ±1/sqrt(fan_in)."""
+        layer = self.get_submodule(name.rpartition(".")[0])
+        bound = 1 / math.sqrt(layer.in_features)
+        tensor.uniform_(-bound, bound, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)

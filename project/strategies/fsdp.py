@@ -11,13 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from project.parallel import apply_activation_checkpointing, apply_fsdp
+from project.parallel import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
 from project.strategies.sharded import ShardedCheckpointStrategy
-
-# Compute dtype of the gathered parameters for each Trainer precision; None keeps the parameters' own dtype.
-# (16-mixed is refused by the checks: Lightning's ModelParallelStrategy does not support it.)
-PARAM_DTYPES = {"bf16-mixed": torch.bfloat16}
-
 
 class FSDPStrategy(ShardedCheckpointStrategy):
     """Fully sharded data parallel: parameters, gradients and optimizer state split across all ranks."""
@@ -43,7 +38,7 @@ class FSDPStrategy(ShardedCheckpointStrategy):
 
     def parallelize(self, model: nn.Module) -> None:
         """Called from the LightningModule's ``configure_model`` with its plain model."""
-        param_dtype = PARAM_DTYPES.get(self.precision_plugin.precision)
+        param_dtype = fsdp_param_dtype(self.precision_plugin.precision)
         if self.activation_checkpointing:
             apply_activation_checkpointing(model)
         apply_fsdp(

@@ -46,10 +46,12 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
         return self.stage_device(self.num_stages - 1)
 
     def parallelize(self, model: nn.Module) -> None:
-        """Called from the LightningModule's ``configure_model`` with its plain model."""
+        """Called from the LightningModule's ``configure_model`` with its plain (meta) model: each stage is
+        allocated on its own device, never the whole model on one."""
         if self.stages:
             return  # already split
         self.stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
+        place_stages(model, self.stages, self.stage_devices)
         connect_stages(model, self.stages, self.stage_devices)
         self.parameter_stage = {
             id(parameter): stage
@@ -60,9 +62,10 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
         self._staged_model = model
 
     def model_to_device(self) -> None:
-        # Everything outside the blocks (metrics, buffers) to the root device, then each stage to its own.
-        self.model.to(self.root_device)
-        place_stages(self._staged_model, self.stages, self.stage_devices)
+        # The stages are on their devices already; everything else (metrics, buffers) goes to the root device.
+        for child in self.model.children():
+            if child is not self._staged_model:
+                child.to(self.root_device)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # Lightning's version moves all optimizer state to the root device; here it must stay with each
