@@ -1,27 +1,40 @@
 """What every task's LightningModule shares: the steps, the optimizer, and the protocol strategies rely on."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import lightning as L
 import torch
 from torch import nn
 
-from project.parallel import apply_activation_checkpointing
+from project.errors import ConfigError
+from project.parallel import apply_activation_checkpointing, materialize
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+
+# Parameter kinds weight decay can spare (``no_weight_decay``): shrinking them towards 0 only hurts.
+NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+NO_DECAY_KINDS = {
+    "bias": lambda name, module: name.endswith("bias"),
+    "norm": lambda name, module: isinstance(module, NORMS),
+    "embedding": lambda name, module: isinstance(module, nn.Embedding),
+}
 
 
 class TrainingModule(L.LightningModule):
     """Trains ``net`` (a plain model, ``head(blocks(stem(x)))``) on ``(inputs, targets)`` batches.
 
+    ``net`` is normally built on the meta device; ``configure_model`` lets the strategy shard or split it, then
+    materialises what this rank keeps, initialised from ``init_seed`` (``project.parallel.materialize``).
+
     Subclasses set ``criterion`` (loss of a batch or micro-batch), ``train_metrics`` and ``val_metrics``
-    (ModuleDicts of torchmetrics with a ``loss`` MeanMetric, reduced across ranks once at epoch end) and
-    ``update_task_metrics`` for the metrics beyond the loss.
+    (ModuleDicts of torchmetrics with a ``loss`` MeanMetric, reduced across ranks once at epoch end) and may
+    override ``update_task_metrics`` for the metrics beyond the loss.
 
     The protocol strategies use: ``configure_model`` hands ``net`` to ``strategy.parallelize`` (FSDP shards it,
     model/pipeline parallelism split it); a pipeline strategy runs the steps itself with ``criterion`` per
-    micro-batch, feeds ``update_metrics`` where outputs exist and calls ``log_metrics`` on every rank.
+    micro-batch, feeds ``update_metrics`` where outputs exist and calls ``log_metrics`` on every rank; a strategy
+    with ``clip_grad_norm_`` clips gradients by norm itself.
     """
 
     criterion: nn.Module
@@ -32,21 +45,39 @@ class TrainingModule(L.LightningModule):
         self,
         net: nn.Module,
         optimizer: OptimizerFactory,
+        init_seed: int,
         scheduler: SchedulerFactory | None = None,
+        no_weight_decay: Sequence[str] = (),
         activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
+        unknown = set(no_weight_decay) - set(NO_DECAY_KINDS)
+        if unknown:
+            raise ConfigError(
+                "model.no_weight_decay",
+                f"names {sorted(unknown)}, which are not parameter kinds.",
+                f"list kinds among {sorted(NO_DECAY_KINDS)}, or [] to decay every parameter.",
+            )
+        if scheduler is not None:
+            _check_scheduler(scheduler)
         self.net = net
         self.optimizer_factory = optimizer
+        self.init_seed = init_seed
         self.scheduler_factory = scheduler
+        self.no_weight_decay = list(no_weight_decay)
         self.activation_checkpointing = activation_checkpointing
+        self._configured = False
 
     def configure_model(self) -> None:
+        if self._configured:
+            return  # Lightning calls this again for validate or test after fit
         if self.activation_checkpointing:
             apply_activation_checkpointing(self.net)
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
-        if parallelize is not None:  # a no-op for DDP and one device
+        if parallelize is not None:  # DDP and one device keep the whole model
             parallelize(self.net)
+        materialize(self.net, self.trainer.strategy.root_device, self.init_seed)
+        self._configured = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -63,7 +94,7 @@ class TrainingModule(L.LightningModule):
         self.update_task_metrics(metrics, outputs.detach(), target)
 
     def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Metrics beyond the loss (none by default)."""
 
     def log_metrics(self, split: str) -> None:
         """Log ``split``'s metrics (train or val) for the epoch."""
@@ -86,9 +117,44 @@ class TrainingModule(L.LightningModule):
         self.update_metrics("val", outputs, target, self.criterion(outputs, target))
         self.log_metrics("val")
 
+    def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping, except that by norm a strategy whose ranks each hold a part of the model (a
+        pipeline stage) clips by the whole model's norm with its ``clip_grad_norm_``."""
+        clip_grad_norm_ = getattr(self.trainer.strategy, "clip_grad_norm_", None)
+        algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
+        if clip_grad_norm_ is None or not gradient_clip_val or algorithm != "norm":
+            return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_grad_norm_([parameter for group in optimizer.param_groups for parameter in group["params"]], gradient_clip_val)
+
+    def parameter_groups(self) -> list[list[str]]:
+        """Names of the parameters in each optimizer group, in order: weight-decayed, then spared (the
+        ``no_weight_decay`` kinds). Every rank has both groups, possibly empty, so their indices always agree."""
+        decayed, spared = [], []
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            spare = any(NO_DECAY_KINDS[kind](name, module) for kind in self.no_weight_decay)
+            (spared if spare else decayed).append(name)
+        return [decayed, spared]
+
     def configure_optimizers(self):
-        optimizer = self.optimizer_factory(params=self.parameters())
+        parameters = dict(self.named_parameters())
+        decayed, spared = ([parameters[name] for name in group] for group in self.parameter_groups())
+        optimizer = self.optimizer_factory(params=[{"params": decayed}, {"params": spared, "weight_decay": 0.0}])
         if self.scheduler_factory is None:
             return optimizer
-        # Schedules here are per optimizer step (warmup and cosine over steps).
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+        # Per optimizer step, over this run's steps (epochs, devices, accumulation and max_steps included).
+        scheduler = self.scheduler_factory(optimizer, run_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _check_scheduler(factory: SchedulerFactory) -> None:
+    """Build the schedule once on a stand-in optimizer, so a bad scheduler config fails before any training starts."""
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        factory(stand_in, run_steps=100)
+    except TypeError as error:
+        raise ConfigError(
+            "model.scheduler",
+            f"cannot be built as factory(optimizer, run_steps=...): {error}.",
+            "use a schedule taking the run's optimizer steps, e.g. project.modules.schedules.warmup_cosine, or null.",
+        ) from None

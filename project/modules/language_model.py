@@ -4,7 +4,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torchmetrics import MeanMetric
-from torchmetrics.text import Perplexity
 
 from project.modules.base import TrainingModule
 
@@ -24,13 +23,12 @@ class LanguageModelModule(TrainingModule):
         super().__init__(net, **kwargs)
         self.criterion = TokenCrossEntropy()
         self.train_metrics = nn.ModuleDict({"loss": MeanMetric()})
-        self.val_metrics = nn.ModuleDict({"loss": MeanMetric(), "perplexity": Perplexity()})
-
-    def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
-        if "perplexity" in metrics:  # validation only
-            metrics["perplexity"].update(outputs.float(), target)
+        self.val_metrics = nn.ModuleDict({"loss": MeanMetric()})
 
     def on_validation_epoch_end(self) -> None:
+        # Perplexity is exp of the mean token loss, which the loss metric already holds (reduced over all ranks):
+        # no second pass over the logits.
+        self.log("val/perplexity", torch.exp(self.val_metrics["loss"].compute()))
         floor = getattr(self.trainer.datamodule, "entropy_floor", None)
         if floor is not None:  # plotted beside val/loss: how far the model is from the best possible
             self.log("data/entropy_floor", floor)
