@@ -18,26 +18,30 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
 
 
-def _optimizer_state_by_position(state: dict, parameter_names: list[str]) -> dict:
-    """Sharded optimizer state is keyed by parameter name; a plain optimizer wants positions in its parameter
-    list, which follows the model's parameter order (``parameter_names``).
-
-    One parameter group is assumed, as ``configure_optimizers`` builds it. Its stored name list is the order to
-    use (it names a tied weight once); a pipeline's may cover only rank 0's parameters, and then the model's
-    order stands in.
+def _optimizer_state_by_position(state: dict, group_names: list[list[str]]) -> dict:
+    """Sharded optimizer state is keyed by parameter name; a plain optimizer wants positions: a parameter's place
+    in its group list, groups one after the other. ``group_names`` names the parameters of each group of the
+    optimizer that will load the file (``TrainingModule.parameter_groups``), so every parameter's state lands on
+    its own parameter, whichever rank saved it. The groups' settings are those saved (rank 0's; all ranks have the
+    same groups).
     """
-    (group,) = state["param_groups"]
-    if set(state["state"]) <= set(group["params"]):
-        parameter_names = list(group["params"])
-    positions = {name: index for index, name in enumerate(parameter_names)}
-    return {
-        "state": {positions[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**group, "params": list(range(len(parameter_names)))}],
-    }
+    saved_groups = state["param_groups"]
+    if len(saved_groups) != len(group_names):
+        raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this model {len(group_names)}")
+    positions = {name: position for position, name in enumerate(name for names in group_names for name in names)}
+    unknown = set(state["state"]) - set(positions)
+    if unknown:
+        raise ValueError(f"the checkpoint has optimizer state for parameters this model lacks: {sorted(unknown)}")
+    groups, start = [], 0
+    for saved, names in zip(saved_groups, group_names):
+        groups.append({**saved, "params": list(range(start, start + len(names)))})
+        start += len(names)
+    return {"state": {positions[name]: value for name, value in state["state"].items()}, "param_groups": groups}
 
 
-def consolidate_checkpoint(sharded_dir: str | Path, output_file: str | Path) -> Path:
-    """Gather every shard of ``sharded_dir`` into full tensors and write one Lightning checkpoint file.
+def consolidate_checkpoint(sharded_dir: str | Path, output_file: str | Path, group_names: list[list[str]]) -> Path:
+    """Gather every shard of ``sharded_dir`` into full tensors and write one Lightning checkpoint file, with the
+    optimizer state laid out for an optimizer whose groups hold the parameters ``group_names`` names.
 
     Runs in one process without a process group; it needs memory for the whole model and optimizer state.
     """
@@ -48,11 +52,8 @@ def consolidate_checkpoint(sharded_dir: str | Path, output_file: str | Path) -> 
         dcp_to_torch_save(sharded_dir, gathered_file)
         gathered = torch.load(gathered_file, weights_only=False)
     checkpoint["state_dict"] = gathered.pop("state_dict")
-    parameter_names = list(checkpoint["state_dict"])  # the models keep no buffers in their state dicts
     optimizer_keys = sorted((key for key in gathered if key.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-    checkpoint["optimizer_states"] = [
-        _optimizer_state_by_position(gathered[key], parameter_names) for key in optimizer_keys
-    ]
+    checkpoint["optimizer_states"] = [_optimizer_state_by_position(gathered[key], group_names) for key in optimizer_keys]
     output_file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, output_file)
     return output_file

@@ -4,9 +4,12 @@ Each failure is a ``ConfigError`` whose message names the key, what is wrong and
 """
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
+from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +30,10 @@ def uses_cuda(cfg: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
+# What Lightning's ModelParallelStrategy (fsdp, pipeline) accepts.
+SHARDED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
+
+
 def strategy_shards_model(cfg: DictConfig) -> bool:
     """Whether the configured Lightning strategy is a ModelParallelStrategy (FSDP2): it saves and loads sharded
     checkpoints, and supports fewer precisions."""
@@ -43,26 +50,39 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     return str(cfg.ckpt_path)
 
 
+def _gpus_support_bf16(devices: int) -> bool:
+    """Whether the first ``devices`` GPUs compute in bfloat16 (compute capability 8.0, Ampere, or newer).
+
+    Asked of the device properties, which opens no CUDA context: ``torch.cuda.is_bf16_supported()`` would put
+    one on GPU 0 in the launcher and in every rank before it has chosen its own GPU.
+    """
+    return all(torch.cuda.get_device_capability(index) >= (8, 0) for index in range(devices))
+
+
 def _check_precision_and_offload(cfg: DictConfig) -> None:
-    precision = str(cfg.trainer.precision)
+    try:  # Lightning's own reading: 32 and "32" are "32-true", 16 is "16-mixed", "bf16" is "bf16-mixed"...
+        precision = _convert_precision_to_unified_args(cfg.trainer.precision)
+    except ValueError as error:
+        raise ConfigError("trainer.precision", f"{error}.", "use 32-true, bf16-mixed or (on GPUs) 16-mixed.") from None
     if precision.startswith("16") and not uses_cuda(cfg):
         raise ConfigError(
             "trainer.precision",
             f"is {precision!r}, but float16 training needs a CUDA GPU and this run is on the CPU.",
             "use trainer.precision=bf16-mixed (CPUs support bfloat16) or 32-true.",
         )
-    if precision.startswith("bf16") and uses_cuda(cfg) and not torch.cuda.is_bf16_supported():
+    if precision.startswith("bf16") and uses_cuda(cfg) and not _gpus_support_bf16(cfg.trainer.devices):
         raise ConfigError(
             "trainer.precision",
             f"is {precision!r}, but this GPU has no bfloat16 support.",
             "use trainer.precision=16-mixed or 32-true.",
         )
-    if precision == "16-mixed" and strategy_shards_model(cfg):
+    if precision not in SHARDED_PRECISIONS and strategy_shards_model(cfg):
         raise ConfigError(
             "trainer.precision",
-            "is '16-mixed', which Lightning's ModelParallelStrategy (under strategy=fsdp) does not support.",
-            "use trainer.precision=bf16-mixed (parameters are then gathered in bf16, gradients reduced in "
-            "strategy.reduce_dtype).",
+            f"is {precision!r}, which Lightning's ModelParallelStrategy (under strategy=fsdp and pipeline) does not "
+            "support.",
+            f"use one of {', '.join(SHARDED_PRECISIONS)} (bf16-mixed: parameters are gathered and computed in bf16, "
+            "gradients reduced in fp32).",
         )
     if OmegaConf.select(cfg, "strategy.cpu_offload") and not uses_cuda(cfg):
         raise ConfigError(
@@ -89,19 +109,6 @@ def _check_pipeline(cfg: DictConfig) -> None:
         return
     strategy = cfg.strategy
     key = "strategy."
-    # The schedule runs forward and backward itself, outside Lightning's autocast, accumulation and clipping.
-    for setting, default, what in [
-        ("precision", "32-true", "mixed precision"),
-        ("accumulate_grad_batches", 1, "gradient accumulation"),
-        ("gradient_clip_val", None, "gradient clipping"),
-    ]:
-        value = cfg.trainer[setting]
-        if value != default:
-            raise ConfigError(
-                f"trainer.{setting}",
-                f"is {value!r}, but strategy=pipeline does not support {what} yet.",
-                f"leave trainer.{setting}={default} with the pipeline (or use strategy=fsdp).",
-            )
     if stages_per_rank < 1 or strategy.num_stages % stages_per_rank:
         raise ConfigError(
             key + "stages_per_rank",
@@ -148,7 +155,7 @@ def _check_pipeline(cfg: DictConfig) -> None:
         )
 
 
-def _check_stage_split(cfg: DictConfig) -> None:
+def _check_stage_split(cfg: DictConfig, net: torch.nn.Module) -> None:
     """Strategies that split the model into stages: the split must exist for this model."""
     if OmegaConf.select(cfg, "strategy.num_stages") is None:
         return
@@ -161,8 +168,6 @@ def _check_stage_split(cfg: DictConfig) -> None:
             "set model.net.tie_weights=false for model_parallel and pipeline.",
         )
     blocks_per_stage = OmegaConf.select(cfg, "strategy.blocks_per_stage")
-    with torch.device("meta"):  # sizes only, nothing allocated
-        net = instantiate(cfg.model.net)
     try:
         split_blocks(block_sizes(net), num_stages, blocks_per_stage)
     except ValueError as error:
@@ -193,6 +198,16 @@ def _check_checkpoint(cfg: DictConfig) -> None:
         )
 
 
+def _build(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
+    """Instantiate the config node at ``key`` as the workers will; its own ``ConfigError`` comes out as it is."""
+    try:
+        return instantiate(OmegaConf.select(cfg, key), **kwargs)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ConfigError):
+            raise error.__cause__ from None
+        raise ConfigError(key, f"cannot be built: {error}", f"check {key}._target_ and its arguments.") from None
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first setting that cannot work."""
     devices = _positive_int(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
@@ -216,10 +231,13 @@ def check_config(cfg: DictConfig) -> None:
             )
 
     _check_precision_and_offload(cfg)
-    _check_stage_split(cfg)
+    with torch.device("meta"):  # shapes only, nothing allocated
+        net = _build(cfg, "model.net")
+    _build(cfg, "model", net=net)  # the LightningModule checks its own options (optimizer groups, schedule)
+    _check_stage_split(cfg, net)
     _check_pipeline(cfg)
 
-    datamodule = instantiate(cfg.data)  # cheap: data is generated in setup(), not here
+    datamodule = _build(cfg, "data")  # cheap: data is read or generated in setup(), not here
     data_parallel = data_parallel_size(cfg)
     global_batch = batch_size * data_parallel
     if global_batch > datamodule.num_train_samples:

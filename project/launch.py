@@ -6,15 +6,20 @@ torch's elastic launcher (what ``torchrun`` uses) starts ``python -m project.wor
 The workers see torchelastic's environment, so Lightning joins them into one process group without relaunching.
 """
 
+import atexit
 import logging
 import os
 import sys
 import uuid
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
@@ -23,7 +28,9 @@ from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
 from project.checks import check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
 from project.console import print_config_tree
 from project.errors import ConfigError
-from project.training import train
+from project.training import build_net, train
+
+log = logging.getLogger(__name__)
 
 
 def launched_by_torchrun() -> bool:
@@ -102,13 +109,32 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
         ) from None
 
 
-def share_output_dir(cfg: DictConfig) -> None:
-    """Under torchrun every rank composed its own config; point all ranks at rank 0's job dir.
+def process_group_settings(cfg: DictConfig) -> tuple[str, timedelta]:
+    """The backend and timeout the strategy is configured with (Lightning's defaults where it names none)."""
+    backend = OmegaConf.select(cfg, "strategy.process_group_backend") or ("nccl" if uses_cuda(cfg) else "gloo")
+    timeout = OmegaConf.select(cfg, "strategy.timeout")
+    return backend, default_pg_timeout if timeout is None else instantiate(timeout)
 
-    Done before resolving, so every path that interpolates ``paths.output_dir`` follows. The dirs differ only
-    if the ranks started in different seconds (the dir name is a timestamp).
+
+def join_torchrun_job(cfg: DictConfig) -> None:
+    """Under torchrun: join the job's process group, then point every rank at rank 0's job dir.
+
+    The group is made here, with the strategy's backend and timeout, once this rank's GPU is chosen from
+    ``LOCAL_RANK`` (so no rank opens a CUDA context on GPU 0); Lightning then uses it as it is, as does every
+    further job of a ``-m`` sweep in this process. Each rank composed its own config; the job dirs differ only if
+    the ranks started in different seconds (the dir name is a timestamp), so rank 0's is broadcast, before
+    resolving, so that every path interpolating ``paths.output_dir`` follows.
     """
-    dist.init_process_group("nccl" if uses_cuda(cfg) else "gloo")
+    if not dist.is_initialized():
+        backend, timeout = process_group_settings(cfg)
+        if uses_cuda(cfg):
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group(backend, timeout=timeout)
+        atexit.register(dist.destroy_process_group)
+        if is_rank_zero():
+            group = dist.distributed_c10d._get_default_group()
+            options = group._get_backend(torch.device("cuda" if backend == "nccl" else "cpu")).options
+            log.info(f"Process group: {dist.get_backend()}, timeout {options._timeout}, {dist.get_world_size()} ranks")
     own_dir = HydraConfig.get().runtime.output_dir
     shared = [own_dir]
     dist.broadcast_object_list(shared, src=0)
@@ -133,7 +159,8 @@ def checkpoint_to_load(cfg: DictConfig) -> str | None:
         return path
     target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
     if is_rank_zero():
-        consolidate_checkpoint(path, target)
+        module = instantiate(cfg.model, net=build_net(cfg))  # on the meta device: only its parameter names count
+        consolidate_checkpoint(path, target, module.parameter_groups())
     if dist.is_initialized():
         dist.barrier()  # torchrun: the other ranks wait for rank 0's file
     return str(target)
@@ -164,7 +191,7 @@ def run(cfg: DictConfig) -> dict[str, float] | None:
     _log_once_per_line()
     torchrun = launched_by_torchrun()
     if torchrun:
-        share_output_dir(cfg)
+        join_torchrun_job(cfg)
     cfg = job_config(cfg)
     check_config(cfg)
     check_launch(cfg, torchrun)

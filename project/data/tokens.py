@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
+from project.errors import ConfigError
 
 
 def random_markov_chain(vocab_size: int, branching: int, generator: torch.Generator) -> torch.Tensor:
@@ -111,6 +112,8 @@ class TextDataModule(InMemoryDataModule):
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle)
         self.path = Path(path)
+        if not self.path.is_file():
+            raise ConfigError("data.path", f"{self.path} is not a file.", "give an existing text file: data.path=FILE.")
         self.seq_length = seq_length
         self.val_fraction = val_fraction
 

@@ -8,8 +8,10 @@ pipeline needs, the rest is data parallel: the ranks form a (data_parallel x pip
 sharded with FSDP over its data-parallel group.
 
 Lightning has no pipeline strategy; this one runs the schedule (forward and backward of every micro-batch
-together) in place of Lightning's backward, and forward-only in ``validation_step``. Everything else (optimizers,
-metrics, loggers, checkpoints) is Lightning's, unchanged.
+together) in place of the ``loss.backward()`` of Lightning's backward (its hooks, gradient accumulation and autocast
+stay), and forward-only in ``validation_step``; gradient clipping by norm takes the norm over all stages. Everything
+else (optimizers, metrics, loggers, checkpoints) is Lightning's, unchanged. The model arrives on the meta device, so
+a rank allocates only its own stages.
 """
 
 import warnings
@@ -28,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from project.checkpoints import META_FILE, is_sharded_checkpoint
-from project.parallel import apply_fsdp, block_sizes, split_blocks, stage_modules
+from project.parallel import apply_fsdp, block_sizes, clip_grad_norm_, fsdp_param_dtype, split_blocks, stage_modules
 from project.strategies.sharded import ShardedCheckpointStrategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -52,8 +54,8 @@ class StageModule(nn.Module):
 
 
 def keep_only(model: nn.Module, kept: list[nn.Module]) -> None:
-    """Free the stem, blocks and head this rank does not run; ``nn.Identity`` in their place keeps the names of
-    the others (and so the checkpoint keys) unchanged."""
+    """Drop the stem, blocks and head this rank does not run (before they are ever allocated); ``nn.Identity`` in
+    their place keeps the names of the others (and so the checkpoint keys) unchanged."""
     kept_ids = {id(module) for module in kept}
     for index, block in enumerate(model.blocks):
         if id(block) not in kept_ids:
@@ -112,15 +114,24 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         return self.num_stages - 1 in self.stage_ids
 
     def parallelize(self, model: nn.Module) -> None:
-        """Called from the LightningModule's ``configure_model`` with its plain model."""
+        """Called from the LightningModule's ``configure_model`` with its plain (meta) model."""
         if self.stage_modules:
             return
         stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
         self.stage_modules = [StageModule(stage_modules(model, stages, stage)) for stage in self.stage_ids]
         keep_only(model, [module for stage in self.stage_modules for module in stage.blocks])
         if self.device_mesh["data_parallel"].size() > 1:
+            param_dtype = fsdp_param_dtype(self.precision_plugin.precision)
             for stage_module in self.stage_modules:
-                apply_fsdp(stage_module, self.device_mesh["data_parallel"])
+                # Gathered once per step, not once per micro-batch (torchtitan does the same under PP): the schedule
+                # runs every micro-batch through the stage, and only its last backward reduces and reshards.
+                apply_fsdp(
+                    stage_module,
+                    self.device_mesh["data_parallel"],
+                    reshard_after_forward=False,
+                    param_dtype=param_dtype,
+                    reduce_dtype=torch.float32 if param_dtype is not None else None,
+                )
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads its own blocks and their optimizer state from a sharded checkpoint.
@@ -148,7 +159,18 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         ]
         schedule_class = SCHEDULES[self.schedule_name]
         stage_arg = stages if self.stages_per_rank > 1 else stages[0]  # the multi-stage schedules take a list
-        return schedule_class(stage_arg, n_microbatches=self.microbatches, loss_fn=loss_fn)
+        # scale_grads=False: the schedule would divide all of .grad by the micro-batches after each step, also
+        # what earlier batches of a gradient accumulation put there; the loss is scaled instead (_microbatch_loss).
+        return schedule_class(stage_arg, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    @property
+    def _loss_divisor(self) -> int:
+        """What each micro-batch's mean loss is divided by, so that the gradients add up to those Lightning takes
+        from one batch: the micro-batches of the batch, times the batches accumulated per optimizer step."""
+        return self.microbatches * self.lightning_module.trainer.accumulate_grad_batches
+
+    def _microbatch_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.lightning_module.criterion(outputs, target) / self._loss_divisor
 
     def _run_schedule(self, schedule, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
         """Feed the inputs on the first stage; the last stage returns the merged outputs, other ranks None."""
@@ -163,18 +185,34 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         return torch.zeros((), device=self.root_device)
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's ``Strategy.backward`` (the ``on_before_backward`` / ``on_after_backward`` hooks around it),
+        with the pipeline schedule where the precision plugin would call ``loss.backward()``."""
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._train_schedule_step()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _train_schedule_step(self) -> None:
         module = self.lightning_module
         if self._train_schedule is None:
-            self._train_schedule = self._make_schedule(loss_fn=module.criterion)
+            self._train_schedule = self._make_schedule(loss_fn=self._microbatch_loss)
         (inputs, target), self._batch = self._batch, None
         losses: list[torch.Tensor] = []
-        logits = self._run_schedule(
-            self._train_schedule.step, inputs, target=target if self.holds_last_stage else None, losses=losses
-        )
+        with self.precision_plugin.train_step_context():  # autocast under bf16-mixed, as Lightning's training_step
+            logits = self._run_schedule(
+                self._train_schedule.step, inputs, target=target if self.holds_last_stage else None, losses=losses
+            )
         if self.holds_last_stage:
-            # Equal micro-batches: the mean of their mean losses is the batch's mean loss (what the gradients used).
-            module.update_metrics("train", logits, target, torch.stack(losses).mean())
-        return closure_loss
+            # Equal micro-batches: their scaled losses add up to the batch's mean loss over the accumulation.
+            batch_loss = torch.stack(losses).sum() * module.trainer.accumulate_grad_batches
+            module.update_metrics("train", logits, target, batch_loss)
+
+    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient: every stage's, every data-parallel shard's."""
+        return clip_grad_norm_(parameters, max_norm, self.device_mesh["pipeline"].get_group())
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Forward only. Stages fix their activation shapes on first use, so every evaluation batch is padded to
@@ -189,7 +227,8 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         padding = self._eval_batch_size - size
         if padding:
             inputs = torch.cat([inputs, inputs[:1].expand(padding, *inputs.shape[1:])])
-        logits = self._run_schedule(self._eval_schedule.eval, inputs)
+        with self.precision_plugin.val_step_context():
+            logits = self._run_schedule(self._eval_schedule.eval, inputs)
         if self.holds_last_stage:
             logits = logits[:size]
             module.update_metrics("val", logits, target, module.criterion(logits, target))
