@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from reference import ReferenceRun, reference_run
 from wandb_offline import OfflineRun, offline_runs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,10 +27,28 @@ TINY = [
 ]
 
 
+# A GPT and a language small enough for seconds per run; the default optimizer and schedule.
+TINY_GPT = [
+    "model=gpt",
+    "data=tokens",
+    "data.vocab_size=32",
+    "data.seq_length=16",
+    "data.num_train=512",
+    "data.num_val=100",
+    "model.net.dim=32",
+    "model.net.num_heads=2",
+    "trainer.max_epochs=3",
+    "print_config=false",
+    "~callbacks.progress_bar",
+    "+trainer.enable_progress_bar=false",
+]
+
+
 def isolated_env(home: Path) -> dict[str, str]:
-    """No W&B credentials or mode from the developer's machine: runs must decide offline by themselves."""
+    """No W&B credentials or mode from the developer's machine: runs must decide offline by themselves. The
+    tests folder is importable, so a run can load a probe callback from ``tests/probes.py``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env.update(HOME=str(home), PYTHONUNBUFFERED="1")
+    env.update(HOME=str(home), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "tests"))
     return env
 
 
@@ -96,6 +115,29 @@ def assert_close(a: list[float], b: list[float], rel: float) -> None:
         assert math.isclose(x, y, rel_tol=rel), (a, b)
 
 
+@pytest.fixture(scope="session")
+def reference():
+    """``reference(overrides, global_batch)``: the hand-written loop (reference.py) on the config that
+    ``python train.py <overrides>`` composes, computed once per config."""
+    from test_config import compose_train
+
+    cache: dict[tuple, ReferenceRun] = {}
+
+    def run(overrides: list[str], global_batch: int) -> ReferenceRun:
+        key = (tuple(overrides), global_batch)
+        if key not in cache:
+            cache[key] = reference_run(compose_train(overrides), global_batch)
+        return cache[key]
+
+    return run
+
+
+def assert_matches_reference(run: OfflineRun, history: list[dict[str, float]], rel: float = 1e-5) -> None:
+    """Every per-epoch number of the hand-written loop, in the W&B run, to ``rel``."""
+    for key in history[0]:
+        assert run.series(key) == pytest.approx([row[key] for row in history], rel=rel), key
+
+
 def assert_epoch_metrics(run: OfflineRun, epochs: int) -> None:
     """Each key logged once per epoch, against `epoch` 0..epochs-1."""
     for key in EPOCH_KEYS:
@@ -103,9 +145,71 @@ def assert_epoch_metrics(run: OfflineRun, epochs: int) -> None:
         assert [row["epoch"] for row in rows] == list(range(epochs)), key
 
 
+# Session runs that several tests read. MLP runs have a global batch of 64, GPT runs of 32.
+
+
 @pytest.fixture(scope="session")
 def single_run(runs_dir, home):
     """auto on one device, global batch 64."""
     job_dir = runs_dir / "single"
     train([*TINY, f"hydra.run.dir={job_dir}", "data.batch_size=64"], home)
+    return job_dir
+
+
+@pytest.fixture(scope="session")
+def ddp_fsdp_sweep(runs_dir, home):
+    """`python train.py -m strategy=ddp,fsdp trainer.devices=2`, 32 per device: job 0 is ddp, job 1 fsdp."""
+    sweep_dir = runs_dir / "ddp-fsdp"
+    result = train(["-m", *TINY, "trainer.devices=2", "data.batch_size=32", f"hydra.sweep.dir={sweep_dir}",
+                    "strategy=ddp,fsdp"], home, timeout=400)
+    assert "distributed_backend=gloo" in result.output and "Starting with 2 processes" in result.output
+    return sweep_dir / "0", sweep_dir / "1"
+
+
+@pytest.fixture(scope="session")
+def model_parallel_run(runs_dir, home):
+    job_dir = runs_dir / "model-parallel"
+    train([*TINY, "data.batch_size=64", f"hydra.run.dir={job_dir}", "strategy=model_parallel", "trainer.devices=2"], home)
+    return job_dir
+
+
+@pytest.fixture(scope="session")
+def pipeline_sweep(runs_dir, home):
+    """`-m strategy=pipeline strategy.schedule=gpipe,1f1b trainer.devices=2`: jobs 0 and 1 (precision given as 32,
+    Lightning's other spelling of 32-true)."""
+    sweep_dir = runs_dir / "pipeline"
+    train(["-m", *TINY, "data.batch_size=64", f"hydra.sweep.dir={sweep_dir}", "strategy=pipeline", "trainer.devices=2",
+           "strategy.schedule=gpipe,1f1b", "trainer.precision=32"], home, timeout=400)
+    return sweep_dir / "0", sweep_dir / "1"
+
+
+@pytest.fixture(scope="session")
+def gpt_auto(runs_dir, home):
+    job_dir = runs_dir / "gpt-auto"
+    train([*TINY_GPT, f"hydra.run.dir={job_dir}", "data.batch_size=32"], home)
+    return job_dir
+
+
+@pytest.fixture(scope="session")
+def gpt_ddp_fsdp_sweep(runs_dir, home):
+    sweep_dir = runs_dir / "gpt-ddp-fsdp"
+    train(["-m", *TINY_GPT, f"hydra.sweep.dir={sweep_dir}", "trainer.devices=2", "data.batch_size=16",
+           "strategy=ddp,fsdp"], home, timeout=400)
+    return sweep_dir / "0", sweep_dir / "1"
+
+
+@pytest.fixture(scope="session")
+def gpt_split_sweep(runs_dir, home):
+    """model_parallel and pipeline (1f1b) over 2 devices: jobs 0 and 1."""
+    sweep_dir = runs_dir / "gpt-split"
+    train(["-m", *TINY_GPT, f"hydra.sweep.dir={sweep_dir}", "trainer.devices=2", "data.batch_size=32",
+           "strategy=model_parallel,pipeline"], home, timeout=400)
+    return sweep_dir / "0", sweep_dir / "1"
+
+
+@pytest.fixture(scope="session")
+def gpt_gpipe_run(runs_dir, home):
+    job_dir = runs_dir / "gpt-gpipe"
+    train([*TINY_GPT, f"hydra.run.dir={job_dir}", "trainer.devices=2", "data.batch_size=32", "strategy=pipeline",
+           "strategy.schedule=gpipe"], home)
     return job_dir

@@ -133,3 +133,20 @@ def test_device_count_above_gpus_present(monkeypatch):
     monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     with pytest.raises(ConfigError, match=r"trainer.devices: asks for 2 GPUs but this machine has 1"):
         check_config(cfg)
+
+
+@pytest.mark.parametrize("capability,supported", [((9, 0), True), ((7, 5), False)])
+def test_bf16_check_opens_no_cuda_context(monkeypatch, capability, supported):
+    """The launcher (and every rank before choosing its GPU) checks bf16 from device properties only: anything
+    that would open a CUDA context on GPU 0 raises here."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    monkeypatch.setattr("torch.cuda.get_device_capability", lambda index: capability)
+    for opens_a_context in ["is_bf16_supported", "current_device", "set_device", "init", "synchronize"]:
+        monkeypatch.setattr(f"torch.cuda.{opens_a_context}", lambda *args, **kwargs: pytest.fail("a CUDA context"))
+    cfg = compose_train(["trainer.accelerator=gpu", "trainer.devices=2", "trainer.precision=bf16-mixed"])
+    if supported:
+        check_config(cfg)
+    else:
+        with pytest.raises(ConfigError, match="this GPU has no bfloat16 support"):
+            check_config(cfg)

@@ -10,15 +10,6 @@ from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, only_r
 
 pytestmark = pytest.mark.slow
 
-@pytest.fixture(scope="session")
-def ddp_run(runs_dir, home):
-    """ddp on two CPU processes, 32 per device: the same global batch of 64."""
-    job_dir = runs_dir / "ddp"
-    result = train([*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2", "data.batch_size=32"], home)
-    assert "distributed_backend=gloo" in result.output and "Starting with 2 processes" in result.output
-    return job_dir
-
-
 def test_single_device_run_logs_every_epoch_to_wandb(single_run):
     run = only_run(single_run)
     assert run.exit_code == 0
@@ -44,20 +35,32 @@ def test_checkpoints_live_in_the_job_dir(single_run):
     assert saved["paths"]["output_dir"] == str(single_run)
 
 
-def test_ddp_gives_the_numbers_of_one_device_with_the_same_global_batch(single_run, ddp_run):
-    single, ddp = only_run(single_run), only_run(ddp_run)
+def test_ddp_run_is_named_and_logged_per_epoch(ddp_fsdp_sweep):
+    ddp = only_run(ddp_fsdp_sweep[0])
     assert ddp.name == "mlp-ddp-2dev" and ddp.config["choices"]["strategy"] == "ddp"
     assert_epoch_metrics(ddp, epochs=3)
-    for key in LOSS_KEYS:
-        assert_close(ddp.series(key), single.series(key), rel=1e-4)
 
 
-def test_torchrun_launch_matches_the_builtin_launcher(runs_dir, home, ddp_run):
+def test_torchrun_launch_matches_the_builtin_launcher(runs_dir, home, ddp_fsdp_sweep):
     job_dir = runs_dir / "torchrun"
-    torchrun(2, [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2", "data.batch_size=32"], home)
+    result = torchrun(2, [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2",
+                          "data.batch_size=32", "strategy.timeout.minutes=7"], home)
+    # The process group is made with the strategy's backend and timeout (read back from the group itself).
+    assert "Process group: gloo, timeout 0:07:00, 2 ranks" in result.output
     run = only_run(job_dir)
     assert_epoch_metrics(run, epochs=3)
-    assert_close(run.series("val/loss"), only_run(ddp_run).series("val/loss"), rel=1e-6)
+    assert_close(run.series("val/loss"), only_run(ddp_fsdp_sweep[0]).series("val/loss"), rel=1e-6)
+
+
+def test_torchrun_runs_a_sweep(runs_dir, home):
+    """`torchrun ... train.py -m ...`: every job of the sweep joins the one process group of the ranks."""
+    sweep_dir = runs_dir / "torchrun-sweep"
+    torchrun(2, ["-m", *TINY, f"hydra.sweep.dir={sweep_dir}", "strategy=ddp", "trainer.devices=2",
+                 "trainer.max_epochs=1,2"], home)
+    for job, epochs in [("0", 1), ("1", 2)]:
+        run = only_run(sweep_dir / job)
+        assert run.exit_code == 0
+        assert_epoch_metrics(run, epochs=epochs)
 
 
 def test_multirun_with_ddp_runs_each_job_once(runs_dir, home):

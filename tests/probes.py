@@ -1,0 +1,57 @@
+"""Callbacks the tests add to real runs (``+callbacks.<name>._target_=probes.<Class>``) to see inside the workers;
+each logs what it saw as per-epoch ``probe/*`` metrics, which the tests read back from the W&B run."""
+
+import statistics
+
+import lightning as L
+import torch.distributed as dist
+
+
+class BackwardHooks(L.Callback):
+    """Counts Lightning's ``on_before_backward`` / ``on_after_backward`` calls of each epoch, and the share of this
+    rank's parameters that have a gradient when ``on_after_backward`` runs (min over ranks)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.before = self.after = 0
+        self.with_grad: list[float] = []
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss) -> None:
+        self.before += 1
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.after += 1
+        parameters = list(pl_module.parameters())
+        self.with_grad.append(sum(p.grad is not None for p in parameters) / len(parameters))
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.log("probe/before_backward", float(self.before), sync_dist=True, reduce_fx="min")
+        pl_module.log("probe/after_backward", float(self.after), sync_dist=True, reduce_fx="min")
+        pl_module.log("probe/params_with_grad", min(self.with_grad), sync_dist=True, reduce_fx="min")
+
+
+class AllGatherCount(L.Callback):
+    """Counts the all-gathers (FSDP gathering parameters) of each training batch; logs the epoch's median per
+    batch, max over ranks."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.count = 0
+        gather = dist.all_gather_single
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return gather(*args, **kwargs)
+
+        dist.all_gather_single = counted
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.per_batch: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self.at_start = self.count
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.per_batch.append(self.count - self.at_start)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        median = float(statistics.median(self.per_batch))
+        pl_module.log("probe/all_gathers_per_batch", median, sync_dist=True, reduce_fx="max")

@@ -1,0 +1,123 @@
+"""A hand-written training loop: the independent reference every strategy must match, epoch by epoch.
+
+Plain PyTorch. Only the model class (with its seeded initial weights) and the data generation come from the
+project; the epoch's sample order, the batching, the loss averaging, the optimizer and its weight-decay groups,
+the learning-rate schedule and the metrics are written here from their definitions. Strategies that agree with
+each other can share a bug; they cannot share one with this loop.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+from hydra.utils import instantiate
+from torch import nn
+from torch.nn import functional as F
+
+from project.models import init_weights
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The documented order of epoch ``epoch``: a permutation drawn from ``seed + epoch`` alone."""
+    return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
+
+
+def element_losses(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every prediction: one per sample (classification) or per token (language model)."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1), reduction="none")
+
+
+def warmup_cosine_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1 over ``warmup`` steps, then a cosine from 1 down to ``min_ratio`` at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * progress)) / 2
+
+
+def decayed_and_spared(net: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """GPT-2's rule, stated positively: weight decay applies to the weight matrices of Linear layers only."""
+    decayed = [module.weight for module in net.modules() if isinstance(module, nn.Linear)]
+    spared = [p for p in net.parameters() if all(p is not d for d in decayed)]
+    return decayed, spared
+
+
+def build_optimizer(cfg: DictConfig, net: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer the config names, with its hyperparameters, over weight-decayed and spared groups."""
+    options = {key: value for key, value in cfg.model.optimizer.items() if not key.startswith("_")}
+    if cfg.model.optimizer._target_ == "torch.optim.SGD":
+        return torch.optim.SGD(net.parameters(), **options)
+    assert cfg.model.optimizer._target_ == "torch.optim.AdamW"
+    decayed, spared = decayed_and_spared(net)
+    options["betas"] = tuple(options["betas"])
+    return torch.optim.AdamW([{"params": decayed}, {"params": spared, "weight_decay": 0.0}], **options)
+
+
+def lr_factor(cfg: DictConfig, total_steps: int) -> Callable[[int], float]:
+    scheduler = cfg.model.scheduler
+    if scheduler is None:
+        return lambda step: 1.0
+    assert scheduler._target_.endswith("warmup_cosine") and scheduler.total_steps is None
+    warmup = scheduler.warmup_steps if scheduler.warmup_steps is not None else round(scheduler.warmup_fraction * total_steps)
+    return lambda step: warmup_cosine_factor(step, warmup, total_steps, scheduler.min_lr_ratio)
+
+
+@dataclass
+class ReferenceRun:
+    history: list[dict[str, float]]  # per epoch: train/loss, val/loss, val/acc or val/perplexity (and train/acc)
+    net: nn.Module
+    optimizer: torch.optim.Optimizer
+    clipped_steps: int  # optimizer steps whose gradient norm was above the clipping threshold
+
+
+def reference_run(cfg: DictConfig, global_batch: int) -> ReferenceRun:
+    """Train the configured model on the configured data for ``trainer.max_epochs`` epochs, ``global_batch``
+    samples per batch, with the config's gradient accumulation and gradient-norm clipping."""
+    torch.manual_seed(0)  # only so that nothing below depends on the test order; the weights come from cfg.seed
+    data = instantiate(cfg.data)
+    data.setup("fit")
+    (x, y), (x_val, y_val) = data.train_set.tensors, data.val_set.tensors
+    net = init_weights(instantiate(cfg.model.net), cfg.seed)
+    batches_per_epoch = len(x) // global_batch
+    accumulate, clip = cfg.trainer.accumulate_grad_batches, cfg.trainer.gradient_clip_val
+    epochs = cfg.trainer.max_epochs
+    optimizer = build_optimizer(cfg, net)
+    steps_per_epoch = math.ceil(batches_per_epoch / accumulate)  # the epoch's last, shorter accumulation steps too
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, epochs * steps_per_epoch))
+    classification = y.dim() == 1
+    history, clipped_steps = [], 0
+    for epoch in range(epochs):
+        order = epoch_order(len(x), cfg.seed, epoch)
+        loss_sum, correct, count = 0.0, 0, 0
+        optimizer.zero_grad()
+        for index in range(batches_per_epoch):
+            batch = order[index * global_batch : (index + 1) * global_batch]
+            outputs = net(x[batch])
+            losses = element_losses(outputs, y[batch])
+            (losses.mean() / accumulate).backward()  # the mean over an accumulation of equal batches
+            if (index + 1) % accumulate == 0 or index + 1 == batches_per_epoch:
+                if clip is not None:
+                    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))
+                    clipped_steps += int(norm > clip)
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+            loss_sum += losses.double().sum().item()
+            count += losses.numel()
+            if classification:
+                correct += (outputs.argmax(-1) == y[batch]).sum().item()
+        with torch.no_grad():
+            outputs = net(x_val)
+            val_losses = element_losses(outputs, y_val)
+        val_loss = val_losses.double().mean().item()
+        row = {"train/loss": loss_sum / count, "val/loss": val_loss}
+        if classification:
+            row["train/acc"] = correct / count
+            row["val/acc"] = (outputs.argmax(-1) == y_val).double().mean().item()
+        else:
+            row["val/perplexity"] = math.exp(val_loss)
+        history.append(row)
+    return ReferenceRun(history, net, optimizer, clipped_steps)

@@ -1,0 +1,116 @@
+"""What the training loop counts, checked inside a real ``Trainer.fit``: the order of the samples each epoch and the
+time the throughput metrics divide by (against a clock the test owns)."""
+
+import types
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+import project.callbacks.throughput as throughput_module
+from project.callbacks import EpochThroughput
+from project.data.datamodule import GeneratedDataModule
+from reference import epoch_order
+
+
+class IndexData(GeneratedDataModule):
+    """Sample i is the feature i (a float) with label i % 7: the batches say which samples a step saw."""
+
+    def setup(self, stage: str) -> None:
+        self.train_set = TensorDataset(torch.arange(self.num_train).float(), torch.arange(self.num_train) % 7)
+        self.val_set = TensorDataset(torch.arange(self.num_val).float(), torch.arange(self.num_val) % 7)
+
+
+class Recorder(L.LightningModule):
+    """Records the samples of every training step; each step and each validation step advances ``clock``."""
+
+    def __init__(self, clock: list[float] | None = None, step_seconds: float = 0.0, val_seconds: float = 0.0) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: dict[int, list[int]] = {}
+        self.clock, self.step_seconds, self.val_seconds = clock, step_seconds, val_seconds
+
+    def training_step(self, batch, batch_idx):
+        self.seen.setdefault(self.current_epoch, []).extend(batch[0].long().tolist())
+        if self.clock is not None:
+            self.clock[0] += self.step_seconds
+        return (self.weight - 1.0) ** 2
+
+    def validation_step(self, batch, batch_idx):
+        if self.clock is not None:
+            self.clock[0] += self.val_seconds
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(module: L.LightningModule, data: L.LightningDataModule, epochs: int, **trainer_args) -> L.Trainer:
+    trainer = L.Trainer(
+        max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        use_distributed_sampler=False, **trainer_args,
+    )
+    trainer.fit(module, datamodule=data)
+    return trainer
+
+
+def test_each_epoch_reshuffles_from_seed_and_epoch_only():
+    """Lightning itself must advance the epoch of the shuffle; a sampler that never reshuffles fails here."""
+    data = IndexData(num_train=96, num_val=8, batch_size=16, seed=5)
+    recorder = Recorder()
+    fit(recorder, data, epochs=3)
+    for epoch in range(3):
+        assert recorder.seen[epoch] == epoch_order(96, 5, epoch).tolist()
+    assert recorder.seen[0] != recorder.seen[1] != recorder.seen[2]
+    again = Recorder()
+    fit(again, IndexData(num_train=96, num_val=8, batch_size=16, seed=5), epochs=3)
+    assert again.seen == recorder.seen  # the same seed gives the same epochs in a new process state
+
+
+@pytest.fixture
+def fake_clock(monkeypatch) -> list[float]:
+    """The throughput callback's clock, moved only by the test's training and validation steps."""
+    clock = [1000.0]
+    monkeypatch.setattr(throughput_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    return clock
+
+
+@pytest.mark.parametrize("val_seconds", [0.0, 5.0])
+def test_throughput_counts_training_time_only(fake_clock, val_seconds):
+    """8 steps of 16 samples at 0.5 s each: 32 samples/s however long validation takes; the epoch time has it all."""
+    data = IndexData(num_train=128, num_val=24, batch_size=16, seed=0)
+    trainer = fit(Recorder(fake_clock, step_seconds=0.5, val_seconds=val_seconds), data, epochs=2,
+                  callbacks=[EpochThroughput()])
+    metrics = trainer.logged_metrics
+    assert metrics["perf/samples_per_sec"].item() == pytest.approx(32.0)
+    assert metrics["perf/samples_per_sec_per_device"].item() == pytest.approx(32.0)
+    assert metrics["perf/epoch_time_s"].item() == pytest.approx(8 * 0.5 + 2 * val_seconds)  # 2 val batches of 16
+    assert "perf/tokens_per_sec" not in metrics  # float inputs are not tokens
+
+
+def test_throughput_keeps_validation_inside_an_epoch_out(fake_clock):
+    """Validation twice per epoch (val_check_interval): the clock pauses for each and resumes with training."""
+    data = IndexData(num_train=128, num_val=24, batch_size=16, seed=0)
+    trainer = fit(Recorder(fake_clock, step_seconds=0.5, val_seconds=3.0), data, epochs=1, val_check_interval=4,
+                  callbacks=[EpochThroughput()])
+    assert trainer.logged_metrics["perf/samples_per_sec"].item() == pytest.approx(32.0)
+    assert trainer.logged_metrics["perf/epoch_time_s"].item() == pytest.approx(8 * 0.5 + 2 * 2 * 3.0)
+
+
+class TokenData(GeneratedDataModule):
+    """Sequences of 12 token ids: a batch of 16 holds 192 tokens."""
+
+    def setup(self, stage: str) -> None:
+        tokens = torch.randint(0, 50, (self.num_train + self.num_val, 12), generator=torch.Generator().manual_seed(0))
+        self.train_set = TensorDataset(tokens[: self.num_train], tokens[: self.num_train])
+        self.val_set = TensorDataset(tokens[self.num_train :], tokens[self.num_train :])
+
+
+def test_tokens_per_second_counts_every_input_token(fake_clock):
+    data = TokenData(num_train=64, num_val=16, batch_size=16, seed=0)
+    recorder = Recorder(fake_clock, step_seconds=0.25, val_seconds=7.0)
+    recorder.training_step = lambda batch, batch_idx: Recorder.training_step(recorder, (batch[0][:, 0].float(), None), batch_idx)
+    trainer = fit(recorder, data, epochs=1, callbacks=[EpochThroughput()])
+    assert trainer.logged_metrics["perf/tokens_per_sec"].item() == pytest.approx(16 * 12 / 0.25)
+    assert trainer.logged_metrics["perf/samples_per_sec"].item() == pytest.approx(16 / 0.25)
