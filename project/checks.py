@@ -1,6 +1,8 @@
 """Checks of a composed config that run before any worker process or W&B run starts.
 
-Each failure is a ``ConfigError`` whose message names the key, what is wrong and the fix, in one paragraph.
+Each failure is a ``ConfigError`` whose message names the key, what is wrong and the fix, in one paragraph. The
+checks here hold for every run; each strategy of this project adds its own rules (``check_config`` on its class),
+and the model and data modules check their options when they are built.
 """
 
 from pathlib import Path
@@ -14,10 +16,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from project.errors import ConfigError
-from project.parallel import block_sizes, split_blocks
 
 
-def _positive_int(cfg: DictConfig, key: str, fix: str) -> int:
+def positive_int(cfg: DictConfig, key: str, fix: str) -> int:
     value = OmegaConf.select(cfg, key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(key, f"must be a positive integer, got {value!r}.", fix)
@@ -30,15 +31,11 @@ def uses_cuda(cfg: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
-# What Lightning's ModelParallelStrategy (fsdp, pipeline) accepts.
-SHARDED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
-
-
 def strategy_shards_model(cfg: DictConfig) -> bool:
-    """Whether the configured Lightning strategy is a ModelParallelStrategy (FSDP2): it saves and loads sharded
-    checkpoints, and supports fewer precisions."""
-    target = OmegaConf.select(cfg, "strategy._target_")
-    return target is not None and issubclass(get_class(target), ModelParallelStrategy)
+    """Whether the configured Lightning strategy is a ModelParallelStrategy (fsdp, pipeline): it saves and loads
+    sharded checkpoints."""
+    cls = strategy_class(cfg)
+    return cls is not None and issubclass(cls, ModelParallelStrategy)
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
@@ -59,7 +56,7 @@ def _gpus_support_bf16(devices: int) -> bool:
     return all(torch.cuda.get_device_capability(index) >= (8, 0) for index in range(devices))
 
 
-def _check_precision_and_offload(cfg: DictConfig) -> None:
+def _check_precision(cfg: DictConfig) -> None:
     try:  # Lightning's own reading: 32 and "32" are "32-true", 16 is "16-mixed", "bf16" is "bf16-mixed"...
         precision = _convert_precision_to_unified_args(cfg.trainer.precision)
     except ValueError as error:
@@ -76,108 +73,19 @@ def _check_precision_and_offload(cfg: DictConfig) -> None:
             f"is {precision!r}, but this GPU has no bfloat16 support.",
             "use trainer.precision=16-mixed or 32-true.",
         )
-    if precision not in SHARDED_PRECISIONS and strategy_shards_model(cfg):
-        raise ConfigError(
-            "trainer.precision",
-            f"is {precision!r}, which Lightning's ModelParallelStrategy (under strategy=fsdp and pipeline) does not "
-            "support.",
-            f"use one of {', '.join(SHARDED_PRECISIONS)} (bf16-mixed: parameters are gathered and computed in bf16, "
-            "gradients reduced in fp32).",
-        )
-    if OmegaConf.select(cfg, "strategy.cpu_offload") and not uses_cuda(cfg):
-        raise ConfigError(
-            "strategy.cpu_offload",
-            "moves parameter shards from GPU to CPU memory, but this run has no GPU.",
-            "set strategy.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
-        )
 
 
-def pipeline_ranks(cfg: DictConfig) -> int:
-    """Ranks one pipeline spans (1 for strategies without a pipeline)."""
-    stages_per_rank = OmegaConf.select(cfg, "strategy.stages_per_rank")
-    return cfg.strategy.num_stages // stages_per_rank if stages_per_rank else 1
+def strategy_class(cfg: DictConfig) -> type | None:
+    """The configured Lightning strategy class (None for ``auto``, where Lightning chooses)."""
+    target = OmegaConf.select(cfg, "strategy._target_")
+    return None if target is None else get_class(target)
 
 
 def data_parallel_size(cfg: DictConfig) -> int:
-    """Replicas that split each global batch: every process, except that a pipeline's ranks share one."""
-    return cfg.strategy.processes * cfg.trainer.num_nodes // pipeline_ranks(cfg)
-
-
-def _check_pipeline(cfg: DictConfig) -> None:
-    stages_per_rank = OmegaConf.select(cfg, "strategy.stages_per_rank")
-    if stages_per_rank is None:
-        return
-    strategy = cfg.strategy
-    key = "strategy."
-    if stages_per_rank < 1 or strategy.num_stages % stages_per_rank:
-        raise ConfigError(
-            key + "stages_per_rank",
-            f"is {stages_per_rank}, which does not divide the {strategy.num_stages} stages.",
-            "use a divisor of strategy.num_stages (1 unless the schedule is interleaved_1f1b).",
-        )
-    schedule = strategy.schedule
-    if schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
-        raise ConfigError(key + "schedule", f"is {schedule!r}.", "use gpipe, 1f1b or interleaved_1f1b.")
-    if (schedule == "interleaved_1f1b") != (stages_per_rank > 1):
-        raise ConfigError(
-            key + "stages_per_rank",
-            f"is {stages_per_rank} with schedule {schedule}: interleaving means several stages per rank, the other "
-            "schedules run one.",
-            "use schedule=interleaved_1f1b with stages_per_rank >= 2, or stages_per_rank=1 with gpipe or 1f1b.",
-        )
-    ranks, processes = pipeline_ranks(cfg), cfg.strategy.processes * cfg.trainer.num_nodes
-    if processes % ranks:
-        raise ConfigError(
-            "trainer.devices",
-            f"gives {processes} processes, not a multiple of the {ranks} ranks one pipeline needs "
-            f"({strategy.num_stages} stages / {stages_per_rank} per rank).",
-            f"use a multiple of {ranks} devices (the factor beyond {ranks} is data parallel).",
-        )
-    microbatches, batch_size = strategy.microbatches, cfg.data.batch_size
-    if microbatches < 1 or batch_size % microbatches:
-        raise ConfigError(
-            key + "microbatches",
-            f"is {microbatches}, which does not divide data.batch_size={batch_size} into equal micro-batches.",
-            f"choose microbatches dividing {batch_size}, or change data.batch_size.",
-        )
-    if schedule != "gpipe" and microbatches < ranks:
-        raise ConfigError(
-            key + "microbatches",
-            f"is {microbatches}, fewer than the {ranks} pipeline ranks: {schedule} needs at least one micro-batch in "
-            "flight per rank.",
-            f"use strategy.microbatches={ranks} or more (a multiple of {ranks} for interleaved_1f1b).",
-        )
-    if schedule == "interleaved_1f1b" and microbatches % ranks:
-        raise ConfigError(
-            key + "microbatches",
-            f"is {microbatches}; interleaved_1f1b runs micro-batches in rounds of {ranks} (the pipeline ranks).",
-            f"use a multiple of {ranks}.",
-        )
-
-
-def _check_stage_split(cfg: DictConfig, net: torch.nn.Module) -> None:
-    """Strategies that split the model into stages: the split must exist for this model."""
-    if OmegaConf.select(cfg, "strategy.num_stages") is None:
-        return
-    num_stages = _positive_int(cfg, "strategy.num_stages", "set strategy.num_stages to the stages to split the model into.")
-    if OmegaConf.select(cfg, "model.net.tie_weights"):
-        raise ConfigError(
-            "model.net.tie_weights",
-            "ties the first stage's token embedding to the last stage's output layer, but stages on different "
-            "devices would each train their own copy.",
-            "set model.net.tie_weights=false for model_parallel and pipeline.",
-        )
-    blocks_per_stage = OmegaConf.select(cfg, "strategy.blocks_per_stage")
-    try:
-        split_blocks(block_sizes(net), num_stages, blocks_per_stage)
-    except ValueError as error:
-        key = "strategy.blocks_per_stage" if blocks_per_stage is not None else "strategy.num_stages"
-        fix = (
-            f"give {num_stages} positive counts that add up to {len(net.blocks)}, or blocks_per_stage=null to balance."
-            if blocks_per_stage is not None
-            else f"use at most {len(net.blocks)} stages (trainer.devices or strategy.num_stages), or a deeper model."
-        )
-        raise ConfigError(key, f"cannot split the model: {error}.", fix) from None
+    """Replicas that split each global batch: every process, unless the strategy says otherwise (a pipeline's
+    ranks share one replica)."""
+    replicas = getattr(strategy_class(cfg), "data_parallel_replicas", None)
+    return replicas(cfg) if replicas is not None else cfg.strategy.processes * cfg.trainer.num_nodes
 
 
 def _check_checkpoint(cfg: DictConfig) -> None:
@@ -190,12 +98,6 @@ def _check_checkpoint(cfg: DictConfig) -> None:
             else "pass an existing checkpoint file (a run's checkpoints/*.ckpt), or ckpt_path=null to start fresh."
         )
         raise ConfigError("ckpt_path", f"{ckpt_path} does not exist.", hint)
-    if ckpt_path is not None and OmegaConf.select(cfg, "strategy.stages_per_rank") and not Path(ckpt_path).is_dir():
-        raise ConfigError(
-            "ckpt_path",
-            f"{ckpt_path} is a single-file checkpoint; strategy=pipeline resumes only the sharded checkpoints it saves.",
-            "resume it with the strategy that wrote it (or auto), or start the pipeline fresh with ckpt_path=null.",
-        )
 
 
 def _build(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
@@ -210,10 +112,10 @@ def _build(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
 
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first setting that cannot work."""
-    devices = _positive_int(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
-    _positive_int(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
-    batch_size = _positive_int(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
-    _positive_int(cfg, "strategy.processes", "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.")
+    devices = positive_int(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
+    positive_int(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
+    batch_size = positive_int(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
+    positive_int(cfg, "strategy.processes", "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.")
 
     if uses_cuda(cfg):
         available = torch.cuda.device_count()
@@ -230,12 +132,14 @@ def check_config(cfg: DictConfig) -> None:
                 f"set trainer.devices={available} or fewer, or trainer.accelerator=cpu for CPU processes.",
             )
 
-    _check_precision_and_offload(cfg)
+    _check_precision(cfg)
+    _check_checkpoint(cfg)
     with torch.device("meta"):  # shapes only, nothing allocated
         net = _build(cfg, "model.net")
     _build(cfg, "model", net=net)  # the LightningModule checks its own options (optimizer groups, schedule)
-    _check_stage_split(cfg, net)
-    _check_pipeline(cfg)
+    strategy_rules = getattr(strategy_class(cfg), "check_config", None)
+    if strategy_rules is not None:  # each strategy of this project checks what it needs (its own module)
+        strategy_rules(cfg, net)
 
     datamodule = _build(cfg, "data")  # cheap: data is read or generated in setup(), not here
     data_parallel = data_parallel_size(cfg)
@@ -255,5 +159,3 @@ def check_config(cfg: DictConfig) -> None:
             "replicas that each need one.",
             f"use at least {data_parallel} validation samples, or fewer devices.",
         )
-
-    _check_checkpoint(cfg)

@@ -186,16 +186,23 @@ def check_launch(cfg: DictConfig, torchrun: bool) -> None:
         )
 
 
+def checked_job_config(cfg: DictConfig, torchrun: bool) -> DictConfig:
+    """The job's resolved config, checked (``ConfigError`` for the first setting that cannot work), with
+    ``ckpt_path`` a checkpoint this strategy can load."""
+    cfg = job_config(cfg)
+    check_config(cfg)
+    check_launch(cfg, torchrun)
+    cfg.ckpt_path = checkpoint_to_load(cfg)
+    return cfg
+
+
 def run(cfg: DictConfig) -> dict[str, float] | None:
     """Check the config, then train; returns the final metrics where this process trained."""
     _log_once_per_line()
     torchrun = launched_by_torchrun()
     if torchrun:
         join_torchrun_job(cfg)
-    cfg = job_config(cfg)
-    check_config(cfg)
-    check_launch(cfg, torchrun)
-    cfg.ckpt_path = checkpoint_to_load(cfg)
+    cfg = checked_job_config(cfg, torchrun)
     # The resolved config this job trains with: the job's record, and what launched workers load.
     config_file = Path(cfg.paths.output_dir) / "config.yaml"
     if is_rank_zero():

@@ -3,6 +3,9 @@
 import pytest
 
 from conftest import TINY, TINY_GPT, only_run, train
+from project.errors import ConfigError
+from project.launch import checked_job_config
+from test_config import compose_train
 
 BAD_INPUTS = [
     (["trainer.devices=0"], "trainer.devices: must be a positive integer, got 0"),
@@ -51,14 +54,33 @@ CASES = [
     (TINY_GPT, ["model.scheduler.warmup_steps=10"], "model.scheduler.warmup_fraction: is 0.08 while model.scheduler.warmup_steps"),
     ([], ["model=gpt", "data=text", "data.path=corpus.txt"], "data.path: corpus.txt is not a file"),  # README's example
 ]
+IDS = [" ".join(overrides) for _, overrides, _ in CASES]
 
 
-@pytest.mark.parametrize("base,overrides,message", CASES, ids=[" ".join(o) for _, o, _ in CASES])
+@pytest.mark.parametrize("base,overrides,message", CASES, ids=IDS)
+def test_bad_input_is_a_config_error(base, overrides, message):
+    """What ``python train.py <overrides>`` checks before anything starts, in this process: every case."""
+    cfg = compose_train([*base, *overrides])
+    del cfg.hydra
+    with pytest.raises(ConfigError) as error:
+        checked_job_config(cfg, torchrun=False)
+    assert message in str(error.value) and "Fix:" in str(error.value)
+
+
+# One case of each kind of rule, through a real `python train.py`: the config, the launcher, a strategy, the
+# LightningModule, the data module.
+END_TO_END = ["trainer.devices=0", "strategy=ddp trainer.devices=2 trainer.num_nodes=2",
+              "strategy=pipeline trainer.devices=2 strategy.microbatches=1", "model.scheduler.warmup_steps=10",
+              "model=gpt data=text data.path=corpus.txt"]
+
+
+@pytest.mark.parametrize("base,overrides,message", [case for case, id in zip(CASES, IDS) if id in END_TO_END],
+                         ids=END_TO_END)
 def test_bad_input_fails_fast_with_a_clear_message(base, overrides, message, home, tmp_path):
     job_dir = tmp_path / "job"
     result = train([*base, f"hydra.run.dir={job_dir}", *overrides], home, expect_ok=False, timeout=60)
-    assert result.returncode != 0
-    assert message in result.stderr
+    assert result.returncode == 1
+    assert f"Config error: {message}" in result.stderr
     assert "Fix:" in result.stderr and "Traceback" not in result.stderr
     # Nothing started: no worker processes (their launcher dir), no W&B run, no checkpoint.
     assert not (job_dir / "workers").exists()

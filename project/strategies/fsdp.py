@@ -9,10 +9,14 @@ rank and shards the model per block (``project.parallel``).
 from typing import Any
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
+from project.checks import uses_cuda
+from project.errors import ConfigError
 from project.parallel import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
 from project.strategies.sharded import ShardedCheckpointStrategy
+
 
 class FSDPStrategy(ShardedCheckpointStrategy):
     """Fully sharded data parallel: parameters, gradients and optimizer state split across all ranks."""
@@ -30,6 +34,16 @@ class FSDPStrategy(ShardedCheckpointStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
         self.reduce_dtype = getattr(torch, reduce_dtype)
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
+        super().check_config(cfg, net)
+        if cfg.strategy.cpu_offload and not uses_cuda(cfg):
+            raise ConfigError(
+                "strategy.cpu_offload",
+                "moves parameter shards from GPU to CPU memory, but this run has no GPU.",
+                "set strategy.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
+            )
 
     def setup_environment(self) -> None:
         # Every rank is one data-parallel shard (ModelParallelStrategy's default would use one per node).

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from omegaconf import DictConfig
 from torch import nn
 
 from project.parallel import block_sizes, connect_stages, place_stages, split_blocks, stage_modules
+from project.strategies.stages import check_stage_split
 
 
 class ManualModelParallelStrategy(SingleDeviceStrategy):
@@ -31,6 +33,11 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
         self.blocks_per_stage = list(blocks_per_stage) if blocks_per_stage is not None else None
         self.stages: list[range] = []
         self.parameter_stage: dict[int, int] = {}  # id(parameter) -> stage, for per-device memory accounting
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
+        """Rules checked before launch (``project.checks``)."""
+        check_stage_split(cfg, net)
 
     def stage_device(self, stage: int) -> torch.device:
         if isinstance(self.accelerator, CUDAAccelerator):

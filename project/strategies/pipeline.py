@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -30,8 +31,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from project.checkpoints import META_FILE, is_sharded_checkpoint
+from project.checks import resolve_ckpt_path
+from project.errors import ConfigError
 from project.parallel import apply_fsdp, block_sizes, clip_grad_norm_, fsdp_param_dtype, split_blocks, stage_modules
 from project.strategies.sharded import ShardedCheckpointStrategy
+from project.strategies.stages import check_stage_split
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -89,6 +93,75 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         self._eval_schedule = None
         self._eval_batch_size = 0
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def pipeline_ranks(cfg: DictConfig) -> int:
+        """Ranks one pipeline spans: its stages over the stages each rank runs."""
+        return cfg.strategy.num_stages // cfg.strategy.stages_per_rank
+
+    @classmethod
+    def data_parallel_replicas(cls, cfg: DictConfig) -> int:
+        """The ranks of one pipeline share a replica; the factor beyond them is data parallel."""
+        return cfg.strategy.processes * cfg.trainer.num_nodes // cls.pipeline_ranks(cfg)
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
+        """Rules checked before launch (``project.checks``): the split, the schedule, the mesh, the micro-batches."""
+        super().check_config(cfg, net)
+        check_stage_split(cfg, net)
+        strategy, key = cfg.strategy, "strategy."
+        stages_per_rank, schedule = strategy.stages_per_rank, strategy.schedule
+        if stages_per_rank < 1 or strategy.num_stages % stages_per_rank:
+            raise ConfigError(
+                key + "stages_per_rank",
+                f"is {stages_per_rank}, which does not divide the {strategy.num_stages} stages.",
+                "use a divisor of strategy.num_stages (1 unless the schedule is interleaved_1f1b).",
+            )
+        if schedule not in SCHEDULES:
+            raise ConfigError(key + "schedule", f"is {schedule!r}.", f"use one of {', '.join(SCHEDULES)}.")
+        if (schedule == "interleaved_1f1b") != (stages_per_rank > 1):
+            raise ConfigError(
+                key + "stages_per_rank",
+                f"is {stages_per_rank} with schedule {schedule}: interleaving means several stages per rank, the "
+                "other schedules run one.",
+                "use schedule=interleaved_1f1b with stages_per_rank >= 2, or stages_per_rank=1 with gpipe or 1f1b.",
+            )
+        ranks, processes = cls.pipeline_ranks(cfg), strategy.processes * cfg.trainer.num_nodes
+        if processes % ranks:
+            raise ConfigError(
+                "trainer.devices",
+                f"gives {processes} processes, not a multiple of the {ranks} ranks one pipeline needs "
+                f"({strategy.num_stages} stages / {stages_per_rank} per rank).",
+                f"use a multiple of {ranks} devices (the factor beyond {ranks} is data parallel).",
+            )
+        microbatches, batch_size = strategy.microbatches, cfg.data.batch_size
+        if microbatches < 1 or batch_size % microbatches:
+            raise ConfigError(
+                key + "microbatches",
+                f"is {microbatches}, which does not divide data.batch_size={batch_size} into equal micro-batches.",
+                f"choose microbatches dividing {batch_size}, or change data.batch_size.",
+            )
+        if schedule != "gpipe" and microbatches < ranks:
+            raise ConfigError(
+                key + "microbatches",
+                f"is {microbatches}, fewer than the {ranks} pipeline ranks: {schedule} needs at least one micro-batch "
+                "in flight per rank.",
+                f"use strategy.microbatches={ranks} or more (a multiple of {ranks} for interleaved_1f1b).",
+            )
+        if schedule == "interleaved_1f1b" and microbatches % ranks:
+            raise ConfigError(
+                key + "microbatches",
+                f"is {microbatches}; interleaved_1f1b runs micro-batches in rounds of {ranks} (the pipeline ranks).",
+                f"use a multiple of {ranks}.",
+            )
+        ckpt_path = resolve_ckpt_path(cfg)
+        if ckpt_path is not None and not is_sharded_checkpoint(ckpt_path):
+            raise ConfigError(
+                "ckpt_path",
+                f"{ckpt_path} is a single-file checkpoint; strategy=pipeline resumes only the sharded checkpoints it "
+                "saves.",
+                "resume it with the strategy that wrote it (or auto), or start the pipeline fresh with ckpt_path=null.",
+            )
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy's setup with a (data_parallel, pipeline) mesh instead of (data, tensor) parallel.

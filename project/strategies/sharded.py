@@ -5,11 +5,32 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.strategies import ModelParallelStrategy
+from omegaconf import DictConfig
+from torch import nn
+
+from project.errors import ConfigError
+
+# What Lightning's ModelParallelStrategy accepts (it refuses 16-mixed, whose gradient scaler it does not drive).
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 
 class ShardedCheckpointStrategy(ModelParallelStrategy):
     """Base of the strategies whose ranks each save their own part of the model (fsdp, pipeline)."""
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
+        """Rules checked before launch (``project.checks``); subclasses add theirs."""
+        precision = _convert_precision_to_unified_args(cfg.trainer.precision)
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ConfigError(
+                "trainer.precision",
+                f"is {precision!r}, which Lightning's ModelParallelStrategy (under strategy=fsdp and pipeline) does "
+                "not support.",
+                f"use one of {', '.join(SUPPORTED_PRECISIONS)} (bf16-mixed: parameters are gathered and computed in "
+                "bf16, gradients reduced in fp32).",
+            )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         """Write into ``<name>.partial`` and swap it in only once every rank has finished.
