@@ -57,8 +57,8 @@ def batch_equivalence(tmp: Path) -> str:
     runs = {"`data.batch_size=128` (1 process)": ["data.batch_size=128"],
             "`strategy=ddp trainer.devices=2 data.batch_size=64`": ["strategy=ddp", "trainer.devices=2", "data.batch_size=64"]}
     rows = []
-    for name, overrides in runs.items():
-        job_dir = tmp / name.split("`")[1].replace(" ", "_")
+    for number, (name, overrides) in enumerate(runs.items()):
+        job_dir = tmp / f"batch-{number}"
         run(overrides, job_dir)
         for index, e in enumerate(epochs(job_dir)):
             if index in (0, 4):
@@ -84,8 +84,8 @@ def split_strategies(tmp: Path) -> str:
     runs = {"`auto`, one process": [], "`model_parallel`, 2 stages": ["strategy=model_parallel", "trainer.devices=2"],
             "`pipeline` (1f1b, 4 micro-batches), 2 stages": ["strategy=pipeline", "trainer.devices=2"]}
     rows = []
-    for index, (name, overrides) in enumerate(runs.items()):
-        job_dir = tmp / f"split-{index}"
+    for number, (name, overrides) in enumerate(runs.items()):
+        job_dir = tmp / f"split-{number}"
         run(overrides, job_dir)
         history = epochs(job_dir)
         rows.append([name, f"{history[-1]['val/acc']:.3f}", span([e["perf/samples_per_sec"] for e in history]),
