@@ -148,68 +148,68 @@ def assert_epoch_metrics(run: OfflineRun, epochs: int) -> None:
 # Session runs that several tests read. MLP runs have a global batch of 64, GPT runs of 32.
 
 
+def one_run(name: str, args: list[str], runs_dir: Path, home: Path) -> Path:
+    """``python train.py <args>`` into the job dir ``runs_dir/name``, which it returns."""
+    job_dir = runs_dir / name
+    train([*args, f"hydra.run.dir={job_dir}"], home)
+    return job_dir
+
+
+def two_job_sweep(name: str, args: list[str], runs_dir: Path, home: Path):
+    """``python train.py -m <args>`` into ``runs_dir/name``; returns its output and the dirs of jobs 0 and 1."""
+    sweep_dir = runs_dir / name
+    result = train(["-m", *args, f"hydra.sweep.dir={sweep_dir}"], home, timeout=400)
+    return result, (sweep_dir / "0", sweep_dir / "1")
+
+
 @pytest.fixture(scope="session")
 def single_run(runs_dir, home):
     """auto on one device, global batch 64."""
-    job_dir = runs_dir / "single"
-    train([*TINY, f"hydra.run.dir={job_dir}", "data.batch_size=64"], home)
-    return job_dir
+    return one_run("single", [*TINY, "data.batch_size=64"], runs_dir, home)
 
 
 @pytest.fixture(scope="session")
 def ddp_fsdp_sweep(runs_dir, home):
     """`python train.py -m strategy=ddp,fsdp trainer.devices=2`, 32 per device: job 0 is ddp, job 1 fsdp."""
-    sweep_dir = runs_dir / "ddp-fsdp"
-    result = train(["-m", *TINY, "trainer.devices=2", "data.batch_size=32", f"hydra.sweep.dir={sweep_dir}",
-                    "strategy=ddp,fsdp"], home, timeout=400)
+    result, jobs = two_job_sweep("ddp-fsdp", [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp"],
+                                 runs_dir, home)
     assert "distributed_backend=gloo" in result.output and "Starting with 2 processes" in result.output
-    return sweep_dir / "0", sweep_dir / "1"
+    return jobs
 
 
 @pytest.fixture(scope="session")
 def model_parallel_run(runs_dir, home):
-    job_dir = runs_dir / "model-parallel"
-    train([*TINY, "data.batch_size=64", f"hydra.run.dir={job_dir}", "strategy=model_parallel", "trainer.devices=2"], home)
-    return job_dir
+    return one_run("model-parallel", [*TINY, "data.batch_size=64", "strategy=model_parallel", "trainer.devices=2"],
+                   runs_dir, home)
 
 
 @pytest.fixture(scope="session")
 def pipeline_sweep(runs_dir, home):
     """`-m strategy=pipeline strategy.schedule=gpipe,1f1b trainer.devices=2`: jobs 0 and 1 (precision given as 32,
     Lightning's other spelling of 32-true)."""
-    sweep_dir = runs_dir / "pipeline"
-    train(["-m", *TINY, "data.batch_size=64", f"hydra.sweep.dir={sweep_dir}", "strategy=pipeline", "trainer.devices=2",
-           "strategy.schedule=gpipe,1f1b", "trainer.precision=32"], home, timeout=400)
-    return sweep_dir / "0", sweep_dir / "1"
+    return two_job_sweep("pipeline", [*TINY, "data.batch_size=64", "strategy=pipeline", "trainer.devices=2",
+                                      "strategy.schedule=gpipe,1f1b", "trainer.precision=32"], runs_dir, home)[1]
 
 
 @pytest.fixture(scope="session")
 def gpt_auto(runs_dir, home):
-    job_dir = runs_dir / "gpt-auto"
-    train([*TINY_GPT, f"hydra.run.dir={job_dir}", "data.batch_size=32"], home)
-    return job_dir
+    return one_run("gpt-auto", [*TINY_GPT, "data.batch_size=32"], runs_dir, home)
 
 
 @pytest.fixture(scope="session")
 def gpt_ddp_fsdp_sweep(runs_dir, home):
-    sweep_dir = runs_dir / "gpt-ddp-fsdp"
-    train(["-m", *TINY_GPT, f"hydra.sweep.dir={sweep_dir}", "trainer.devices=2", "data.batch_size=16",
-           "strategy=ddp,fsdp"], home, timeout=400)
-    return sweep_dir / "0", sweep_dir / "1"
+    return two_job_sweep("gpt-ddp-fsdp", [*TINY_GPT, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp"],
+                         runs_dir, home)[1]
 
 
 @pytest.fixture(scope="session")
 def gpt_split_sweep(runs_dir, home):
     """model_parallel and pipeline (1f1b) over 2 devices: jobs 0 and 1."""
-    sweep_dir = runs_dir / "gpt-split"
-    train(["-m", *TINY_GPT, f"hydra.sweep.dir={sweep_dir}", "trainer.devices=2", "data.batch_size=32",
-           "strategy=model_parallel,pipeline"], home, timeout=400)
-    return sweep_dir / "0", sweep_dir / "1"
+    return two_job_sweep("gpt-split", [*TINY_GPT, "trainer.devices=2", "data.batch_size=32",
+                                       "strategy=model_parallel,pipeline"], runs_dir, home)[1]
 
 
 @pytest.fixture(scope="session")
 def gpt_gpipe_run(runs_dir, home):
-    job_dir = runs_dir / "gpt-gpipe"
-    train([*TINY_GPT, f"hydra.run.dir={job_dir}", "trainer.devices=2", "data.batch_size=32", "strategy=pipeline",
-           "strategy.schedule=gpipe"], home)
-    return job_dir
+    return one_run("gpt-gpipe", [*TINY_GPT, "trainer.devices=2", "data.batch_size=32", "strategy=pipeline",
+                                 "strategy.schedule=gpipe"], runs_dir, home)
