@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
