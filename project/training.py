@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, OmegaConf
 
+from project.checkpoints import AtomicCheckpointIO
 from project.checks import resolve_ckpt_path
 
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
@@ -55,7 +56,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     loggers = build_loggers(cfg)
     callbacks = [instantiate(callback) for callback in (cfg.callbacks or {}).values()]
     trainer = instantiate(
-        cfg.trainer, strategy=build_strategy(cfg.strategy), callbacks=callbacks, logger=loggers or False
+        cfg.trainer,
+        strategy=build_strategy(cfg.strategy),
+        callbacks=callbacks,
+        logger=loggers or False,
+        plugins=[AtomicCheckpointIO()],  # a checkpoint that cannot be written stops the run (Lightning's goes on)
     )
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))

@@ -1,7 +1,10 @@
 """Callbacks the tests add to real runs (``+callbacks.<name>._target_=probes.<Class>``) to see inside the workers;
 each logs what it saw as per-epoch ``probe/*`` metrics, which the tests read back from the W&B run."""
 
+import os
 import statistics
+import subprocess
+from pathlib import Path
 
 import lightning as L
 import torch.distributed as dist
@@ -55,3 +58,29 @@ class AllGatherCount(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         median = float(statistics.median(self.per_batch))
         pl_module.log("probe/all_gathers_per_batch", median, sync_dist=True, reduce_fx="max")
+
+
+class FreezeCheckpointsDir(L.Callback):
+    """Makes the checkpoints dir unwritable when epoch ``epoch`` starts (0-based): immutable for root, whom file
+    modes do not stop, read-only otherwise. The test undoes it (``thaw``)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch and trainer.is_global_zero:
+            freeze(Path(trainer.checkpoint_callback.dirpath))
+
+
+def freeze(directory: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(directory)], check=True)
+    else:
+        directory.chmod(0o555)
+
+
+def thaw(directory: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+    else:
+        directory.chmod(0o755)

@@ -1,6 +1,7 @@
 """Lightning callbacks of this project."""
 
+from project.callbacks.checkpoint import LatestAndBestCheckpoint
 from project.callbacks.memory import DeviceMemory
 from project.callbacks.throughput import EpochThroughput
 
-__all__ = ["DeviceMemory", "EpochThroughput"]
+__all__ = ["DeviceMemory", "EpochThroughput", "LatestAndBestCheckpoint"]
