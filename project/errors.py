@@ -7,4 +7,7 @@ class ConfigError(ValueError):
 
     def __init__(self, key: str, problem: str, fix: str) -> None:
         super().__init__(f"{key}: {problem} Fix: {fix}")
-        self.key = key
+        self.key, self.problem, self.fix = key, problem, fix
+
+    def __reduce__(self) -> tuple:  # picklable, so that torchrun's rank 0 can send it to the other ranks
+        return ConfigError, (self.key, self.problem, self.fix)

@@ -9,9 +9,11 @@ The workers see torchelastic's environment, so Lightning joins them into one pro
 import atexit
 import logging
 import os
+import shutil
 import sys
 import uuid
-from contextlib import contextmanager
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -28,6 +30,9 @@ from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
 from project.checks import check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
 from project.console import print_config_tree
 from project.errors import ConfigError
+from project.job_dir import job_dir_lock
+from project.failures import failure_report
+from project.processes import HEARTBEAT_DIR_VARIABLE, LAUNCHER_PID_VARIABLE, die_with_parent
 from project.training import build_net, train
 
 log = logging.getLogger(__name__)
@@ -70,16 +75,18 @@ def job_config(cfg: DictConfig) -> DictConfig:
 
 
 @contextmanager
-def _worker_threads(num_workers: int):
-    """Split this machine's cores between CPU workers unless the user set OMP_NUM_THREADS (torchrun sets 1)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        yield
-        return
-    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
+def _worker_environment(num_workers: int, heartbeat_dir: Path) -> Iterator[None]:
+    """What the workers inherit besides torchelastic's variables: this process's pid (they die with it), where
+    their heartbeats go, and this machine's cores split between CPU workers unless the user set OMP_NUM_THREADS (torchrun sets 1)."""
+    added = {LAUNCHER_PID_VARIABLE: str(os.getpid()), HEARTBEAT_DIR_VARIABLE: str(heartbeat_dir)}
+    if "OMP_NUM_THREADS" not in os.environ:
+        added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
+    os.environ.update(added)
     try:
         yield
     finally:
-        del os.environ["OMP_NUM_THREADS"]
+        for name in added:
+            del os.environ[name]
 
 
 def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
@@ -98,15 +105,13 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
         max_restarts=0,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
     )
+    heartbeat_dir = log_dir / "heartbeats"
+    shutil.rmtree(heartbeat_dir, ignore_errors=True)  # a previous run's would look like ranks that stopped
     try:
-        with _worker_threads(num_workers):
+        with _worker_environment(num_workers, heartbeat_dir):
             elastic_launch(launch_config, sys.executable)("-m", "project.worker", str(config_file))
     except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        raise SystemExit(
-            f"Training failed in worker rank {rank} (exit code {failure.exitcode}); its traceback is above. "
-            f"All {num_workers} workers were stopped."
-        ) from None
+        raise SystemExit(failure_report(error, num_workers, log_dir, heartbeat_dir)) from None
 
 
 def process_group_settings(cfg: DictConfig) -> tuple[str, timedelta]:
@@ -126,6 +131,7 @@ def join_torchrun_job(cfg: DictConfig) -> None:
     resolving, so that every path interpolating ``paths.output_dir`` follows.
     """
     if not dist.is_initialized():
+        die_with_parent()  # with torchrun's agent
         backend, timeout = process_group_settings(cfg)
         if uses_cuda(cfg):
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -196,12 +202,36 @@ def checked_job_config(cfg: DictConfig, torchrun: bool) -> DictConfig:
     return cfg
 
 
+@contextmanager
+def exclusive_job_dir(cfg: DictConfig, torchrun: bool) -> Iterator[None]:
+    """This job's dir for this job alone while it runs (``project.job_dir``); under torchrun rank 0 holds the
+    lock and every rank learns whether it got it."""
+    key = "hydra.sweep.dir" if HydraConfig.get().mode == RunMode.MULTIRUN else "hydra.run.dir"
+    with ExitStack() as stack:
+        refusal: list[ConfigError | None] = [None]
+        if is_rank_zero():
+            try:
+                stack.enter_context(job_dir_lock(cfg.paths.output_dir, key))
+            except ConfigError as error:
+                refusal = [error]
+        if torchrun:
+            dist.broadcast_object_list(refusal, src=0)
+        if refusal[0] is not None:
+            raise refusal[0]
+        yield
+
+
 def run(cfg: DictConfig) -> dict[str, float] | None:
     """Check the config, then train; returns the final metrics where this process trained."""
     _log_once_per_line()
     torchrun = launched_by_torchrun()
     if torchrun:
         join_torchrun_job(cfg)
+    with exclusive_job_dir(cfg, torchrun):
+        return _run_job(cfg, torchrun)
+
+
+def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, float] | None:
     cfg = checked_job_config(cfg, torchrun)
     # The resolved config this job trains with: the job's record, and what launched workers load.
     config_file = Path(cfg.paths.output_dir) / "config.yaml"

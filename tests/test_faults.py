@@ -1,8 +1,17 @@
 """Faults: what happens to checkpoints, workers and job dirs when something goes wrong."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import pytest
 import torch
 
-from conftest import TINY, train
+from conftest import REPO, TINY, isolated_env, train
 from probes import thaw
 
 
@@ -38,3 +47,119 @@ def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
     # What was saved before is whole: epoch 0, as best and as last.
     assert sorted(path.name for path in checkpoints.iterdir()) == ["epoch000.ckpt", "last.ckpt"]
     assert saved_epoch(checkpoints / "last.ckpt") == 0
+
+
+# Runs that go on until the test stops them: a ddp job of 2 workers.
+ENDLESS_DDP = [*TINY, "logger=csv", "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=100000"]
+
+
+def start_train(args: list[str], home) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=isolated_env(home),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.2)
+
+
+def process_state(pid: int) -> tuple[str, int] | None:
+    """(state letter, parent pid) of a live process, None once it is gone (a zombie is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] in "ZX" else (fields[0], int(fields[1]))
+
+
+def children(pid: int) -> list[int]:
+    return [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
+            if (state := process_state(int(stat.parent.name))) is not None and state[1] == pid]
+
+
+def worker_rank(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(item for item in environ if item.startswith(b"RANK="))[5:])
+
+
+@contextmanager
+def endless_job(args: list[str], home):
+    """A running ``python train.py``, killed with whatever it started when the test ends."""
+    launcher = start_train(args, home)
+    try:
+        yield launcher
+    finally:
+        for pid in [launcher.pid, *children(launcher.pid)]:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.communicate()
+
+
+def test_a_stopped_worker_fails_the_job_after_the_collective_timeout(home, tmp_path):
+    """SIGSTOP on rank 1: rank 0 times out in its next collective (15 s here), the launcher stops everything
+    (SIGTERM, then SIGKILL after torchelastic's 30 s for the stopped rank) and names rank 1."""
+    job_dir = tmp_path / "job"
+    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={job_dir}", "strategy.timeout.minutes=0.25"], home) as launcher:
+        wait_for(lambda: (job_dir / "checkpoints" / "last.ckpt").exists(), 120, "a first epoch")
+        workers = {worker_rank(pid): pid for pid in children(launcher.pid)}
+        os.kill(workers[1], signal.SIGSTOP)
+        output, _ = launcher.communicate(timeout=120)
+    assert launcher.returncode == 1
+    assert "Training failed in the workers:\n- rank 1 stopped responding at " in output, output[-3000:]
+    assert "- rank 0 raised RuntimeError: " in output and "Timed out waiting 15000ms" in output
+    assert all(process_state(pid) is None for pid in workers.values())
+
+
+def assert_all_gone(pids: list[int], within: float) -> None:
+    wait_for(lambda: all(process_state(pid) is None for pid in pids), within, f"workers {pids} end")
+
+
+def test_killing_the_launcher_mid_training_ends_its_workers_and_frees_the_job_dir(home, tmp_path):
+    job_dir = tmp_path / "job"
+    args = [*ENDLESS_DDP, f"hydra.run.dir={job_dir}"]
+    with endless_job(args, home) as launcher:
+        last = job_dir / "checkpoints" / "last.ckpt"
+        wait_for(last.exists, 120, "a first epoch")
+        workers = children(launcher.pid)
+        assert len(workers) == 2
+        # While the job runs, a second job sent into its dir is refused before it starts anything.
+        second = train(args, home, expect_ok=False)
+        assert second.returncode == 1 and "Traceback" not in second.stderr
+        assert f"Config error: hydra.run.dir: {job_dir} is in use by a running job (pid {launcher.pid} on " in second.stderr
+        launcher.kill()  # SIGKILL: the launcher's own handlers never run
+        assert_all_gone(workers, within=10)
+    # The killed job's lock is taken over: resuming into its dir works.
+    resumed_epochs = saved_epoch(last) + 2
+    train([*args, "ckpt_path=last", f"trainer.max_epochs={resumed_epochs}"], home)
+    assert saved_epoch(last) == resumed_epochs - 1
+
+
+def test_killing_the_launcher_during_start_up_ends_its_workers(home, tmp_path):
+    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={tmp_path / 'job'}"], home) as launcher:
+        wait_for(lambda: len(children(launcher.pid)) == 2, 120, "2 workers started")
+        workers = children(launcher.pid)
+        launcher.kill()
+        assert_all_gone(workers, within=10)
+
+
+def test_jobs_started_in_the_same_second_get_dirs_of_their_own(home, tmp_path):
+    """Pairs of runs with the default run dir, started together, until a pair starts within one second."""
+    runs = tmp_path / "logs" / "train" / "runs"
+    for attempt in range(5):
+        pair = [start_train([*TINY, "logger=csv", "trainer.max_epochs=1", f"paths.log_dir={tmp_path / 'logs'}"], home)
+                for _ in range(2)]
+        for job in pair:
+            output, _ = job.communicate(timeout=300)
+            assert job.returncode == 0, output[-3000:]
+        dirs = sorted(runs.iterdir())
+        assert len(dirs) == 2 * (attempt + 1), [d.name for d in dirs]  # one dir per job
+        latest = dirs[-2:]
+        if latest[0].name[:19] == latest[1].name[:19]:  # the same second: %Y-%m-%d_%H-%M-%S
+            break
+    else:
+        pytest.skip("no pair of jobs started within the same second")
+    for job_dir in latest:
+        assert (job_dir / "config.yaml").is_file() and (job_dir / ".hydra" / "overrides.yaml").is_file()
+        assert sorted(path.name for path in (job_dir / "checkpoints").iterdir()) == ["epoch000.ckpt", "last.ckpt"]

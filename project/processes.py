@@ -1,0 +1,59 @@
+"""Worker processes that cannot outlive their launcher, and that show when they stop responding. Standard library
+only: workers call it first thing."""
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+LAUNCHER_PID_VARIABLE = "PROJECT_LAUNCHER_PID"  # set by the launcher for its workers
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process the moment its parent dies (Linux; elsewhere nothing changes).
+
+    torchelastic starts every worker in a session of its own, so a launcher killed with SIGKILL (whose own
+    handlers never run) would leave its workers training, writing into a job dir the user is resuming into,
+    or waiting for minutes on a rendezvous that will never complete. Where the launcher gave its pid, a
+    parent that died before this call took effect is caught too.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    launcher = os.environ.get(LAUNCHER_PID_VARIABLE)
+    if launcher is not None and os.getppid() != int(launcher):
+        os._exit(1)  # the launcher is already gone
+
+
+HEARTBEAT_DIR_VARIABLE = "PROJECT_HEARTBEAT_DIR"  # set by the launcher: where each worker's heartbeat file goes
+HEARTBEAT_INTERVAL_S = 1.0
+
+
+def heartbeat_file(heartbeat_dir: str | Path, rank: int) -> Path:
+    return Path(heartbeat_dir) / f"rank{rank}"
+
+
+def start_heartbeat(rank: int) -> None:
+    """Touch this rank's heartbeat file every second from a daemon thread, where the launcher asked for it.
+
+    A stopped process, or one stuck in code that holds the interpreter, stops beating; the launcher reads the
+    files when the job fails to say which rank stopped responding (the others only time out waiting for it).
+    """
+    heartbeat_dir = os.environ.get(HEARTBEAT_DIR_VARIABLE)
+    if heartbeat_dir is None:
+        return
+    path = heartbeat_file(heartbeat_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def beat() -> None:
+        while True:
+            path.touch()
+            time.sleep(HEARTBEAT_INTERVAL_S)
+
+    threading.Thread(target=beat, name="heartbeat", daemon=True).start()
