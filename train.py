@@ -9,7 +9,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from project.errors import ConfigError
+from project.errors import ConfigError, exit_with
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -19,8 +19,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         metrics = run(cfg)
     except ConfigError as error:
-        # One paragraph naming key and fix; raised before any worker or W&B run starts.
-        sys.exit(f"Config error: {error}")
+        exit_with(error)  # one paragraph naming key and fix; raised before any worker or W&B run starts
     # A sweeper optimising a metric reads the return value (only where this process trained).
     return None if metrics is None else metrics.get(cfg.best_metric.name)
 

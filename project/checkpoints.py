@@ -6,12 +6,15 @@ load single files, so such a folder is consolidated first, for evaluation or fin
 """
 
 import os
+import pickle
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -91,3 +94,24 @@ def consolidate_checkpoint(sharded_dir: str | Path, output_file: str | Path, gro
     output_file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, output_file)
     return output_file
+
+
+def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The parameter names and shapes a Lightning checkpoint holds, read without loading its tensors: a sharded
+    checkpoint's metadata, or a file's index (memory-mapped). ``ValueError`` saying what ``path`` is instead."""
+    path = Path(path)
+    if path.is_dir():
+        if not is_sharded_checkpoint(path):
+            raise ValueError(f"is a directory, not a sharded checkpoint (one holds {META_FILE} and .metadata)")
+        metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        prefix = "state_dict."
+        return {key.removeprefix(prefix): tuple(item.size) for key, item in metadata.items() if key.startswith(prefix)}
+    if not zipfile.is_zipfile(path):
+        raise ValueError("is not a checkpoint file (torch.save's format)")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError:  # objects beyond tensors and plain containers: the user's own file, as Lightning reads it
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise ValueError("holds no state_dict: it is not a Lightning checkpoint")
+    return {name: tuple(tensor.shape) for name, tensor in checkpoint["state_dict"].items()}

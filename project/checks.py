@@ -5,24 +5,85 @@ checks here hold for every run; each strategy of this project adds its own rules
 and the model and data modules check their options when they are built.
 """
 
+import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.fabric.connector import _convert_precision_to_unified_args
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
-from project.errors import ConfigError
+from project.checkpoints import checkpoint_shapes
+from project.errors import ConfigError, positive_int
 
 
-def positive_int(cfg: DictConfig, key: str, fix: str) -> int:
-    value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(key, f"must be a positive integer, got {value!r}.", fix)
-    return value
+def positive_int_at(cfg: DictConfig, key: str, fix: str) -> int:
+    """The value at ``key`` if it is a positive integer (``ConfigError`` otherwise)."""
+    return positive_int(key, OmegaConf.select(cfg, key), fix)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Types and ranges of the numbers a run is set up with (Hydra passes ``trainer.max_epochs=two`` on as text)."""
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**32:
+        raise ConfigError("seed", f"must be an integer from 0 to 2**32 - 1, got {cfg.seed!r}.", "e.g. seed=42.")
+    if cfg.trainer.max_epochs != -1:
+        positive_int_at(cfg, "trainer.max_epochs", "train at least one epoch, e.g. trainer.max_epochs=10 (or -1: no "
+                        "epoch limit, for runs that stop at trainer.max_steps or trainer.max_time).")
+    positive_int_at(cfg, "trainer.accumulate_grad_batches", "1 steps the optimizer after every batch; N after every N.")
+    positive_int_at(cfg, "trainer.log_every_n_steps", "e.g. trainer.log_every_n_steps=1.")
+    if cfg.trainer.check_val_every_n_epoch is not None:
+        positive_int_at(cfg, "trainer.check_val_every_n_epoch", "1 validates after every epoch.")
+    sanity_steps = cfg.trainer.num_sanity_val_steps
+    if not _is_int(sanity_steps) or sanity_steps < -1:
+        raise ConfigError("trainer.num_sanity_val_steps", f"must be an integer of at least -1, got {sanity_steps!r}.",
+                          "0 skips the check, N runs N validation batches first, -1 all of them.")
+    clip = cfg.trainer.gradient_clip_val
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
+        raise ConfigError("trainer.gradient_clip_val", f"must be a positive number or null, got {clip!r}.",
+                          "e.g. trainer.gradient_clip_val=1.0, or null for no clipping.")
+
+
+def _check_accelerator(cfg: DictConfig) -> None:
+    accelerator = str(cfg.trainer.accelerator)
+    if accelerator in ("auto", "gpu"):
+        return
+    fix = "use trainer.accelerator=auto (GPUs where there are any), cpu or gpu."
+    if accelerator not in AcceleratorRegistry:
+        raise ConfigError("trainer.accelerator", f"is {accelerator!r}, which Lightning does not know.", fix)
+    if not AcceleratorRegistry[accelerator]["accelerator"].is_available():  # a class method: nothing is built
+        raise ConfigError("trainer.accelerator", f"is {accelerator!r}, which this machine does not have.", fix)
+
+
+def _check_process_group(cfg: DictConfig) -> None:
+    """The strategy's process group settings, where it has some (ddp, fsdp, pipeline)."""
+    backend = OmegaConf.select(cfg, "strategy.process_group_backend")
+    if backend is not None:
+        if backend not in dist.Backend.backend_list:
+            raise ConfigError("strategy.process_group_backend", f"is {backend!r}, not a torch.distributed backend.",
+                              "use null (nccl on GPUs, gloo on CPUs), nccl or gloo.")
+        if backend == "nccl" and not uses_cuda(cfg):
+            raise ConfigError("strategy.process_group_backend", "is 'nccl', which needs CUDA GPUs, but this run is on "
+                              "the CPU.", "use strategy.process_group_backend=gloo, or null to choose by device.")
+    if OmegaConf.select(cfg, "strategy.timeout") is not None:
+        try:
+            timeout = instantiate(cfg.strategy.timeout)
+        except InstantiationException as error:
+            raise ConfigError("strategy.timeout", f"cannot be built: {error.__cause__ or error}.",
+                              "e.g. strategy.timeout.minutes=5.") from None
+        if timeout.total_seconds() <= 0:
+            raise ConfigError("strategy.timeout", f"is {timeout}, so every collective would fail at once.",
+                              "e.g. strategy.timeout.minutes=5.")
 
 
 def uses_cuda(cfg: DictConfig) -> bool:
@@ -88,9 +149,12 @@ def data_parallel_size(cfg: DictConfig) -> int:
     return replicas(cfg) if replicas is not None else cfg.strategy.processes * cfg.trainer.num_nodes
 
 
-def _check_checkpoint(cfg: DictConfig) -> None:
+def _check_checkpoint(cfg: DictConfig, module: nn.Module) -> None:
+    """``ckpt_path`` exists and holds this model: the same parameter names and shapes."""
     ckpt_path = resolve_ckpt_path(cfg)
-    if ckpt_path is not None and not Path(ckpt_path).exists():
+    if ckpt_path is None:
+        return
+    if not Path(ckpt_path).exists():
         hint = (
             "ckpt_path=last resumes the run dir given by hydra.run.dir=<that run's dir>; run with that override, "
             "or pass the checkpoint file itself as ckpt_path=<path>."
@@ -98,24 +162,51 @@ def _check_checkpoint(cfg: DictConfig) -> None:
             else "pass an existing checkpoint file (a run's checkpoints/*.ckpt), or ckpt_path=null to start fresh."
         )
         raise ConfigError("ckpt_path", f"{ckpt_path} does not exist.", hint)
-
-
-def _build(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
-    """Instantiate the config node at ``key`` as the workers will; its own ``ConfigError`` comes out as it is."""
     try:
-        return instantiate(OmegaConf.select(cfg, key), **kwargs)
+        saved = checkpoint_shapes(ckpt_path)
+    except (ValueError, RuntimeError, OSError, pickle.UnpicklingError) as error:
+        raise ConfigError("ckpt_path", f"{ckpt_path} {error}.",
+                          "pass a checkpoint a run of this project saved (checkpoints/*.ckpt in its job dir).") from None
+    expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+    differences = [f"{len(set(expected) - set(saved))} of this model's tensors missing"] if set(expected) - set(saved) else []
+    if set(saved) - set(expected):
+        differences.append(f"{len(set(saved) - set(expected))} tensors this model lacks")
+    differences += [f"{name} is {list(saved[name])} there, {list(shape)} here"
+                    for name, shape in expected.items() if name in saved and saved[name] != shape][:3]
+    if differences:
+        raise ConfigError("ckpt_path", f"{ckpt_path} is a checkpoint of another model: {'; '.join(differences)}.",
+                          "resume with the model settings it was saved with (its job dir's config.yaml), or pass a "
+                          "checkpoint of this model.")
+
+
+def build_strategy(strategy_cfg: DictConfig) -> Any:
+    """The Lightning strategy of the ``strategy`` group: its ``_target_`` built with every option but ``processes``
+    (the launcher's), or Lightning's own ``"auto"`` where the option names no class."""
+    if "_target_" not in strategy_cfg:
+        return "auto"
+    return instantiate(OmegaConf.masked_copy(strategy_cfg, [key for key in strategy_cfg if key != "processes"]))
+
+
+def _build(key: str, build: Callable[[], Any]) -> Any:
+    """``build()`` the object of the config node at ``key`` as the workers will; a ``ConfigError`` it raises comes
+    out as it is, any other error as a ``ConfigError`` naming ``key``."""
+    try:
+        return build()
     except InstantiationException as error:
-        if isinstance(error.__cause__, ConfigError):
-            raise error.__cause__ from None
-        raise ConfigError(key, f"cannot be built: {error}", f"check {key}._target_ and its arguments.") from None
+        cause = error.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        problem = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
+        raise ConfigError(key, f"cannot be built: {problem}.",
+                          f"check {key}._target_ and its options (python train.py --cfg job prints them).") from None
 
 
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first setting that cannot work."""
-    devices = positive_int(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
-    positive_int(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
-    batch_size = positive_int(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
-    positive_int(cfg, "strategy.processes", "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.")
+    devices = positive_int_at(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
+    positive_int_at(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
+    batch_size = positive_int_at(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
+    positive_int_at(cfg, "strategy.processes", "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.")
 
     if uses_cuda(cfg):
         available = torch.cuda.device_count()
@@ -132,16 +223,22 @@ def check_config(cfg: DictConfig) -> None:
                 f"set trainer.devices={available} or fewer, or trainer.accelerator=cpu for CPU processes.",
             )
 
+    _check_numbers(cfg)
+    _check_accelerator(cfg)
+    _check_process_group(cfg)
     _check_precision(cfg)
-    _check_checkpoint(cfg)
+    # The data first: the model takes sizes from it (vocabulary, sequence length), so its own keys are to blame.
+    datamodule = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
     with torch.device("meta"):  # shapes only, nothing allocated
-        net = _build(cfg, "model.net")
-    _build(cfg, "model", net=net)  # the LightningModule checks its own options (optimizer groups, schedule)
+        net = _build("model.net", lambda: instantiate(cfg.model.net))
+        # The LightningModule checks its own options (optimizer, schedule).
+        module = _build("model", lambda: instantiate(cfg.model, net=net))
+    _build("strategy", lambda: build_strategy(cfg.strategy))  # its own checks of its options, no process group yet
+    _check_checkpoint(cfg, module)
     strategy_rules = getattr(strategy_class(cfg), "check_config", None)
     if strategy_rules is not None:  # each strategy of this project checks what it needs (its own module)
         strategy_rules(cfg, net)
 
-    datamodule = _build(cfg, "data")  # cheap: data is read or generated in setup(), not here
     data_parallel = data_parallel_size(cfg)
     global_batch = batch_size * data_parallel
     if global_batch > datamodule.num_train_samples:

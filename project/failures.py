@@ -14,11 +14,11 @@ STALE_AFTER_S = 5 * HEARTBEAT_INTERVAL_S
 
 
 def _raised(failure: ProcessFailure) -> str | None:
-    """The exception a rank raised (its first line), from the error file ``@record`` wrote; None if it wrote none."""
+    """The exception a rank raised, on one line, from the error file ``@record`` wrote; None if it wrote none."""
     if not os.path.isfile(failure.error_file):
         return None
     message = failure.message["message"] if isinstance(failure.message, dict) else failure.message
-    return message.strip().splitlines()[0]
+    return " ".join(message.split())
 
 
 def failure_report(error: ChildFailedError, num_workers: int, log_dir: Path, heartbeat_dir: Path) -> str:

@@ -5,7 +5,6 @@ each rank that torchrun starts.
 """
 
 import warnings
-from typing import Any
 
 import lightning as L
 import torch
@@ -16,18 +15,10 @@ from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpoints import AtomicCheckpointIO
-from project.checks import resolve_ckpt_path
+from project.checks import build_strategy, resolve_ckpt_path
 
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-
-
-def build_strategy(strategy_cfg: DictConfig) -> Any:
-    """The Lightning strategy of the ``strategy`` group: its ``_target_`` built with every option but ``processes``
-    (the launcher's), or Lightning's own ``"auto"`` where the option names no class."""
-    if "_target_" not in strategy_cfg:
-        return "auto"
-    return instantiate(OmegaConf.masked_copy(strategy_cfg, [key for key in strategy_cfg if key != "processes"]))
 
 
 def build_net(cfg: DictConfig) -> torch.nn.Module:

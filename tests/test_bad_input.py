@@ -1,95 +1,173 @@
-"""Bad input: a one-paragraph error naming the key and the fix, exit code != 0, before any worker or W&B run."""
+"""Bad input: a one-paragraph error naming the key and the fix, exit code 1, before any worker or W&B run.
+
+Every case is a real ``python train.py <args>`` process (``tests/invocations.py`` forks one per case from a process
+that has imported torch and Lightning once, so that the whole table costs about a minute).
+"""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import TINY, TINY_GPT, only_run, train
-from project.errors import ConfigError
-from project.launch import checked_job_config
-from test_config import compose_train
+from conftest import REPO, TINY, TINY_GPT, isolated_env, only_run, train
 
-BAD_INPUTS = [
+# (overrides, what the message must say). The overrides come after TINY (the MLP) unless they start with
+# "model=gpt"; {files}, {mlp_ckpt} and {fsdp_ckpt} are filled in by the fixture, and " ... " stands for any text.
+# Our own errors read "Config error: <key>: <problem> Fix: <fix>"; Hydra's own (an unknown option or key) name the
+# key their way.
+CASES = [
+    # Numbers and their ranges
     (["trainer.devices=0"], "trainer.devices: must be a positive integer, got 0"),
+    (["trainer.devices=two"], "trainer.devices: must be a positive integer, got 'two'"),
     (["strategy=ddp", "trainer.devices=-2"], "trainer.devices: must be a positive integer, got -2"),
     (["data.batch_size=0"], "data.batch_size: must be a positive integer, got 0"),
+    (["data.batch_size=abc"], "data.batch_size: must be a positive integer, got 'abc'"),
     (["strategy=ddp", "trainer.devices=2", "data.batch_size=-1"], "data.batch_size: must be a positive integer"),
-    (["trainer.accelerator=gpu", "trainer.devices=2"], "trainer.accelerator: is 'gpu' but this machine has no CUDA GPU"),
-    (["ckpt_path=/nonexistent/model.ckpt"], "ckpt_path: /nonexistent/model.ckpt does not exist"),
-    (["ckpt_path=last"], "ckpt_path=last resumes the run dir given by hydra.run.dir"),
-    (["strategy=ddp", "trainer.devices=2", "data.batch_size=600"], "data.batch_size: gives a global batch of 600 x 2"),
+    (["trainer.max_epochs=two"], "trainer.max_epochs: must be a positive integer, got 'two'"),
+    (["trainer.max_epochs=0"], "trainer.max_epochs: must be a positive integer, got 0"),
+    (["trainer.max_epochs=-2"], "trainer.max_epochs: must be a positive integer, got -2"),
+    (["seed=abc"], "seed: must be an integer from 0 to 2**32 - 1, got 'abc'"),
+    (["seed=-1"], "seed: must be an integer from 0 to 2**32 - 1, got -1"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches: must be a positive integer, got 0"),
+    (["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch: must be a positive integer, got 0"),
+    (["trainer.num_sanity_val_steps=-5"], "trainer.num_sanity_val_steps: must be an integer of at least -1"),
+    (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val: must be a positive number or null, got -1"),
+    (["data.num_train=0"], "data.num_train: must be a positive integer, got 0"),
+    (["data.num_features=0"], "data.num_features: must be a positive integer, got 0"),
     (["strategy=ddp", "trainer.devices=4", "data.num_val=3"], "data.num_val: gives 3 validation samples"),
+    (["strategy=ddp", "trainer.devices=2", "data.batch_size=600"], "data.batch_size: gives a global batch of 600 x 2"),
+    # Devices, nodes, precision, process groups
+    (["trainer.accelerator=gpu", "trainer.devices=2"], "trainer.accelerator: is 'gpu' but this machine has no CUDA GPU"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator: is 'tpu', which this machine does not have"),
+    (["trainer.accelerator=abacus"], "trainer.accelerator: is 'abacus', which Lightning does not know"),
     (["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], "trainer.num_nodes: is more than 1"),
     (["trainer.precision=16-mixed"], "trainer.precision: is '16-mixed', but float16 training needs a CUDA GPU"),
-    (
-        ["strategy=fsdp", "trainer.devices=2", "strategy.cpu_offload=true"],
-        "strategy.cpu_offload: moves parameter shards from GPU to CPU memory, but this run has no GPU",
-    ),
-    (["strategy=model_parallel", "trainer.devices=4"], "strategy.num_stages: cannot split the model: 4 stages"),
-    (
-        ["strategy=pipeline", "trainer.devices=2", "strategy.blocks_per_stage=[1,1]"],
-        "strategy.blocks_per_stage: cannot split the model",
-    ),
-    (
-        ["strategy=pipeline", "trainer.devices=2", "data.batch_size=30", "strategy.microbatches=4"],
-        "strategy.microbatches: is 4, which does not divide data.batch_size=30",
-    ),
-    (
-        ["strategy=pipeline", "trainer.devices=2", "strategy.microbatches=1"],
-        "strategy.microbatches: is 1, fewer than the 2 pipeline ranks",
-    ),
-    (
-        ["strategy=pipeline", "trainer.devices=3", "strategy.num_stages=2"],
-        "trainer.devices: gives 3 processes, not a multiple of the 2 ranks one pipeline needs",
-    ),
-    (["strategy=fsdp", "trainer.devices=2", "trainer.precision=64"], "trainer.precision: is '64-true', which Lightning's"),
     (["trainer.precision=17"], "trainer.precision: Precision 17 is invalid"),
-    (["model.net._target_=no.such.Model"], "model.net: cannot be built: Error locating target 'no.such.Model'"),
+    (["strategy=fsdp", "trainer.devices=2", "trainer.precision=64"], "trainer.precision: is '64-true', which Lightning's"),
+    (["strategy=ddp", "trainer.devices=2", "strategy.process_group_backend=nccl"],
+     "strategy.process_group_backend: is 'nccl', which needs CUDA GPUs, but this run is on the CPU"),
+    (["strategy=ddp", "trainer.devices=2", "strategy.process_group_backend=pigeon"],
+     "strategy.process_group_backend: is 'pigeon', not a torch.distributed backend"),
+    (["strategy=ddp", "trainer.devices=2", "strategy.timeout.minutes=0"], "strategy.timeout: is 0:00:00"),
+    # Strategies' own rules and options
+    (["strategy=fsdp", "trainer.devices=2", "strategy.cpu_offload=true"],
+     "strategy.cpu_offload: moves parameter shards from GPU to CPU memory, but this run has no GPU"),
+    (["strategy=fsdp", "trainer.devices=2", "strategy.reduce_dtype=float99"], "strategy: cannot be built: AttributeError"),
+    (["strategy=model_parallel", "trainer.devices=4"], "strategy.num_stages: cannot split the model: 4 stages"),
+    (["strategy=pipeline", "trainer.devices=2", "strategy.blocks_per_stage=[1,1]"], "strategy.blocks_per_stage: cannot split"),
+    (["strategy=pipeline", "trainer.devices=2", "data.batch_size=30", "strategy.microbatches=4"],
+     "strategy.microbatches: is 4, which does not divide data.batch_size=30"),
+    (["strategy=pipeline", "trainer.devices=2", "strategy.microbatches=1"], "strategy.microbatches: is 1, fewer than the 2"),
+    (["strategy=pipeline", "trainer.devices=3", "strategy.num_stages=2"], "trainer.devices: gives 3 processes, not a multiple"),
+    (["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"], "strategy.schedule: is 'zigzag'"),
+    # The model, its optimizer and schedule
+    (["model.net.hidden_dims=abc"], "model.net.hidden_dims: must be a list of layer widths, got 'abc'"),
+    (["model.net.hidden_dims=[64,0]"], "model.net.hidden_dims: must be a positive integer, got 0"),
+    (["model.net._target_=no.such.Model"], "model.net: cannot be built: ImportError: Error loading 'no.such.Model'"),
     (["model.no_weight_decay=[bias,layernorm]"], "model.no_weight_decay: names ['layernorm'], which are not parameter"),
-    (
-        ["model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:10}"],
-        "model.scheduler: cannot be built as factory(optimizer, run_steps=...)",
-    ),
+    (["model.optimizer.lr=-1"], "model.optimizer.lr: is refused by the optimizer: Invalid learning rate: -1"),
+    (["model.optimizer.lr=abc"], "model.optimizer.lr: must be a number, got 'abc'"),
+    (["model.optimizer.momentum=-0.5"], "model.optimizer.momentum: is refused by the optimizer: Invalid momentum value"),
+    (["model=gpt", "model.optimizer.betas=[0.9,1.5]"], "model.optimizer.betas: is refused by the optimizer: Invalid beta"),
+    (["model=gpt", "model.optimizer.weight_decay=-0.1"], "model.optimizer.weight_decay: is refused by the optimizer"),
+    (["model=gpt", "model.net.num_heads=3"], "model.net.num_heads: is 3, which does not divide model.net.dim=32"),
+    (["model=gpt", "data.seq_length=0"], "data.seq_length: must be a positive integer, got 0"),
+    (["model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:10}"],
+     "model.scheduler: cannot be built as factory(optimizer, run_steps=...)"),
+    (["model=gpt", "model.scheduler.warmup_steps=10"], "model.scheduler.warmup_fraction: is 0.08 while model.scheduler.warmup_steps"),
+    # Checkpoints
+    (["ckpt_path=/nonexistent/model.ckpt"], "ckpt_path: /nonexistent/model.ckpt does not exist"),
+    (["ckpt_path=last"], "ckpt_path: ... does not exist. Fix: ckpt_path=last resumes the run dir given by hydra.run.dir"),
+    (["ckpt_path={files}/a_dir"], "ckpt_path: {files}/a_dir is a directory, not a sharded checkpoint"),
+    (["ckpt_path={files}/random.ckpt"], "ckpt_path: {files}/random.ckpt is not a checkpoint file"),
+    (["ckpt_path={mlp_ckpt}", "model.net.hidden_dims=[128]"], "ckpt_path: {mlp_ckpt} is a checkpoint of another model"),
+    (["model=gpt", "ckpt_path={mlp_ckpt}"], "ckpt_path: {mlp_ckpt} is a checkpoint of another model"),
+    (["ckpt_path={fsdp_ckpt}", "model.net.hidden_dims=[64,16]"],
+     "ckpt_path: {fsdp_ckpt} is a checkpoint of another model: net.blocks.1.0.weight is [32, 64] there, [16, 64] here"),
+    # Data files
+    (["model=gpt", "data=text", "data.path=corpus.txt"], "data.path: corpus.txt is not a file"),  # README's example
+    (["model=gpt", "data=text", "data.path={files}/a_dir"], "data.path: {files}/a_dir is not a file"),
+    (["model=gpt", "data=text", "data.path={files}/empty.txt"], "data.path: {files}/empty.txt has 0 bytes, too few"),
+    (["model=gpt", "data=text", "data.path={files}/tiny.txt"], "data.path: {files}/tiny.txt has 11 bytes, too few"),
+    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0"],
+     "data.val_fraction: must be a number between 0 and 1 (both excluded), got 0"),
+    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0.0001"],
+     "data.val_fraction: is 0.0001: the last 1 bytes of {files}/corpus.txt hold no validation sequence"),
+    # Where the job writes
+    (["hydra.run.dir="], "hydra.run.dir: is empty, so the job would write into the dir it was launched from"),
+    (["hydra.run.dir={files}/a_file/job"], "hydra.run.dir: {files}/a_file/job cannot be created: Not a directory"),
+    # Hydra's own: an option or key that does not exist
+    (["model=nosuch"], "Could not find 'model/nosuch'"),
+    (["nosuchkey=1"], "Could not override 'nosuchkey'"),
 ]
-CASES = [
-    *[(TINY, *case) for case in BAD_INPUTS],
-    (TINY_GPT, ["model.scheduler.warmup_steps=10"], "model.scheduler.warmup_fraction: is 0.08 while model.scheduler.warmup_steps"),
-    ([], ["model=gpt", "data=text", "data.path=corpus.txt"], "data.path: corpus.txt is not a file"),  # README's example
-]
-IDS = [" ".join(overrides) for _, overrides, _ in CASES]
+GPT_MARK = "model=gpt"
+IDS = [" ".join(overrides) for overrides, _ in CASES]
 
 
-@pytest.mark.parametrize("base,overrides,message", CASES, ids=IDS)
-def test_bad_input_is_a_config_error(base, overrides, message):
-    """What ``python train.py <overrides>`` checks before anything starts, in this process: every case."""
-    cfg = compose_train([*base, *overrides])
-    del cfg.hydra
-    with pytest.raises(ConfigError) as error:
-        checked_job_config(cfg, torchrun=False)
-    assert message in str(error.value) and "Fix:" in str(error.value)
+def fill(text: str, names: dict) -> str:
+    for name, value in names.items():
+        text = text.replace("{" + name + "}", str(value))
+    return text
 
 
-# One case of each kind of rule, through a real `python train.py`: the config, the launcher, a strategy, the
-# LightningModule, the data module.
-END_TO_END = ["trainer.devices=0", "strategy=ddp trainer.devices=2 trainer.num_nodes=2",
-              "strategy=pipeline trainer.devices=2 strategy.microbatches=1", "model.scheduler.warmup_steps=10",
-              "model=gpt data=text data.path=corpus.txt"]
+@pytest.fixture(scope="module")
+def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
+    """Every case run once, each in a job dir of its own; returns ``{id: (result, job dir, launch dir)}``."""
+    root = tmp_path_factory.mktemp("bad-input")
+    files = root / "files"
+    (files / "a_dir").mkdir(parents=True)
+    (files / "a_file").write_text("not a dir")
+    (files / "empty.txt").write_text("")
+    (files / "tiny.txt").write_text("hello world")
+    (files / "random.ckpt").write_bytes(random.Random(0).randbytes(5000))
+    (files / "corpus.txt").write_text("the cat sat on the mat. " * 800)  # 19200 bytes
+    names = {"files": files, "mlp_ckpt": single_run / "checkpoints" / "last.ckpt",
+             "fsdp_ckpt": ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt"}
+    args, dirs = [], []
+    for number, (overrides, _) in enumerate(CASES):
+        overrides = [fill(item, names) for item in overrides]
+        base = [item for item in TINY_GPT if item != GPT_MARK] if GPT_MARK in overrides else TINY
+        if "data=text" in overrides:
+            base = [item for item in base if not item.startswith(("data=", "data.vocab", "data.seq", "data.num"))]
+        job_dir = root / "jobs" / str(number)
+        args.append([*base, f"hydra.run.dir={job_dir}", *overrides])  # a case's own hydra.run.dir comes last, wins
+        dirs.append(job_dir)
+    launch_dir = root / "launch"  # the cases' working dir: nothing may land here
+    launch_dir.mkdir()
+    (root / "cases.json").write_text(json.dumps(args))
+    subprocess.run([sys.executable, str(REPO / "tests" / "invocations.py"), str(root / "cases.json"),
+                    str(root / "results.json"), str(launch_dir)], env=isolated_env(home), check=True, timeout=600)
+    results = json.loads((root / "results.json").read_text())
+    return {id: (result, job_dir, launch_dir, names) for id, result, job_dir in zip(IDS, results, dirs)}
 
 
-@pytest.mark.parametrize("base,overrides,message", [case for case, id in zip(CASES, IDS) if id in END_TO_END],
-                         ids=END_TO_END)
-def test_bad_input_fails_fast_with_a_clear_message(base, overrides, message, home, tmp_path):
-    job_dir = tmp_path / "job"
-    result = train([*base, f"hydra.run.dir={job_dir}", *overrides], home, expect_ok=False, timeout=60)
-    assert result.returncode == 1
-    assert f"Config error: {message}" in result.stderr
-    assert "Fix:" in result.stderr and "Traceback" not in result.stderr
-    # Nothing started: no worker processes (their launcher dir), no W&B run, no checkpoint.
-    assert not (job_dir / "workers").exists()
-    assert not (job_dir / "wandb").exists()
-    assert not (job_dir / "checkpoints").exists()
+def test_the_table_is_large_and_every_case_distinct():
+    assert len(CASES) >= 40 and len(set(IDS)) == len(IDS)
+
+
+@pytest.mark.parametrize("overrides,message", CASES, ids=IDS)
+def test_bad_input_fails_fast_with_a_clear_message(overrides, message, invocations):
+    result, job_dir, launch_dir, names = invocations[" ".join(overrides)]
+    message = fill(message, names)
+    stderr = result["stderr"]
+    assert result["exit_code"] == 1, stderr[-3000:]
+    parts = message.split(" ... ")
+    assert all(part in stderr for part in parts), stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if "Config error:" in stderr:  # ours: one paragraph, the key first, then the problem and the fix
+        assert stderr.strip().splitlines()[-1].startswith(f"Config error: {parts[0]}") and "Fix:" in stderr
+    # Nothing started: no worker processes (their launcher dir), no W&B run, no checkpoint, no config record.
+    for where in (job_dir, launch_dir):
+        assert not (where / "workers").exists() and not (where / "wandb").exists()
+        assert not (where / "checkpoints").exists() and not (where / "config.yaml").exists()
+    assert not any(launch_dir.iterdir())
 
 
 def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
-    """A failure inside the workers (past the checks) ends all of them and says which rank failed."""
+    """A failure inside the workers (past the checks) ends all of them and says which rank failed and how."""
     job_dir = tmp_path / "job"
     result = train(
         # Lightning refuses this inside fit, in the workers (it needs the number of batches, which the checks lack).
@@ -99,6 +177,7 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
         timeout=120,
     )
     assert result.returncode != 0
-    assert "Training failed in worker rank" in result.stderr and "All 2 workers were stopped" in result.stderr
+    assert "Training failed in the workers:\n- rank " in result.stderr and "All 2 workers were stopped" in result.stderr
+    assert " raised ValueError: `val_check_interval` (1000) must be less than or equal to" in result.stderr
     assert "val_check_interval" in result.output  # the worker's own traceback is shown
     assert only_run(job_dir).exit_code == 1  # the W&B run rank 0 had opened is closed as failed

@@ -5,6 +5,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
+from project.errors import positive_int
 
 
 class InMemoryDataModule(L.LightningDataModule):
@@ -50,6 +51,8 @@ class GeneratedDataModule(InMemoryDataModule):
 
     def __init__(self, num_train: int, num_val: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle)
+        positive_int("data.num_train", num_train, "generate at least one global batch of samples, e.g. data.num_train=1024.")
+        positive_int("data.num_val", num_val, "generate at least one validation sample per device, e.g. data.num_val=256.")
         self.num_train = num_train
         self.num_val = num_val
 

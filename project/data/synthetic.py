@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from project.data.datamodule import GeneratedDataModule
+from project.errors import positive_int
 
 
 def make_cluster_data(
@@ -49,6 +50,9 @@ class SyntheticDataModule(GeneratedDataModule):
         shuffle: bool = True,
     ) -> None:
         super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed, shuffle=shuffle)
+        for name, value in (("num_features", num_features), ("num_classes", num_classes), ("latent_dim", latent_dim),
+                            ("clusters_per_class", clusters_per_class)):
+            positive_int(f"data.{name}", value, f"set data.{name} to a positive integer.")
         self.task = dict(
             num_features=num_features,
             num_classes=num_classes,

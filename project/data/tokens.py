@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
-from project.errors import ConfigError
+from project.errors import ConfigError, number_in, positive_int
 
 
 def random_markov_chain(vocab_size: int, branching: int, generator: torch.Generator) -> torch.Tensor:
@@ -75,6 +75,8 @@ class MarkovTokenDataModule(GeneratedDataModule):
         shuffle: bool = True,
     ) -> None:
         super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed, shuffle=shuffle)
+        for name, value in (("vocab_size", vocab_size), ("branching", branching), ("seq_length", seq_length)):
+            positive_int(f"data.{name}", value, f"set data.{name} to a positive integer.")
         self.vocab_size, self.branching, self.seq_length = vocab_size, branching, seq_length
         self._transitions: torch.Tensor | None = None
         self._entropy_floor: float | None = None
@@ -114,8 +116,24 @@ class TextDataModule(InMemoryDataModule):
         self.path = Path(path)
         if not self.path.is_file():
             raise ConfigError("data.path", f"{self.path} is not a file.", "give an existing text file: data.path=FILE.")
-        self.seq_length = seq_length
-        self.val_fraction = val_fraction
+        self.seq_length = positive_int("data.seq_length", seq_length, "set data.seq_length to the tokens per sequence, e.g. 256.")
+        self.val_fraction = number_in("data.val_fraction", val_fraction, 0, 1, "e.g. data.val_fraction=0.1: the last 10% validates.")
+        num_train, num_val = self._split_sizes()
+        if num_train < 1 or num_val < 1:
+            size = self.path.stat().st_size
+            if num_train + num_val < 2 or num_train < 1:
+                raise ConfigError(
+                    "data.path",
+                    f"{self.path} has {size} bytes, too few for one training and one validation sequence of "
+                    f"data.seq_length + 1 = {seq_length + 1} bytes.",
+                    "use a longer text file, or a shorter data.seq_length.",
+                )
+            raise ConfigError(
+                "data.val_fraction",
+                f"is {val_fraction}: the last {int(size * val_fraction)} bytes of {self.path} hold no validation "
+                f"sequence of data.seq_length + 1 = {seq_length + 1} bytes.",
+                f"raise it to at least {(seq_length + 2) / size:.3g}, or shorten data.seq_length.",
+            )
 
     def _split_sizes(self) -> tuple[int, int]:
         """Sequences in each split (of seq_length + 1 tokens, overlapping by one), from the file size alone."""

@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from project.errors import ConfigError, positive_int
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
@@ -95,8 +97,12 @@ class GPT(nn.Module):
         tie_weights: bool = False,
     ) -> None:
         super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("max_length", max_length), ("num_layers", num_layers),
+                            ("dim", dim), ("num_heads", num_heads)):
+            positive_int(f"model.net.{name}", value, f"set model.net.{name} to a positive integer.")
         if dim % num_heads:
-            raise ValueError(f"dim {dim} must be a multiple of num_heads {num_heads}")
+            raise ConfigError("model.net.num_heads", f"is {num_heads}, which does not divide model.net.dim={dim}.",
+                              "choose a head count that divides the width (each head gets dim / num_heads).")
         self.stem = Embedding(vocab_size, max_length, dim, dropout)
         self.blocks = nn.ModuleList(Block(dim, num_heads, dropout) for _ in range(num_layers))
         self.head = LMHead(dim, vocab_size)

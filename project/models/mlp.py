@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from project.errors import ConfigError, positive_int
+
 
 class MLP(nn.Module):
     """Linear → ReLU blocks, then a Linear output block; ``blocks`` holds them in order.
@@ -18,6 +20,11 @@ class MLP(nn.Module):
 
     def __init__(self, input_dim: int, hidden_dims: Sequence[int], num_classes: int) -> None:
         super().__init__()
+        if isinstance(hidden_dims, (str, bytes)) or not isinstance(hidden_dims, Sequence):
+            raise ConfigError("model.net.hidden_dims", f"must be a list of layer widths, got {hidden_dims!r}.",
+                              "give positive integers, e.g. model.net.hidden_dims=[1024,512].")
+        for width in hidden_dims:
+            positive_int("model.net.hidden_dims", width, "give positive integers, e.g. model.net.hidden_dims=[1024,512].")
         widths = [input_dim, *hidden_dims]
         hidden = [nn.Sequential(nn.Linear(w_in, w_out), nn.ReLU()) for w_in, w_out in zip(widths, widths[1:])]
         self.stem = nn.Identity()

@@ -67,6 +67,7 @@ class TrainingModule(L.LightningModule):
         self.no_weight_decay = list(no_weight_decay)
         self.activation_checkpointing = activation_checkpointing
         self._configured = False
+        _check_optimizer(optimizer, self._optimizer_groups())  # on the meta-device parameters: nothing allocated
 
     def configure_model(self) -> None:
         if self._configured:
@@ -136,15 +137,39 @@ class TrainingModule(L.LightningModule):
             (spared if spare else decayed).append(name)
         return [decayed, spared]
 
-    def configure_optimizers(self):
+    def _optimizer_groups(self) -> list[dict]:
         parameters = dict(self.named_parameters())
         decayed, spared = ([parameters[name] for name in group] for group in self.parameter_groups())
-        optimizer = self.optimizer_factory(params=[{"params": decayed}, {"params": spared, "weight_decay": 0.0}])
+        return [{"params": decayed}, {"params": spared, "weight_decay": 0.0}]
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(params=self._optimizer_groups())
         if self.scheduler_factory is None:
             return optimizer
         # Per optimizer step, over this run's steps (epochs, devices, accumulation and max_steps included).
         scheduler = self.scheduler_factory(optimizer, run_steps=self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# How torch.optim's own errors name each hyperparameter, to point at the config key.
+OPTIMIZER_ARGUMENTS = {"lr": "learning rate", "eps": "epsilon", "betas": "beta", "weight_decay": "weight_decay",
+                       "momentum": "momentum", "dampening": "dampening"}
+
+
+def _check_optimizer(factory: OptimizerFactory, groups: list[dict]) -> None:
+    """Build the optimizer once, so that torch.optim checks its hyperparameters (a negative learning rate, betas
+    outside [0, 1)...) before any worker starts; its message names the config key."""
+    for name, value in getattr(factory, "keywords", {}).items():
+        values = value if name == "betas" and isinstance(value, Sequence) and not isinstance(value, str) else [value]
+        if name in OPTIMIZER_ARGUMENTS and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ConfigError(f"model.optimizer.{name}", f"must be {'numbers' if name == 'betas' else 'a number'}, "
+                              f"got {value!r}.", f"e.g. model.optimizer.{name}={'[0.9,0.95]' if name == 'betas' else 0.001}.")
+    try:
+        factory(params=groups)
+    except (ValueError, TypeError) as error:
+        key = next((f"model.optimizer.{name}" for name, words in OPTIMIZER_ARGUMENTS.items() if words in str(error)),
+                   "model.optimizer")
+        raise ConfigError(key, f"is refused by the optimizer: {error}.", f"set {key} to a value the optimizer accepts.") from None
 
 
 def _check_scheduler(factory: SchedulerFactory) -> None:

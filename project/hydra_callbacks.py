@@ -1,0 +1,30 @@
+"""Hydra callbacks of ``train.py``: checks that must run before Hydra makes a job dir. Light imports only."""
+
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from project.errors import ConfigError, exit_with
+
+
+class JobDirCheck(Callback):
+    """A run's (or sweep's) dir must be named and creatable; Hydra would otherwise write into the launch dir, or
+    fail with a traceback, before any of the job's own checks."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_dir(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+def _check_dir(path: str | None, key: str) -> None:
+    fix = "name a dir you can write to, or leave the key unset for a new dir under logs/."
+    if path is None or not str(path).strip():
+        exit_with(ConfigError(key, "is empty, so the job would write into the dir it was launched from.", fix))
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)  # what Hydra does next; here a failure gets a clear message
+    except OSError as error:
+        exit_with(ConfigError(key, f"{path} cannot be created: {error.strerror or error}.", fix))
