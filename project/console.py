@@ -1,4 +1,6 @@
-"""What people at a terminal see before training: the composed config as a tree."""
+"""What people at a terminal see: the composed config as a tree, and Lightning's log lines once each."""
+
+import logging
 
 import rich
 import rich.syntax
@@ -18,3 +20,13 @@ def print_config_tree(cfg: DictConfig) -> None:
         text = OmegaConf.to_yaml(value) if isinstance(value, DictConfig) else str(value)
         tree.add(f"[bold]{key}[/]").add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
     rich.print(tree)
+
+
+def lightning_logs_through_root() -> None:
+    """``import lightning`` gives its loggers console handlers of their own ("lightning.pytorch" and
+    "lightning.fabric" stop propagating); drop them, so that Lightning's records reach the root logger's handlers
+    (the console and the job's log file) once."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True

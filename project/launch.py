@@ -28,11 +28,11 @@ from omegaconf.errors import InterpolationResolutionError
 
 from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
 from project.checks import check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
-from project.console import print_config_tree
+from project.console import lightning_logs_through_root, print_config_tree
 from project.errors import ConfigError
 from project.job_dir import job_dir_lock
 from project.failures import failure_report
-from project.processes import HEARTBEAT_DIR_VARIABLE, LAUNCHER_PID_VARIABLE, die_with_parent
+from project.processes import HEARTBEAT_DIR_VARIABLE, JOB_LOG_VARIABLE, LAUNCHER_PID_VARIABLE, die_with_parent
 from project.training import build_net, train
 
 log = logging.getLogger(__name__)
@@ -77,8 +77,9 @@ def job_config(cfg: DictConfig) -> DictConfig:
 @contextmanager
 def _worker_environment(num_workers: int, heartbeat_dir: Path) -> Iterator[None]:
     """What the workers inherit besides torchelastic's variables: this process's pid (they die with it), where
-    their heartbeats go, and this machine's cores split between CPU workers unless the user set OMP_NUM_THREADS (torchrun sets 1)."""
-    added = {LAUNCHER_PID_VARIABLE: str(os.getpid()), HEARTBEAT_DIR_VARIABLE: str(heartbeat_dir)}
+    their heartbeats and log records go, and this machine's cores split between CPU workers unless the user set OMP_NUM_THREADS (torchrun sets 1)."""
+    added = {LAUNCHER_PID_VARIABLE: str(os.getpid()), HEARTBEAT_DIR_VARIABLE: str(heartbeat_dir),
+             JOB_LOG_VARIABLE: str(job_log_file())}
     if "OMP_NUM_THREADS" not in os.environ:
         added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
     os.environ.update(added)
@@ -87,6 +88,12 @@ def _worker_environment(num_workers: int, heartbeat_dir: Path) -> Iterator[None]
     finally:
         for name in added:
             del os.environ[name]
+
+
+def job_log_file() -> Path:
+    """Hydra's log file of this job (``<job dir>/<job name>.log``: ``train.log``)."""
+    hydra_cfg = HydraConfig.get()
+    return Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log"
 
 
 def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
@@ -111,7 +118,8 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
         with _worker_environment(num_workers, heartbeat_dir):
             elastic_launch(launch_config, sys.executable)("-m", "project.worker", str(config_file))
     except ChildFailedError as error:
-        raise SystemExit(failure_report(error, num_workers, log_dir, heartbeat_dir)) from None
+        log.error(failure_report(error, num_workers, log_dir, heartbeat_dir))  # on the console and in the job's log
+        raise SystemExit(1) from None
 
 
 def process_group_settings(cfg: DictConfig) -> tuple[str, timedelta]:
@@ -149,12 +157,6 @@ def join_torchrun_job(cfg: DictConfig) -> None:
             Path(own_dir).rmdir()  # the empty dir Hydra made for this rank
         with open_dict(cfg):
             cfg.paths.output_dir = shared[0]
-
-
-def _log_once_per_line() -> None:
-    """``import lightning`` adds a console handler to the "lightning" logger that also propagates to the root;
-    under Hydra the root already prints (and writes the job's log file), so drop Lightning's own handler."""
-    logging.getLogger("lightning").handlers.clear()
 
 
 def checkpoint_to_load(cfg: DictConfig) -> str | None:
@@ -223,7 +225,7 @@ def exclusive_job_dir(cfg: DictConfig, torchrun: bool) -> Iterator[None]:
 
 def run(cfg: DictConfig) -> dict[str, float] | None:
     """Check the config, then train; returns the final metrics where this process trained."""
-    _log_once_per_line()
+    lightning_logs_through_root()  # Hydra's root handlers print them and write the job's log file
     torchrun = launched_by_torchrun()
     if torchrun:
         join_torchrun_job(cfg)

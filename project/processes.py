@@ -31,6 +31,7 @@ def die_with_parent() -> None:
         os._exit(1)  # the launcher is already gone
 
 
+JOB_LOG_VARIABLE = "PROJECT_JOB_LOG"  # set by the launcher: the job's log file, which workers append to
 HEARTBEAT_DIR_VARIABLE = "PROJECT_HEARTBEAT_DIR"  # set by the launcher: where each worker's heartbeat file goes
 HEARTBEAT_INTERVAL_S = 1.0
 

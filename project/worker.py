@@ -3,10 +3,12 @@
 Started by ``project.launch.launch_workers`` with torchelastic's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 """
 
+import logging
 import os
 import sys
+from pathlib import Path
 
-from project.processes import die_with_parent, start_heartbeat
+from project.processes import JOB_LOG_VARIABLE, die_with_parent, start_heartbeat
 
 die_with_parent()  # before the slow imports below, so that a launcher killed during start-up takes this along
 start_heartbeat(int(os.environ["RANK"]))
@@ -14,12 +16,36 @@ start_heartbeat(int(os.environ["RANK"]))
 from omegaconf import OmegaConf  # noqa: E402 (after die_with_parent)
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
+from project.console import lightning_logs_through_root  # noqa: E402
 from project.training import train  # noqa: E402
+
+
+def log_to_job(log_file: Path, rank: int) -> logging.Logger:
+    """Log records to the console, as before, and to the job's log file (Hydra's ``train.log``, which the launcher
+    keeps), each line marked with its rank. Returns a logger that writes to the file alone."""
+    formatter = logging.Formatter(f"[%(asctime)s][rank {rank}][%(name)s][%(levelname)s] - %(message)s")
+    console, file = logging.StreamHandler(sys.stdout), logging.FileHandler(log_file, mode="a")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for handler in (console, file):
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    lightning_logs_through_root()
+    file_only = logging.getLogger("project.worker.file")
+    file_only.propagate = False
+    file_only.addHandler(file)
+    return file_only
 
 
 @record  # writes this worker's traceback where the launcher can report it
 def main(config_file: str) -> None:
-    train(OmegaConf.load(config_file))
+    rank = int(os.environ["RANK"])
+    file_log = log_to_job(Path(os.environ[JOB_LOG_VARIABLE]), rank)
+    try:
+        train(OmegaConf.load(config_file))
+    except BaseException:
+        file_log.exception(f"Rank {rank} failed")  # the console gets the traceback from Python itself
+        raise
 
 
 if __name__ == "__main__":

@@ -176,8 +176,15 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
         expect_ok=False,
         timeout=120,
     )
-    assert result.returncode != 0
-    assert "Training failed in the workers:\n- rank " in result.stderr and "All 2 workers were stopped" in result.stderr
-    assert " raised ValueError: `val_check_interval` (1000) must be less than or equal to" in result.stderr
-    assert "val_check_interval" in result.output  # the worker's own traceback is shown
+    assert result.returncode == 1
+    report = " raised ValueError: `val_check_interval` (1000) must be less than or equal to"
+    assert "Training failed in the workers:\n- rank " in result.output and "All 2 workers were stopped" in result.output
+    assert report in result.output
+    assert "Traceback (most recent call last)" in result.stderr  # each worker's own traceback is shown
     assert only_run(job_dir).exit_code == 1  # the W&B run rank 0 had opened is closed as failed
+    # The job's log holds both workers' records, their tracebacks and the launcher's report.
+    log = (job_dir / "train.log").read_text()
+    assert "[rank 0][lightning.pytorch.utilities.rank_zero][INFO] - GPU available: False" in log
+    for rank in (0, 1):
+        assert f"[rank {rank}][project.worker.file][ERROR] - Rank {rank} failed\nTraceback (most recent call last)" in log
+    assert "[project.launch][ERROR] - Training failed in the workers:" in log and report in log

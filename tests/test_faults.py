@@ -14,6 +14,8 @@ import torch
 from conftest import REPO, TINY, isolated_env, train
 from probes import thaw
 
+pytestmark = pytest.mark.slow
+
 
 def saved_epoch(path) -> int:
     return torch.load(path, map_location="cpu", weights_only=False)["epoch"]
@@ -28,6 +30,8 @@ def test_last_is_the_latest_epoch_when_the_metric_gets_worse(home, tmp_path):
     assert sorted(path.name for path in checkpoints.iterdir()) == ["epoch000.ckpt", "last.ckpt"]
     assert saved_epoch(checkpoints / "epoch000.ckpt") == 0  # the best stays the first epoch...
     assert saved_epoch(checkpoints / "last.ckpt") == 2  # ...and last is the third of 3
+    log = (job_dir / "train.log").read_text()  # the job's log: Lightning's records, through Hydra's log file
+    assert "[lightning.fabric.utilities.seed][INFO] - Seed set to 42" in log and "`max_epochs=3` reached" in log
 
 
 def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
@@ -163,3 +167,14 @@ def test_jobs_started_in_the_same_second_get_dirs_of_their_own(home, tmp_path):
     for job_dir in latest:
         assert (job_dir / "config.yaml").is_file() and (job_dir / ".hydra" / "overrides.yaml").is_file()
         assert sorted(path.name for path in (job_dir / "checkpoints").iterdir()) == ["epoch000.ckpt", "last.ckpt"]
+
+
+def test_a_killed_worker_is_named_with_its_signal(home, tmp_path):
+    job_dir = tmp_path / "job"
+    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={job_dir}"], home) as launcher:
+        wait_for(lambda: (job_dir / "checkpoints" / "last.ckpt").exists(), 120, "a first epoch")
+        workers = {worker_rank(pid): pid for pid in children(launcher.pid)}
+        os.kill(workers[1], signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=60)
+    assert launcher.returncode == 1
+    assert "Training failed in the workers:\n- rank 1 was killed by SIGKILL." in output, output[-3000:]
