@@ -1,7 +1,7 @@
 """Run ``python train.py <args>`` for many argument lists, each in a process of its own, cheaply.
 
-``python tests/invocations.py CASES.json RESULTS.json LAUNCH_DIR``: CASES is a list of argument lists, each run from
-LAUNCH_DIR as the working dir. One process imports
+``python tests/invocations.py CASES.json RESULTS.json``: CASES is a list of ``{"args": [...], "cwd": dir}``, each
+run with ``dir`` as its working dir (where the user would have launched it). One process imports
 what train.py imports (torch, Lightning, Hydra: most of a run's start-up time), then forks a child per case that
 runs ``train.py`` as ``__main__`` with that ``sys.argv``, its stdout and stderr in files, and exits as the
 interpreter would (a ``sys.exit("message")`` prints the message and exits 1; an uncaught exception prints its
@@ -19,9 +19,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_in_child(args: list[str], stdout: Path, stderr: Path) -> int:
+def run_in_child(args: list[str], cwd: str, stdout: Path, stderr: Path) -> int:
     pid = os.fork()
     if pid == 0:
+        os.chdir(cwd)
         for fd, path in ((1, stdout), (2, stderr)):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
         sys.argv = [str(REPO / "train.py"), *args]
@@ -44,16 +45,15 @@ def run_in_child(args: list[str], stdout: Path, stderr: Path) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def main(cases_file: str, results_file: str, launch_dir: str) -> None:
+def main(cases_file: str, results_file: str) -> None:
     sys.path.insert(0, str(REPO))
-    os.chdir(launch_dir)
     import project.launch  # noqa: F401  (what train.py imports when it runs: loaded once, before forking)
 
     results = []
-    with tempfile.TemporaryDirectory() as tmp:  # outside the launch dir, which the cases must leave empty
+    with tempfile.TemporaryDirectory() as tmp:  # outside the launch dirs, which the cases must leave empty
         stdout, stderr = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        for args in json.loads(Path(cases_file).read_text()):
-            exit_code = run_in_child(args, stdout, stderr)
+        for case in json.loads(Path(cases_file).read_text()):
+            exit_code = run_in_child(case["args"], case["cwd"], stdout, stderr)
             results.append({"exit_code": exit_code, "stdout": stdout.read_text(), "stderr": stderr.read_text()})
     Path(results_file).write_text(json.dumps(results))
 

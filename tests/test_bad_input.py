@@ -115,7 +115,8 @@ def fill(text: str, names: dict) -> str:
 
 @pytest.fixture(scope="module")
 def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
-    """Every case run once, each in a job dir of its own; returns ``{id: (result, job dir, launch dir)}``."""
+    """Every case run once, each with a job dir and a launch dir of its own; returns
+    ``{id: (result, job dir, launch dir, names)}``."""
     root = tmp_path_factory.mktemp("bad-input")
     files = root / "files"
     (files / "a_dir").mkdir(parents=True)
@@ -126,22 +127,22 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
     (files / "corpus.txt").write_text("the cat sat on the mat. " * 800)  # 19200 bytes
     names = {"files": files, "mlp_ckpt": single_run / "checkpoints" / "last.ckpt",
              "fsdp_ckpt": ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt"}
-    args, dirs = [], []
+    cases, dirs = [], []
     for number, (overrides, _) in enumerate(CASES):
         overrides = [fill(item, names) for item in overrides]
         base = [item for item in TINY_GPT if item != GPT_MARK] if GPT_MARK in overrides else TINY
         if "data=text" in overrides:
             base = [item for item in base if not item.startswith(("data=", "data.vocab", "data.seq", "data.num"))]
-        job_dir = root / "jobs" / str(number)
-        args.append([*base, f"hydra.run.dir={job_dir}", *overrides])  # a case's own hydra.run.dir comes last, wins
-        dirs.append(job_dir)
-    launch_dir = root / "launch"  # the cases' working dir: nothing may land here
-    launch_dir.mkdir()
-    (root / "cases.json").write_text(json.dumps(args))
+        job_dir, launch_dir = root / "jobs" / str(number), root / "launch" / str(number)  # nothing may land in the latter
+        launch_dir.mkdir(parents=True)
+        # A case's own hydra.run.dir comes last, so it wins.
+        cases.append({"args": [*base, f"hydra.run.dir={job_dir}", *overrides], "cwd": str(launch_dir)})
+        dirs.append((job_dir, launch_dir))
+    (root / "cases.json").write_text(json.dumps(cases))
     subprocess.run([sys.executable, str(REPO / "tests" / "invocations.py"), str(root / "cases.json"),
-                    str(root / "results.json"), str(launch_dir)], env=isolated_env(home), check=True, timeout=600)
+                    str(root / "results.json")], env=isolated_env(home), check=True, timeout=600)
     results = json.loads((root / "results.json").read_text())
-    return {id: (result, job_dir, launch_dir, names) for id, result, job_dir in zip(IDS, results, dirs)}
+    return {id: (result, *where, names) for id, result, where in zip(IDS, results, dirs)}
 
 
 def test_the_table_is_large_and_every_case_distinct():
