@@ -101,19 +101,26 @@ def endless_job(args: list[str], home):
         launcher.communicate()
 
 
+def signal_rank_1(sig: signal.Signals, args: list[str], home, tmp_path) -> tuple[int, str, list[int]]:
+    """Send ``sig`` to rank 1 of an endless ddp job once it has trained an epoch; wait (at most 2 minutes) for the
+    job to end. Returns its exit code, its output and the workers' pids."""
+    job_dir = tmp_path / "job"
+    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={job_dir}", *args], home) as launcher:
+        wait_for(lambda: (job_dir / "checkpoints" / "last.ckpt").exists(), 120, "a first epoch")
+        workers = {worker_rank(pid): pid for pid in children(launcher.pid)}
+        os.kill(workers[1], sig)
+        output, _ = launcher.communicate(timeout=120)
+    return launcher.returncode, output, list(workers.values())
+
+
 def test_a_stopped_worker_fails_the_job_after_the_collective_timeout(home, tmp_path):
     """SIGSTOP on rank 1: rank 0 times out in its next collective (15 s here), the launcher stops everything
     (SIGTERM, then SIGKILL after torchelastic's 30 s for the stopped rank) and names rank 1."""
-    job_dir = tmp_path / "job"
-    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={job_dir}", "strategy.timeout.minutes=0.25"], home) as launcher:
-        wait_for(lambda: (job_dir / "checkpoints" / "last.ckpt").exists(), 120, "a first epoch")
-        workers = {worker_rank(pid): pid for pid in children(launcher.pid)}
-        os.kill(workers[1], signal.SIGSTOP)
-        output, _ = launcher.communicate(timeout=120)
-    assert launcher.returncode == 1
+    exit_code, output, workers = signal_rank_1(signal.SIGSTOP, ["strategy.timeout.minutes=0.25"], home, tmp_path)
+    assert exit_code == 1
     assert "Training failed in the workers:\n- rank 1 stopped responding at " in output, output[-3000:]
     assert "- rank 0 raised RuntimeError: " in output and "Timed out waiting 15000ms" in output
-    assert all(process_state(pid) is None for pid in workers.values())
+    assert all(process_state(pid) is None for pid in workers)
 
 
 def assert_all_gone(pids: list[int], within: float) -> None:
@@ -170,11 +177,6 @@ def test_jobs_started_in_the_same_second_get_dirs_of_their_own(home, tmp_path):
 
 
 def test_a_killed_worker_is_named_with_its_signal(home, tmp_path):
-    job_dir = tmp_path / "job"
-    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={job_dir}"], home) as launcher:
-        wait_for(lambda: (job_dir / "checkpoints" / "last.ckpt").exists(), 120, "a first epoch")
-        workers = {worker_rank(pid): pid for pid in children(launcher.pid)}
-        os.kill(workers[1], signal.SIGKILL)
-        output, _ = launcher.communicate(timeout=60)
-    assert launcher.returncode == 1
+    exit_code, output, _ = signal_rank_1(signal.SIGKILL, [], home, tmp_path)
+    assert exit_code == 1
     assert "Training failed in the workers:\n- rank 1 was killed by SIGKILL." in output, output[-3000:]
