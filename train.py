@@ -17,11 +17,12 @@ def main(cfg: DictConfig) -> float | None:
     from project.launch import run  # imported here so that --help and --cfg stay fast
 
     try:
-        metrics = run(cfg)
+        result = run(cfg)
     except ConfigError as error:
         exit_with(error)  # one paragraph naming key and fix; raised before any worker or W&B run starts
-    # A sweeper optimising a metric reads the return value (only where this process trained).
-    return None if metrics is None else metrics.get(cfg.best_metric.name)
+    # A sweeper (Optuna) reads the return value: the best value over epochs of optimized_metric, from the
+    # result.json rank 0 wrote, however the job ran. None in torchrun's ranks other than 0.
+    return None if result is None else result["objective"]
 
 
 if __name__ == "__main__":

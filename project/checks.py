@@ -48,6 +48,9 @@ def _check_numbers(cfg: DictConfig) -> None:
     if not _is_int(sanity_steps) or sanity_steps < -1:
         raise ConfigError("trainer.num_sanity_val_steps", f"must be an integer of at least -1, got {sanity_steps!r}.",
                           "0 skips the check, N runs N validation batches first, -1 all of them.")
+    for key in ("best_metric.mode", "optimized_metric.mode"):
+        if OmegaConf.select(cfg, key) not in ("max", "min"):
+            raise ConfigError(key, f"is {OmegaConf.select(cfg, key)!r}.", "use max (higher is better) or min.")
     clip = cfg.trainer.gradient_clip_val
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError("trainer.gradient_clip_val", f"must be a positive number or null, got {clip!r}.",

@@ -1,5 +1,6 @@
-"""Hydra callbacks of ``train.py``: checks that must run before Hydra makes a job dir. Light imports only."""
+"""Hydra callbacks of ``train.py``: checks before Hydra makes a job dir, and a sweep's summary. Light imports only."""
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -7,6 +8,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from project.errors import ConfigError, exit_with
+from project.results import write_sweep_summary
 
 
 class JobDirCheck(Callback):
@@ -28,3 +30,15 @@ def _check_dir(path: str | None, key: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)  # what Hydra does next; here a failure gets a clear message
     except OSError as error:
         exit_with(ConfigError(key, f"{path} cannot be created: {error.strerror or error}.", fix))
+
+
+class SweepSummary(Callback):
+    """At the end of a multirun: a table of its jobs (overrides, objective, best epoch, final value, runtime, status,
+    the best job marked), printed and written to the sweep dir as ``summary.csv`` and ``summary.md``."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("RANK", "0")) > 0:
+            return  # under torchrun every rank ran the sweep; rank 0 summarises it
+        sweep_dir = Path(config.hydra.sweep.dir)
+        table = write_sweep_summary(sweep_dir)
+        print(f"\nSweep summary ({sweep_dir}/summary.csv, summary.md):\n{table}", flush=True)

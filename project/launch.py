@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,14 +27,15 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError
 
+from project.results import read_result
 from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
 from project.checks import check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
 from project.console import lightning_logs_through_root, print_config_tree
 from project.errors import ConfigError
-from project.job_dir import job_dir_lock
 from project.failures import failure_report
+from project.job_dir import job_dir_lock
 from project.processes import HEARTBEAT_DIR_VARIABLE, JOB_LOG_VARIABLE, LAUNCHER_PID_VARIABLE, die_with_parent
-from project.training import build_net, train
+from project.training import build_net, result_file, train
 
 log = logging.getLogger(__name__)
 
@@ -223,8 +225,9 @@ def exclusive_job_dir(cfg: DictConfig, torchrun: bool) -> Iterator[None]:
         yield
 
 
-def run(cfg: DictConfig) -> dict[str, float] | None:
-    """Check the config, then train; returns the final metrics where this process trained."""
+def run(cfg: DictConfig) -> dict[str, Any] | None:
+    """Check the config, then train; returns the job's result (``result.json``) in the process Hydra runs (rank 0
+    under torchrun), None in torchrun's other ranks."""
     lightning_logs_through_root()  # Hydra's root handlers print them and write the job's log file
     torchrun = launched_by_torchrun()
     if torchrun:
@@ -233,7 +236,7 @@ def run(cfg: DictConfig) -> dict[str, float] | None:
         return _run_job(cfg, torchrun)
 
 
-def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, float] | None:
+def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
     cfg = checked_job_config(cfg, torchrun)
     # The resolved config this job trains with: the job's record, and what launched workers load.
     config_file = Path(cfg.paths.output_dir) / "config.yaml"
@@ -243,6 +246,7 @@ def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, float] | None:
         config_file.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, config_file)
     if torchrun or cfg.strategy.processes == 1:
-        return train(cfg)
-    launch_workers(config_file, cfg.strategy.processes, config_file.parent / "workers")
-    return None
+        train(cfg)
+    else:
+        launch_workers(config_file, cfg.strategy.processes, config_file.parent / "workers")
+    return read_result(result_file(cfg)) if is_rank_zero() else None

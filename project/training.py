@@ -5,6 +5,7 @@ each rank that torchrun starts.
 """
 
 import warnings
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -14,7 +15,9 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, OmegaConf
 
+from project.callbacks import JobResult
 from project.checkpoints import AtomicCheckpointIO
+from project.results import RESULT_FILE
 from project.checks import build_strategy, resolve_ckpt_path
 
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
@@ -39,13 +42,19 @@ def build_loggers(cfg: DictConfig) -> list[Logger]:
     return loggers
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Fit the configured model; returns the last epoch's logged metrics."""
+def result_file(cfg: DictConfig) -> Path:
+    return Path(cfg.paths.output_dir) / RESULT_FILE
+
+
+def train(cfg: DictConfig) -> None:
+    """Fit the configured model; rank 0 writes the job's ``result.json`` (``project.callbacks.JobResult``)."""
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model, net=build_net(cfg))
     loggers = build_loggers(cfg)
     callbacks = [instantiate(callback) for callback in (cfg.callbacks or {}).values()]
+    # Whatever the callbacks group holds: sweeps read the result.
+    callbacks.append(JobResult(result_file(cfg), cfg.optimized_metric.name, cfg.optimized_metric.mode))
     trainer = instantiate(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy),
@@ -60,4 +69,3 @@ def train(cfg: DictConfig) -> dict[str, float]:
         # an in-process sweep starts a new one.
         if wandb.run is not None:
             wandb.finish(exit_code=0 if trainer.state.status == TrainerStatus.FINISHED else 1)
-    return {name: float(value) for name, value in trainer.callback_metrics.items()}

@@ -1,5 +1,6 @@
 """End-to-end runs of ``python train.py`` (and torchrun) as users start them, read back from their W&B files."""
 
+import json
 import shutil
 
 import pytest
@@ -61,6 +62,10 @@ def test_torchrun_runs_a_sweep(runs_dir, home):
         run = only_run(sweep_dir / job)
         assert run.exit_code == 0
         assert_epoch_metrics(run, epochs=epochs)
+        result = json.loads((sweep_dir / job / "result.json").read_text())  # rank 0's, read by rank 0's Hydra
+        assert result["status"] == "completed" and result["epochs"] == epochs
+        assert result["objective"] == max(run.series("val/acc"))
+    assert (sweep_dir / "summary.md").read_text().count("| completed |") == 2  # written once, by rank 0
 
 
 def test_multirun_with_ddp_runs_each_job_once(runs_dir, home):

@@ -1,7 +1,8 @@
 """Lightning callbacks of this project."""
 
 from project.callbacks.checkpoint import LatestAndBestCheckpoint
+from project.callbacks.job_result import JobResult
 from project.callbacks.memory import DeviceMemory
 from project.callbacks.throughput import EpochThroughput
 
-__all__ = ["DeviceMemory", "EpochThroughput", "LatestAndBestCheckpoint"]
+__all__ = ["DeviceMemory", "EpochThroughput", "JobResult", "LatestAndBestCheckpoint"]

@@ -1,0 +1,107 @@
+"""A job's ``result.json`` and a sweep's summary of them. Standard library only: Hydra's callbacks use it."""
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+RESULT_FILE = "result.json"
+
+
+def job_result(epochs: list[dict[str, float]], metric: str, mode: str, status: str, runtime_s: float,
+               error: str | None = None) -> dict[str, Any]:
+    """What ``result.json`` holds; the objective is None until an epoch has logged ``metric``."""
+    scored = [epoch for epoch in epochs if not math.isnan(epoch.get(metric, math.nan))]
+    best = (max if mode == "max" else min)(scored, key=lambda epoch: epoch[metric]) if scored else None
+    return {
+        "status": status,
+        "objective": None if best is None else best[metric],
+        "metric": metric,
+        "mode": mode,
+        "best_epoch": None if best is None else best["epoch"],
+        "best": best,
+        "final": epochs[-1] if epochs else None,
+        "epochs": len(epochs),
+        "runtime_s": round(runtime_s, 3),
+        "error": error,
+    }
+
+
+def write_result(path: Path, result: dict[str, Any]) -> None:
+    """Whole or not at all: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(result, indent=2))
+    os.replace(partial, path)
+
+
+def read_result(path: str | Path) -> dict[str, Any] | None:
+    """The result in ``path``, None where there is none (a job that failed before training)."""
+    path = Path(path)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _job_order(job_dir: Path) -> tuple:
+    return (0, int(job_dir.name), "") if job_dir.name.isdigit() else (1, 0, job_dir.name)
+
+
+def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
+    """One row per job of the sweep (its subdirs with Hydra's ``.hydra/overrides.yaml``), in job order: the
+    overrides that vary between jobs, status, objective, best epoch, final value, runtime, and ``best`` marking the
+    job with the best objective."""
+    from omegaconf import OmegaConf  # Hydra's own dependency, imported only when a sweep ends
+
+    jobs = sorted((d for d in Path(sweep_dir).iterdir() if (d / ".hydra" / "overrides.yaml").is_file()), key=_job_order)
+    overrides = {job: list(OmegaConf.load(job / ".hydra" / "overrides.yaml")) for job in jobs}
+    shared = set.intersection(*(set(items) for items in overrides.values())) if jobs else set()
+    rows = []
+    for job in jobs:
+        result = read_result(job / RESULT_FILE) or {}
+        metric = result.get("metric")
+        final = result.get("final") or {}
+        rows.append({
+            "job": job.name,
+            "overrides": " ".join(item for item in overrides[job] if item not in shared),
+            "status": result.get("status", "no result"),
+            "metric": metric,
+            "mode": result.get("mode"),
+            "objective": result.get("objective"),
+            "best_epoch": result.get("best_epoch"),
+            "final": final.get(metric) if metric else None,
+            "runtime_s": result.get("runtime_s"),
+            "best": False,
+        })
+    scored = [row for row in rows if row["objective"] is not None]
+    if scored:
+        pick = max if scored[0]["mode"] == "max" else min
+        pick(scored, key=lambda row: row["objective"])["best"] = True
+    return rows
+
+
+def write_sweep_summary(sweep_dir: str | Path) -> str:
+    """Write ``summary.csv`` and ``summary.md`` into the sweep dir; returns the markdown table."""
+    sweep_dir = Path(sweep_dir)
+    rows = sweep_rows(sweep_dir)
+    columns = ["job", "overrides", "status", "objective", "best_epoch", "final", "runtime_s", "best"]
+    with open(sweep_dir / "summary.csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=["metric", "mode", *columns], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    metric = next((f"{row['metric']} ({row['mode']})" for row in rows if row["metric"]), "objective")
+
+    def cell(row: dict[str, Any], column: str) -> str:
+        value = row[column]
+        if column == "best":
+            return "best" if value else ""
+        if isinstance(value, float):
+            return f"{value:.6g}"
+        return "" if value is None else str(value).replace("|", "\\|")
+
+    header = [metric if column == "objective" else column for column in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row, column) for column in columns) + " |" for row in rows]
+    table = "\n".join(lines) + "\n"
+    (sweep_dir / "summary.md").write_text(table)
+    return table
