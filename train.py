@@ -5,11 +5,19 @@ See README.md; ``python train.py --help`` lists the config groups.
 
 import os
 import sys
+from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
 
-from project.errors import ConfigError, exit_with
+from project.errors import ConfigError, JobFailed, exit_with
+from project.results import record_failure
+
+
+# hparams_search: Optuna's direction from a metric's mode (max or min).
+OmegaConf.register_new_resolver("optuna_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
@@ -18,8 +26,16 @@ def main(cfg: DictConfig) -> float | None:
 
     try:
         result = run(cfg)
-    except ConfigError as error:
-        exit_with(error)  # one paragraph naming key and fix; raised before any worker or W&B run starts
+    except (ConfigError, JobFailed) as error:
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            if isinstance(error, ConfigError):
+                exit_with(error)  # one paragraph naming key and fix, before any worker or W&B run starts
+            sys.exit(1)  # the failed job's report is already on the console and in train.log
+        # In a sweep, the job is recorded as failed (result.json, the summary) and the sweep goes on; None tells
+        # Optuna the trial failed. The sweep's summary exits 1 at the end if any job failed.
+        if int(os.environ.get("RANK", "0")) == 0:
+            record_failure(Path(cfg.paths.output_dir), error)
+        return None
     # A sweeper (Optuna) reads the return value: the best value over epochs of optimized_metric, from the
     # result.json rank 0 wrote, however the job ran. None in torchrun's ranks other than 0.
     return None if result is None else result["objective"]

@@ -17,6 +17,10 @@ class ConfigError(ValueError):
         return ConfigError, (self.key, self.problem, self.fix)
 
 
+class JobFailed(RuntimeError):
+    """A job's workers failed; the launcher has printed and logged which rank failed and how (the message)."""
+
+
 def positive_int(key: str, value: object, fix: str) -> int:
     """``value`` if it is an integer of at least 1, else ``ConfigError`` naming ``key``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

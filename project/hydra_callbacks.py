@@ -1,6 +1,7 @@
 """Hydra callbacks of ``train.py``: checks before Hydra makes a job dir, and a sweep's summary. Light imports only."""
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,5 +41,7 @@ class SweepSummary(Callback):
         if int(os.environ.get("RANK", "0")) > 0:
             return  # under torchrun every rank ran the sweep; rank 0 summarises it
         sweep_dir = Path(config.hydra.sweep.dir)
-        table = write_sweep_summary(sweep_dir)
+        table, failed, jobs = write_sweep_summary(sweep_dir)
         print(f"\nSweep summary ({sweep_dir}/summary.csv, summary.md):\n{table}", flush=True)
+        if failed:
+            sys.exit(f"{failed} of {jobs} jobs failed; see the summary above and their train.log files.")

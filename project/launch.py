@@ -31,7 +31,7 @@ from project.results import read_result
 from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
 from project.checks import check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
 from project.console import lightning_logs_through_root, print_config_tree
-from project.errors import ConfigError
+from project.errors import ConfigError, JobFailed
 from project.failures import failure_report
 from project.job_dir import job_dir_lock
 from project.processes import HEARTBEAT_DIR_VARIABLE, JOB_LOG_VARIABLE, LAUNCHER_PID_VARIABLE, die_with_parent
@@ -120,8 +120,9 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
         with _worker_environment(num_workers, heartbeat_dir):
             elastic_launch(launch_config, sys.executable)("-m", "project.worker", str(config_file))
     except ChildFailedError as error:
-        log.error(failure_report(error, num_workers, log_dir, heartbeat_dir))  # on the console and in the job's log
-        raise SystemExit(1) from None
+        report = failure_report(error, num_workers, log_dir, heartbeat_dir)
+        log.error(report)  # on the console and in the job's log
+        raise JobFailed(report) from None
 
 
 def process_group_settings(cfg: DictConfig) -> tuple[str, timedelta]:

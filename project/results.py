@@ -2,6 +2,7 @@
 
 import csv
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -43,6 +44,14 @@ def read_result(path: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def record_failure(job_dir: Path, error: BaseException) -> None:
+    """Mark the job's result as failed with ``error`` (a job that failed before training gets a result of its own)."""
+    result = read_result(job_dir / RESULT_FILE) or job_result([], "", "max", "failed", 0.0)
+    result.update(status="failed", error=" ".join(str(error).split()))
+    write_result(job_dir / RESULT_FILE, result)
+    logging.getLogger(__name__).error(f"Job failed ({job_dir}): {result['error']}")
+
+
 def _job_order(job_dir: Path) -> tuple:
     return (0, int(job_dir.name), "") if job_dir.name.isdigit() else (1, 0, job_dir.name)
 
@@ -80,8 +89,9 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def write_sweep_summary(sweep_dir: str | Path) -> str:
-    """Write ``summary.csv`` and ``summary.md`` into the sweep dir; returns the markdown table."""
+def write_sweep_summary(sweep_dir: str | Path) -> tuple[str, int, int]:
+    """Write ``summary.csv`` and ``summary.md`` into the sweep dir; returns the markdown table, the number of jobs
+    that did not complete, and the number of jobs."""
     sweep_dir = Path(sweep_dir)
     rows = sweep_rows(sweep_dir)
     columns = ["job", "overrides", "status", "objective", "best_epoch", "final", "runtime_s", "best"]
@@ -104,4 +114,4 @@ def write_sweep_summary(sweep_dir: str | Path) -> str:
     lines += ["| " + " | ".join(cell(row, column) for column in columns) + " |" for row in rows]
     table = "\n".join(lines) + "\n"
     (sweep_dir / "summary.md").write_text(table)
-    return table
+    return table, sum(row["status"] != "completed" for row in rows), len(rows)

@@ -4,7 +4,10 @@ import csv
 import json
 import math
 
-from conftest import only_run
+import optuna
+import pytest
+
+from conftest import TINY, only_run, train
 
 
 def assert_result_matches_run(job_dir) -> dict:
@@ -36,3 +39,36 @@ def test_each_job_of_a_multi_process_sweep_writes_its_result_and_the_sweep_a_sum
     table = (sweep_dir / "summary.md").read_text().splitlines()
     assert table[0] == "| job | overrides | status | val/acc (max) | best_epoch | final | runtime_s | best |"
     assert table[2 + best].endswith("| best |") and len(table) == 4
+
+
+def test_optuna_search_over_ddp_jobs_records_every_trial_and_goes_on_past_failed_ones(runs_dir, home):
+    """README's search with 4 trials of ddp x 2 jobs. With 200 training samples a batch size of 128 per device
+    (global 256) is a config error: those trials must fail in Optuna's records while the search goes on."""
+    sweep_dir = runs_dir / "optuna"
+    searched = [item for item in TINY if not item.startswith("model.optimizer.lr=")]  # a fixed value is not searched
+    result = train(["-m", *searched, "hparams_search=mlp_optuna", "strategy=ddp", "trainer.devices=2", "data.num_train=200",
+                    "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep_dir}"], home, expect_ok=False, timeout=600)
+    with open(sweep_dir / "summary.csv") as file:
+        rows = list(csv.DictReader(file))
+    failed = [row for row in rows if row["status"] == "failed"]
+    assert len(rows) == 4 and failed and len(failed) < 4  # the seed's 4 trials include both kinds
+    assert result.returncode == 1 and f"{len(failed)} of 4 jobs failed" in result.output
+    for row in failed:
+        assert "data.batch_size=128" in row["overrides"]
+        error = json.loads((sweep_dir / row["job"] / "result.json").read_text())["error"]
+        assert error.startswith("data.batch_size: gives a global batch of 128 x 2")
+
+    # Optuna's own records, read with Optuna: one trial per job, in job order, its value the job's objective.
+    study = optuna.load_study(study_name="train-mlp", storage=f"sqlite:///{sweep_dir}/optuna.db")
+    assert len(study.trials) == 4
+    for trial, row in zip(study.trials, rows):
+        assert set(trial.params) == {"model.optimizer.lr", "data.batch_size"}
+        assert all(f"{key}={value}" in row["overrides"].split() for key, value in trial.params.items())
+        if row["status"] == "failed":
+            assert trial.state == optuna.trial.TrialState.FAIL
+        else:
+            assert trial.state == optuna.trial.TrialState.COMPLETE
+            assert trial.value == assert_result_matches_run(sweep_dir / row["job"])["objective"]
+    best_row = next(row for row in rows if row["best"] == "True")
+    assert study.best_value == float(best_row["objective"])
+    assert study.best_trial.number == int(best_row["job"])
