@@ -76,14 +76,29 @@ def job_config(cfg: DictConfig) -> DictConfig:
         ) from None
 
 
+def concurrent_jobs() -> int:
+    """Jobs of this sweep that run at the same time on this machine: Hydra's parallel launchers (joblib) say so in
+    ``hydra.launcher.n_jobs`` (-1: one per core); the basic launcher runs one at a time."""
+    n_jobs = OmegaConf.select(HydraConfig.get(), "launcher.n_jobs")
+    if not isinstance(n_jobs, int) or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return 1
+    return (os.cpu_count() or 1) if n_jobs < 0 else max(1, n_jobs)
+
+
+def threads_per_process(processes: int) -> int:
+    """This machine's cores split evenly between the processes of every job running at once."""
+    return max(1, (os.cpu_count() or 1) // (processes * concurrent_jobs()))
+
+
 @contextmanager
 def _worker_environment(num_workers: int, heartbeat_dir: Path) -> Iterator[None]:
     """What the workers inherit besides torchelastic's variables: this process's pid (they die with it), where
-    their heartbeats and log records go, and this machine's cores split between CPU workers unless the user set OMP_NUM_THREADS (torchrun sets 1)."""
+    their heartbeats and log records go, and this machine's cores split between CPU workers unless the user set
+    OMP_NUM_THREADS (torchrun sets 1)."""
     added = {LAUNCHER_PID_VARIABLE: str(os.getpid()), HEARTBEAT_DIR_VARIABLE: str(heartbeat_dir),
              JOB_LOG_VARIABLE: str(job_log_file())}
     if "OMP_NUM_THREADS" not in os.environ:
-        added["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // num_workers))
+        added["OMP_NUM_THREADS"] = str(threads_per_process(num_workers))
     os.environ.update(added)
     try:
         yield
@@ -247,6 +262,8 @@ def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
         config_file.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, config_file)
     if torchrun or cfg.strategy.processes == 1:
+        if concurrent_jobs() > 1 and "OMP_NUM_THREADS" not in os.environ:
+            torch.set_num_threads(threads_per_process(1))  # this job's share of the cores
         train(cfg)
     else:
         launch_workers(config_file, cfg.strategy.processes, config_file.parent / "workers")

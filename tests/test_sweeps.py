@@ -5,7 +5,6 @@ import json
 import math
 
 import optuna
-import pytest
 
 from conftest import TINY, only_run, train
 
@@ -72,3 +71,26 @@ def test_optuna_search_over_ddp_jobs_records_every_trial_and_goes_on_past_failed
     best_row = next(row for row in rows if row["best"] == "True")
     assert study.best_value == float(best_row["objective"])
     assert study.best_trial.number == int(best_row["job"])
+
+
+def log_span(job_dir) -> tuple[str, str]:
+    """First and last timestamps of a job's train.log ("[2026-11-22 07:39:05,553][...")."""
+    lines = [line for line in (job_dir / "train.log").read_text().splitlines() if line.startswith("[20")]
+    return lines[0][1:24], lines[-1][1:24]
+
+
+def test_joblib_runs_two_ddp_jobs_at_once_with_the_numbers_of_one_at_a_time(ddp_fsdp_sweep, runs_dir, home):
+    """The ddp_fsdp_sweep again, its two jobs (each 2 worker processes) at the same time: same numbers, one W&B run
+    and one result per job."""
+    sweep_dir = runs_dir / "joblib"
+    result = train(["-m", *TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp", "hydra/launcher=joblib",
+                    "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep_dir}"], home, timeout=600)
+    assert "Joblib.Parallel(n_jobs=2" in result.output
+    jobs = (sweep_dir / "0", sweep_dir / "1")
+    (start0, end0), (start1, end1) = (log_span(job) for job in jobs)
+    assert max(start0, start1) < min(end0, end1)  # the two jobs overlapped in time
+    for parallel, sequential in zip(jobs, ddp_fsdp_sweep):
+        ours, theirs = assert_result_matches_run(parallel), json.loads((sequential / "result.json").read_text())
+        assert [ours[key] for key in ("objective", "best_epoch")] == [theirs[key] for key in ("objective", "best_epoch")]
+        for key in ("train/loss", "val/loss", "val/acc"):
+            assert only_run(parallel).series(key) == only_run(sequential).series(key)
