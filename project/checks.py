@@ -103,11 +103,13 @@ def strategy_shards_model(cfg: DictConfig) -> bool:
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """``ckpt_path=last`` means this job dir's ``checkpoints/last.ckpt``; any other value is a file path."""
+    """``ckpt_path=last`` means this job dir's ``checkpoints/last.ckpt``; ``auto`` the same if it exists, else a
+    fresh start (what a requeued job wants); any other value is a file path."""
     if cfg.ckpt_path is None:
         return None
-    if cfg.ckpt_path == "last":
-        return str(Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt")
+    if cfg.ckpt_path in ("last", "auto"):
+        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        return None if cfg.ckpt_path == "auto" and not last.exists() else str(last)
     return str(cfg.ckpt_path)
 
 

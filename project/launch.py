@@ -212,12 +212,28 @@ def check_launch(cfg: DictConfig, torchrun: bool) -> None:
         )
 
 
+def continue_wandb_run(cfg: DictConfig) -> None:
+    """A job resuming its own dir (``ckpt_path=last`` or ``auto`` with a checkpoint there) continues its W&B run:
+    the id is the one the previous attempt recorded in the job dir's ``config.yaml``; any other job gets a new one.
+    So a preempted and requeued job is one W&B run with every epoch once."""
+    wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
+    if wandb_cfg is None or wandb_cfg.get("id") is not None:
+        return
+    previous_config = Path(cfg.paths.output_dir) / "config.yaml"
+    previous_id = None
+    if cfg.ckpt_path in ("last", "auto") and resolve_ckpt_path(cfg) is not None and previous_config.is_file():
+        previous_id = OmegaConf.select(OmegaConf.load(previous_config), "logger.wandb.id")
+    with open_dict(wandb_cfg):
+        wandb_cfg.id = previous_id or uuid.uuid4().hex[:12]  # what W&B would pick: a short random id
+
+
 def checked_job_config(cfg: DictConfig, torchrun: bool) -> DictConfig:
     """The job's resolved config, checked (``ConfigError`` for the first setting that cannot work), with
-    ``ckpt_path`` a checkpoint this strategy can load."""
+    ``ckpt_path`` a checkpoint this strategy can load and the W&B run id this job logs to."""
     cfg = job_config(cfg)
     check_config(cfg)
     check_launch(cfg, torchrun)
+    continue_wandb_run(cfg)
     cfg.ckpt_path = checkpoint_to_load(cfg)
     return cfg
 

@@ -94,15 +94,18 @@ def test_four_cpu_processes(runs_dir, home):
 
 
 def test_resume_after_interruption_matches_the_uninterrupted_run(runs_dir, home, single_run):
+    """A requeued job's command: ``ckpt_path=auto`` starts fresh where the job dir has no checkpoint, and resumes
+    from its last.ckpt where it has one, continuing the same W&B run."""
     job_dir = runs_dir / "resumed"
-    common = [*TINY, f"hydra.run.dir={job_dir}", "data.batch_size=64"]
+    common = [*TINY, f"hydra.run.dir={job_dir}", "data.batch_size=64", "ckpt_path=auto"]
     train([*common, "trainer.max_epochs=1"], home)  # "interrupted" after epoch 1 of 3
     state = torch.load(job_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert state["epoch"] == 0
     first_part = only_run(job_dir)
     shutil.move(first_part.path, job_dir / "first-part")
-    train([*common, "ckpt_path=last"], home)  # resumed to epoch 3
+    train([*common, "trainer.max_epochs=3"], home)  # resumed to epoch 3
     resumed, straight = only_run(job_dir), only_run(single_run)
+    assert resumed.id == first_part.id and resumed.id != straight.id  # one W&B run, continued
     assert [row["epoch"] for row in resumed.history if "train/loss" in row] == [1, 2]
     for key in LOSS_KEYS:
         assert_close(first_part.series(key) + resumed.series(key), straight.series(key), rel=1e-6)

@@ -50,6 +50,7 @@ class OfflineRun:
     summary: dict = field(default_factory=dict)
     metric_definitions: list = field(default_factory=list)
     name: str = ""
+    id: str = ""
     group: str = ""
     tags: list[str] = field(default_factory=list)
     exit_code: int | None = None
@@ -71,6 +72,7 @@ def read_offline_run(run_dir: Path) -> OfflineRun:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run.name, run.group, run.tags = record.run.display_name, record.run.run_group, list(record.run.tags)
+            run.id = record.run.run_id
             for item in record.run.config.update:
                 run.config[_item_key(item)] = json.loads(item.value_json)
         elif kind == "config":
