@@ -8,7 +8,7 @@ import rich.tree
 from omegaconf import DictConfig, OmegaConf
 
 # Groups first in this order, then any other top-level keys.
-FIRST = ("choices", "model", "data", "strategy", "trainer", "logger", "callbacks", "paths")
+FIRST = ("choices", "overrides", "model", "data", "strategy", "trainer", "logger", "callbacks", "paths")
 
 
 def print_config_tree(cfg: DictConfig) -> None:

@@ -53,17 +53,22 @@ def is_rank_zero() -> bool:
 def job_config(cfg: DictConfig) -> DictConfig:
     """The resolved config of this Hydra job, plus what only the Hydra process knows.
 
-    Adds ``choices`` (the option picked in each config group, e.g. ``strategy: ddp``) and, in a multirun, names
-    the W&B group after the sweep dir so the sweep's runs appear together.
+    Adds ``choices`` (the option picked in each config group, e.g. ``strategy: ddp``) and ``overrides`` (the
+    job's command-line overrides, a sweep's values included), and sets the W&B run's ``job_type`` (``train``, or
+    ``sweep`` for a multirun job) and, in a multirun, its group: the sweep dir's name, so the runs appear together.
     """
     hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
     cfg = cfg.copy()
     with open_dict(cfg):
         cfg.choices = {
             group: option for group, option in hydra_cfg.runtime.choices.items() if not group.startswith("hydra")
         }
+        cfg.overrides = list(hydra_cfg.overrides.task)
         wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
-        if wandb_cfg is not None and wandb_cfg.group is None and hydra_cfg.mode == RunMode.MULTIRUN:
+        if wandb_cfg is not None and wandb_cfg.job_type is None:
+            wandb_cfg.job_type = "sweep" if multirun else "train"
+        if wandb_cfg is not None and wandb_cfg.group is None and multirun:
             wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
     try:
         return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))

@@ -23,6 +23,7 @@ def test_single_device_run_logs_every_epoch_to_wandb(single_run):
     assert run.summary["val/acc"] == {"max": max(run.series("val/acc"))}
     # The logged config is the resolved config, with the option picked in each group.
     assert run.config["choices"]["strategy"] == "auto" and run.config["choices"]["model"] == "mlp"
+    assert run.job_type == "train" and "data.batch_size=64" in run.config["overrides"]
     assert run.config["trainer"]["devices"] == 1 and "${" not in str(run.config)
     # Learning happened.
     losses = run.series("train/loss")
@@ -80,7 +81,8 @@ def test_multirun_with_ddp_runs_each_job_once(runs_dir, home):
     assert [p.name for p in jobs] == ["0", "1"]
     runs = [only_run(job) for job in jobs]
     assert [r.name for r in runs] == ["mlp-ddp-1dev", "mlp-ddp-2dev"]
-    assert {r.group for r in runs} == {sweep_dir.name}
+    assert {r.group for r in runs} == {sweep_dir.name} and {r.job_type for r in runs} == {"sweep"}
+    assert [r.config["overrides"][-1] for r in runs] == ["trainer.devices=1", "trainer.devices=2"]  # each its own
     for run in runs:
         assert run.exit_code == 0
         assert_epoch_metrics(run, epochs=2)

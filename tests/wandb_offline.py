@@ -52,6 +52,7 @@ class OfflineRun:
     name: str = ""
     id: str = ""
     group: str = ""
+    job_type: str = ""
     tags: list[str] = field(default_factory=list)
     exit_code: int | None = None
 
@@ -72,7 +73,7 @@ def read_offline_run(run_dir: Path) -> OfflineRun:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run.name, run.group, run.tags = record.run.display_name, record.run.run_group, list(record.run.tags)
-            run.id = record.run.run_id
+            run.id, run.job_type = record.run.run_id, record.run.job_type
             for item in record.run.config.update:
                 run.config[_item_key(item)] = json.loads(item.value_json)
         elif kind == "config":
