@@ -121,6 +121,7 @@ def job_log_file() -> Path:
 def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
     """Start ``num_workers`` processes of ``python -m project.worker config_file`` on this machine; wait for all."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -142,6 +143,11 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
     except ChildFailedError as error:
         report = failure_report(error, num_workers, log_dir, heartbeat_dir)
         log.error(report)  # on the console and in the job's log
+        raise JobFailed(report) from None
+    except SignalException as error:  # SIGTERM (a cluster preempting the job), SIGINT, SIGHUP: torchelastic's handler
+        report = (f"Stopped by {error.sigval.name}: all {num_workers} workers were stopped. checkpoints/last.ckpt holds "
+                  "the last finished epoch; run the same command with ckpt_path=auto to resume it.")
+        log.warning(report)
         raise JobFailed(report) from None
 
 

@@ -3,6 +3,7 @@ each logs what it saw as per-epoch ``probe/*`` metrics, which the tests read bac
 
 import os
 import statistics
+import time
 import subprocess
 from pathlib import Path
 
@@ -84,3 +85,14 @@ def thaw(directory: Path) -> None:
         subprocess.run(["chattr", "-i", str(directory)], check=True)
     else:
         directory.chmod(0o755)
+
+
+class SlowEpochs(L.Callback):
+    """Sleeps ``seconds`` at the end of every training epoch, so that a test can signal a job between epochs;
+    the numbers do not change."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        time.sleep(self.seconds)

@@ -3,10 +3,15 @@
 import csv
 import json
 import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import optuna
 
-from conftest import TINY, only_run, train
+from conftest import REPO, TINY, assert_close, isolated_env, only_run, train
 
 
 def assert_result_matches_run(job_dir) -> dict:
@@ -94,3 +99,33 @@ def test_joblib_runs_two_ddp_jobs_at_once_with_the_numbers_of_one_at_a_time(ddp_
         assert [ours[key] for key in ("objective", "best_epoch")] == [theirs[key] for key in ("objective", "best_epoch")]
         for key in ("train/loss", "val/loss", "val/acc"):
             assert only_run(parallel).series(key) == only_run(sequential).series(key)
+
+
+def test_a_preempted_job_requeued_with_ckpt_path_auto_is_one_run_with_every_epoch_once(ddp_fsdp_sweep, runs_dir, home):
+    """SIGTERM to a ddp x 2 job after its first epoch (as a cluster preempting it would), then the same command again
+    with ckpt_path=auto: one W&B run id, every epoch once, the numbers of the uninterrupted ddp job of the sweep."""
+    job_dir = runs_dir / "preempted"
+    command = [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp", "ckpt_path=auto",
+               f"hydra.run.dir={job_dir}"]
+    job = subprocess.Popen([sys.executable, "train.py", *command, "+callbacks.slow._target_=probes.SlowEpochs",
+                            "+callbacks.slow.seconds=3"], cwd=REPO, env=isolated_env(home),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (job_dir / "checkpoints" / "last.ckpt").exists():
+        assert time.monotonic() < deadline and job.poll() is None, "no first epoch"
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 1 and "Traceback" not in output.split("Received SIGTERM")[0], output[-3000:]
+    assert "Stopped by SIGTERM: all 2 workers were stopped." in output and "ckpt_path=auto" in output
+    first = only_run(job_dir)
+    assert 1 <= len(first.series("val/loss")) < 3  # stopped before the end
+    shutil.move(first.path, job_dir / "first-attempt")
+    train(command, home)  # requeued
+    second, straight = only_run(job_dir), only_run(ddp_fsdp_sweep[0])
+    assert second.id == first.id
+    epochs = [row["epoch"] for row in first.history + second.history if "train/loss" in row]
+    assert epochs == [0, 1, 2]
+    for key in ("train/loss", "val/loss", "val/acc"):
+        assert_close(first.series(key) + second.series(key), straight.series(key), rel=1e-5)
+    assert json.loads((job_dir / "result.json").read_text())["epochs"] == 3
