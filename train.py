@@ -10,19 +10,18 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from project.errors import ConfigError, JobFailed, exit_with
+from project.resolvers import register_resolvers
 from project.results import record_failure
 
-
-# hparams_search: Optuna's direction from a metric's mode (max or min).
-OmegaConf.register_new_resolver("optuna_direction", lambda mode: {"max": "maximize", "min": "minimize"}[mode])
+register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from project.launch import run  # imported here so that --help and --cfg stay fast
+    from project.launch import is_rank_zero, run  # imported here so that --help and --cfg stay fast
 
     try:
         result = run(cfg)
@@ -33,7 +32,7 @@ def main(cfg: DictConfig) -> float | None:
             sys.exit(1)  # the failed job's report is already on the console and in train.log
         # In a sweep, the job is recorded as failed (result.json, the summary) and the sweep goes on; None tells
         # Optuna the trial failed. The sweep's summary exits 1 at the end if any job failed.
-        if int(os.environ.get("RANK", "0")) == 0:
+        if is_rank_zero():
             record_failure(Path(cfg.paths.output_dir), error)
         return None
     # A sweeper (Optuna) reads the return value: the best value over epochs of optimized_metric, from the

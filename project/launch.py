@@ -14,6 +14,7 @@ import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,13 @@ from project.console import lightning_logs_through_root, print_config_tree
 from project.errors import ConfigError, JobFailed
 from project.failures import failure_report
 from project.job_dir import job_dir_lock
-from project.processes import HEARTBEAT_DIR_VARIABLE, JOB_LOG_VARIABLE, LAUNCHER_PID_VARIABLE, die_with_parent
+from project.processes import (
+    HEARTBEAT_DIR_VARIABLE,
+    JOB_LOG_VARIABLE,
+    LAUNCHER_PID_VARIABLE,
+    die_with_parent,
+    stop_on_early_warning,
+)
 from project.training import build_net, result_file, train
 
 log = logging.getLogger(__name__)
@@ -45,9 +52,36 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+@dataclass(frozen=True)
+class NodeTask:
+    """This process's node in its job: hydra-submitit-launcher (``launcher=slurm``) runs the Hydra job once per
+    node, one task per node, and each task starts its node's ranks; anywhere else the job has one node."""
+
+    rank: int = 0  # this node's rank: its task's
+    count: int = 1  # nodes in the job: its tasks
+    head: str = "localhost"  # host of node 0, where the ranks meet
+    job_id: str = ""  # the cluster's job id (submitit's local executor: its controller's pid)
+
+
+def node_task() -> NodeTask:
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return NodeTask()
+    import submitit
+
+    env = submitit.JobEnvironment()
+    return NodeTask(env.global_rank, env.num_tasks, env.hostnames[0], env.raw_job_id)
+
+
+def rendezvous_port(job_id: str) -> int:
+    """A port every node of a job computes alike from the job id, as Lightning's SLURM environment does, so that
+    the nodes meet without talking first."""
+    return 15000 + int(job_id) % 10000
+
+
 def is_rank_zero() -> bool:
-    """This process is rank 0 of its job (always, unless torchrun started several)."""
-    return int(os.environ.get("RANK", "0")) == 0
+    """This process is rank 0 of its job: always, unless torchrun started several ranks or a cluster launcher
+    several node tasks."""
+    return int(os.environ.get("RANK", "0")) == 0 and node_task().rank == 0
 
 
 def job_config(cfg: DictConfig) -> DictConfig:
@@ -87,12 +121,13 @@ def concurrent_jobs() -> int:
     n_jobs = OmegaConf.select(HydraConfig.get(), "launcher.n_jobs")
     if not isinstance(n_jobs, int) or HydraConfig.get().mode != RunMode.MULTIRUN:
         return 1
-    return (os.cpu_count() or 1) if n_jobs < 0 else max(1, n_jobs)
+    return len(os.sched_getaffinity(0)) if n_jobs < 0 else max(1, n_jobs)
 
 
 def threads_per_process(processes: int) -> int:
-    """This machine's cores split evenly between the processes of every job running at once."""
-    return max(1, (os.cpu_count() or 1) // (processes * concurrent_jobs()))
+    """The cores this process may use (a SLURM allocation's, or the machine's) split evenly between the processes
+    of every job running at once."""
+    return max(1, len(os.sched_getaffinity(0)) // (processes * concurrent_jobs()))
 
 
 @contextmanager
@@ -118,22 +153,28 @@ def job_log_file() -> Path:
     return Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log"
 
 
-def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
-    """Start ``num_workers`` processes of ``python -m project.worker config_file`` on this machine; wait for all."""
+def launch_workers(config_file: Path, num_workers: int, log_dir: Path, node: NodeTask) -> None:
+    """Start ``num_workers`` processes of ``python -m project.worker config_file`` on this node; wait for all
+    (on every node, for a job of several)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if node.count == 1:  # a free port, as `torchrun --standalone`
+        rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))
+    else:  # node ranks fixed to the tasks' (torchrun --node-rank), so global rank 0 is on node 0 with the job's records
+        rendezvous = dict(rdzv_backend="static", rdzv_endpoint=f"{node.head}:{rendezvous_port(node.job_id)}",
+                          run_id=node.job_id, rdzv_configs={"rank": node.rank})
     launch_config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=node.count,
+        max_nodes=node.count,
         nproc_per_node=num_workers,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port, as `torchrun --standalone`
         max_restarts=0,
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir)),
+        # torchelastic's default set, plus SLURM's early warning: the workers are stopped as for SIGTERM
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        **rendezvous,
     )
     heartbeat_dir = log_dir / "heartbeats"
     shutil.rmtree(heartbeat_dir, ignore_errors=True)  # a previous run's would look like ranks that stopped
@@ -144,7 +185,7 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path) -> None:
         report = failure_report(error, num_workers, log_dir, heartbeat_dir)
         log.error(report)  # on the console and in the job's log
         raise JobFailed(report) from None
-    except SignalException as error:  # SIGTERM (a cluster preempting the job), SIGINT, SIGHUP: torchelastic's handler
+    except SignalException as error:  # SIGTERM or SIGUSR1 (a cluster preempting the job), SIGINT...: torchelastic's
         report = (f"Stopped by {error.sigval.name}: all {num_workers} workers were stopped. checkpoints/last.ckpt holds "
                   "the last finished epoch; run the same command with ckpt_path=auto to resume it.")
         log.warning(report)
@@ -205,8 +246,9 @@ def checkpoint_to_load(cfg: DictConfig) -> str | None:
 
 def check_launch(cfg: DictConfig, torchrun: bool) -> None:
     """Process counts this launcher can honour: torchrun's world size must match the config, and several
-    nodes need a launcher (torchrun) on each."""
+    nodes need a launcher on each (torchrun, or the node tasks of ``launcher=slurm``)."""
     expected = cfg.strategy.processes * cfg.trainer.num_nodes
+    node = node_task()
     if torchrun and int(os.environ["WORLD_SIZE"]) != expected:
         raise ConfigError(
             "trainer.devices",
@@ -215,11 +257,19 @@ def check_launch(cfg: DictConfig, torchrun: bool) -> None:
             "give both the same counts: torchrun --nnodes N --nproc-per-node D train.py trainer.num_nodes=N "
             "trainer.devices=D.",
         )
-    if not torchrun and cfg.trainer.num_nodes > 1:
+    if node.job_id and node.count != cfg.trainer.num_nodes:
+        raise ConfigError(
+            "trainer.num_nodes",
+            f"is {cfg.trainer.num_nodes}, but the cluster launcher started this job on {node.count} nodes: it sizes "
+            "every job of a sweep from the command line's values.",
+            "run each value of trainer.num_nodes (and of trainer.devices) as a sweep of its own.",
+        )
+    if not torchrun and not node.job_id and cfg.trainer.num_nodes > 1:
         raise ConfigError(
             "trainer.num_nodes",
             "is more than 1, which needs a launcher on every machine.",
-            "start train.py on each machine with torchrun (on SLURM: srun ... torchrun), as the README shows.",
+            "use launcher=slurm (one task per node starts its ranks), or start train.py on each machine with "
+            "torchrun (on SLURM: srun ... torchrun), as the README shows.",
         )
 
 
@@ -272,6 +322,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Check the config, then train; returns the job's result (``result.json``) in the process Hydra runs (rank 0
     under torchrun), None in torchrun's other ranks."""
     lightning_logs_through_root()  # Hydra's root handlers print them and write the job's log file
+    stop_on_early_warning()
     torchrun = launched_by_torchrun()
     if torchrun:
         join_torchrun_job(cfg)
@@ -281,17 +332,21 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
     cfg = checked_job_config(cfg, torchrun)
-    # The resolved config this job trains with: the job's record, and what launched workers load.
-    config_file = Path(cfg.paths.output_dir) / "config.yaml"
-    if is_rank_zero():
-        if cfg.print_config:
-            print_config_tree(cfg)
+    node = node_task()
+    # The resolved config this job trains with: the job's record, and what launched workers load. Other nodes
+    # keep a copy of their own (the same but for the W&B id, which only rank 0, on node 0, uses).
+    job_dir = Path(cfg.paths.output_dir)
+    workers_dir = job_dir / "workers" if node.rank == 0 else job_dir / "workers" / f"node{node.rank}"
+    config_file = job_dir / "config.yaml" if node.rank == 0 else workers_dir / "config.yaml"
+    if is_rank_zero() and cfg.print_config:
+        print_config_tree(cfg)
+    if not torchrun or is_rank_zero():
         config_file.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, config_file)
-    if torchrun or cfg.strategy.processes == 1:
+    if torchrun or (cfg.strategy.processes == 1 and node.count == 1):
         if concurrent_jobs() > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(threads_per_process(1))  # this job's share of the cores
         train(cfg)
     else:
-        launch_workers(config_file, cfg.strategy.processes, config_file.parent / "workers")
+        launch_workers(config_file, cfg.strategy.processes, workers_dir, node)
     return read_result(result_file(cfg)) if is_rank_zero() else None

@@ -31,6 +31,13 @@ def die_with_parent() -> None:
         os._exit(1)  # the launcher is already gone
 
 
+def stop_on_early_warning() -> None:
+    """SLURM's early-warning signal (``sbatch --signal=USR1@90``, sent ahead of a preemption or the time limit)
+    stops this process as SIGTERM does: Lightning ends training cleanly, and a requeued job with ``ckpt_path=auto``
+    resumes from ``last.ckpt``. A launcher that receives it stops its workers with it (torchelastic handles it)."""
+    signal.signal(signal.SIGUSR1, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
+
+
 JOB_LOG_VARIABLE = "PROJECT_JOB_LOG"  # set by the launcher: the job's log file, which workers append to
 HEARTBEAT_DIR_VARIABLE = "PROJECT_HEARTBEAT_DIR"  # set by the launcher: where each worker's heartbeat file goes
 HEARTBEAT_INTERVAL_S = 1.0

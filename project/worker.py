@@ -8,10 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-from project.processes import JOB_LOG_VARIABLE, die_with_parent, start_heartbeat
+from project.processes import JOB_LOG_VARIABLE, die_with_parent, start_heartbeat, stop_on_early_warning
 
 die_with_parent()  # before the slow imports below, so that a launcher killed during start-up takes this along
 start_heartbeat(int(os.environ["RANK"]))
+stop_on_early_warning()
 
 from omegaconf import OmegaConf  # noqa: E402 (after die_with_parent)
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402

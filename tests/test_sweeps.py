@@ -3,15 +3,22 @@
 import csv
 import json
 import math
-import shutil
+import os
 import signal
 import subprocess
 import sys
 import time
 
 import optuna
+import pytest
+import submitit
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
 
 from conftest import REPO, TINY, assert_close, isolated_env, only_run, train
+from project.resolvers import register_resolvers
+from wandb_offline import offline_runs
 
 
 def assert_result_matches_run(job_dir) -> dict:
@@ -26,10 +33,12 @@ def assert_result_matches_run(job_dir) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_a_single_process_job_writes_its_result(single_run):
     assert_result_matches_run(single_run)
 
 
+@pytest.mark.slow
 def test_each_job_of_a_multi_process_sweep_writes_its_result_and_the_sweep_a_summary(ddp_fsdp_sweep):
     results = [assert_result_matches_run(job) for job in ddp_fsdp_sweep]
     sweep_dir = ddp_fsdp_sweep[0].parent
@@ -45,6 +54,7 @@ def test_each_job_of_a_multi_process_sweep_writes_its_result_and_the_sweep_a_sum
     assert table[2 + best].endswith("| best |") and len(table) == 4
 
 
+@pytest.mark.slow
 def test_optuna_search_over_ddp_jobs_records_every_trial_and_goes_on_past_failed_ones(runs_dir, home):
     """README's search with 4 trials of ddp x 2 jobs. With 200 training samples a batch size of 128 per device
     (global 256) is a config error: those trials must fail in Optuna's records while the search goes on."""
@@ -84,12 +94,13 @@ def log_span(job_dir) -> tuple[str, str]:
     return lines[0][1:24], lines[-1][1:24]
 
 
+@pytest.mark.slow
 def test_joblib_runs_two_ddp_jobs_at_once_with_the_numbers_of_one_at_a_time(ddp_fsdp_sweep, runs_dir, home):
     """The ddp_fsdp_sweep again, its two jobs (each 2 worker processes) at the same time: same numbers, one W&B run
     and one result per job."""
     sweep_dir = runs_dir / "joblib"
-    result = train(["-m", *TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp", "hydra/launcher=joblib",
-                    "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sweep_dir}"], home, timeout=600)
+    result = train(["-m", *TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp", "launcher=joblib",
+                    f"hydra.sweep.dir={sweep_dir}"], home, timeout=600)
     assert "Joblib.Parallel(n_jobs=2" in result.output
     jobs = (sweep_dir / "0", sweep_dir / "1")
     (start0, end0), (start1, end1) = (log_span(job) for job in jobs)
@@ -101,31 +112,141 @@ def test_joblib_runs_two_ddp_jobs_at_once_with_the_numbers_of_one_at_a_time(ddp_
             assert only_run(parallel).series(key) == only_run(sequential).series(key)
 
 
-def test_a_preempted_job_requeued_with_ckpt_path_auto_is_one_run_with_every_epoch_once(ddp_fsdp_sweep, runs_dir, home):
-    """SIGTERM to a ddp x 2 job after its first epoch (as a cluster preempting it would), then the same command again
-    with ckpt_path=auto: one W&B run id, every epoch once, the numbers of the uninterrupted ddp job of the sweep."""
-    job_dir = runs_dir / "preempted"
-    command = [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp", "ckpt_path=auto",
-               f"hydra.run.dir={job_dir}"]
+def preempt(command: list[str], home, signum: int, after_epochs: int, job_dir) -> str:
+    """Start ``train.py <command>`` (epochs slowed down), send it ``signum`` once ``after_epochs`` epochs are in its
+    result.json, and return its output: the job must stop cleanly, saying how to resume."""
     job = subprocess.Popen([sys.executable, "train.py", *command, "+callbacks.slow._target_=probes.SlowEpochs",
                             "+callbacks.slow.seconds=3"], cwd=REPO, env=isolated_env(home),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 120
-    while not (job_dir / "checkpoints" / "last.ckpt").exists():
-        assert time.monotonic() < deadline and job.poll() is None, "no first epoch"
+    deadline, result = time.monotonic() + 120, job_dir / "result.json"
+    while not (result.exists() and json.loads(result.read_text())["epochs"] >= after_epochs):
+        assert time.monotonic() < deadline and job.poll() is None, "the job did not get that far"
         time.sleep(0.1)
-    job.send_signal(signal.SIGTERM)
+    job.send_signal(signum)
     output, _ = job.communicate(timeout=120)
-    assert job.returncode == 1 and "Traceback" not in output.split("Received SIGTERM")[0], output[-3000:]
-    assert "Stopped by SIGTERM: all 2 workers were stopped." in output and "ckpt_path=auto" in output
-    first = only_run(job_dir)
-    assert 1 <= len(first.series("val/loss")) < 3  # stopped before the end
-    shutil.move(first.path, job_dir / "first-attempt")
+    name = signal.Signals(signum).name
+    assert job.returncode == 1 and "Traceback" not in output.split(f"Received {name}")[0], output[-3000:]
+    assert f"Stopped by {name}: all 2 workers were stopped." in output and "ckpt_path=auto" in output
+    return output
+
+
+@pytest.mark.slow
+def test_a_preempted_job_requeued_with_ckpt_path_auto_is_one_run_with_every_epoch_once(ddp_fsdp_sweep, runs_dir, home):
+    """A ddp x 2 job stopped by SLURM's early warning (SIGUSR1) after its first epoch, requeued, stopped by SIGTERM
+    (a preemption) after its second, requeued again with the same command (ckpt_path=auto): one W&B run id, every
+    epoch once, the numbers of the uninterrupted ddp job of the sweep."""
+    job_dir = runs_dir / "preempted"
+    command = [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp", "ckpt_path=auto",
+               f"hydra.run.dir={job_dir}"]
+    output = preempt(command, home, signal.SIGUSR1, after_epochs=1, job_dir=job_dir)
+    assert output.count("Received SIGTERM") == 2  # each worker stopped as for SIGTERM: cleanly, by Lightning
+    preempt(command, home, signal.SIGTERM, after_epochs=2, job_dir=job_dir)
     train(command, home)  # requeued
-    second, straight = only_run(job_dir), only_run(ddp_fsdp_sweep[0])
-    assert second.id == first.id
-    epochs = [row["epoch"] for row in first.history + second.history if "train/loss" in row]
-    assert epochs == [0, 1, 2]
+    attempts = sorted(offline_runs(job_dir), key=lambda run: run.path.name)
+    assert len(attempts) == 3 and len({attempt.id for attempt in attempts}) == 1
+    epochs = [[row["epoch"] for row in attempt.history if "train/loss" in row] for attempt in attempts]
+    assert epochs == [[0], [1], [2]]
+    straight = only_run(ddp_fsdp_sweep[0])
     for key in ("train/loss", "val/loss", "val/acc"):
-        assert_close(first.series(key) + second.series(key), straight.series(key), rel=1e-5)
+        assert_close([value for attempt in attempts for value in attempt.series(key)], straight.series(key), rel=1e-5)
     assert json.loads((job_dir / "result.json").read_text())["epochs"] == 3
+
+
+@pytest.mark.parametrize("accelerator, gpu_flag", [("auto", "#SBATCH --gpus-per-node=4"), ("cpu", None)])
+def test_the_slurm_launcher_sizes_each_job_from_the_trainer_config(accelerator, gpu_flag, tmp_path, monkeypatch):
+    """launcher=slurm as a user composes it, through hydra-submitit-launcher's own launch() up to the sbatch script
+    submitit writes (nothing is submitted: the executor is captured before it calls sbatch)."""
+    register_resolvers()
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", return_hydra_config=True, overrides=[
+            "launcher=slurm", "strategy=ddp", "trainer.devices=4", "trainer.num_nodes=2",
+            f"trainer.accelerator={accelerator}", "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])
+    assert cfg.ckpt_path == "auto"  # a requeued job resumes
+    executors = []
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", lambda executor, *args: executors.append(executor) or [])
+    fake_srun = tmp_path / "bin" / "srun"  # submitit's test for a SLURM cluster: srun on the PATH
+    fake_srun.parent.mkdir()
+    fake_srun.write_text("#!/bin/sh\nexit 1\n")
+    fake_srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_srun.parent}:{os.environ['PATH']}")
+    launcher = instantiate(cfg.hydra.launcher)
+    assert type(launcher).__name__ == "SlurmLauncher"  # hydra-submitit-launcher's
+    launcher.setup(hydra_context=None, task_function=None, config=cfg)
+    launcher.launch([["strategy=ddp"]], initial_job_idx=0)
+    script = executors[0]._executor._make_submission_file_text("python -m submitit.core._submit x", "uid")
+    flags = {line for line in script.splitlines() if line.startswith("#SBATCH")}
+    assert {"#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu", "#SBATCH --time=240",
+            "#SBATCH --signal=USR2@120"} <= flags
+    gpu_flags = {flag for flag in flags if "gpu" in flag and "partition" not in flag}
+    assert gpu_flags == ({gpu_flag} if gpu_flag else set())
+
+
+@pytest.mark.slow
+def test_slurm_local_runs_two_ddp_jobs_and_a_preempted_one_is_requeued_into_the_same_run(ddp_fsdp_sweep, runs_dir,
+                                                                                        home):
+    """The ddp_fsdp_sweep again through launcher=slurm_local (hydra-submitit-launcher, submitit's local executor:
+    both jobs at once). Job 0 gets submitit's preemption signal (SIGUSR2) after its first epoch: submitit requeues
+    it, and the requeued job resumes from last.ckpt (ckpt_path=auto) into the same W&B run. Each job ends with
+    one result and the numbers of the jobs run one at a time."""
+    sweep_dir = runs_dir / "slurm-local"
+    sweep = subprocess.Popen(
+        [sys.executable, "train.py", "launcher=slurm_local", *TINY, "trainer.devices=2", "data.batch_size=32",
+         "strategy=ddp,fsdp", f"hydra.sweep.dir={sweep_dir}", "+callbacks.slow._target_=probes.SlowEpochs",
+         "+callbacks.slow.seconds=1.5"], cwd=REPO, env=isolated_env(home), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not (sweep_dir / "0" / "checkpoints" / "last.ckpt").exists():
+        assert time.monotonic() < deadline and sweep.poll() is None, "no first epoch"
+        time.sleep(0.1)
+    task = json.loads((sweep_dir / "0" / ".job.lock").read_text())["pid"]  # the node task running job 0
+    os.kill(task, signal.SIGUSR2)
+    output, _ = sweep.communicate(timeout=300)
+    assert sweep.returncode == 0, output[-6000:]
+    submitit_log = "".join(path.read_text() for path in (sweep_dir / ".submitit").glob("*/*_0_log.err"))
+    assert "Caught signal SIGUSR2" in submitit_log and "this job is preempted" in submitit_log
+
+    with open(sweep_dir / "summary.csv") as file:
+        assert [row["status"] for row in csv.DictReader(file)] == ["completed", "completed"]
+    attempts = sorted(offline_runs(sweep_dir / "0"), key=lambda run: run.path.name)
+    assert len(attempts) == 2 and attempts[0].id == attempts[1].id  # one W&B run, logged by two attempts
+    assert [row["epoch"] for attempt in attempts for row in attempt.history if "train/loss" in row] == [0, 1, 2]
+    straight = only_run(ddp_fsdp_sweep[0])
+    for key in ("train/loss", "val/loss", "val/acc"):
+        assert_close(attempts[0].series(key) + attempts[1].series(key), straight.series(key), rel=1e-5)
+    assert json.loads((sweep_dir / "0" / "result.json").read_text())["objective"] == max(straight.series("val/acc"))
+    assert_result_matches_run(sweep_dir / "1")
+    for key in ("train/loss", "val/loss", "val/acc"):
+        assert only_run(sweep_dir / "1").series(key) == only_run(ddp_fsdp_sweep[1]).series(key)
+
+
+@pytest.mark.slow
+def test_slurm_local_runs_a_two_node_job_with_a_task_per_node(ddp_fsdp_sweep, runs_dir, home):
+    """trainer.num_nodes=2 x 1 device: two node tasks, each starting its rank; they meet as a cluster's nodes do
+    (static rendezvous at node 0). Same world size and global batch as the ddp x 2 job, so the same numbers."""
+    sweep_dir = runs_dir / "slurm-two-nodes"
+    train(["launcher=slurm_local", *TINY, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2",
+           "data.batch_size=32", f"hydra.sweep.dir={sweep_dir}"], home)
+    job = sweep_dir / "0"
+    assert len(list((sweep_dir / ".submitit").glob("*/*_1_log.out"))) == 1  # a second task
+    assert (job / "workers" / "node1" / "config.yaml").is_file()  # ...which started node 1's rank
+    assert "[rank 1]" in (job / "train.log").read_text()
+    # Global rank 0 ran on node 0: its W&B run is the one the job's config.yaml names, which a requeue continues.
+    assert only_run(job).id == yaml.safe_load((job / "config.yaml").read_text())["logger"]["wandb"]["id"]
+    assert_result_matches_run(job)
+    for key in ("train/loss", "val/loss", "val/acc"):
+        assert_close(only_run(job).series(key), only_run(ddp_fsdp_sweep[0]).series(key), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_cluster_sweep_over_node_counts_fails_each_job_before_it_starts(runs_dir, home):
+    """The launcher sizes every job from the command line's values (here the default, 1 node), so jobs asking for
+    2 or 3 nodes must fail at once, each with a config error saying how to sweep node counts."""
+    sweep_dir = runs_dir / "slurm-node-sweep"
+    result = train(["launcher=slurm_local", *TINY, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2,3",
+                    f"hydra.sweep.dir={sweep_dir}"], home, expect_ok=False)
+    assert result.returncode == 1 and "2 of 2 jobs failed" in result.output
+    for job, nodes in ((0, 2), (1, 3)):
+        error = json.loads((sweep_dir / str(job) / "result.json").read_text())["error"]
+        assert error.startswith(f"trainer.num_nodes: is {nodes}, but the cluster launcher started this job on 1 nodes")
+        assert "Fix: run each value of trainer.num_nodes (and of trainer.devices) as a sweep of its own." in error
+        assert not (sweep_dir / str(job) / "workers").exists()  # no worker started
