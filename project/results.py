@@ -44,12 +44,23 @@ def read_result(path: str | Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def record_failure(job_dir: Path, error: BaseException) -> None:
-    """Mark the job's result as failed with ``error`` (a job that failed before training gets a result of its own)."""
-    result = read_result(job_dir / RESULT_FILE) or job_result([], "", "max", "failed", 0.0)
-    result.update(status="failed", error=" ".join(str(error).split()))
+def _mark(job_dir: Path, status: str, error: str) -> dict[str, Any]:
+    """Set the job's result's status and error (a job that ended before training gets a result of its own)."""
+    result = read_result(job_dir / RESULT_FILE) or job_result([], "", "max", status, 0.0)
+    result.update(status=status, error=" ".join(error.split()))
     write_result(job_dir / RESULT_FILE, result)
+    return result
+
+
+def record_failure(job_dir: Path, error: BaseException) -> None:
+    """Mark the job's result as failed with ``error``."""
+    result = _mark(job_dir, "failed", str(error))
     logging.getLogger(__name__).error(f"Job failed ({job_dir}): {result['error']}")
+
+
+def mark_interrupted(job_dir: Path) -> None:
+    """Mark the job's result as interrupted: its sweep stopped while it ran, and a continued sweep replaced it."""
+    _mark(job_dir, "interrupted", "the sweep stopped while this job ran; the continued sweep ran another trial.")
 
 
 def _job_order(job_dir: Path) -> tuple:
@@ -91,7 +102,7 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 def write_sweep_summary(sweep_dir: str | Path) -> tuple[str, int, int]:
     """Write ``summary.csv`` and ``summary.md`` into the sweep dir; returns the markdown table, the number of jobs
-    that did not complete, and the number of jobs."""
+    that failed (neither completed nor interrupted and replaced by a continued sweep), and the number of jobs."""
     sweep_dir = Path(sweep_dir)
     rows = sweep_rows(sweep_dir)
     columns = ["job", "overrides", "status", "objective", "best_epoch", "final", "runtime_s", "best"]
@@ -114,4 +125,4 @@ def write_sweep_summary(sweep_dir: str | Path) -> tuple[str, int, int]:
     lines += ["| " + " | ".join(cell(row, column) for column in columns) + " |" for row in rows]
     table = "\n".join(lines) + "\n"
     (sweep_dir / "summary.md").write_text(table)
-    return table, sum(row["status"] != "completed" for row in rows), len(rows)
+    return table, sum(row["status"] not in ("completed", "interrupted") for row in rows), len(rows)

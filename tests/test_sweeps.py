@@ -55,18 +55,32 @@ def test_each_job_of_a_multi_process_sweep_writes_its_result_and_the_sweep_a_sum
 
 
 @pytest.mark.slow
-def test_optuna_search_over_ddp_jobs_records_every_trial_and_goes_on_past_failed_ones(runs_dir, home):
+def test_optuna_search_over_ddp_jobs_records_every_trial_goes_on_past_failed_ones_and_continues(runs_dir, home):
     """README's search with 4 trials of ddp x 2 jobs. With 200 training samples a batch size of 128 per device
-    (global 256) is a config error: those trials must fail in Optuna's records while the search goes on."""
+    (global 256) is a config error: those trials must fail in Optuna's records while the search goes on. The
+    search is killed while a trial trains, then the same command continues it to 4 trials that ended."""
     sweep_dir = runs_dir / "optuna"
     searched = [item for item in TINY if not item.startswith("model.optimizer.lr=")]  # a fixed value is not searched
-    result = train(["-m", *searched, "hparams_search=mlp_optuna", "strategy=ddp", "trainer.devices=2", "data.num_train=200",
-                    "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep_dir}"], home, expect_ok=False, timeout=600)
+    command = ["-m", *searched, "hparams_search=mlp_optuna", "strategy=ddp", "trainer.devices=2", "data.num_train=200",
+               "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep_dir}"]
+    search = subprocess.Popen([sys.executable, "train.py", *command], cwd=REPO, env=isolated_env(home),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (training := [n for n in (1, 2, 3) if (sweep_dir / str(n) / "config.yaml").exists()]):
+        assert time.monotonic() < deadline and search.poll() is None, "no trial after the first trained"
+        time.sleep(0.1)
+    search.kill()  # SIGKILL: as a sweep dies with its login node; the trial's workers die with it
+    search.wait()
+    interrupted = training[0]
+    result = train(command, home, expect_ok=False, timeout=600)
+    assert f"Continuing study train-mlp: {interrupted} trials ended, {4 - interrupted} to go." in result.output
+
     with open(sweep_dir / "summary.csv") as file:
         rows = list(csv.DictReader(file))
+    assert len(rows) == 5 and rows[interrupted]["status"] == "interrupted"  # 4 trials that ended, and the killed one
     failed = [row for row in rows if row["status"] == "failed"]
-    assert len(rows) == 4 and failed and len(failed) < 4  # the seed's 4 trials include both kinds
-    assert result.returncode == 1 and f"{len(failed)} of 4 jobs failed" in result.output
+    assert failed and len(failed) < 4  # the seed's trials include both kinds
+    assert result.returncode == 1 and f"{len(failed)} of 5 jobs failed" in result.output
     for row in failed:
         assert "data.batch_size=128" in row["overrides"]
         error = json.loads((sweep_dir / row["job"] / "result.json").read_text())["error"]
@@ -74,11 +88,11 @@ def test_optuna_search_over_ddp_jobs_records_every_trial_and_goes_on_past_failed
 
     # Optuna's own records, read with Optuna: one trial per job, in job order, its value the job's objective.
     study = optuna.load_study(study_name="train-mlp", storage=f"sqlite:///{sweep_dir}/optuna.db")
-    assert len(study.trials) == 4
+    assert len(study.trials) == 5
     for trial, row in zip(study.trials, rows):
         assert set(trial.params) == {"model.optimizer.lr", "data.batch_size"}
         assert all(f"{key}={value}" in row["overrides"].split() for key, value in trial.params.items())
-        if row["status"] == "failed":
+        if row["status"] in ("failed", "interrupted"):
             assert trial.state == optuna.trial.TrialState.FAIL
         else:
             assert trial.state == optuna.trial.TrialState.COMPLETE
