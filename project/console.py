@@ -1,6 +1,9 @@
-"""What people at a terminal see: the composed config as a tree, and Lightning's log lines once each."""
+"""What people at a terminal see: the composed config as a tree, Lightning's log lines once each, and where a
+finished job's results went."""
 
 import logging
+from pathlib import Path
+from typing import Any
 
 import rich
 import rich.syntax
@@ -30,3 +33,25 @@ def lightning_logs_through_root() -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+
+
+def print_outputs(job_dir: Path, result: dict[str, Any] | None) -> None:
+    """Where the job's results went: its dir and the files in it that matter, with the objective."""
+    lines = [f"Results in {job_dir}:"]
+    if result and result.get("objective") is not None:
+        lines.append(f"  result.json    {result['metric']} ({result['mode']}) {result['objective']:.6g} at epoch "
+                     f"{result['best_epoch']}, {result['epochs']} epochs, {result['status']}")
+    checkpoints = sorted(path.name for path in (job_dir / "checkpoints").glob("*.ckpt"))
+    if checkpoints:
+        lines.append(f"  checkpoints/   {', '.join(checkpoints)}")
+    lines.append("  train.log      the job's log, every rank's records")
+    for run_dir in sorted((job_dir / "wandb").glob("*run-*"))[-1:]:
+        if run_dir.name.startswith("offline-"):
+            lines.append(f"  W&B (offline)  {run_dir.relative_to(job_dir)}: see it with wandb leet {run_dir.parent}")
+            lines.append(f"                 upload it with wandb sync {run_dir}")
+        else:
+            lines.append(f"  W&B            {run_dir.relative_to(job_dir)}")
+    for metrics in sorted((job_dir / "csv").glob("version_*/metrics.csv"))[-1:]:
+        lines.append(f"  CSV            {metrics}")
+    lines.append(f"  report         python -m project.report {job_dir}")
+    print("\n".join(lines), flush=True)

@@ -31,7 +31,7 @@ from omegaconf.errors import InterpolationResolutionError
 from project.results import read_result
 from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
 from project.checks import check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
-from project.console import lightning_logs_through_root, print_config_tree
+from project.console import lightning_logs_through_root, print_config_tree, print_outputs
 from project.errors import ConfigError, JobFailed
 from project.failures import failure_report
 from project.job_dir import job_dir_lock
@@ -327,7 +327,10 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     if torchrun:
         join_torchrun_job(cfg)
     with exclusive_job_dir(cfg, torchrun):
-        return _run_job(cfg, torchrun)
+        result = _run_job(cfg, torchrun)
+    if is_rank_zero():
+        print_outputs(Path(cfg.paths.output_dir), result)
+    return result
 
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:

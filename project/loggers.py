@@ -3,6 +3,7 @@
 import netrc
 import os
 import socket
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
@@ -47,7 +48,12 @@ def resolve_wandb_mode(mode: str | None, timeout_s: float = 3.0) -> str:
 
 
 class EpochWandbLogger(WandbLogger):
-    """Lightning's WandbLogger with ``epoch`` as every chart's x-axis and the best ``summary_metric`` in the summary.
+    """Lightning's WandbLogger with one history row per epoch and ``epoch`` as every chart's only x-axis.
+
+    Lightning logs an epoch in two calls: the validation metrics when validation ends, then the training metrics
+    (with the callbacks' ``perf/*`` and ``memory/*``) when the epoch ends. They are gathered into one row, sent
+    when the training call closes the epoch. The run's summary holds each key's final value, and under
+    ``best/<key>`` its value in the best epoch by ``summary_metric`` (``summary_mode`` max or min).
 
     ``mode``: online / offline / disabled, or None to decide with :func:`resolve_wandb_mode`. If an online start
     still fails (after ``init_timeout_s``), the run logs offline instead of failing.
@@ -67,22 +73,60 @@ class EpochWandbLogger(WandbLogger):
         self._wandb_init.pop("anonymous", None)
         self.summary_metric = summary_metric
         self.summary_mode = summary_mode
+        self._row: dict[str, float] = {}
+        self._best: dict[str, float] | None = None
 
     @property
     @rank_zero_only
     def experiment(self):
-        first_access = self._experiment is None
+        # Started here rather than by Lightning, which would define its own step metric beside `epoch`.
+        if self._experiment is None:
+            self._experiment = self._start_run()
+            self._experiment.define_metric("epoch")
+            self._experiment.define_metric("*", step_metric="epoch")
+        return self._experiment
+
+    def _start_run(self):
         try:
-            run = WandbLogger.experiment.fget(self)
+            return wandb.init(**self._wandb_init)
         except Exception as error:  # noqa: BLE001 - any failure to reach W&B must not end the training run
             if self._wandb_init.get("mode") != "online":
                 raise
             rank_zero_warn(f"W&B could not start online ({error}); logging offline instead (sync later).")
             self._wandb_init["mode"] = "offline"
-            run = WandbLogger.experiment.fget(self)
-        if first_access:
-            # Lightning logs `epoch` with every epoch-level dict; make it the x-axis of everything.
-            run.define_metric("epoch")
-            run.define_metric("*", step_metric="epoch")
-            run.define_metric(self.summary_metric, step_metric="epoch", summary=self.summary_mode)
-        return run
+            return wandb.init(**self._wandb_init)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        if self._row and metrics.get("epoch", self._row.get("epoch")) != self._row.get("epoch"):
+            self._send_row()  # an epoch whose training call never came (a run stopped during it)
+        self._row.update(metrics)
+        if any(key.startswith("train/") for key in metrics):
+            self._send_row()
+
+    @rank_zero_only
+    def log_device_table(self, rows: list[dict[str, Any]]) -> None:
+        """One row per device (memory, throughput) as the W&B table ``devices``, in the summary: the latest
+        epoch's, for comparing devices and strategies side by side."""
+        if rows:
+            columns = list(rows[0])
+            self.experiment.summary["devices"] = wandb.Table(
+                columns=columns, data=[[row.get(column) for column in columns] for row in rows])
+
+    def _send_row(self) -> None:
+        row, self._row = self._row, {}
+        self.experiment.log(row)
+        value = row.get(self.summary_metric)
+        if value is not None and (self._best is None or self._is_better(value, self._best[self.summary_metric])):
+            self._best = row
+        if self._best is not None:
+            self.experiment.summary.update({f"best/{key}": value for key, value in self._best.items()})
+
+    def _is_better(self, value: float, best: float) -> bool:
+        return value > best if self.summary_mode == "max" else value < best
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        if self._row:
+            self._send_row()
+        super().finalize(status)

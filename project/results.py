@@ -12,8 +12,9 @@ RESULT_FILE = "result.json"
 
 
 def job_result(epochs: list[dict[str, float]], metric: str, mode: str, status: str, runtime_s: float,
-               error: str | None = None) -> dict[str, Any]:
-    """What ``result.json`` holds; the objective is None until an epoch has logged ``metric``."""
+               error: str | None = None, devices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """What ``result.json`` holds; the objective is None until an epoch has logged ``metric``. ``history`` is every
+    epoch's metrics, ``devices`` the latest epoch's per-device memory and throughput."""
     scored = [epoch for epoch in epochs if not math.isnan(epoch.get(metric, math.nan))]
     best = (max if mode == "max" else min)(scored, key=lambda epoch: epoch[metric]) if scored else None
     return {
@@ -27,6 +28,8 @@ def job_result(epochs: list[dict[str, float]], metric: str, mode: str, status: s
         "epochs": len(epochs),
         "runtime_s": round(runtime_s, 3),
         "error": error,
+        "history": epochs,
+        "devices": devices or [],
     }
 
 

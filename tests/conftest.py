@@ -139,10 +139,11 @@ def assert_matches_reference(run: OfflineRun, history: list[dict[str, float]], r
 
 
 def assert_epoch_metrics(run: OfflineRun, epochs: int) -> None:
-    """Each key logged once per epoch, against `epoch` 0..epochs-1."""
-    for key in EPOCH_KEYS:
-        rows = [row for row in run.history if key in row]
-        assert [row["epoch"] for row in rows] == list(range(epochs)), key
+    """One history row per epoch, `epoch` 0..epochs-1, each with every key (training and validation together)."""
+    assert [row["epoch"] for row in run.history] == list(range(epochs))
+    for row in run.history:
+        assert set(EPOCH_KEYS) <= set(row), set(EPOCH_KEYS) - set(row)
+        assert "trainer/global_step" not in row
 
 
 # Session runs that several tests read. MLP runs have a global batch of 64, GPT runs of 32.
@@ -170,9 +171,10 @@ def single_run(runs_dir, home):
 
 @pytest.fixture(scope="session")
 def ddp_fsdp_sweep(runs_dir, home):
-    """`python train.py -m strategy=ddp,fsdp trainer.devices=2`, 32 per device: job 0 is ddp, job 1 fsdp."""
-    result, jobs = two_job_sweep("ddp-fsdp", [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp"],
-                                 runs_dir, home)
+    """`python train.py -m strategy=ddp,fsdp,pipeline trainer.devices=2`, 32 per device: returns job 0 (ddp) and job 1
+    (fsdp). Job 2 (pipeline: one replica of two stages, so a global batch of 32) serves the report's test."""
+    result, jobs = two_job_sweep("ddp-fsdp", [*TINY, "trainer.devices=2", "data.batch_size=32",
+                                              "strategy=ddp,fsdp,pipeline"], runs_dir, home)
     assert "distributed_backend=gloo" in result.output and "Starting with 2 processes" in result.output
     return jobs
 

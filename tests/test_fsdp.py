@@ -15,7 +15,7 @@ TWO_DEVICES = ["trainer.devices=2", "data.batch_size=32"]  # the single_run's gl
 @pytest.mark.slow
 def test_fsdp_run_joins_its_sweep(ddp_fsdp_sweep):
     ddp, fsdp = (only_run(job) for job in ddp_fsdp_sweep)
-    assert fsdp.name == "mlp-fsdp-2dev" and fsdp.group == ddp.group
+    assert fsdp.name == "mlp-fsdp-2dev-1node" and fsdp.group == ddp.group
     assert_epoch_metrics(fsdp, epochs=3)
 
 

@@ -26,7 +26,7 @@ def test_model_parallel_three_stages_and_its_plain_checkpoint(model_parallel_run
     job_dir = runs_dir / "model-parallel-3"
     train([*TINY, *BATCH_64, f"hydra.run.dir={job_dir}", "strategy=model_parallel", "trainer.devices=3"], home)
     run = only_run(job_dir)
-    assert run.name == "mlp-model_parallel-3dev"
+    assert run.name == "mlp-model_parallel-3dev-1node"
     assert_epoch_metrics(run, epochs=3)
     assert_matches_reference(run, reference([*TINY, *BATCH_64], 64).history)
     # A plain single-file checkpoint: strategy=auto resumes it as it is.

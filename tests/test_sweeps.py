@@ -27,7 +27,9 @@ def assert_result_matches_run(job_dir) -> dict:
     logged = only_run(job_dir).series("val/acc")
     best = max(range(len(logged)), key=lambda epoch: logged[epoch])
     assert result["status"] == "completed" and result["metric"] == "val/acc" and result["mode"] == "max"
-    assert result["epochs"] == len(logged) == 3
+    assert result["epochs"] == len(logged) == 3 and [row["epoch"] for row in result["history"]] == [0, 1, 2]
+    for key in ("train/loss", "val/loss", "val/acc"):  # the per-epoch record the report draws
+        assert [row[key] for row in result["history"]] == pytest.approx(only_run(job_dir).series(key), rel=1e-6)
     assert math.isclose(result["objective"], logged[best], rel_tol=1e-12) and result["best_epoch"] == best
     assert math.isclose(result["final"]["val/acc"], logged[-1], rel_tol=1e-12)
     return result
@@ -40,18 +42,19 @@ def test_a_single_process_job_writes_its_result(single_run):
 
 @pytest.mark.slow
 def test_each_job_of_a_multi_process_sweep_writes_its_result_and_the_sweep_a_summary(ddp_fsdp_sweep):
-    results = [assert_result_matches_run(job) for job in ddp_fsdp_sweep]
     sweep_dir = ddp_fsdp_sweep[0].parent
+    results = [assert_result_matches_run(sweep_dir / str(job)) for job in range(3)]
     with open(sweep_dir / "summary.csv") as file:
         rows = list(csv.DictReader(file))
-    assert [row["job"] for row in rows] == ["0", "1"]
-    assert [row["overrides"] for row in rows] == ["strategy=ddp", "strategy=fsdp"]  # what differs between the jobs
+    assert [row["job"] for row in rows] == ["0", "1", "2"]
+    # what differs between the jobs
+    assert [row["overrides"] for row in rows] == ["strategy=ddp", "strategy=fsdp", "strategy=pipeline"]
     assert [float(row["objective"]) for row in rows] == [result["objective"] for result in results]
-    best = max(range(2), key=lambda job: results[job]["objective"])
-    assert [row["best"] for row in rows] == ["True" if job == best else "False" for job in range(2)]
+    best = max(range(3), key=lambda job: results[job]["objective"])
+    assert [row["best"] for row in rows] == ["True" if job == best else "False" for job in range(3)]
     table = (sweep_dir / "summary.md").read_text().splitlines()
     assert table[0] == "| job | overrides | status | val/acc (max) | best_epoch | final | runtime_s | best |"
-    assert table[2 + best].endswith("| best |") and len(table) == 4
+    assert table[2 + best].endswith("| best |") and len(table) == 5
 
 
 @pytest.mark.slow

@@ -7,20 +7,25 @@ import pytest
 import torch
 import yaml
 
-from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, only_run, torchrun, train
+from conftest import EPOCH_KEYS, LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, only_run, torchrun, train
 
 pytestmark = pytest.mark.slow
 
 def test_single_device_run_logs_every_epoch_to_wandb(single_run):
     run = only_run(single_run)
     assert run.exit_code == 0
-    assert run.name == "mlp-auto-1dev" and run.group == ""
+    assert run.name == "mlp-auto-1dev-1node" and run.group == ""
     assert_epoch_metrics(run, epochs=3)
-    # epoch is the x-axis of every chart; the summary keeps the best val/acc.
-    definitions = {d.glob_name or d.name: d for d in run.metric_definitions}
-    assert definitions["*"].step_metric == "epoch"
-    assert definitions["val/acc"].summary.max
-    assert run.summary["val/acc"] == {"max": max(run.series("val/acc"))}
+    # epoch is the only x-axis; the summary keeps each key's final value and its value in the best epoch.
+    assert {d["step_metric"] for d in run.metric_definitions if "step_metric" in d} == {"epoch"}
+    accuracy = run.series("val/acc")
+    best = max(range(3), key=lambda epoch: accuracy[epoch])
+    for key in EPOCH_KEYS:
+        assert run.summary[key] == run.series(key)[-1] and run.summary[f"best/{key}"] == run.series(key)[best], key
+    assert run.summary["best/epoch"] == best
+    # The per-device table (W&B's own table file), here one device.
+    table = json.loads((run.path / "files" / run.summary["devices"]["path"]).read_text())
+    assert table["columns"][:2] == ["rank", "stage"] and len(table["data"]) == 1
     # The logged config is the resolved config, with the option picked in each group.
     assert run.config["choices"]["strategy"] == "auto" and run.config["choices"]["model"] == "mlp"
     assert run.job_type == "train" and "data.batch_size=64" in run.config["overrides"]
@@ -39,8 +44,14 @@ def test_checkpoints_live_in_the_job_dir(single_run):
 
 def test_ddp_run_is_named_and_logged_per_epoch(ddp_fsdp_sweep):
     ddp = only_run(ddp_fsdp_sweep[0])
-    assert ddp.name == "mlp-ddp-2dev" and ddp.config["choices"]["strategy"] == "ddp"
+    assert ddp.name == "mlp-ddp-2dev-1node" and ddp.config["choices"]["strategy"] == "ddp"
     assert_epoch_metrics(ddp, epochs=3)
+    # One row per device: DDP keeps the whole model state on each, the max over devices logged per epoch.
+    table = json.loads((ddp.path / "files" / ddp.summary["devices"]["path"]).read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [row["rank"] for row in rows] == [0, 1]
+    assert rows[0]["memory/model_state_mb"] == rows[1]["memory/model_state_mb"] == ddp.series("memory/model_state_mb")[-1]
+    assert all(row["perf/samples_per_sec_per_device"] > 0 for row in rows)
 
 
 def test_torchrun_launch_matches_the_builtin_launcher(runs_dir, home, ddp_fsdp_sweep):
@@ -80,7 +91,7 @@ def test_multirun_with_ddp_runs_each_job_once(runs_dir, home):
     jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
     assert [p.name for p in jobs] == ["0", "1"]
     runs = [only_run(job) for job in jobs]
-    assert [r.name for r in runs] == ["mlp-ddp-1dev", "mlp-ddp-2dev"]
+    assert [r.name for r in runs] == ["mlp-ddp-1dev-1node", "mlp-ddp-2dev-1node"]
     assert {r.group for r in runs} == {sweep_dir.name} and {r.job_type for r in runs} == {"sweep"}
     assert [r.config["overrides"][-1] for r in runs] == ["trainer.devices=1", "trainer.devices=2"]  # each its own
     for run in runs:
@@ -166,7 +177,7 @@ def test_seed_000_experiment(runs_dir, home):
     result = train([f"hydra.run.dir={job_dir}", "experiment=seed_large_model", "print_config=false"], home)
     assert "55.0 M" in result.output  # Lightning's parameter count of the seed model
     run = only_run(job_dir)
-    assert run.name == "mlp-ddp-2dev" and run.tags == ["seed_large_model"]
+    assert run.name == "mlp-ddp-2dev-1node" and run.tags == ["seed_large_model"]
     assert_epoch_metrics(run, epochs=3)
     assert run.series("train/loss")[-1] < run.series("train/loss")[0]
 

@@ -6,13 +6,18 @@ from typing import Any
 
 import lightning as L
 
+from project.callbacks.memory import DeviceMemory
+from project.callbacks.throughput import EpochThroughput
+from project.loggers import EpochWandbLogger
 from project.results import job_result, write_result
 
 
 class JobResult(L.Callback):
     """Keeps each epoch's metrics and writes ``result.json``: the objective (the best value of ``metric`` over the
-    epochs, ``mode`` max or min), the epoch it came from, the metrics of that epoch and of the last one, the status
-    (``running`` after each epoch, then ``completed`` or ``failed``) and the runtime.
+    epochs, ``mode`` max or min), the epoch it came from, the metrics of that epoch and of the last one, every
+    epoch's (``history``), the status (``running`` after each epoch, then ``completed`` or ``failed``), the
+    runtime, and one row per device of the latest epoch (``devices``: memory and throughput, where the
+    ``memory`` and ``throughput`` callbacks run), also sent to W&B as the table ``devices``.
 
     The epochs travel in checkpoints (``state_dict``), so a resumed job's result covers the whole run. The process
     Hydra runs reads the file (``project.launch``) and returns the objective to the sweeper, however the job ran.
@@ -23,11 +28,16 @@ class JobResult(L.Callback):
             raise ValueError(f"mode must be max or min, got {mode!r}")
         self.path, self.metric, self.mode = Path(path), metric, mode
         self.epochs: list[dict[str, float]] = []
+        self.devices: list[dict[str, Any]] = []
         self.started = time.time()
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         self.epochs.append({"epoch": trainer.current_epoch, **metrics})
+        self.devices = per_device_rows(trainer)
+        for logger in trainer.loggers:
+            if isinstance(logger, EpochWandbLogger):
+                logger.log_device_table(self.devices)
         self._write(trainer, "running")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -44,4 +54,16 @@ class JobResult(L.Callback):
 
     def _write(self, trainer: L.Trainer, status: str, error: str | None = None) -> None:
         if trainer.is_global_zero:
-            write_result(self.path, job_result(self.epochs, self.metric, self.mode, status, time.time() - self.started, error))
+            write_result(self.path, job_result(self.epochs, self.metric, self.mode, status, time.time() - self.started,
+                                               error, self.devices))
+
+
+def per_device_rows(trainer: L.Trainer) -> list[dict[str, Any]]:
+    """One row per device of the job: the memory callback's measurements, with the throughput of the device's
+    rank (every stage of a process sees its samples); rows of throughput alone without the memory callback."""
+    memory = next((c.per_device for c in trainer.callbacks if isinstance(c, DeviceMemory)), [])
+    rates = {row["rank"]: row for row in next((c.per_device for c in trainer.callbacks
+                                               if isinstance(c, EpochThroughput)), [])}
+    if not memory:
+        return list(rates.values())
+    return [{**row, **rates.get(row["rank"], {})} for row in memory]

@@ -1,7 +1,10 @@
 """Per-epoch memory of one device: what the model state costs, so the dashboard shows why a strategy helps."""
 
+from typing import Any
+
 import lightning as L
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 MB = 2**20
@@ -13,13 +16,13 @@ def local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def model_state_bytes(
+def model_state_bytes_per_device(
     module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], placement: dict[int, int] | None = None
-) -> dict[str, int]:
-    """Parameters, gradients and optimizer state held by the fullest device of this process.
+) -> dict[int, dict[str, int]]:
+    """Parameters, gradients and optimizer state held by each device of this process.
 
     ``placement`` maps ``id(parameter)`` to the device (stage) holding it, for a process that drives several
-    (``strategy=model_parallel``); by default the process has one device.
+    (``strategy=model_parallel``); by default the process has one device, 0.
     """
     placement = placement or {}
     per_device: dict[int, dict[str, int]] = {}
@@ -37,7 +40,16 @@ def model_state_bytes(
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     add(parameter, "optimizer", value)
-    return max(per_device.values(), key=lambda sizes: sum(sizes.values()))
+    return per_device
+
+
+def gather_from_ranks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's ``rows``, in rank order (this process's alone when it is the only one)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return rows
+    gathered: list[list[dict[str, Any]]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, rows)
+    return [row for rank_rows in gathered for row in rank_rows]
 
 
 class DeviceMemory(L.Callback):
@@ -45,11 +57,13 @@ class DeviceMemory(L.Callback):
 
     Each value is the maximum over devices: the device that runs out first is the one that matters. Model state
     is measured just before each optimizer step, when gradients exist (Lightning frees them after the step), and
-    the epoch's last measurement is logged; CUDA peaks cover the epoch, validation included.
+    the epoch's last measurement is logged; CUDA peaks cover the epoch, validation included. ``per_device`` holds
+    the epoch's values of every device of the job (``rank``, ``stage`` and the ``memory/*`` keys), on every rank.
     """
 
     def __init__(self) -> None:
-        self._sizes: dict[str, int] = {}
+        self._sizes: dict[int, dict[str, int]] = {}
+        self.per_device: list[dict[str, Any]] = []
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":
@@ -57,13 +71,19 @@ class DeviceMemory(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         placement = getattr(trainer.strategy, "parameter_stage", None)
-        self._sizes = model_state_bytes(pl_module, trainer.optimizers, placement)
+        self._sizes = model_state_bytes_per_device(pl_module, trainer.optimizers, placement)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        sizes = dict(self._sizes)
-        sizes["model_state"] = sum(sizes.values())
-        if pl_module.device.type == "cuda":
-            sizes["peak_allocated"] = torch.cuda.max_memory_allocated(pl_module.device)
-            sizes["peak_reserved"] = torch.cuda.max_memory_reserved(pl_module.device)
-        for name, size in sizes.items():
-            pl_module.log(f"memory/{name}_mb", size / MB, sync_dist=True, reduce_fx="max")
+        rows = []
+        for stage, parts in sorted((self._sizes or {0: {}}).items()):  # {}: no optimizer step this epoch
+            sizes = dict(parts, model_state=sum(parts.values()))
+            if pl_module.device.type == "cuda":
+                sizes["peak_allocated"] = torch.cuda.max_memory_allocated(pl_module.device)
+                sizes["peak_reserved"] = torch.cuda.max_memory_reserved(pl_module.device)
+            rows.append({"rank": trainer.global_rank, "stage": stage,
+                         **{f"memory/{name}_mb": size / MB for name, size in sizes.items()}})
+        self.per_device = gather_from_ranks(rows)
+        fullest = max(rows, key=lambda row: row["memory/model_state_mb"])
+        for name, value in fullest.items():
+            if name.startswith("memory/"):
+                pl_module.log(name, value, sync_dist=True, reduce_fx="max")

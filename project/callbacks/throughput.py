@@ -6,6 +6,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from project.callbacks.memory import gather_from_ranks
 from project.data.sampling import data_parallel_rank_and_size
 
 
@@ -16,7 +17,8 @@ class EpochThroughput(L.Callback):
     The rates count training time only: the train clock runs from the epoch start and stops while the epoch
     validates (and during what follows validation, such as checkpointing, until the next training batch starts).
     It is read with the device synchronised. ``perf/epoch_time_s`` is the whole epoch as a user waits for it,
-    validation included.
+    validation included. ``per_device`` holds each rank's rates of the epoch (``rank`` and the per-device
+    ``perf/*`` keys), on every rank.
     """
 
     def __init__(self) -> None:
@@ -25,6 +27,7 @@ class EpochThroughput(L.Callback):
         self._train_time = 0.0
         self._samples = 0
         self._tokens = 0
+        self.per_device: list[dict[str, float]] = []
 
     def _now(self, pl_module: L.LightningModule) -> float:
         if pl_module.device.type == "cuda":
@@ -69,3 +72,7 @@ class EpochThroughput(L.Callback):
             pl_module.log("perf/tokens_per_sec", self._tokens / self._train_time * share, sync_dist=True, reduce_fx="sum")
         pl_module.log("perf/samples_per_sec_per_device", rate, sync_dist=True, reduce_fx="mean")
         pl_module.log("perf/epoch_time_s", epoch_time, sync_dist=True, reduce_fx="max")
+        own = {"rank": trainer.global_rank, "perf/samples_per_sec_per_device": rate}
+        if self._tokens:
+            own["perf/tokens_per_sec_per_device"] = self._tokens / self._train_time
+        self.per_device = gather_from_ranks([own])

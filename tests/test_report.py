@@ -1,0 +1,112 @@
+"""The report of a real sweep over ddp, fsdp and pipeline, rendered by headless Chromium and read from its DOM."""
+
+import os
+import shutil
+import subprocess
+import sys
+from collections import defaultdict
+from html.parser import HTMLParser
+
+import pytest
+
+from conftest import REPO, isolated_env
+
+CHROMIUM = shutil.which("chromium")
+# Flags for a machine without network (Chromium otherwise tries Google's hosts at every start).
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars", "--virtual-time-budget=10000"]
+VOID = {"meta", "link", "br", "img", "input", "hr", "area", "base", "col", "embed", "source", "track", "wbr"}
+
+
+class RenderedCharts(HTMLParser):
+    """From a rendered page: per chart div (by id), the traces Plotly drew, their legend names and bar labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[tuple[str, dict[str, str]]] = []
+        self.traces: dict[str, list[str]] = defaultdict(list)  # chart id -> classes of its trace groups
+        self.legend: dict[str, list[str]] = defaultdict(list)  # chart id -> legend entries
+        self.bar_labels: dict[str, list[list[str]]] = defaultdict(list)  # chart id -> per bar trace, its labels
+        self._text: list[str] | None = None
+
+    def chart(self) -> str | None:
+        return next((attrs["id"] for tag, attrs in reversed(self.stack) if tag == "div" and "id" in attrs
+                     and attrs.get("class", "").startswith("plotly-graph-div")), None)
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        attrs = {key: value or "" for key, value in attrs}
+        classes = attrs.get("class", "").split()
+        chart = self.chart()
+        if chart and tag == "g" and "trace" in classes and ("scatter" in classes or "bars" in classes):
+            self.traces[chart].append(" ".join(classes))
+            if "bars" in classes:
+                self.bar_labels[chart].append([])
+        if chart and tag == "text" and ("legendtext" in classes or "bartext" in classes):
+            self._text = []
+        if tag not in VOID:
+            self.stack.append((tag, attrs))
+
+    def handle_data(self, data: str) -> None:
+        if self._text is not None:
+            self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._text is not None and tag == "text":
+            tag_attrs = self.stack[-1][1]
+            text, chart = "".join(self._text), self.chart()
+            if "legendtext" in tag_attrs.get("class", ""):
+                self.legend[chart].append(text)
+            else:
+                self.bar_labels[chart][-1].append(text)
+            self._text = None
+        while self.stack:
+            if self.stack.pop()[0] == tag:
+                break
+
+
+@pytest.fixture(scope="session")
+def rendered_report(ddp_fsdp_sweep, tmp_path_factory, home):
+    """``python -m project.report <sweep dir> --by strategy``, rendered by Chromium: its DOM and a screenshot."""
+    if CHROMIUM is None:
+        assert not os.environ.get("CI"), ".ci/run installs Debian's chromium for this test"
+        pytest.skip("no chromium on this machine (apt-get install chromium)")
+    sweep_dir, out = ddp_fsdp_sweep[0].parent, tmp_path_factory.mktemp("report")
+    report = out / "report.html"
+    made = subprocess.run([sys.executable, "-m", "project.report", str(sweep_dir), "--by", "strategy", "-o",
+                           str(report)], cwd=REPO, env=isolated_env(home), capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and f"Report: {report}" in made.stdout, made.stderr
+    browser = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={out / 'chromium'}"]
+    dom = subprocess.run([*browser, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
+    screenshot = out / "report.png"  # next to the report, for people to look at
+    subprocess.run([*browser, "--window-size=1400,2400", f"--screenshot={screenshot}", report.as_uri()],
+                   capture_output=True, timeout=120)
+    assert screenshot.stat().st_size > 50_000
+    charts = RenderedCharts()
+    charts.feed(dom.stdout)
+    return charts, sweep_dir
+
+
+@pytest.mark.slow
+def test_the_report_draws_a_curve_per_run_for_every_metric(rendered_report):
+    charts, _ = rendered_report
+    labels = ["0: strategy=ddp", "1: strategy=fsdp", "2: strategy=pipeline"]
+    for chart in ("curve-train-loss", "curve-val-loss", "curve-train-acc", "curve-val-acc"):
+        assert len(charts.traces[chart]) == 3 and all("scatter" in trace for trace in charts.traces[chart]), chart
+        assert charts.legend[chart] == labels, chart
+
+
+@pytest.mark.slow
+def test_the_report_shows_fsdp_holding_half_of_ddps_model_state_per_device(rendered_report):
+    charts, _ = rendered_report
+    assert charts.legend["memory"] == ["rank 0", "rank 1"]
+    per_device = [[float(label) for label in trace] for trace in charts.bar_labels["memory"]]  # [device][job]
+    # MLP 32 -> 64 -> 32 -> 10: 4522 parameters; fp32 parameters, gradients and SGD momentum: 3 x 4 bytes each.
+    whole = 3 * 4 * 4522 / 2**20
+    for device in per_device:
+        ddp, fsdp, pipeline = device
+        assert ddp == pytest.approx(whole, rel=1e-3)  # the labels have 4 significant digits
+        assert fsdp == pytest.approx(ddp / 2, rel=1e-3)  # sharded over 2 devices
+        assert pipeline < ddp  # each stage holds its own blocks
+    assert sum(trace[2] for trace in per_device) == pytest.approx(whole, rel=1e-3)  # the stages hold it all once
+    assert len(charts.bar_labels["throughput"]) == 2
