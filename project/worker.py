@@ -5,6 +5,7 @@ Started by ``project.launch.launch_workers`` with torchelastic's environment (RA
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ die_with_parent()  # before the slow imports below, so that a launcher killed du
 start_heartbeat(int(os.environ["RANK"]))
 stop_on_early_warning()
 
-from omegaconf import OmegaConf  # noqa: E402 (after die_with_parent)
+from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402 (after die_with_parent)
+from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from project.console import lightning_logs_through_root  # noqa: E402
@@ -44,6 +46,8 @@ def main(config_file: str) -> None:
     file_log = log_to_job(Path(os.environ[JOB_LOG_VARIABLE]), rank)
     try:
         train(OmegaConf.load(config_file))
+    except SIGTERMException:  # stopped on request (a preemption): the launcher says so, no traceback needed
+        sys.exit(128 + signal.SIGTERM)
     except BaseException:
         file_log.exception(f"Rank {rank} failed")  # the console gets the traceback from Python itself
         raise
