@@ -27,13 +27,10 @@ def run(overrides: list[str], job_dir: Path) -> float:
 
 
 def epochs(job_dir: Path) -> list[dict[str, float]]:
-    """One dict per epoch, merging Lightning's separate validation and training rows."""
-    merged: dict[int, dict[str, float]] = {}
+    """One dict per epoch: the CSV logger's rows (one per epoch, training and validation together)."""
     with open(job_dir / "csv" / "version_0" / "metrics.csv") as file:
-        for row in csv.DictReader(file):
-            values = {key: float(value) for key, value in row.items() if value not in ("", None)}
-            merged.setdefault(int(values["epoch"]), {}).update(values)
-    return [merged[epoch] for epoch in sorted(merged)]
+        return [{key: float(value) for key, value in row.items() if value not in ("", None)}
+                for row in csv.DictReader(file)]
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:

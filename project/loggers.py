@@ -8,7 +8,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import wandb
-from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 
@@ -47,13 +47,55 @@ def resolve_wandb_mode(mode: str | None, timeout_s: float = 3.0) -> str:
     return "offline"
 
 
-class EpochWandbLogger(WandbLogger):
-    """Lightning's WandbLogger with one history row per epoch and ``epoch`` as every chart's only x-axis.
+class EpochRows:
+    """One row per epoch from Lightning's logging calls.
 
     Lightning logs an epoch in two calls: the validation metrics when validation ends, then the training metrics
-    (with the callbacks' ``perf/*`` and ``memory/*``) when the epoch ends. They are gathered into one row, sent
-    when the training call closes the epoch. The run's summary holds each key's final value, and under
-    ``best/<key>`` its value in the best epoch by ``summary_metric`` (``summary_mode`` max or min).
+    (with the callbacks' ``perf/*`` and ``memory/*``) when the epoch ends. ``add`` gathers them and returns the
+    epoch's row once the training call has closed it (and a row left open by a run stopped during its epoch, when
+    the next epoch's metrics come); ``flush`` returns what is still open.
+    """
+
+    def __init__(self) -> None:
+        self._row: dict[str, float] = {}
+
+    def add(self, metrics: Mapping[str, float]) -> list[dict[str, float]]:
+        ready = []
+        if self._row and metrics.get("epoch", self._row.get("epoch")) != self._row.get("epoch"):
+            ready += self.flush()
+        self._row.update(metrics)
+        if any(key.startswith("train/") for key in metrics):
+            ready += self.flush()
+        return ready
+
+    def flush(self) -> list[dict[str, float]]:
+        row, self._row = self._row, {}
+        return [row] if row else []
+
+
+class EpochCSVLogger(CSVLogger):
+    """Lightning's CSVLogger with one row per epoch, training and validation together (``EpochRows``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._rows = EpochRows()
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        for row in self._rows.add(metrics):
+            super().log_metrics(row, step)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        for row in self._rows.flush():
+            super().log_metrics(row)
+        super().finalize(status)
+
+
+class EpochWandbLogger(WandbLogger):
+    """Lightning's WandbLogger with one history row per epoch (``EpochRows``) and ``epoch`` as every chart's only
+    x-axis. The run's summary holds each key's final value, and under ``best/<key>`` its value in the best epoch
+    by ``summary_metric`` (``summary_mode`` max or min).
 
     ``mode``: online / offline / disabled, or None to decide with :func:`resolve_wandb_mode`. If an online start
     still fails (after ``init_timeout_s``), the run logs offline instead of failing.
@@ -73,7 +115,7 @@ class EpochWandbLogger(WandbLogger):
         self._wandb_init.pop("anonymous", None)
         self.summary_metric = summary_metric
         self.summary_mode = summary_mode
-        self._row: dict[str, float] = {}
+        self._rows = EpochRows()
         self._best: dict[str, float] | None = None
 
     @property
@@ -98,11 +140,8 @@ class EpochWandbLogger(WandbLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        if self._row and metrics.get("epoch", self._row.get("epoch")) != self._row.get("epoch"):
-            self._send_row()  # an epoch whose training call never came (a run stopped during it)
-        self._row.update(metrics)
-        if any(key.startswith("train/") for key in metrics):
-            self._send_row()
+        for row in self._rows.add(metrics):
+            self._send_row(row)
 
     @rank_zero_only
     def log_device_table(self, rows: list[dict[str, Any]]) -> None:
@@ -113,8 +152,7 @@ class EpochWandbLogger(WandbLogger):
             self.experiment.summary["devices"] = wandb.Table(
                 columns=columns, data=[[row.get(column) for column in columns] for row in rows])
 
-    def _send_row(self) -> None:
-        row, self._row = self._row, {}
+    def _send_row(self, row: dict[str, float]) -> None:
         self.experiment.log(row)
         value = row.get(self.summary_metric)
         if value is not None and (self._best is None or self._is_better(value, self._best[self.summary_metric])):
@@ -127,6 +165,6 @@ class EpochWandbLogger(WandbLogger):
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
-        if self._row:
-            self._send_row()
+        for row in self._rows.flush():
+            self._send_row(row)
         super().finalize(status)

@@ -1,5 +1,6 @@
 """End-to-end runs of ``python train.py`` (and torchrun) as users start them, read back from their W&B files."""
 
+import csv
 import json
 import shutil
 
@@ -133,12 +134,15 @@ def test_resume_from_a_checkpoint_file(runs_dir, home, single_run):
 @pytest.mark.parametrize("logger", ["csv", "none"])
 def test_other_loggers(logger, runs_dir, home):
     job_dir = runs_dir / f"logger-{logger}"
-    train([*TINY, f"hydra.run.dir={job_dir}", f"logger={logger}", "trainer.max_epochs=1"], home)
+    result = train([*TINY, f"hydra.run.dir={job_dir}", f"logger={logger}", "trainer.max_epochs=1"], home)
     assert not (job_dir / "wandb").exists()
     metrics_files = list(job_dir.glob("csv/version_*/metrics.csv"))
     if logger == "csv":
-        header = metrics_files[0].read_text().splitlines()[0].split(",")
-        assert {"epoch", "train/loss", "val/acc", "perf/samples_per_sec"} <= set(header)
+        with open(metrics_files[0]) as file:
+            rows = list(csv.DictReader(file))
+        assert len(rows) == 1 and rows[0]["epoch"] == "0"  # one row per epoch, training and validation together
+        assert all(rows[0][key] for key in ("train/loss", "val/acc", "perf/samples_per_sec", "memory/model_state_mb"))
+        assert f"CSV            {metrics_files[0]}" in result.output  # the end of the run says where it went
     else:
         assert not metrics_files
 
