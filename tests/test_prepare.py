@@ -1,0 +1,112 @@
+"""python -m project.data.prepare: corpora into token shards, checked by decoding the shards back to the documents."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from conftest import REPO, isolated_env
+from project.data.prepare import documents, input_files, is_validation, prepare
+from project.data.shards import HEADER_BYTES, read_shard
+
+STDLIB_JSON = Path(json.__file__).parent  # a corpus that ships with Python: the json package's sources
+
+
+def split_tokens(out: Path, split: str) -> np.ndarray:
+    meta = json.loads((out / "meta.json").read_text())
+    return np.concatenate([read_shard(out / shard["file"]) for shard in meta["splits"][split]["shards"]])
+
+
+def decoded_documents(tokens: np.ndarray, tokenizer: Tokenizer, separator: int) -> list[str]:
+    """The texts between separators, decoded by the tokenizer."""
+    ends = np.flatnonzero(tokens == separator)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [tokenizer.decode(tokens[start:end].tolist()) for start, end in zip(starts, ends)]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """The json package's sources, and a .jsonl file of documents."""
+    root = tmp_path / "corpus"
+    (root / "json").mkdir(parents=True)
+    for source in STDLIB_JSON.glob("*.py"):
+        (root / "json" / source.name).write_text(source.read_text())
+    lines = [json.dumps({"text": f"Document {i}: " + "naïve café, 東京 " * (i % 7)}) for i in range(300)]
+    (root / "notes.jsonl").write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_a_trained_byte_level_bpe_gives_back_every_document(corpus, tmp_path):
+    out = tmp_path / "out"
+    meta = prepare([corpus], out, vocab_size=600, shard_tokens=3000, val_fraction=0.05)
+    assert meta["vocab_size"] == 600 and meta["dtype"] == "uint16" and meta["separator"]["token"] == "<|endoftext|>"
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    texts = list(documents(input_files([corpus]), "text"))
+    for split in ("train", "val"):
+        shards = meta["splits"][split]["shards"]
+        assert all(shard["tokens"] == 3000 for shard in shards[:-1]) and 0 < shards[-1]["tokens"] <= 3000
+        tokens = split_tokens(out, split)
+        assert len(tokens) == meta["splits"][split]["tokens"]
+        expected = [text for index, text in enumerate(texts) if is_validation(index, 0.05) == (split == "val")]
+        assert decoded_documents(tokens, tokenizer, meta["separator"]["id"]) == expected  # byte-level: exact
+    assert len(meta["splits"]["val"]["shards"]) >= 1 and len(meta["splits"]["train"]["shards"]) > 5
+    first = out / meta["splits"]["train"]["shards"][0]["file"]
+    header = np.fromfile(first, dtype="<i4", count=4)
+    assert header[2] == 3000 and header[3] == 2 and first.stat().st_size == HEADER_BYTES + 3000 * 2
+    first.write_bytes(b"\0" * 8 + first.read_bytes()[8:])  # a damaged header is refused
+    with pytest.raises(ValueError, match="not a token shard"):
+        read_shard(first)
+
+
+def test_a_given_tokenizer_with_a_large_vocabulary_writes_uint32(tmp_path):
+    """A tokenizer.json by path (here a word-level one of 70,000 words, past uint16's range)."""
+    words = [f"w{i}" for i in range(70_000)]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(["</s>", "<unk>", *words])}, "<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    rng = np.random.default_rng(0)
+    documents_text = [" ".join(rng.choice(words, size=20)) for _ in range(50)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": text}) + "\n" for text in documents_text))
+    out = tmp_path / "out"
+    meta = prepare([tmp_path / "docs.jsonl"], out, tokenizer_path=tmp_path / "tokenizer.json", text_key="body",
+                   shard_tokens=400, val_fraction=0.0)
+    assert meta["vocab_size"] == 70_002 and meta["dtype"] == "uint32" and meta["separator"] == {"token": "</s>", "id": 0}
+    tokens = split_tokens(out, "train")
+    assert tokens.dtype == np.dtype("<u4") and tokens.max() > 2**16
+    assert len(tokens) == 50 * 21 and meta["splits"]["val"]["tokens"] == 0
+    assert decoded_documents(tokens, tokenizer, 0) == documents_text
+
+
+@pytest.mark.slow
+def test_an_interrupted_prepare_continues_without_redoing_finished_shards(corpus, tmp_path):
+    """SIGKILL after some shards, the same command again: the shards of an uninterrupted run, byte for byte, and
+    the finished ones untouched."""
+    for copy in range(12):  # a corpus long enough to be killed halfway
+        (corpus / f"copy{copy}.jsonl").write_text((corpus / "notes.jsonl").read_text().replace("Document", f"Copy {copy}"))
+    args = [str(corpus), "--vocab-size", "600", "--shard-tokens", "2000", "--val-fraction", "0.05"]
+    straight = tmp_path / "straight"
+    prepare([corpus], straight, vocab_size=600, shard_tokens=2000, val_fraction=0.05)
+    out = tmp_path / "interrupted"
+    command = [sys.executable, "-m", "project.data.prepare", *args, "--out", str(out)]
+    job = subprocess.Popen(command, cwd=REPO, env=isolated_env(tmp_path), stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    while not (out / "train_000003.bin").exists():
+        assert job.poll() is None, "prepare ended before it could be interrupted"
+        time.sleep(0.005)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    finished = {path.name: path.stat().st_mtime_ns for path in out.glob("*.bin")}
+    assert not (out / "meta.json").exists()
+    rerun = subprocess.run(command, cwd=REPO, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert all((out / name).stat().st_mtime_ns == mtime for name, mtime in finished.items())
+    assert sorted(path.name for path in out.glob("*.bin")) == sorted(path.name for path in straight.glob("*.bin"))
+    for path in straight.glob("*.bin"):
+        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+    assert json.loads((out / "meta.json").read_text()) == json.loads((straight / "meta.json").read_text())
