@@ -9,6 +9,7 @@ The workers see torchelastic's environment, so Lightning joins them into one pro
 import atexit
 import logging
 import os
+import re
 import shutil
 import sys
 import uuid
@@ -107,6 +108,13 @@ def job_config(cfg: DictConfig) -> DictConfig:
     try:
         return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     except InterpolationResolutionError as error:
+        raised = re.search(r"ConfigError raised while resolving interpolation: (\S+): (.*?) Fix: (.*?)\n", error.msg)
+        if raised:  # a resolver's own error (data=shards: no meta.json in data.path)
+            raise ConfigError(*raised.groups()) from None
+        missing = re.search(r"Missing mandatory value: (\S+)", error.msg)
+        if missing:
+            raise ConfigError(missing.group(1), "is required and has no value (???).",
+                              f"set it on the command line: {missing.group(1)}=...") from None
         raise ConfigError(
             str(error.full_key),
             f"cannot be resolved: {error.msg}",

@@ -1,7 +1,12 @@
 """OmegaConf resolvers that configs use to derive one setting from others. OmegaConf only: ``train.py`` registers
 them before Hydra composes anything, so ``--help`` stays fast."""
 
+import json
+from pathlib import Path
+
 from omegaconf import OmegaConf
+
+from project.errors import ConfigError
 
 
 def optuna_direction(mode: str) -> str:
@@ -14,6 +19,22 @@ def gpus_per_node(accelerator: str, devices: int) -> int | None:
     return None if accelerator == "cpu" else devices
 
 
+def prepared_meta(path: str | Path) -> dict:
+    """The ``meta.json`` of a corpus prepared by ``python -m project.data.prepare`` (``data.path``)."""
+    meta = Path(path) / "meta.json"
+    if not meta.is_file():
+        raise ConfigError("data.path", f"{path} has no meta.json: it is not a prepared corpus (or its preparation "
+                          "has not finished).", "run python -m project.data.prepare <corpus> --out DIR, then "
+                          "data.path=DIR.")
+    return json.loads(meta.read_text())
+
+
+def prepared_vocab_size(path: str) -> int:
+    """data=shards: the vocabulary size a prepared corpus records, for the model's embedding."""
+    return prepared_meta(path)["vocab_size"]
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("optuna_direction", optuna_direction, replace=True)
     OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node, replace=True)
+    OmegaConf.register_new_resolver("prepared_vocab_size", prepared_vocab_size, replace=True)

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from project.checks import check_config
 from project.errors import ConfigError
+from project.resolvers import register_resolvers
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -20,6 +21,7 @@ GROUPS = ["model", "data", "strategy", "trainer", "logger", "callbacks", "paths"
 
 def compose_train(overrides: list[str] = ()):
     """The config `python train.py <overrides>` gets, with Hydra's runtime set as in a real job."""
+    register_resolvers()  # as train.py does
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
     cfg.hydra.runtime.output_dir = "/tmp/unused-job-dir"
@@ -44,9 +46,22 @@ OPTIONS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def prepared_corpus(tmp_path_factory) -> Path:
+    """A tiny corpus prepared for data=shards (its meta.json gives the model its vocabulary size)."""
+    from project.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("prepared")
+    (root / "corpus.txt").write_text("a small corpus of words, words and more words. " * 50)
+    prepare([root / "corpus.txt"], root / "out", vocab_size=300, shard_tokens=1000, val_fraction=0.0)
+    return root / "out"
+
+
 @pytest.mark.parametrize("override", OPTIONS)
-def test_every_option_composes_and_resolves(override):
+def test_every_option_composes_and_resolves(override, prepared_corpus):
     partners = next((extra for prefix, extra in PARTNERS.items() if override.startswith(prefix)), [])
+    if override == "data=shards":
+        partners = ["model=gpt", f"data.path={prepared_corpus}"]
     cfg = compose_train([override, *partners])
     del cfg.hydra
     OmegaConf.resolve(cfg)  # every interpolation resolves

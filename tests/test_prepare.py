@@ -9,11 +9,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from conftest import REPO, isolated_env
+from conftest import REPO, isolated_env, train
 from project.data.prepare import documents, input_files, is_validation, prepare
+from project.data.prepared import ShardsDataModule
+from project.data.sampling import EpochShuffle, GlobalBatchSampler
 from project.data.shards import HEADER_BYTES, read_shard
+from project.errors import ConfigError
 
 STDLIB_JSON = Path(json.__file__).parent  # a corpus that ships with Python: the json package's sources
 
@@ -110,3 +114,47 @@ def test_an_interrupted_prepare_continues_without_redoing_finished_shards(corpus
     for path in straight.glob("*.bin"):
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
     assert json.loads((out / "meta.json").read_text()) == json.loads((straight / "meta.json").read_text())
+
+
+def test_shard_windows_are_the_token_stream_across_shard_ends_and_batch_alike_on_any_device_count(corpus, tmp_path):
+    """data=shards' windows, read through memory maps, against the whole split concatenated in memory; and the
+    global batches of one replica equal the two replicas' batches side by side."""
+    out = tmp_path / "out"
+    prepare([corpus], out, vocab_size=600, shard_tokens=1000, val_fraction=0.05)
+    data = ShardsDataModule(str(out), seq_length=64, batch_size=8, seed=3)
+    data.setup("fit")
+    stream = torch.from_numpy(split_tokens(out, "train").astype(np.int64))
+    assert len(data.train_set) == (len(stream) - 1) // 64 == data.num_train_samples
+    for index in range(len(data.train_set)):  # many windows straddle a shard's end (1000 is not a multiple of 64)
+        inputs, targets = data.train_set[index]
+        assert torch.equal(inputs, stream[index * 64: index * 64 + 64])
+        assert torch.equal(targets, stream[index * 64 + 1: index * 64 + 65])
+    order = EpochShuffle(len(data.train_set), shuffle=True, seed=3)
+    one = list(GlobalBatchSampler(order, 16, rank=0, world_size=1, drop_last=True))
+    two = [list(GlobalBatchSampler(order, 8, rank=rank, world_size=2, drop_last=True)) for rank in (0, 1)]
+    assert one == [left + right for left, right in zip(*two)]
+    with pytest.raises(ConfigError, match="data.path: .* has no meta.json"):
+        ShardsDataModule(str(tmp_path), seq_length=64, batch_size=8, seed=3)
+
+
+@pytest.mark.slow
+def test_training_on_shards_gives_the_same_numbers_on_one_device_and_on_ddp_x_2(corpus, tmp_path):
+    """The tiny GPT on the prepared corpus (10 batches an epoch, the whole validation split): auto with 16
+    sequences a batch, and ddp x 2 with 8 per device and a DataLoader worker each (so the workers open their own
+    memory maps): the same per-epoch losses."""
+    out = tmp_path / "prepared"
+    prepare([corpus], out, vocab_size=300, shard_tokens=5000, val_fraction=0.05)
+    common = ["model=gpt", "data=shards", f"data.path={out}", "data.seq_length=32", "model.net.dim=32",
+              "model.net.num_heads=2", "trainer.max_epochs=2", "+trainer.limit_train_batches=10", "logger=csv",
+              "print_config=false",
+              "~callbacks.progress_bar", "+trainer.enable_progress_bar=false"]
+    runs = {"auto": ["data.batch_size=16"],
+            "ddp": ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1"]}
+    results = {}
+    for name, args in runs.items():
+        train([*common, *args, f"hydra.run.dir={tmp_path / name}"], tmp_path / "home")
+        results[name] = json.loads((tmp_path / name / "result.json").read_text())["history"]
+    assert len(results["auto"]) == len(results["ddp"]) == 2
+    for auto, ddp in zip(results["auto"], results["ddp"]):
+        for key in ("train/loss", "val/loss"):
+            assert ddp[key] == pytest.approx(auto[key], rel=1e-5), key

@@ -15,11 +15,12 @@ class InMemoryDataModule(L.LightningDataModule):
     batch is ``batch_size`` times the data-parallel replicas (devices x nodes for DDP and FSDP).
     """
 
-    def __init__(self, batch_size: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(self, batch_size: int, seed: int, shuffle: bool = True, num_workers: int = 0) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.seed = seed
         self.shuffle = shuffle  # reshuffle the training set every epoch (debug=overfit turns it off)
+        self.num_workers = num_workers  # DataLoader worker processes (0: batches are read in the training process)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
@@ -37,7 +38,8 @@ class InMemoryDataModule(L.LightningDataModule):
         rank, replicas = data_parallel_rank_and_size(self.trainer)
         order = EpochShuffle(len(dataset), shuffle=train and self.shuffle, seed=self.seed)
         batches = GlobalBatchSampler(order, self.batch_size, rank=rank, world_size=replicas, drop_last=train)
-        return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available())
+        return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available(),
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)

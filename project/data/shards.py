@@ -47,3 +47,4 @@ def read_shard(path: Path) -> np.ndarray:
     if path.stat().st_size != expected:
         raise ValueError(f"{path} has {path.stat().st_size} bytes; its header promises {expected}.")
     return tokens
+
