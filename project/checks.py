@@ -41,7 +41,10 @@ def _check_numbers(cfg: DictConfig) -> None:
         positive_int_at(cfg, "trainer.max_epochs", "train at least one epoch, e.g. trainer.max_epochs=10 (or -1: no "
                         "epoch limit, for runs that stop at trainer.max_steps or trainer.max_time).")
     positive_int_at(cfg, "trainer.accumulate_grad_batches", "1 steps the optimizer after every batch; N after every N.")
-    positive_int_at(cfg, "trainer.log_every_n_steps", "e.g. trainer.log_every_n_steps=1.")
+    log_every = cfg.trainer.log_every_n_steps
+    if not _is_int(log_every) or log_every < 0:
+        raise ConfigError("trainer.log_every_n_steps", f"must be an integer of at least 0, got {log_every!r}.",
+                          "0 logs per epoch only; N adds a step/train_loss row every N optimizer steps.")
     if cfg.trainer.check_val_every_n_epoch is not None:
         positive_int_at(cfg, "trainer.check_val_every_n_epoch", "1 validates after every epoch.")
     sanity_steps = cfg.trainer.num_sanity_val_steps
@@ -206,6 +209,31 @@ def _build(key: str, build: Callable[[], Any]) -> Any:
                           f"check {key}._target_ and its options (python train.py --cfg job prints them).") from None
 
 
+def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
+    """``trainer.val_check_interval``: null (each epoch's end), a fraction of an epoch, or every N training batches,
+    which within an epoch (``check_val_every_n_epoch`` set) Lightning refuses past the epoch's length, late."""
+    interval = OmegaConf.select(cfg, "trainer.val_check_interval")
+    fix = ("use N training batches (e.g. trainer.val_check_interval=500), a fraction of an epoch in (0, 1], or null "
+           "for each epoch's end.")
+    every_epoch = cfg.trainer.check_val_every_n_epoch
+    if every_epoch is None and not _is_int(interval):
+        raise ConfigError("trainer.val_check_interval", f"is {interval!r}, but with trainer.check_val_every_n_epoch="
+                          "null validation is counted in training batches only.", "set trainer.val_check_interval=N "
+                          "(batches), or trainer.check_val_every_n_epoch=1.")
+    if interval is None:
+        return
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+        raise ConfigError("trainer.val_check_interval", f"is {interval!r}.", fix)
+    if isinstance(interval, float) and interval > 1:
+        raise ConfigError("trainer.val_check_interval", f"is {interval}, a fraction of an epoch above 1.", fix)
+    limit = cfg.trainer.get("limit_train_batches")
+    batches = min(batches_per_epoch, limit) if _is_int(limit) else batches_per_epoch
+    if _is_int(interval) and every_epoch is not None and interval > batches:
+        raise ConfigError("trainer.val_check_interval", f"is {interval} batches, but an epoch has {batches}.",
+                          f"use at most {batches}, or trainer.check_val_every_n_epoch=null to count batches across "
+                          "epochs (for runs of trainer.max_steps).")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first setting that cannot work."""
     devices = positive_int_at(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
@@ -253,6 +281,8 @@ def check_config(cfg: DictConfig) -> None:
             f"{datamodule.num_train_samples} training samples, so an epoch would have no full batch.",
             f"lower data.batch_size to at most {datamodule.num_train_samples // data_parallel}, or use more training data.",
         )
+
+    _check_val_interval(cfg, datamodule.num_train_samples // global_batch)
 
     if datamodule.num_val_samples < data_parallel:
         raise ConfigError(

@@ -48,29 +48,42 @@ def resolve_wandb_mode(mode: str | None, timeout_s: float = 3.0) -> str:
 
 
 class EpochRows:
-    """One row per epoch from Lightning's logging calls.
+    """One row per epoch (or per validation) from Lightning's logging calls, each with the optimizer ``step``.
 
     Lightning logs an epoch in two calls: the validation metrics when validation ends, then the training metrics
     (with the callbacks' ``perf/*`` and ``memory/*``) when the epoch ends. ``add`` gathers them and returns the
     epoch's row once the training call has closed it (and a row left open by a run stopped during its epoch, when
-    the next epoch's metrics come); ``flush`` returns what is still open.
+    the next epoch's metrics come); ``flush`` returns what is still open. A validation within the epoch
+    (``trainer.val_check_interval``) closes the row of the one before it. ``step/*`` rows (every
+    ``trainer.log_every_n_steps``) pass through on their own.
     """
 
     def __init__(self) -> None:
         self._row: dict[str, float] = {}
 
-    def add(self, metrics: Mapping[str, float]) -> list[dict[str, float]]:
+    def add(self, metrics: Mapping[str, float], step: int | None = None) -> list[dict[str, float]]:
+        stamp = {} if step is None else {"step": step}
+        if "epoch" in metrics:  # logged by the module as a float (Lightning's own is an int)
+            metrics = {**metrics, "epoch": int(metrics["epoch"])}
+        if any(key.startswith("step/") for key in metrics):
+            return [{**metrics, **stamp}]
         ready = []
-        if self._row and metrics.get("epoch", self._row.get("epoch")) != self._row.get("epoch"):
+        new_epoch = metrics.get("epoch", self._row.get("epoch")) != self._row.get("epoch")
+        if self._row and (new_epoch or (_has_split(metrics, "val") and _has_split(self._row, "val"))):
             ready += self.flush()
         self._row.update(metrics)
-        if any(key.startswith("train/") for key in metrics):
+        self._row.update(stamp)
+        if _has_split(metrics, "train"):
             ready += self.flush()
         return ready
 
     def flush(self) -> list[dict[str, float]]:
         row, self._row = self._row, {}
         return [row] if row else []
+
+
+def _has_split(metrics: Mapping[str, float], split: str) -> bool:
+    return any(key.startswith(f"{split}/") for key in metrics)
 
 
 class EpochCSVLogger(CSVLogger):
@@ -82,20 +95,26 @@ class EpochCSVLogger(CSVLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        for row in self._rows.add(metrics):
-            super().log_metrics(row, step)
+        for row in self._rows.add(metrics, step):
+            self._write(row)
+
+    def _write(self, row: dict[str, float]) -> None:
+        # The CSV's `step` column is Lightning's own, from the step argument.
+        super().log_metrics({key: value for key, value in row.items() if key != "step"}, row.get("step"))
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
         for row in self._rows.flush():
-            super().log_metrics(row)
+            self._write(row)
         super().finalize(status)
 
 
 class EpochWandbLogger(WandbLogger):
-    """Lightning's WandbLogger with one history row per epoch (``EpochRows``) and ``epoch`` as every chart's only
-    x-axis. The run's summary holds each key's final value, and under ``best/<key>`` its value in the best epoch
-    by ``summary_metric`` (``summary_mode`` max or min).
+    """Lightning's WandbLogger with one history row per epoch (``EpochRows``) and one x-axis for every chart:
+    ``x_axis`` ``epoch``, or ``step`` (optimizer steps) for runs validated every N steps; the ``step/*`` rows are
+    always charted by step. Every row holds both, so either can be chosen in the W&B UI. The run's summary holds
+    each key's final value, and under ``best/<key>`` its value in the best row by ``summary_metric``
+    (``summary_mode`` max or min).
 
     ``mode``: online / offline / disabled, or None to decide with :func:`resolve_wandb_mode`. If an online start
     still fails (after ``init_timeout_s``), the run logs offline instead of failing.
@@ -106,6 +125,7 @@ class EpochWandbLogger(WandbLogger):
         mode: str | None = None,
         summary_metric: str = "val/acc",
         summary_mode: str = "max",
+        x_axis: str = "epoch",
         init_timeout_s: float = 30.0,
         **kwargs: Any,
     ) -> None:
@@ -115,6 +135,7 @@ class EpochWandbLogger(WandbLogger):
         self._wandb_init.pop("anonymous", None)
         self.summary_metric = summary_metric
         self.summary_mode = summary_mode
+        self.x_axis = x_axis
         self._rows = EpochRows()
         self._best: dict[str, float] | None = None
 
@@ -124,8 +145,10 @@ class EpochWandbLogger(WandbLogger):
         # Started here rather than by Lightning, which would define its own step metric beside `epoch`.
         if self._experiment is None:
             self._experiment = self._start_run()
-            self._experiment.define_metric("epoch")
-            self._experiment.define_metric("*", step_metric="epoch")
+            for axis in ("epoch", "step"):
+                self._experiment.define_metric(axis)
+            self._experiment.define_metric("step/*", step_metric="step")
+            self._experiment.define_metric("*", step_metric=self.x_axis)
         return self._experiment
 
     def _start_run(self):
@@ -140,7 +163,7 @@ class EpochWandbLogger(WandbLogger):
 
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        for row in self._rows.add(metrics):
+        for row in self._rows.add(metrics, step):
             self._send_row(row)
 
     @rank_zero_only
@@ -154,6 +177,8 @@ class EpochWandbLogger(WandbLogger):
 
     def _send_row(self, row: dict[str, float]) -> None:
         self.experiment.log(row)
+        if any(key.startswith("step/") for key in row):
+            return  # step rows are not epochs: they do not move best/<key>
         value = row.get(self.summary_metric)
         if value is not None and (self._best is None or self._is_better(value, self._best[self.summary_metric])):
             self._best = row

@@ -19,6 +19,13 @@ def gpus_per_node(accelerator: str, devices: int) -> int | None:
     return None if accelerator == "cpu" else devices
 
 
+def wandb_x_axis(val_check_interval: int | float | None) -> str:
+    """logger=wandb: chart by optimizer step when validation runs within epochs (every N batches or a fraction of
+    one: several rows an epoch, or runs shorter than one), else by epoch."""
+    at_epoch_end = val_check_interval is None or (isinstance(val_check_interval, float) and val_check_interval == 1.0)
+    return "epoch" if at_epoch_end else "step"
+
+
 def prepared_meta(path: str | Path) -> dict:
     """The ``meta.json`` of a corpus prepared by ``python -m project.data.prepare`` (``data.path``)."""
     meta = Path(path) / "meta.json"
@@ -38,3 +45,4 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("optuna_direction", optuna_direction, replace=True)
     OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node, replace=True)
     OmegaConf.register_new_resolver("prepared_vocab_size", prepared_vocab_size, replace=True)
+    OmegaConf.register_new_resolver("wandb_x_axis", wandb_x_axis, replace=True)

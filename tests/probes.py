@@ -96,3 +96,16 @@ class SlowEpochs(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         time.sleep(self.seconds)
+
+
+class StallAtStep(L.Callback):
+    """Rank 0 stops at optimizer step ``step`` (its peers then wait in their next collective) and creates the file
+    ``marker``, so that the test can kill the run at a known point."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, Path(marker)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            self.marker.touch()
+            time.sleep(600)

@@ -1,6 +1,8 @@
 """python -m project.data.prepare: corpora into token shards, checked by decoding the shards back to the documents."""
 
+import csv
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -137,24 +139,84 @@ def test_shard_windows_are_the_token_stream_across_shard_ends_and_batch_alike_on
         ShardsDataModule(str(tmp_path), seq_length=64, batch_size=8, seed=3)
 
 
+def kill_process_tree(root: int) -> None:
+    """SIGKILL ``root`` and all its descendants (found through /proc), the descendants listed before any dies."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, index = [root], 0
+    while index < len(tree):
+        tree += children.get(tree[index], [])
+        index += 1
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def csv_rows(job_dir: Path, version: int) -> list[dict[str, float]]:
+    """The rows of a job's CSV log (``logger=csv``), the empty cells left out."""
+    with open(job_dir / "csv" / f"version_{version}" / "metrics.csv") as file:
+        return [{key: float(value) for key, value in row.items() if value != ""} for row in csv.DictReader(file)]
+
+
+def by_step(rows: list[dict[str, float]], key: str) -> dict[int, float]:
+    return {int(row["step"]): row[key] for row in rows if key in row}
+
+
 @pytest.mark.slow
-def test_training_on_shards_gives_the_same_numbers_on_one_device_and_on_ddp_x_2(corpus, tmp_path):
-    """The tiny GPT on the prepared corpus (10 batches an epoch, the whole validation split): auto with 16
-    sequences a batch, and ddp x 2 with 8 per device and a DataLoader worker each (so the workers open their own
-    memory maps): the same per-epoch losses."""
+def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_device_and_on_ddp_x_2(corpus, tmp_path):
+    """The tiny GPT on the prepared corpus, 12 batches an epoch, validated every 6 batches, a checkpoint every 5
+    steps (and after each validation) and a step row every step. auto (16 sequences a batch) and ddp x 2 (8 per device, a DataLoader worker
+    each, so the workers open their own memory maps): each run whole, and its process tree killed with SIGKILL at step 17 (two steps
+    after its step-15 checkpoint, in the middle of epoch 1, before its validation at step 18) then resumed with ckpt_path=last. The resumed run
+    logs the whole run's step losses, validations and epoch-1 numbers to 1e-6; auto and ddp agree to 1e-5."""
     out = tmp_path / "prepared"
     prepare([corpus], out, vocab_size=300, shard_tokens=5000, val_fraction=0.05)
     common = ["model=gpt", "data=shards", f"data.path={out}", "data.seq_length=32", "model.net.dim=32",
-              "model.net.num_heads=2", "trainer.max_epochs=2", "+trainer.limit_train_batches=10", "logger=csv",
-              "print_config=false",
+              "model.net.num_heads=2", "trainer.max_epochs=2", "+trainer.limit_train_batches=12",
+              "trainer.val_check_interval=6", "trainer.log_every_n_steps=1",
+              "callbacks.model_checkpoint.every_n_train_steps=5", "logger=csv", "print_config=false",
               "~callbacks.progress_bar", "+trainer.enable_progress_bar=false"]
     runs = {"auto": ["data.batch_size=16"],
             "ddp": ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1"]}
-    results = {}
+    whole = {}
     for name, args in runs.items():
         train([*common, *args, f"hydra.run.dir={tmp_path / name}"], tmp_path / "home")
-        results[name] = json.loads((tmp_path / name / "result.json").read_text())["history"]
-    assert len(results["auto"]) == len(results["ddp"]) == 2
-    for auto, ddp in zip(results["auto"], results["ddp"]):
-        for key in ("train/loss", "val/loss"):
-            assert ddp[key] == pytest.approx(auto[key], rel=1e-5), key
+        whole[name] = csv_rows(tmp_path / name, 0)
+        job = tmp_path / f"{name}-killed"
+        marker = tmp_path / f"{name}-at-step-17"
+        run = subprocess.Popen([sys.executable, "train.py", *common, *args, f"hydra.run.dir={job}",
+                                "+callbacks.stall._target_=probes.StallAtStep", "+callbacks.stall.step=17",
+                                f"+callbacks.stall.marker={marker}"],
+                               cwd=REPO, env=isolated_env(tmp_path / "home"), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert run.poll() is None and time.monotonic() < deadline, "the run ended before step 17"
+            time.sleep(0.05)
+        kill_process_tree(run.pid)  # the launcher and every rank at once, as a node failure would
+        assert run.wait(timeout=60) == -signal.SIGKILL
+        checkpoint = torch.load(job / "checkpoints" / "last.ckpt", weights_only=False)
+        assert (checkpoint["global_step"], checkpoint["epoch"]) == (15, 1)
+        resumed = train([*common, *args, f"hydra.run.dir={job}", "ckpt_path=last"], tmp_path / "home")
+        assert "not resumable" not in resumed.output
+        after = csv_rows(job, 1)
+        for key, steps in (("step/train_loss", range(16, 25)), ("val/loss", (18, 24))):
+            expected, got = by_step(whole[name], key), by_step(after, key)
+            assert sorted(got) == list(steps), key
+            for step in steps:
+                assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=0), (name, key, step)
+        last_epoch = [row for row in after if "train/loss" in row]
+        assert len(last_epoch) == 1 and last_epoch[0]["epoch"] == 1
+        expected_epoch = [row for row in whole[name] if "train/loss" in row][1]
+        assert last_epoch[0]["train/loss"] == pytest.approx(expected_epoch["train/loss"], rel=1e-6, abs=0)
+    for key in ("step/train_loss", "val/loss"):
+        auto, ddp = by_step(whole["auto"], key), by_step(whole["ddp"], key)
+        assert sorted(auto) == sorted(ddp) and len(auto) >= 4
+        assert all(ddp[step] == pytest.approx(auto[step], rel=1e-5) for step in auto), key

@@ -1,11 +1,19 @@
 """A LightningDataModule for in-memory datasets, batched by ``GlobalBatchSampler``."""
 
+import warnings
+
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
 from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
 from project.errors import positive_int
+
+
+# The data module resumes its loader mid-epoch itself (``InMemoryDataModule.state_dict``); Lightning, looking only
+# for a DataLoader with a state_dict, would warn that it cannot.
+warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*")
 
 
 class InMemoryDataModule(L.LightningDataModule):
@@ -23,6 +31,7 @@ class InMemoryDataModule(L.LightningDataModule):
         self.num_workers = num_workers  # DataLoader worker processes (0: batches are read in the training process)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
+        self._resume_position: dict[str, int] | None = None
 
     @property
     def num_train_samples(self) -> int:
@@ -41,8 +50,33 @@ class InMemoryDataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available(),
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
+    def state_dict(self) -> dict[str, int]:
+        """Where training stands in its data, kept in every checkpoint: the epoch under way and the batches of it
+        trained on (a finished epoch: the next, at its start), so that a run resumed from a mid-epoch checkpoint
+        trains on the batches it had not reached, in the epoch's own order.
+
+        Counted by the training loop, not by the loader, which has always handed out more: Lightning fetches a
+        batch ahead, workers more. Kept here rather than as a DataLoader's ``state_dict``, which Lightning also
+        saves but does not load back when ``trainer.estimated_stepping_batches`` (the LR schedule's length) built
+        the loader before the checkpoint was restored (Lightning issue #20550).
+        """
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return {}
+        epoch, done = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if done >= trainer.num_training_batches:
+            return {"epoch": epoch + 1, "batches": 0}
+        return {"epoch": epoch, "batches": done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_position = state or None  # for the training loader, built after the checkpoint is read
+
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, train=True)
+        loader = self._loader(self.train_set, train=True)
+        if self._resume_position is not None:
+            loader.batch_sampler.resume_at(self._resume_position["epoch"], self._resume_position["batches"])
+            self._resume_position = None
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)

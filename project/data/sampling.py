@@ -77,6 +77,15 @@ class GlobalBatchSampler(Sampler[list[int]]):
             self.num_global_batches = num_samples // global_batch
         else:  # ceil, but never more slices than samples: an evaluation slice may then hold one extra sample
             self.num_global_batches = min(-(-num_samples // global_batch), num_samples // world_size)
+        self._skip = 0  # global batches the next iteration leaves out: those a resumed run has already trained on
+
+    def resume_at(self, epoch: int, batches_done: int) -> None:
+        """Make the next iteration continue epoch ``epoch`` after its first ``batches_done`` global batches (a
+        finished epoch continues as the next one from its start)."""
+        if batches_done >= self.num_global_batches:
+            epoch, batches_done = epoch + 1, 0
+        self.sampler.set_epoch(epoch)
+        self._skip = batches_done
 
     def __len__(self) -> int:
         return self.num_global_batches
@@ -87,5 +96,6 @@ class GlobalBatchSampler(Sampler[list[int]]):
         # One slice per (global batch, rank), sizes differing by at most one; slice i*W + r is rank r's part
         # of global batch i. With drop_last every slice has exactly batch_size samples.
         slices = torch.tensor_split(used, self.num_global_batches * self.world_size)
-        for batch in range(self.num_global_batches):
+        skip, self._skip = self._skip, 0
+        for batch in range(skip, self.num_global_batches):
             yield slices[batch * self.world_size + self.rank].tolist()

@@ -4,7 +4,9 @@ from collections.abc import Callable, Sequence
 
 import lightning as L
 import torch
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torchmetrics import MeanMetric, Metric
 
 from project.errors import ConfigError
 from project.parallel import apply_activation_checkpointing, materialize
@@ -66,6 +68,8 @@ class TrainingModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.no_weight_decay = list(no_weight_decay)
         self.activation_checkpointing = activation_checkpointing
+        # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
+        self.interval_loss = MeanMetric()
         self._configured = False
         _check_optimizer(optimizer, self._optimizer_groups())  # on the meta-device parameters: nothing allocated
 
@@ -92,6 +96,8 @@ class TrainingModule(L.LightningModule):
         # Weighted by the targets it averages over, the epoch's loss is the mean over all samples (or tokens),
         # whatever the batch sizes.
         metrics["loss"].update(loss.detach(), weight=target.numel())
+        if split == "train":
+            self.interval_loss.update(loss.detach(), weight=target.numel())
         self.update_task_metrics(metrics, outputs.detach(), target)
 
     def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
@@ -103,6 +109,59 @@ class TrainingModule(L.LightningModule):
         self.log_dict(
             {f"{split}/{name}": metric for name, metric in metrics.items()}, on_step=False, on_epoch=True, prog_bar=True
         )
+
+    def on_train_epoch_end(self) -> None:
+        self._log_steps_taken()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_steps_taken()
+
+    def _log_steps_taken(self) -> None:
+        """Stamp the row with its epoch and the optimizer steps taken. Lightning takes a logged ``step`` as the
+        row's step (and then adds no ``epoch`` of its own); its own count lags one behind here, being raised only
+        after the batch's hooks and validation."""
+        if self.trainer.state.fn == TrainerFn.FITTING:
+            stamp = {"step": float(self.trainer.global_step), "epoch": float(self.current_epoch)}
+            self.log_dict(stamp, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every ``trainer.log_every_n_steps`` optimizer steps (0: never), a row ``step/train_loss``: the mean
+        training loss over those steps, all ranks' samples (or tokens) together, at x = ``step``. For runs measured
+        in steps, and to compare runs step by step; the epoch rows are unchanged. Logged here, once the step's
+        loss is known, rather than after the step, where a checkpoint of this step would be saved first."""
+        every, step = self.trainer.log_every_n_steps, self.trainer.global_step + 1  # the step about to be taken
+        if not every or step % every:
+            return
+        loss = self.interval_loss.compute().item()  # every rank joins the reduction
+        self.interval_loss.reset()
+        for logger in self.loggers:
+            logger.log_metrics({"step/train_loss": loss, "epoch": self.current_epoch}, step=step)
+
+    def _running_metrics(self, mid_epoch: bool = True) -> dict[str, Metric]:
+        """The metrics a resumed run must go on from: the step rows' always, the epoch's while it is under way."""
+        epoch = {f"train/{name}": metric for name, metric in self.train_metrics.items()} if mid_epoch else {}
+        return {**epoch, "interval_loss": self.interval_loss}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The training metrics so far, summed over ranks, so that an epoch resumed from a mid-epoch checkpoint
+        reports the numbers of the whole epoch. Every rank saves (Lightning builds the checkpoint on each), so all
+        join the reduction."""
+        trainer = self.trainer
+        mid_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed < trainer.num_training_batches
+        checkpoint["running_metrics"] = {}
+        for key, metric in self._running_metrics(mid_epoch).items():
+            with metric.sync_context():  # sums (the states' reductions) over ranks, then back to this rank's own
+                checkpoint["running_metrics"][key] = {name: getattr(metric, name).clone() for name in metric._defaults}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Rank 0 takes the saved sums, the other ranks start from zero: their sum is the saved one."""
+        for key, metric in self._running_metrics().items():
+            metric.reset()
+            saved = checkpoint.get("running_metrics", {}).get(key)
+            if saved is not None and self.global_rank == 0:
+                for name, value in saved.items():
+                    setattr(metric, name, value.to(getattr(metric, name).device))
+                metric._update_count = 1  # it holds updates: compute() without torchmetrics' warning
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         inputs, target = batch
