@@ -147,7 +147,7 @@ class EpochWandbLogger(WandbLogger):
             self._experiment = self._start_run()
             for axis in ("epoch", "step"):
                 self._experiment.define_metric(axis)
-            self._experiment.define_metric("step/*", step_metric="step")
+            self._experiment.define_metric("step/train_loss", step_metric="step")  # a name, so no glob competes
             self._experiment.define_metric("*", step_metric=self.x_axis)
         return self._experiment
 

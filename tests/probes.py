@@ -109,3 +109,10 @@ class StallAtStep(L.Callback):
         if trainer.global_step == self.step and trainer.is_global_zero:
             self.marker.touch()
             time.sleep(600)
+
+
+class FailInFit(L.Callback):
+    """Raises on every rank as training starts: a failure inside the workers, past every check before launch."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        raise ValueError(f"a failure in fit, on rank {trainer.global_rank}")

@@ -32,6 +32,9 @@ CASES = [
     (["seed=-1"], "seed: must be an integer from 0 to 2**32 - 1, got -1"),
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches: must be a positive integer, got 0"),
     (["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch: must be a positive integer, got 0"),
+    (["trainer.val_check_interval=1000"], "trainer.val_check_interval: is 1000 batches, but an epoch has"),
+    (["trainer.check_val_every_n_epoch=null"], "trainer.val_check_interval: is None, but with trainer.check_val_every"),
+    (["trainer.log_every_n_steps=-1"], "trainer.log_every_n_steps: must be an integer of at least 0, got -1"),
     (["trainer.num_sanity_val_steps=-5"], "trainer.num_sanity_val_steps: must be an integer of at least -1"),
     (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val: must be a positive number or null, got -1"),
     (["data.num_train=0"], "data.num_train: must be a positive integer, got 0"),
@@ -170,14 +173,14 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
     """A failure inside the workers (past the checks) ends all of them and says which rank failed and how."""
     job_dir = tmp_path / "job"
     result = train(
-        # Lightning refuses this inside fit, in the workers (it needs the number of batches, which the checks lack).
-        [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2", "+trainer.val_check_interval=1000"],
+        [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2",
+         "+callbacks.fail._target_=probes.FailInFit"],
         home,
         expect_ok=False,
         timeout=120,
     )
     assert result.returncode == 1
-    report = " raised ValueError: `val_check_interval` (1000) must be less than or equal to"
+    report = " raised ValueError: a failure in fit, on rank"
     assert "Training failed in the workers:\n- rank " in result.output and "All 2 workers were stopped" in result.output
     assert report in result.output
     assert "Traceback (most recent call last)" in result.stderr  # each worker's own traceback is shown
