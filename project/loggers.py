@@ -62,11 +62,11 @@ class EpochRows:
         self._row: dict[str, float] = {}
 
     def add(self, metrics: Mapping[str, float], step: int | None = None) -> list[dict[str, float]]:
-        stamp = {} if step is None else {"step": step}
-        if "epoch" in metrics:  # logged by the module as a float (Lightning's own is an int)
-            metrics = {**metrics, "epoch": int(metrics["epoch"])}
-        if any(key.startswith("step/") for key in metrics):
-            return [{**metrics, **stamp}]
+        if any(key.startswith("step/") for key in metrics):  # ours, stamped with the steps taken
+            return [{**metrics, "step": step}]
+        # Lightning stamps its rows in training with the 0-based index of the last step taken; rows here say how
+        # many steps were taken, as the step rows do.
+        stamp = {} if step is None else {"step": step + 1}
         ready = []
         new_epoch = metrics.get("epoch", self._row.get("epoch")) != self._row.get("epoch")
         if self._row and (new_epoch or (_has_split(metrics, "val") and _has_split(self._row, "val"))):

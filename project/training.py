@@ -4,6 +4,7 @@ Every process of a job runs this: the single process of a one-device run, each w
 each rank that torchrun starts.
 """
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -42,6 +43,24 @@ def build_loggers(cfg: DictConfig) -> list[Logger]:
     return loggers
 
 
+def note_sigterm_without_a_collective(trainer: L.Trainer) -> None:
+    """Lightning's SIGTERM handler broadcasts from rank 0 inside the signal handler: a collective started wherever
+    the signal lands, which pairs with whatever collective the other ranks are in at that moment (a checkpoint's
+    metric reduction, a barrier) and can hang them all until the launcher's timeout, the epoch's checkpoint unsaved.
+    Every rank here receives the signal itself (the launcher, torchrun and SLURM signal each process), so the handler
+    only notes it; Lightning's loop agrees on it across ranks at the next batch (its own broadcast there)."""
+    connector = trainer._signal_connector
+    log = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")  # where Lightning says it
+
+    def note(signum: int, frame) -> None:
+        log.info(f"[rank: {trainer.local_rank}] Received SIGTERM: {signum}")
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)  # processes Lightning itself started, as Lightning does
+        connector.received_sigterm = True
+
+    connector._sigterm_notifier_fn = note  # read when fit registers the handlers
+
+
 def result_file(cfg: DictConfig) -> Path:
     return Path(cfg.paths.output_dir) / RESULT_FILE
 
@@ -62,6 +81,7 @@ def train(cfg: DictConfig) -> None:
         logger=loggers or False,
         plugins=[AtomicCheckpointIO()],  # a checkpoint that cannot be written stops the run (Lightning's goes on)
     )
+    note_sigterm_without_a_collective(trainer)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
     finally:

@@ -98,6 +98,9 @@ CASES = [
      "data.val_fraction: must be a number between 0 and 1 (both excluded), got 0"),
     (["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0.0001"],
      "data.val_fraction: is 0.0001: the last 1 bytes of {files}/corpus.txt hold no validation sequence"),
+    (["model=gpt", "data=shards"], "data.path: is required and has no value"),
+    (["model=gpt", "data=shards", "data.path={files}/a_dir"],
+     "data.path: {files}/a_dir has no meta.json: it is not a prepared corpus"),
     # Where the job writes
     (["hydra.run.dir="], "hydra.run.dir: is empty, so the job would write into the dir it was launched from"),
     (["hydra.run.dir={files}/a_file/job"], "hydra.run.dir: {files}/a_file/job cannot be created: Not a directory"),
@@ -133,7 +136,7 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
     for number, (overrides, _) in enumerate(CASES):
         overrides = [fill(item, names) for item in overrides]
         base = [item for item in TINY_GPT if item != GPT_MARK] if GPT_MARK in overrides else TINY
-        if "data=text" in overrides:
+        if "data=text" in overrides or "data=shards" in overrides:  # their own data group and sizes
             base = [item for item in base if not item.startswith(("data=", "data.vocab", "data.seq", "data.num"))]
         job_dir, launch_dir = root / "jobs" / str(number), root / "launch" / str(number)  # nothing may land in the latter
         launch_dir.mkdir(parents=True)

@@ -17,8 +17,11 @@ def test_single_device_run_logs_every_epoch_to_wandb(single_run):
     assert run.exit_code == 0
     assert run.name == "mlp-auto-1dev-1node" and run.group == ""
     assert_epoch_metrics(run, epochs=3)
-    # epoch is the only x-axis; the summary keeps each key's final value and its value in the best epoch.
-    assert {d["step_metric"] for d in run.metric_definitions if "step_metric" in d} == {"epoch"}
+    # epoch is every key's x-axis but the step rows' (none here); each row also says the optimizer steps taken
+    # (16 batches an epoch); the summary keeps each key's final value and its value in the best epoch.
+    axes = {d.get("name", d.get("glob_name")): d["step_metric"] for d in run.metric_definitions if "step_metric" in d}
+    assert axes == {"*": "epoch", "step/train_loss": "step"}
+    assert run.series("step") == [16, 32, 48] and not run.series("step/train_loss")
     accuracy = run.series("val/acc")
     best = max(range(3), key=lambda epoch: accuracy[epoch])
     for key in EPOCH_KEYS:

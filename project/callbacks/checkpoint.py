@@ -1,11 +1,11 @@
-"""Checkpoints of a run: the best by the model's metric, and ``last.ckpt`` always the latest epoch."""
+"""Checkpoints of a run: the best by the model's metric, and ``last.ckpt`` always the latest checkpoint."""
 
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class LatestAndBestCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint, with ``last.ckpt`` written at the end of every epoch.
+    """Lightning's ModelCheckpoint, with ``last.ckpt`` written at the end of every epoch (and after every validation).
 
     Lightning 2.6 writes ``last`` at an epoch's end only when it also saved a top-k checkpoint, i.e. when the
     monitored metric improved; after a run of worse epochs, ``ckpt_path=last`` would silently repeat them.

@@ -4,7 +4,6 @@ from collections.abc import Callable, Sequence
 
 import lightning as L
 import torch
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torchmetrics import MeanMetric, Metric
 
@@ -109,20 +108,6 @@ class TrainingModule(L.LightningModule):
         self.log_dict(
             {f"{split}/{name}": metric for name, metric in metrics.items()}, on_step=False, on_epoch=True, prog_bar=True
         )
-
-    def on_train_epoch_end(self) -> None:
-        self._log_steps_taken()
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_steps_taken()
-
-    def _log_steps_taken(self) -> None:
-        """Stamp the row with its epoch and the optimizer steps taken. Lightning takes a logged ``step`` as the
-        row's step (and then adds no ``epoch`` of its own); its own count lags one behind here, being raised only
-        after the batch's hooks and validation."""
-        if self.trainer.state.fn == TrainerFn.FITTING:
-            stamp = {"step": float(self.trainer.global_step), "epoch": float(self.current_epoch)}
-            self.log_dict(stamp, on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Every ``trainer.log_every_n_steps`` optimizer steps (0: never), a row ``step/train_loss``: the mean

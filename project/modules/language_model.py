@@ -26,7 +26,6 @@ class LanguageModelModule(TrainingModule):
         self.val_metrics = nn.ModuleDict({"loss": MeanMetric()})
 
     def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
         # Perplexity is exp of the mean token loss, which the loss metric already holds (reduced over all ranks):
         # no second pass over the logits.
         self.log("val/perplexity", torch.exp(self.val_metrics["loss"].compute()))
