@@ -40,7 +40,7 @@ from project.data.shards import token_dtype, write_shard  # noqa: E402
 
 VOCAB = 8192
 SHARD_TOKENS = 10**8
-SEQ, BATCH, WORKERS, STEPS = 256, 16, 2, 300
+SEQ, BATCH, WORKERS, STEPS = 256, 16, 2, 100
 MB = 2**20
 
 

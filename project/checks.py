@@ -40,6 +40,13 @@ def _check_numbers(cfg: DictConfig) -> None:
     if cfg.trainer.max_epochs != -1:
         positive_int_at(cfg, "trainer.max_epochs", "train at least one epoch, e.g. trainer.max_epochs=10 (or -1: no "
                         "epoch limit, for runs that stop at trainer.max_steps or trainer.max_time).")
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps != -1:
+        positive_int_at(cfg, "trainer.max_steps", "stop after N optimizer steps, e.g. trainer.max_steps=10000, or -1 for "
+                        "no step limit.")
+    elif cfg.trainer.max_epochs == -1 and cfg.trainer.get("max_time") is None:
+        raise ConfigError("trainer.max_epochs", "is -1 (no epoch limit) and trainer.max_steps is -1 too: the run would "
+                          "never end.", "set trainer.max_steps=N (optimizer steps), or trainer.max_epochs=N.")
     positive_int_at(cfg, "trainer.accumulate_grad_batches", "1 steps the optimizer after every batch; N after every N.")
     log_every = cfg.trainer.log_every_n_steps
     if not _is_int(log_every) or log_every < 0:

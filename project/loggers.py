@@ -63,7 +63,9 @@ class EpochRows:
 
     def add(self, metrics: Mapping[str, float], step: int | None = None) -> list[dict[str, float]]:
         if any(key.startswith("step/") for key in metrics):  # ours, stamped with the steps taken
-            return [{**metrics, "step": step}]
+            # Training went on after a validation within the epoch: its row is complete.
+            ready = self.flush() if _has_split(self._row, "val") else []
+            return [*ready, {**metrics, "step": step}]
         # Lightning stamps its rows in training with the 0-based index of the last step taken; rows here say how
         # many steps were taken, as the step rows do.
         stamp = {} if step is None else {"step": step + 1}

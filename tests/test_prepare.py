@@ -45,6 +45,9 @@ def corpus(tmp_path) -> Path:
         (root / "json" / source.name).write_text(source.read_text())
     lines = [json.dumps({"text": f"Document {i}: " + "naïve café, 東京 " * (i % 7)}) for i in range(300)]
     (root / "notes.jsonl").write_text("\n".join(lines) + "\n")
+    (root / "json" / "__pycache__").mkdir()  # as in an installed package: byte code, not text
+    (root / "json" / "__pycache__" / "decoder.cpython-311.pyc").write_bytes(bytes(range(256)))
+    (root / ".notes.jsonl.swp").write_bytes(b"an editor's swap file")
     return root
 
 
@@ -53,7 +56,9 @@ def test_a_trained_byte_level_bpe_gives_back_every_document(corpus, tmp_path):
     meta = prepare([corpus], out, vocab_size=600, shard_tokens=3000, val_fraction=0.05)
     assert meta["vocab_size"] == 600 and meta["dtype"] == "uint16" and meta["separator"]["token"] == "<|endoftext|>"
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    texts = list(documents(input_files([corpus]), "text"))
+    files = input_files([corpus])
+    assert [path.name for path in files] == [*sorted(p.name for p in STDLIB_JSON.glob("*.py")), "notes.jsonl"]
+    texts = list(documents(files, "text"))
     for split in ("train", "val"):
         shards = meta["splits"][split]["shards"]
         assert all(shard["tokens"] == 3000 for shard in shards[:-1]) and 0 < shards[-1]["tokens"] <= 3000
@@ -189,6 +194,7 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
     for name, args in runs.items():
         train([*common, *args, f"hydra.run.dir={tmp_path / name}"], tmp_path / "home")
         whole[name] = csv_rows(tmp_path / name, 0)
+        assert [row["step"] for row in whole[name]] == sorted(row["step"] for row in whole[name])  # rows in order
         job = tmp_path / f"{name}-killed"
         marker = tmp_path / f"{name}-at-step-17"
         run = subprocess.Popen([sys.executable, "train.py", *common, *args, f"hydra.run.dir={job}",

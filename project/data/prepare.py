@@ -32,11 +32,16 @@ SEPARATORS = ["<|endoftext|>", "<|end_of_text|>", "</s>"]  # GPT-2's, Llama 3's,
 ENCODE_BATCH = 256  # documents per call: HF tokenizers spreads a batch over all cores
 
 
+def _skipped(relative: Path) -> bool:
+    """Inside an input dir: hidden files and dirs, and Python's byte-code caches (binary, not text)."""
+    return any(part.startswith(".") or part == "__pycache__" for part in relative.parts)
+
+
 def input_files(paths: list[Path]) -> list[Path]:
     files = []
     for path in paths:
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            files += sorted(p for p in path.rglob("*") if p.is_file() and not _skipped(p.relative_to(path)))
         elif path.is_file():
             files.append(path)
         else:

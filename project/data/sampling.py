@@ -98,9 +98,13 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order = self.sampler.order()
         used = order[: self.num_global_batches * self.batch_size * self.world_size] if self.drop_last else order
-        # One slice per (global batch, rank), sizes differing by at most one; slice i*W + r is rank r's part
-        # of global batch i. With drop_last every slice has exactly batch_size samples.
-        slices = torch.tensor_split(used, self.num_global_batches * self.world_size)
+        # One slice per (global batch, rank), sizes differing by at most one (torch.tensor_split's cut, computed
+        # here for this rank's slices only: a view per slice of every rank costs hundreds of bytes a batch); slice
+        # i*W + r is rank r's part of global batch i. With drop_last every slice has exactly batch_size samples.
+        parts = self.num_global_batches * self.world_size
+        size, larger = divmod(len(used), parts)  # the first `larger` slices hold one sample more
         skip, self._skip = self._skip, 0
         for batch in range(skip, self.num_global_batches):
-            yield slices[batch * self.world_size + self.rank].tolist()
+            part = batch * self.world_size + self.rank
+            start = part * size + min(part, larger)
+            yield used[start: start + size + (part < larger)].tolist()
