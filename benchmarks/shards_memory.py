@@ -21,12 +21,12 @@ Not a test: it writes the sets (5 GB of disk) and takes a few minutes.
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -157,8 +157,8 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="where to write (and reuse) the token sets; default: a temporary dir")
     parser.add_argument("--large-gb", type=float, default=5.0, help="size of the large set in GB (uint16 tokens)")
     args = parser.parse_args()
-    root = args.dir or Path(tempfile.mkdtemp(prefix="shards_memory_"))
-    try:
+    with nullcontext(args.dir) if args.dir else tempfile.TemporaryDirectory(prefix="shards_memory_") as root:
+        root = Path(root)
         sets = {"small": (root / "small", 25 * 10**6), "large": (root / "large", int(args.large_gb * 1e9 / 2))}
         start = time.perf_counter()
         for name, (path, tokens) in sets.items():
@@ -176,9 +176,6 @@ def main() -> None:
         consumed = results["large"]["tokens_per_sec"] / 2  # per rank: each rank's loader feeds its half
         print(f"\nloader alone (large set, one rank's batches of {BATCH} x {SEQ}, {WORKERS} workers): {loader:,.0f} "
               f"tokens/s, {loader / consumed:,.0f}x what a training rank consumed ({consumed:,.0f} tokens/s).")
-    finally:
-        if args.dir is None:
-            shutil.rmtree(root)
 
 
 if __name__ == "__main__":

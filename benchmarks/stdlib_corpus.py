@@ -19,6 +19,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,9 +43,9 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, help="where to keep the prepared corpus and the job (default: temporary)")
     parser.add_argument("--devices", type=int, default=1, help="1: strategy=auto; more: ddp over that many processes")
     args = parser.parse_args()
-    root = args.dir or Path(tempfile.mkdtemp(prefix="stdlib_corpus_"))
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    try:
+    with nullcontext(args.dir) if args.dir else tempfile.TemporaryDirectory(prefix="stdlib_corpus_") as root:
+        root = Path(root)
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         sources = [str(stdlib / name) for name in PACKAGES if (stdlib / name).is_dir()]
         prepared, job = root / "prepared", root / "job"
@@ -68,9 +69,6 @@ def main() -> None:
         print(f"| {splits['train']['tokens']:,} / {splits['val']['tokens']:,} | {meta['vocab_size']} | "
               f"{final['val/loss']:.2f} | {final['val/perplexity']:.1f} | {final['perf/tokens_per_sec']:,.0f} | "
               f"{train_s / 60:.1f} min |")
-    finally:
-        if args.dir is None:
-            shutil.rmtree(root)
 
 
 if __name__ == "__main__":
