@@ -82,6 +82,7 @@ CASES = [
     (["model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:10}"],
      "model.scheduler: cannot be built as factory(optimizer, run_steps=...)"),
     (["model=gpt", "model.scheduler.warmup_steps=10"], "model.scheduler.warmup_fraction: is 0.08 while model.scheduler.warmup_steps"),
+    (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: is 'fast'"),
     # Checkpoints
     (["ckpt_path=/nonexistent/model.ckpt"], "ckpt_path: /nonexistent/model.ckpt does not exist"),
     (["ckpt_path=last"], "ckpt_path: ... does not exist. Fix: ckpt_path=last resumes the run dir given by hydra.run.dir"),

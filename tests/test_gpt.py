@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from conftest import only_run
 from project.data.tokens import MarkovTokenDataModule, TextDataModule, entropy_rate, random_markov_chain
 from project.models import GPT
+from project.models.gpt import MLP
 from project.modules.language_model import TokenCrossEntropy
 from project.parallel import apply_activation_checkpointing
 from test_config import compose_train
@@ -29,6 +30,24 @@ def test_size_presets_on_the_meta_device(preset, expected_millions):
     count = sum(p.numel() for p in net.parameters())  # a tied weight counts once
     print(f"{preset}: {count / 1e6:.1f} M parameters")
     assert count / 1e6 == pytest.approx(expected_millions, rel=0.01)
+    assert {block.mlp.gelu_approximate for block in net.blocks} == {"tanh"}  # GPT-2's GELU
+
+
+def test_the_mlp_gelu_is_exact_or_gpt2s_tanh_approximation():
+    """The MLP against GELU written out: x * Phi(x) with the normal CDF through erf, and GPT-2's
+    0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). The two differ by up to about 1e-3 on these inputs."""
+    torch.manual_seed(0)
+    x = 3 * torch.randn(4, 5, 16, dtype=torch.float64)
+    weights = MLP(16, dropout=0.0).double().state_dict()  # the same weights for both variants
+    outputs = {}
+    for variant, gelu in (("none", lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))),
+                          ("tanh", lambda h: 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3))))):
+        mlp = MLP(16, dropout=0.0, gelu_approximate=variant).double()
+        mlp.load_state_dict(weights)
+        expected = mlp.down(gelu(mlp.up(x)))
+        outputs[variant] = mlp(x)
+        torch.testing.assert_close(outputs[variant], expected, rtol=1e-12, atol=1e-12)
+    assert (outputs["none"] - outputs["tanh"]).abs().max() > 1e-5
 
 
 def test_entropy_rate_of_a_known_chain():

@@ -32,25 +32,28 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, dropout: float) -> None:
+    """``gelu_approximate``: ``none`` for the exact GELU (erf), ``tanh`` for GPT-2's approximation of it."""
+
+    def __init__(self, dim: int, dropout: float, gelu_approximate: str = "none") -> None:
         super().__init__()
         self.up = nn.Linear(dim, 4 * dim)
         self.down = nn.Linear(4 * dim, dim)
         self.dropout = nn.Dropout(dropout)
+        self.gelu_approximate = gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down(F.gelu(self.up(x))))
+        return self.dropout(self.down(F.gelu(self.up(x), approximate=self.gelu_approximate)))
 
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
+    def __init__(self, dim: int, num_heads: int, dropout: float, gelu_approximate: str = "none") -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
         self.attention = CausalSelfAttention(dim, num_heads, dropout)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = MLP(dim, dropout)
+        self.mlp = MLP(dim, dropout, gelu_approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))
@@ -95,6 +98,7 @@ class GPT(nn.Module):
         num_heads: int,
         dropout: float = 0.0,
         tie_weights: bool = False,
+        gelu_approximate: str = "none",
     ) -> None:
         super().__init__()
         for name, value in (("vocab_size", vocab_size), ("max_length", max_length), ("num_layers", num_layers),
@@ -103,8 +107,11 @@ class GPT(nn.Module):
         if dim % num_heads:
             raise ConfigError("model.net.num_heads", f"is {num_heads}, which does not divide model.net.dim={dim}.",
                               "choose a head count that divides the width (each head gets dim / num_heads).")
+        if gelu_approximate not in ("none", "tanh"):
+            raise ConfigError("model.net.gelu_approximate", f"is {gelu_approximate!r}.",
+                              "use none (the exact GELU) or tanh (GPT-2's approximation, for GPT-2 weights).")
         self.stem = Embedding(vocab_size, max_length, dim, dropout)
-        self.blocks = nn.ModuleList(Block(dim, num_heads, dropout) for _ in range(num_layers))
+        self.blocks = nn.ModuleList(Block(dim, num_heads, dropout, gelu_approximate) for _ in range(num_layers))
         self.head = LMHead(dim, vocab_size)
         if tie_weights:  # GPT-2's choice: the output projection reuses the token embedding
             self.head.output.weight = self.stem.tokens.weight
