@@ -15,6 +15,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conftest import REPO, isolated_env, train
+from project.checkpoints import META_FILE
 from project.data.prepare import documents, input_files, is_validation, prepare
 from project.data.prepared import ShardsDataModule
 from project.data.sampling import EpochShuffle, GlobalBatchSampler
@@ -175,12 +176,13 @@ def by_step(rows: list[dict[str, float]], key: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_device_and_on_ddp_x_2(corpus, tmp_path):
+def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_device_and_on_fsdp_x_2(corpus, tmp_path):
     """The tiny GPT on the prepared corpus, 12 batches an epoch, validated every 6 batches, a checkpoint every 5
-    steps (and after each validation) and a step row every step. auto (16 sequences a batch) and ddp x 2 (8 per device, a DataLoader worker
-    each, so the workers open their own memory maps): each run whole, and its process tree killed with SIGKILL at step 17 (two steps
+    steps (and after each validation) and a step row every step. auto (16 sequences a batch) and fsdp x 2 (8 per device, a DataLoader
+    worker each, so the workers open their own memory maps; fsdp restores the checkpoint after its optimizer, and so
+    the LR schedule's length and the training loader, are set up): each run whole, and its process tree killed with SIGKILL at step 17 (two steps
     after its step-15 checkpoint, in the middle of epoch 1, before its validation at step 18) then resumed with ckpt_path=last. The resumed run
-    logs the whole run's step losses, validations and epoch-1 numbers to 1e-6; auto and ddp agree to 1e-5."""
+    logs the whole run's step losses, validations and epoch-1 numbers to 1e-6; auto and fsdp agree to 1e-5."""
     out = tmp_path / "prepared"
     prepare([corpus], out, vocab_size=300, shard_tokens=5000, val_fraction=0.05)
     common = ["model=gpt", "data=shards", f"data.path={out}", "data.seq_length=32", "model.net.dim=32",
@@ -189,7 +191,7 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
               "callbacks.model_checkpoint.every_n_train_steps=5", "logger=csv", "print_config=false",
               "~callbacks.progress_bar", "+trainer.enable_progress_bar=false"]
     runs = {"auto": ["data.batch_size=16"],
-            "ddp": ["strategy=ddp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1"]}
+            "fsdp": ["strategy=fsdp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1"]}
     whole = {}
     for name, args in runs.items():
         train([*common, *args, f"hydra.run.dir={tmp_path / name}"], tmp_path / "home")
@@ -208,10 +210,11 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
             time.sleep(0.05)
         kill_process_tree(run.pid)  # the launcher and every rank at once, as a node failure would
         assert run.wait(timeout=60) == -signal.SIGKILL
-        checkpoint = torch.load(job / "checkpoints" / "last.ckpt", weights_only=False)
+        last = job / "checkpoints" / "last.ckpt"
+        checkpoint = torch.load(last / META_FILE if last.is_dir() else last, weights_only=False)  # fsdp: a sharded dir
         assert (checkpoint["global_step"], checkpoint["epoch"]) == (15, 1)
-        resumed = train([*common, *args, f"hydra.run.dir={job}", "ckpt_path=last"], tmp_path / "home")
-        assert "not resumable" not in resumed.output
+        assert checkpoint["ShardsDataModule"] == {"epoch": 1, "batches": 3}  # where the data stood: 3 of epoch 1's 12
+        train([*common, *args, f"hydra.run.dir={job}", "ckpt_path=last"], tmp_path / "home")
         after = csv_rows(job, 1)
         for key, steps in (("step/train_loss", range(16, 25)), ("val/loss", (18, 24))):
             expected, got = by_step(whole[name], key), by_step(after, key)
@@ -223,6 +226,6 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         expected_epoch = [row for row in whole[name] if "train/loss" in row][1]
         assert last_epoch[0]["train/loss"] == pytest.approx(expected_epoch["train/loss"], rel=1e-6, abs=0)
     for key in ("step/train_loss", "val/loss"):
-        auto, ddp = by_step(whole["auto"], key), by_step(whole["ddp"], key)
-        assert sorted(auto) == sorted(ddp) and len(auto) >= 4
-        assert all(ddp[step] == pytest.approx(auto[step], rel=1e-5) for step in auto), key
+        auto, fsdp = by_step(whole["auto"], key), by_step(whole["fsdp"], key)
+        assert sorted(auto) == sorted(fsdp) and len(auto) >= 4
+        assert all(fsdp[step] == pytest.approx(auto[step], rel=1e-5) for step in auto), key

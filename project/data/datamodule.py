@@ -70,6 +70,12 @@ class InMemoryDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._resume_position = state or None  # for the training loader, built after the checkpoint is read
+        if self._resume_position is not None and self.trainer is not None:
+            # Strategies that restore the checkpoint after their setup (fsdp, model_parallel, pipeline) have built
+            # the training loader already, for the LR schedule's length, and started its iterator (DataLoader
+            # workers fetch ahead at once). Dropping it makes the fit loop build it again, from train_dataloader;
+            # Lightning offers no public way to do so.
+            self.trainer.fit_loop._combined_loader = None
 
     def train_dataloader(self) -> DataLoader:
         loader = self._loader(self.train_set, train=True)
