@@ -216,9 +216,24 @@ def _build(key: str, build: Callable[[], Any]) -> Any:
                           f"check {key}._target_ and its options (python train.py --cfg job prints them).") from None
 
 
+def _train_batches(cfg: DictConfig, batches_per_epoch: int) -> int:
+    """Training batches an epoch runs, as Lightning counts them with ``trainer.limit_train_batches`` (N batches or a
+    fraction of the epoch)."""
+    limit = cfg.trainer.get("limit_train_batches")
+    if _is_int(limit):
+        return min(batches_per_epoch, limit)
+    if isinstance(limit, float):
+        return int(batches_per_epoch * limit)
+    return batches_per_epoch
+
+
 def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
     """``trainer.val_check_interval``: null (each epoch's end), a fraction of an epoch, or every N training batches,
-    which within an epoch (``check_val_every_n_epoch`` set) Lightning refuses past the epoch's length, late."""
+    which within an epoch (``check_val_every_n_epoch`` set) Lightning refuses past the epoch's length, late.
+
+    With ``trainer.accumulate_grad_batches`` > 1 a validation must fall where an optimizer step ends: one inside an
+    accumulation would save checkpoints holding half a step, which no resumed run can continue exactly.
+    """
     interval = OmegaConf.select(cfg, "trainer.val_check_interval")
     fix = ("use N training batches (e.g. trainer.val_check_interval=500), a fraction of an epoch in (0, 1], or null "
            "for each epoch's end.")
@@ -233,12 +248,27 @@ def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
         raise ConfigError("trainer.val_check_interval", f"is {interval!r}.", fix)
     if isinstance(interval, float) and interval > 1:
         raise ConfigError("trainer.val_check_interval", f"is {interval}, a fraction of an epoch above 1.", fix)
-    limit = cfg.trainer.get("limit_train_batches")
-    batches = min(batches_per_epoch, limit) if _is_int(limit) else batches_per_epoch
+    batches = _train_batches(cfg, batches_per_epoch)
     if _is_int(interval) and every_epoch is not None and interval > batches:
         raise ConfigError("trainer.val_check_interval", f"is {interval} batches, but an epoch has {batches}.",
                           f"use at most {batches}, or trainer.check_val_every_n_epoch=null to count batches across "
                           "epochs (for runs of trainer.max_steps).")
+    accumulate = cfg.trainer.accumulate_grad_batches
+    if accumulate == 1 or (isinstance(interval, float) and interval == 1.0):
+        return
+    every = interval if _is_int(interval) else max(1, int(batches * interval))  # Lightning's val_check_batch
+    if every % accumulate:
+        multiple = max(accumulate, every - every % accumulate)
+        raise ConfigError("trainer.val_check_interval", f"validates every {every} training batches, inside an "
+                          f"optimizer step of trainer.accumulate_grad_batches={accumulate} batches: its checkpoints "
+                          "would hold half a step.", f"validate every multiple of {accumulate} batches, e.g. "
+                          f"trainer.val_check_interval={multiple}.")
+    if every_epoch is None and batches % accumulate:
+        raise ConfigError("trainer.val_check_interval", f"counts batches across epochs, but an epoch's {batches} "
+                          f"batches are no multiple of trainer.accumulate_grad_batches={accumulate} (each epoch ends "
+                          "with a shorter step), so validations would fall inside steps.",
+                          "set trainer.check_val_every_n_epoch=1, or trainer.limit_train_batches to a multiple of "
+                          f"{accumulate}.")
 
 
 def check_config(cfg: DictConfig) -> None:

@@ -54,8 +54,8 @@ class EpochRows:
     (with the callbacks' ``perf/*`` and ``memory/*``) when the epoch ends. ``add`` gathers them and returns the
     epoch's row once the training call has closed it (and a row left open by a run stopped during its epoch, when
     the next epoch's metrics come); ``flush`` returns what is still open. A validation within the epoch
-    (``trainer.val_check_interval``) closes the row of the one before it. ``step/*`` rows (every
-    ``trainer.log_every_n_steps``) pass through on their own.
+    (``trainer.val_check_interval``) has a row of its own: the next validation, step row or epoch's end at a later
+    step closes it. ``step/*`` rows (every ``trainer.log_every_n_steps``) pass through on their own.
     """
 
     def __init__(self) -> None:
@@ -71,7 +71,11 @@ class EpochRows:
         stamp = {} if step is None else {"step": step + 1}
         ready = []
         new_epoch = metrics.get("epoch", self._row.get("epoch")) != self._row.get("epoch")
-        if self._row and (new_epoch or (_has_split(metrics, "val") and _has_split(self._row, "val"))):
+        after_validation = _has_split(self._row, "val") and (
+            _has_split(metrics, "val")  # the next validation
+            or self._row.get("step") != stamp.get("step", self._row.get("step"))  # an epoch's end steps after it
+        )
+        if self._row and (new_epoch or after_validation):
             ready += self.flush()
         self._row.update(metrics)
         self._row.update(stamp)

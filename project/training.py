@@ -4,7 +4,6 @@ Every process of a job runs this: the single process of a one-device run, each w
 each rank that torchrun starts.
 """
 
-import logging
 import warnings
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, OmegaConf
 
-from project.callbacks import JobResult
+from project.callbacks import JobResult, StopTogetherOnSigterm
 from project.checkpoints import AtomicCheckpointIO
 from project.results import RESULT_FILE
 from project.checks import build_strategy, resolve_ckpt_path
@@ -43,24 +42,6 @@ def build_loggers(cfg: DictConfig) -> list[Logger]:
     return loggers
 
 
-def note_sigterm_without_a_collective(trainer: L.Trainer) -> None:
-    """Lightning's SIGTERM handler broadcasts from rank 0 inside the signal handler: a collective started wherever
-    the signal lands, which pairs with whatever collective the other ranks are in at that moment (a checkpoint's
-    metric reduction, a barrier) and can hang them all until the launcher's timeout, the epoch's checkpoint unsaved.
-    Every rank here receives the signal itself (the launcher, torchrun and SLURM signal each process), so the handler
-    only notes it; Lightning's loop agrees on it across ranks at the next batch (its own broadcast there)."""
-    connector = trainer._signal_connector
-    log = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")  # where Lightning says it
-
-    def note(signum: int, frame) -> None:
-        log.info(f"[rank: {trainer.local_rank}] Received SIGTERM: {signum}")
-        if not connector.received_sigterm and trainer.strategy.launcher is not None:
-            trainer.strategy.launcher.kill(signum)  # processes Lightning itself started, as Lightning does
-        connector.received_sigterm = True
-
-    connector._sigterm_notifier_fn = note  # read when fit registers the handlers
-
-
 def result_file(cfg: DictConfig) -> Path:
     return Path(cfg.paths.output_dir) / RESULT_FILE
 
@@ -74,6 +55,7 @@ def train(cfg: DictConfig) -> None:
     callbacks = [instantiate(callback) for callback in (cfg.callbacks or {}).values()]
     # Whatever the callbacks group holds: sweeps read the result.
     callbacks.append(JobResult(result_file(cfg), cfg.optimized_metric.name, cfg.optimized_metric.mode))
+    callbacks.append(StopTogetherOnSigterm())  # whatever the callbacks group holds: a preempted job must stop cleanly
     trainer = instantiate(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy),
@@ -81,7 +63,6 @@ def train(cfg: DictConfig) -> None:
         logger=loggers or False,
         plugins=[AtomicCheckpointIO()],  # a checkpoint that cannot be written stops the run (Lightning's goes on)
     )
-    note_sigterm_without_a_collective(trainer)
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
     finally:

@@ -36,6 +36,12 @@ CASES = [
     (["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch: must be a positive integer, got 0"),
     (["trainer.val_check_interval=1000"], "trainer.val_check_interval: is 1000 batches, but an epoch has"),
     (["trainer.check_val_every_n_epoch=null"], "trainer.val_check_interval: is None, but with trainer.check_val_every"),
+    (["+trainer.limit_train_batches=0.25", "trainer.val_check_interval=8"],  # TINY: 16 batches an epoch
+     "trainer.val_check_interval: is 8 batches, but an epoch has 4"),
+    (["trainer.accumulate_grad_batches=3", "trainer.val_check_interval=0.5"],
+     "trainer.val_check_interval: validates every 8 training batches, inside an optimizer step"),
+    (["trainer.accumulate_grad_batches=3", "trainer.check_val_every_n_epoch=null", "trainer.val_check_interval=6"],
+     "trainer.val_check_interval: counts batches across epochs, but an epoch's 16 batches are no multiple"),
     (["trainer.log_every_n_steps=-1"], "trainer.log_every_n_steps: must be an integer of at least 0, got -1"),
     (["trainer.num_sanity_val_steps=-5"], "trainer.num_sanity_val_steps: must be an integer of at least -1"),
     (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val: must be a positive number or null, got -1"),

@@ -1,6 +1,7 @@
 """What the training loop counts, checked inside a real ``Trainer.fit``: the order of the samples each epoch and the
 time the throughput metrics divide by (against a clock the test owns)."""
 
+import csv
 import types
 
 import lightning as L
@@ -9,7 +10,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import project.callbacks.throughput as throughput_module
-from project.callbacks import EpochThroughput
+from project.callbacks import EpochThroughput, LatestAndBestCheckpoint
+from project.loggers import EpochCSVLogger
 from project.data.datamodule import GeneratedDataModule
 from reference import epoch_order
 
@@ -114,3 +116,64 @@ def test_tokens_per_second_counts_every_input_token(fake_clock):
     trainer = fit(recorder, data, epochs=1, callbacks=[EpochThroughput()])
     assert trainer.logged_metrics["perf/tokens_per_sec"].item() == pytest.approx(16 * 12 / 0.25)
     assert trainer.logged_metrics["perf/samples_per_sec"].item() == pytest.approx(16 / 0.25)
+
+
+class ValidatedRecorder(Recorder):
+    """Logs a validation loss, the metric the checkpoints monitor."""
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", (self.weight - 1.0) ** 2)
+
+
+class LastCheckpointStep(L.Callback):
+    """The step of ``last.ckpt`` as each training batch starts, by the steps taken then."""
+
+    def __init__(self, path) -> None:
+        self.path, self.seen = path, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.path.exists():
+            self.seen[trainer.global_step] = torch.load(self.path, weights_only=False)["global_step"]
+
+
+@pytest.mark.parametrize("every_n_train_steps, val_check_interval, saved_at", [
+    (3, 1.0, [3, 6, 8, 9, 12, 15]),  # step saves before the first validation too (Lightning waits for its metric)
+    (None, 3, [3, 6, 8, 11, 14]),  # each validation, and each epoch's end though no validation ends it
+])
+def test_last_checkpoint_is_written_at_every_save_point(tmp_path, every_n_train_steps, val_check_interval, saved_at):
+    """2 epochs of 8 steps; last.ckpt, read as each step starts, holds the latest save point's step."""
+    last = tmp_path / "last.ckpt"
+    probe = LastCheckpointStep(last)
+    checkpoint = LatestAndBestCheckpoint(dirpath=tmp_path, monitor="val/loss", save_last=True,
+                                         every_n_train_steps=every_n_train_steps)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, callbacks=[probe, checkpoint],
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        use_distributed_sampler=False, val_check_interval=val_check_interval)
+    trainer.fit(ValidatedRecorder(), datamodule=IndexData(num_train=128, num_val=16, batch_size=16, seed=0))
+    expected = {step: max((s for s in saved_at if s <= step), default=None) for step in range(16)}
+    assert probe.seen == {step: saved for step, saved in expected.items() if saved is not None}
+    assert torch.load(last, weights_only=False)["global_step"] == 16
+
+
+class EpochLoggingRecorder(ValidatedRecorder):
+    """Also logs a training loss per epoch, as the project's modules do."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+
+def test_csv_rows_of_validations_within_epochs_keep_their_steps(tmp_path):
+    """Validation every 3 of an epoch's 8 steps: rows at steps 3 and 6, the epoch's training numbers at step 8 on
+    their own (no validation ends the epoch), and so on in epoch 1."""
+    logger = EpochCSVLogger(save_dir=tmp_path, name="", version=0)
+    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        use_distributed_sampler=False, val_check_interval=3)
+    trainer.fit(EpochLoggingRecorder(), datamodule=IndexData(num_train=128, num_val=16, batch_size=16, seed=0))
+    with open(tmp_path / "version_0" / "metrics.csv") as file:
+        rows = [{key for key, value in row.items() if value != ""} | {int(row["step"])} for row in csv.DictReader(file)]
+    assert rows == [{"epoch", "step", "val/loss", 3}, {"epoch", "step", "val/loss", 6}, {"epoch", "step", "train/loss", 8},
+                    {"epoch", "step", "val/loss", 11}, {"epoch", "step", "val/loss", 14},
+                    {"epoch", "step", "train/loss", 16}]

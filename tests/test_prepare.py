@@ -214,7 +214,9 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         checkpoint = torch.load(last / META_FILE if last.is_dir() else last, weights_only=False)  # fsdp: a sharded dir
         assert (checkpoint["global_step"], checkpoint["epoch"]) == (15, 1)
         assert checkpoint["ShardsDataModule"] == {"epoch": 1, "batches": 3}  # where the data stood: 3 of epoch 1's 12
+        started = time.monotonic()
         train([*common, *args, f"hydra.run.dir={job}", "ckpt_path=last"], tmp_path / "home")
+        resumed_for = time.monotonic() - started
         after = csv_rows(job, 1)
         for key, steps in (("step/train_loss", range(16, 25)), ("val/loss", (18, 24))):
             expected, got = by_step(whole[name], key), by_step(after, key)
@@ -223,6 +225,7 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
                 assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=0), (name, key, step)
         last_epoch = [row for row in after if "train/loss" in row]
         assert len(last_epoch) == 1 and last_epoch[0]["epoch"] == 1
+        assert 0 < last_epoch[0]["perf/epoch_time_s"] < resumed_for  # the part of epoch 1 the resumed run ran
         expected_epoch = [row for row in whole[name] if "train/loss" in row][1]
         assert last_epoch[0]["train/loss"] == pytest.approx(expected_epoch["train/loss"], rel=1e-6, abs=0)
     for key in ("step/train_loss", "val/loss"):

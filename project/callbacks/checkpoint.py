@@ -5,17 +5,30 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 
 class LatestAndBestCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint, with ``last.ckpt`` written at the end of every epoch (and after every validation).
+    """Lightning's ModelCheckpoint, with ``last.ckpt`` written at the end of every epoch, after every validation and
+    every ``every_n_train_steps`` optimizer steps.
 
-    Lightning 2.6 writes ``last`` at an epoch's end only when it also saved a top-k checkpoint, i.e. when the
-    monitored metric improved; after a run of worse epochs, ``ckpt_path=last`` would silently repeat them.
-    Mid-epoch saves (``every_n_train_steps``) already write ``last`` every time.
+    Lightning 2.6 writes ``last`` at an epoch's end only when it also saved a top-k checkpoint there, i.e. when the
+    epoch ended with a validation whose monitored metric improved; after a run of worse epochs, ``ckpt_path=last``
+    would silently repeat them. And it defers the step saves, ``last`` included, until the monitored metric exists:
+    a long first epoch, validated at its end, would have no checkpoint until then.
     """
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        deferred_before, self._defer_save_until_validation = self._defer_save_until_validation, False
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        deferred_now = self._defer_save_until_validation
+        self._defer_save_until_validation = deferred_before or deferred_now
+        candidates = self._monitor_candidates(trainer)
+        if deferred_now and self.save_last and self.monitor not in candidates:  # no validation yet
+            step_saved = self._last_global_step_saved
+            self._save_last_checkpoint(trainer, candidates)
+            # Lightning skips a step marked saved: the top-k save it deferred to the validation must still happen.
+            self._last_global_step_saved = step_saved
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
-            self._save_last_if_missed(trainer)
+        self._save_last_if_missed(trainer)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)

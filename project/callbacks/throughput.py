@@ -17,7 +17,7 @@ class EpochThroughput(L.Callback):
     The rates count training time only: the train clock runs from the epoch start and stops while the epoch
     validates (and during what follows validation, such as checkpointing, until the next training batch starts).
     It is read with the device synchronised. ``perf/epoch_time_s`` is the whole epoch as a user waits for it,
-    validation included. ``per_device`` holds each rank's rates of the epoch (``rank`` and the per-device
+    validation included (of a run resumed mid-epoch: the part it ran). ``per_device`` holds each rank's rates of the epoch (``rank`` and the per-device
     ``perf/*`` keys), on every rank.
     """
 
@@ -38,6 +38,10 @@ class EpochThroughput(L.Callback):
         if self._segment_start is not None:
             self._train_time += self._now(pl_module) - self._segment_start
             self._segment_start = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A run resumed mid-epoch gets no on_train_epoch_start for that epoch: time its part of the epoch.
+        self._epoch_start = self._now(pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._epoch_start = self._segment_start = self._now(pl_module)

@@ -130,7 +130,7 @@ class TrainingModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """The training metrics so far, summed over ranks, so that an epoch resumed from a mid-epoch checkpoint
         reports the numbers of the whole epoch. Every rank saves (Lightning builds the checkpoint on each), so all
-        join the reduction."""
+        join the reduction. (Under pipeline only the last stage updates them; the other stages add zeros.)"""
         trainer = self.trainer
         mid_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed < trainer.num_training_batches
         checkpoint["running_metrics"] = {}
