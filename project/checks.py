@@ -18,9 +18,11 @@ from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError
 from torch import nn
 
 from project.checkpoints import checkpoint_shapes
+from project.hf import HFWeights, check_matches
 from project.errors import ConfigError, positive_int
 
 
@@ -216,6 +218,25 @@ def _build(key: str, build: Callable[[], Any]) -> Any:
                           f"check {key}._target_ and its options (python train.py --cfg job prints them).") from None
 
 
+def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
+    """``model.init_from``: a Hugging Face model dir of this model's family and shape, holding every tensor."""
+    path = OmegaConf.select(cfg, "model.init_from")
+    if path is None:
+        return
+    if not Path(path).is_dir():
+        raise ConfigError("model.init_from", f"{path} is not a directory.", "pass a Hugging Face model dir (config.json "
+                          "and *.safetensors, as save_pretrained writes it), or model.init_from=null.")
+    check_matches(path, net, OmegaConf.to_container(cfg.model.net, resolve=True))
+    try:
+        missing = HFWeights(path).missing(net)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise ConfigError("model.init_from", f"{path}: its safetensors cannot be read ({error}).",
+                          "pass a complete model dir (model.safetensors, or its shards and index).") from None
+    if missing:
+        raise ConfigError("model.init_from", f"{path} lacks {len(missing)} of this model's tensors, e.g. {missing[0]}.",
+                          "pass the complete model dir.")
+
+
 def _train_batches(cfg: DictConfig, batches_per_epoch: int) -> int:
     """Training batches an epoch runs, as Lightning counts them with ``trainer.limit_train_batches`` (N batches or a
     fraction of the epoch)."""
@@ -271,8 +292,26 @@ def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
                           f"{accumulate}.")
 
 
+def _check_mode(cfg: DictConfig) -> None:
+    """``mode``: train, or eval of given weights, in a job dir of its own (not the training job's, whose result
+    and config it would overwrite)."""
+    mode = cfg.get("mode", "train")
+    if mode not in ("train", "eval"):
+        raise ConfigError("mode", f"is {mode!r}.", "use mode=train, or mode=eval to validate a checkpoint.")
+    if mode != "eval":
+        return
+    if cfg.ckpt_path in ("last", "auto"):
+        raise ConfigError("ckpt_path", f"is {cfg.ckpt_path!r}, this job dir's own checkpoint, but mode=eval writes a "
+                          "job dir of its own.", "pass the checkpoint's path, e.g. ckpt_path=<run dir>/checkpoints/"
+                          "last.ckpt.")
+    if cfg.ckpt_path is None and OmegaConf.select(cfg, "model.init_from") is None:
+        raise ConfigError("mode", "is eval, but there are no weights to evaluate (ckpt_path and model.init_from are "
+                          "null).", "pass ckpt_path=<a checkpoint> or model.init_from=<a Hugging Face model dir>.")
+
+
 def check_config(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` for the first setting that cannot work."""
+    _check_mode(cfg)
     devices = positive_int_at(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
     positive_int_at(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
     batch_size = positive_int_at(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
@@ -305,6 +344,7 @@ def check_config(cfg: DictConfig) -> None:
         module = _build("model", lambda: instantiate(cfg.model, net=net))
     _build("strategy", lambda: build_strategy(cfg.strategy))  # its own checks of its options, no process group yet
     _check_checkpoint(cfg, module)
+    _check_init_from(cfg, net)
     strategy_rules = getattr(strategy_class(cfg), "check_config", None)
     if strategy_rules is not None:  # each strategy of this project checks what it needs (its own module)
         strategy_rules(cfg, net)

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from project.hf import HFWeights
 from project.models.init import initial_value
 
 
@@ -142,24 +143,48 @@ def apply_fsdp(
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate what is still on the meta device on ``device`` and give every parameter its initial value.
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Where each parameter held by more than one module is held: (module, attribute name) pairs."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, parameter in module._parameters.items():
+            if parameter is not None:
+                places.setdefault(id(parameter), []).append((module, attr))
+    return [group for group in places.values() if len(group) > 1]
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int, weights: HFWeights | None = None) -> None:
+    """Allocate what is still on the meta device on ``device`` and give every parameter its initial value: drawn
+    from ``seed``, or read from ``weights`` (a Hugging Face model dir, ``model.init_from``).
 
     Strategies act on the meta model first, so by now a rank holds only what it keeps: FSDP's shards, its pipeline
     stages (whatever a strategy placed itself stays where it is). Each parameter's full initial value is computed
     on the CPU, one parameter at a time (``project.models.init``), and a sharded parameter keeps its own slice, so
-    the weights depend on ``seed`` alone, not on the strategy or the device count.
+    the weights depend on ``seed`` alone, not on the strategy or the device count. Read weights are read as this
+    rank's slice only.
     """
     if any(buffer.is_meta for buffer in model.buffers()):
         raise NotImplementedError("materialize initialises parameters; this model's buffers would stay empty")
     if any(parameter.is_meta for parameter in model.parameters()):
+        shared = _shared_parameters(model)
         model.to_empty(device=device)
+        # to_empty gives each module a new parameter of its own: tied weights (an output layer that is the token
+        # embedding) would come apart, and train as two.
+        for (module, attr), *others in shared:
+            for other, other_attr in others:
+                setattr(other, other_attr, getattr(module, attr))
     for name, parameter in model.named_parameters():
-        value = initial_value(model, name, seed).to(parameter.device)
-        if isinstance(parameter, DTensor):
-            # src_data_rank=None: every rank slices its own copy, nothing is sent.
-            value = distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=None)
-            value, parameter = value.to_local(), parameter.to_local()
+        if weights is not None:
+            value = weights.read(name, parameter).to(parameter.device)
+            if isinstance(parameter, DTensor):
+                parameter = parameter.to_local()
+        else:
+            value = initial_value(model, name, seed).to(parameter.device)
+            if isinstance(parameter, DTensor):
+                # src_data_rank=None: every rank slices its own copy, nothing is sent.
+                value = distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=None)
+                value, parameter = value.to_local(), parameter.to_local()
         parameter.copy_(value)
 
 

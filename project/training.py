@@ -47,12 +47,16 @@ def result_file(cfg: DictConfig) -> Path:
 
 
 def train(cfg: DictConfig) -> None:
-    """Fit the configured model; rank 0 writes the job's ``result.json`` (``project.callbacks.JobResult``)."""
+    """Fit the configured model (or, with ``mode=eval``, validate it); rank 0 writes the job's ``result.json``
+    (``project.callbacks.JobResult``)."""
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     module = instantiate(cfg.model, net=build_net(cfg))
     loggers = build_loggers(cfg)
+    evaluating = cfg.get("mode") == "eval"
     callbacks = [instantiate(callback) for callback in (cfg.callbacks or {}).values()]
+    if evaluating:  # the training job's checkpoint callback state, restored into this job dir, is not needed
+        warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
     # Whatever the callbacks group holds: sweeps read the result.
     callbacks.append(JobResult(result_file(cfg), cfg.optimized_metric.name, cfg.optimized_metric.mode))
     callbacks.append(StopTogetherOnSigterm())  # whatever the callbacks group holds: a preempted job must stop cleanly
@@ -64,7 +68,10 @@ def train(cfg: DictConfig) -> None:
         plugins=[AtomicCheckpointIO()],  # a checkpoint that cannot be written stops the run (Lightning's goes on)
     )
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
+        if evaluating:  # Lightning prints the metrics' table; the loggers and result.json get them
+            trainer.validate(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
+        else:
+            trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
     finally:
         # Close the W&B run in this process, also on failure, so none is left half-open and the next job of
         # an in-process sweep starts a new one.

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
 
 from project.callbacks.memory import DeviceMemory
 from project.callbacks.throughput import EpochThroughput
@@ -42,6 +43,11 @@ class JobResult(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._write(trainer, "completed")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:  # mode=eval: the one validation is the result
+            self.epochs = [{"epoch": 0, **{name: float(value) for name, value in trainer.callback_metrics.items()}}]
+            self._write(trainer, "completed")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._write(trainer, "failed", error=f"{type(exception).__name__}: {exception}")

@@ -5,6 +5,7 @@ meta device and materialised piece by piece."""
 
 from project.models.gpt import GPT
 from project.models.init import init_weights
+from project.models.llama import Llama
 from project.models.mlp import MLP
 
-__all__ = ["GPT", "MLP", "init_weights"]
+__all__ = ["GPT", "Llama", "MLP", "init_weights"]

@@ -75,11 +75,11 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Final norm and the projection to vocabulary logits."""
+    """Final norm (LayerNorm unless given) and the projection to vocabulary logits."""
 
-    def __init__(self, dim: int, vocab_size: int) -> None:
+    def __init__(self, dim: int, vocab_size: int, norm: nn.Module | None = None) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(dim)
+        self.norm = norm if norm is not None else nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

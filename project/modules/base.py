@@ -8,6 +8,7 @@ from torch import nn
 from torchmetrics import MeanMetric, Metric
 
 from project.errors import ConfigError
+from project.hf import HFWeights
 from project.parallel import apply_activation_checkpointing, materialize
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -50,6 +51,7 @@ class TrainingModule(L.LightningModule):
         scheduler: SchedulerFactory | None = None,
         no_weight_decay: Sequence[str] = (),
         activation_checkpointing: bool = False,
+        init_from: str | None = None,
     ) -> None:
         super().__init__()
         unknown = set(no_weight_decay) - set(NO_DECAY_KINDS)
@@ -67,6 +69,7 @@ class TrainingModule(L.LightningModule):
         self.scheduler_factory = scheduler
         self.no_weight_decay = list(no_weight_decay)
         self.activation_checkpointing = activation_checkpointing
+        self.init_from = init_from  # a Hugging Face model dir whose weights replace the seeded ones
         # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
         self.interval_loss = MeanMetric()
         self._configured = False
@@ -80,7 +83,8 @@ class TrainingModule(L.LightningModule):
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
         if parallelize is not None:  # DDP and one device keep the whole model
             parallelize(self.net)
-        materialize(self.net, self.trainer.strategy.root_device, self.init_seed)
+        weights = HFWeights(self.init_from) if self.init_from else None
+        materialize(self.net, self.trainer.strategy.root_device, self.init_seed, weights)
         self._configured = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,70 @@
+"""python -m project.export <checkpoint> <out dir>: a checkpoint as a Hugging Face model dir.
+
+The checkpoint is a file (auto, ddp, model_parallel) or a sharded dir (fsdp, pipeline); its model is built from the
+job's ``config.yaml`` (found beside ``checkpoints/``, or given with ``--config``). Only the model's tensors are
+read, not the optimizer state. The dir holds ``config.json`` and ``model.safetensors``, for
+``transformers.AutoModelForCausalLM.from_pretrained(<out dir>)``.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load
+
+from project.checkpoints import is_sharded_checkpoint
+from project.hf import write_hf_dir
+
+PREFIX = "net."  # the LightningModule's name for the model in its state_dict
+
+
+def model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors of a checkpoint, by parameter name (sharded ones gathered whole)."""
+    if is_sharded_checkpoint(checkpoint):
+        metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        wanted = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in metadata.items()
+                  if key.startswith(f"state_dict.{PREFIX}")}
+        load(wanted, checkpoint_id=str(checkpoint), no_dist=True)
+        return {key.removeprefix(f"state_dict.{PREFIX}"): value for key, value in wanted.items()}
+    state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+    return {key.removeprefix(PREFIX): value for key, value in state.items() if key.startswith(PREFIX)}
+
+
+def export(checkpoint: str | Path, out: str | Path, config: str | Path | None = None,
+           dtype: torch.dtype = torch.float32) -> Path:
+    checkpoint = Path(checkpoint)
+    config = Path(config) if config else checkpoint.resolve().parent.parent / "config.yaml"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} does not exist: pass the job's config with --config <job dir>/config.yaml")
+    net_cfg = OmegaConf.to_container(OmegaConf.load(config).model.net, resolve=True)
+    with torch.device("meta"):
+        net = instantiate(net_cfg)
+    state = model_state(checkpoint)
+    expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
+    state = {name: value for name, value in state.items() if name in expected}
+    if set(state) != expected:
+        raise ValueError(f"{checkpoint} lacks {sorted(expected - set(state))[:3]}: not a checkpoint of {config}'s model")
+    return write_hf_dir(state, net, net_cfg, out, dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m project.export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint file or sharded checkpoint dir (checkpoints/last.ckpt)")
+    parser.add_argument("out", help="the Hugging Face model dir to write")
+    parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the saved tensors' type (default float32)")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"export: {error}")
+    print(f"Wrote {out}/config.json and {out}/model.safetensors")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""Hugging Face model dirs (``config.json`` + safetensors) of the GPT-2 and Llama families, in and out, offline.
+
+In: ``model.init_from=<dir>`` gives the model that dir's weights instead of seeded ones. The config's shape keys
+are checked against ``model.net`` before launch (``check_matches``), and each rank reads from the safetensors only
+the part of each tensor it keeps (``HFWeights.read``): its FSDP shard's rows, its pipeline stages' tensors.
+
+Out: ``python -m project.export`` writes a checkpoint as such a dir (``write_hf_dir``), loadable by
+``transformers.AutoModelForCausalLM.from_pretrained``.
+
+Names are translated by a table per family (``NAMES``); GPT-2 stores its linear layers transposed (its
+``Conv1D``), which ``TRANSPOSED`` lists.
+"""
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from project.errors import ConfigError
+from project.models import GPT, Llama
+
+# This project's parameter name -> Hugging Face's, per family; {i} is a block index.
+NAMES = {
+    "gpt2": {
+        "stem.tokens.weight": "transformer.wte.weight",
+        "stem.positions.weight": "transformer.wpe.weight",
+        "blocks.{i}.norm1.{p}": "transformer.h.{i}.ln_1.{p}",
+        "blocks.{i}.attention.qkv.{p}": "transformer.h.{i}.attn.c_attn.{p}",
+        "blocks.{i}.attention.proj.{p}": "transformer.h.{i}.attn.c_proj.{p}",
+        "blocks.{i}.norm2.{p}": "transformer.h.{i}.ln_2.{p}",
+        "blocks.{i}.mlp.up.{p}": "transformer.h.{i}.mlp.c_fc.{p}",
+        "blocks.{i}.mlp.down.{p}": "transformer.h.{i}.mlp.c_proj.{p}",
+        "head.norm.{p}": "transformer.ln_f.{p}",
+        "head.output.weight": "lm_head.weight",
+    },
+    "llama": {
+        "stem.tokens.weight": "model.embed_tokens.weight",
+        "blocks.{i}.norm1.weight": "model.layers.{i}.input_layernorm.weight",
+        "blocks.{i}.attention.{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
+        "blocks.{i}.norm2.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blocks.{i}.mlp.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
+        "head.norm.weight": "model.norm.weight",
+        "head.output.weight": "lm_head.weight",
+    },
+}
+TRANSPOSED = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+NET_CLASSES = {"gpt2": GPT, "llama": Llama}
+TIED_INPUT = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}  # lm_head's source when tied
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>\w+)") + "$")
+
+
+def hf_name(family: str, name: str) -> str:
+    """The Hugging Face name of this project's parameter ``name``."""
+    for ours, theirs in NAMES[family].items():
+        match = _pattern(ours).match(name)
+        if match:
+            return theirs.format(**match.groupdict())
+    raise KeyError(f"{name} has no Hugging Face name in the {family} family")
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError("model.init_from", f"{path} holds no config.json.", "pass a Hugging Face model dir "
+                          "(config.json and *.safetensors, as save_pretrained writes them).")
+    config = json.loads(config_file.read_text())
+    if config.get("model_type") not in NAMES:
+        raise ConfigError("model.init_from", f"{path} holds a {config.get('model_type')!r} model.",
+                          f"use a model of the families {sorted(NAMES)} (model=gpt or model=llama).")
+    return config
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(theta, scaling) from a Llama config: ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ConfigError("model.init_from", f"uses RoPE scaling {kind!r}.", "use a model with Llama 3's RoPE "
+                          "scaling (rope_type llama3) or none.")
+    return theta, {"factor": parameters["factor"], "low_freq_factor": parameters["low_freq_factor"],
+                   "high_freq_factor": parameters["high_freq_factor"],
+                   "original_max_length": parameters["original_max_position_embeddings"]}
+
+
+def net_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``model.net`` options that give a Hugging Face config's model (the shape keys, by this project's name)."""
+    if config["model_type"] == "gpt2":
+        if config.get("n_inner") not in (None, 4 * config["n_embd"]) or config.get("layer_norm_epsilon", 1e-5) != 1e-5:
+            raise ConfigError("model.init_from", "is a GPT-2 variant this GPT cannot hold (an MLP width other than "
+                              "4 x n_embd, or a LayerNorm epsilon other than 1e-5).", "use a GPT-2-shaped model.")
+        return {"vocab_size": config["vocab_size"], "max_length": config["n_positions"], "num_layers": config["n_layer"],
+                "dim": config["n_embd"], "num_heads": config["n_head"],
+                "tie_weights": config.get("tie_word_embeddings", True),
+                "gelu_approximate": "none" if config.get("activation_function") == "gelu" else "tanh"}
+    heads = config["num_attention_heads"]
+    if config.get("attention_bias") or config.get("mlp_bias") or config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+        raise ConfigError("model.init_from", "is a Llama variant this Llama cannot hold (biases, or a head width "
+                          "other than hidden_size / num_attention_heads).", "use a Llama-shaped model.")
+    theta, scaling = _rope(config)
+    return {"vocab_size": config["vocab_size"], "max_length": config["max_position_embeddings"],
+            "num_layers": config["num_hidden_layers"], "dim": config["hidden_size"], "num_heads": heads,
+            "num_kv_heads": config.get("num_key_value_heads") or heads, "hidden_dim": config["intermediate_size"],
+            "rope_theta": theta, "rope_scaling": scaling, "norm_eps": config.get("rms_norm_eps", 1e-6),
+            "tie_weights": config.get("tie_word_embeddings", False)}
+
+
+def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> None:
+    """``ConfigError`` naming the first ``model.net`` key whose value differs from the Hugging Face model's."""
+    config = read_config(path)
+    family = config["model_type"]
+    if not isinstance(net, NET_CLASSES[family]):
+        raise ConfigError("model.init_from", f"is a {family} model, but model.net is a {type(net).__name__}.",
+                          f"use model={'gpt' if family == 'gpt2' else 'llama'} (or one of its presets).")
+    for key, value in net_options(config).items():
+        if key != "max_length" and net_cfg.get(key) != value:  # max_length: the context trained at, not a shape
+            raise ConfigError(f"model.net.{key}", f"is {net_cfg.get(key)!r}, but {path}/config.json gives {value!r}.",
+                              f"set model.net.{key}={value}" + (" (the data's vocabulary: prepare it with the "
+                              "model's tokenizer.json)." if key == "vocab_size" else "."))
+
+
+def _local_slices(parameter: torch.Tensor) -> tuple[slice, ...]:
+    """The part of the full tensor this rank holds: all of it, or its shard of a DTensor."""
+    if not isinstance(parameter, DTensor):
+        return tuple(slice(None) for _ in parameter.shape)
+    shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh, parameter.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+class HFWeights:
+    """Reads this project's parameters from a Hugging Face model dir, each rank only the part it holds."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.family = read_config(path)["model_type"]
+        index = self.path / "model.safetensors.index.json"  # a model saved in several files
+        if index.is_file():
+            self.files = {key: self.path / file for key, file in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            with safe_open(self.path / "model.safetensors", "pt") as file:
+                self.files = {key: self.path / "model.safetensors" for key in file.keys()}
+
+    def _key(self, name: str) -> str:
+        key = hf_name(self.family, name)
+        if key == "lm_head.weight" and key not in self.files:  # tied: saved once, as the input embedding
+            key = TIED_INPUT[self.family]
+        if key not in self.files:
+            key = key.removeprefix("transformer.")  # GPT-2 as first published: no "transformer." prefix
+        return key
+
+    def missing(self, net: nn.Module) -> list[str]:
+        """The Hugging Face names of ``net``'s parameters this dir does not hold."""
+        return [hf_name(self.family, name) for name, _ in net.named_parameters() if self._key(name) not in self.files]
+
+    def read(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter ``name`` (its local shape), in float32 on the CPU."""
+        key = self._key(name)
+        slices = _local_slices(parameter)
+        transposed = TRANSPOSED.search(key) is not None
+        with safe_open(self.files[key], "pt") as file:
+            value = file.get_slice(key)[slices[::-1] if transposed else slices]
+        return (value.T if transposed else value).float().contiguous()
+
+
+def write_hf_dir(state_dict: dict[str, torch.Tensor], net: nn.Module, net_cfg: dict[str, Any], out: str | Path,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``state_dict`` (of ``net``, built from ``net_cfg``) as a Hugging Face model dir: config.json and
+    model.safetensors. A tied output layer is saved once, as transformers expects."""
+    family = next(family for family, cls in NET_CLASSES.items() if isinstance(net, cls))
+    tied = bool(net_cfg.get("tie_weights"))
+    tensors = {}
+    for name, value in state_dict.items():
+        key = hf_name(family, name)
+        if tied and key == "lm_head.weight":
+            continue
+        value = value.T if TRANSPOSED.search(key) else value
+        tensors[key] = value.to(dtype).contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(_hf_config(family, net_cfg, dtype), indent=2) + "\n")
+    return out
+
+
+def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    dtype_name = str(dtype).removeprefix("torch.")
+    if family == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": net_cfg["vocab_size"],
+                "n_positions": net_cfg["max_length"], "n_embd": net_cfg["dim"], "n_layer": net_cfg["num_layers"],
+                "n_head": net_cfg["num_heads"], "n_inner": None, "layer_norm_epsilon": 1e-5,
+                "activation_function": "gelu" if net_cfg.get("gelu_approximate", "none") == "none" else "gelu_new",
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name}
+    scaling = net_cfg.get("rope_scaling")
+    rope = {"rope_type": "default", "rope_theta": net_cfg["rope_theta"]}
+    if scaling:
+        rope = {"rope_type": "llama3", "rope_theta": net_cfg["rope_theta"], "factor": scaling["factor"],
+                "low_freq_factor": scaling["low_freq_factor"], "high_freq_factor": scaling["high_freq_factor"],
+                "original_max_position_embeddings": scaling["original_max_length"]}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": net_cfg["vocab_size"],
+            "max_position_embeddings": net_cfg["max_length"], "hidden_size": net_cfg["dim"],
+            "intermediate_size": net_cfg["hidden_dim"], "num_hidden_layers": net_cfg["num_layers"],
+            "num_attention_heads": net_cfg["num_heads"], "num_key_value_heads": net_cfg["num_kv_heads"],
+            "head_dim": net_cfg["dim"] // net_cfg["num_heads"], "hidden_act": "silu",
+            "rms_norm_eps": net_cfg["norm_eps"], "rope_theta": net_cfg["rope_theta"],
+            "rope_scaling": rope if scaling else None, "rope_parameters": rope, "attention_bias": False,
+            "mlp_bias": False, "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name}

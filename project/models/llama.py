@@ -1,0 +1,177 @@
+"""A Llama-style decoder (Llama 3; Mistral and Qwen 2 are the same shape): token embedding, pre-norm blocks of
+grouped-query attention with rotary position embeddings (RoPE) and a SwiGLU MLP, RMSNorm, no biases; a final norm
+and the LM head.
+
+Read top to bottom: ``rope_frequencies`` and ``rotate`` place positions in the queries and keys; ``Attention`` and
+``SwiGLU`` make a ``Block``; ``Llama`` is ``head(blocks(stem(tokens)))``, the stem / blocks / head shape of the other
+models, so strategies shard or split it by block. The rotation follows Hugging Face's layout (the two halves of each
+head rotate together), so its checkpoints load without permuting (``project.hf``).
+"""
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from project.errors import ConfigError, positive_int
+from project.models.gpt import LMHead
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, device: torch.device | None = None
+                     ) -> torch.Tensor:
+    """The rotation frequency of each pair of a head's dimensions, (head_dim / 2,) in float32, on ``device``.
+
+    ``scaling``: Llama 3.1's long-context rule (``factor``, ``low_freq_factor``, ``high_freq_factor``,
+    ``original_max_length``): wavelengths longer than the original context divided by ``factor``, those shorter
+    than it / ``high_freq_factor`` kept, and the ones between interpolated.
+    """
+    frequencies = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    if scaling is None:
+        return frequencies
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_length"]
+    wavelengths = 2 * math.pi / frequencies
+    scaled = torch.where(wavelengths > original / low, frequencies / factor, frequencies)
+    smooth = (original / wavelengths - low) / (high - low)
+    between = (wavelengths >= original / high) & (wavelengths <= original / low)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+
+
+def rotate(x: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+    """Rotate each head's (i, i + head_dim / 2) pairs of ``x`` (batch, heads, length, head_dim) by position x
+    frequency, the angles in float32."""
+    positions = torch.arange(x.shape[2], device=x.device, dtype=torch.float32)
+    angles = torch.outer(positions, frequencies)
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with ``num_kv_heads`` key/value heads shared by groups of the ``num_heads`` query heads
+    (grouped-query attention; equal counts are plain multi-head attention)."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, rope: tuple[float, dict | None]) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
+        self.q = nn.Linear(dim, num_heads * self.head_dim, bias=False)
+        self.k = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.v = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
+        self.o = nn.Linear(num_heads * self.head_dim, dim, bias=False)
+        self.rope_theta, self.rope_scaling = rope
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # Computed for each call, on the input's device: a buffer would need initialising after meta-device
+        # construction in every strategy, and these few small kernels cost next to attention nothing.
+        frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
+        q, k = rotate(q, frequencies), rotate(k, frequencies)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden_dim, bias=False)
+        self.up = nn.Linear(dim, hidden_dim, bias=False)
+        self.down = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, hidden_dim: int, norm_eps: float,
+                 rope: tuple[float, dict | None]) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(dim, eps=norm_eps)
+        self.attention = Attention(dim, num_heads, num_kv_heads, rope)
+        self.norm2 = nn.RMSNorm(dim, eps=norm_eps)
+        self.mlp = SwiGLU(dim, hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TokenEmbedding(nn.Module):
+    """Token ids to vectors; positions enter through the attention's rotation."""
+
+    def __init__(self, vocab_size: int, dim: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tokens(tokens)
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer mapping token ids (batch, length) to next-token logits (batch, length, vocab).
+
+    ``rope_scaling``: null, or Llama 3.1's long-context frequency rule (``rope_frequencies``). ``max_length`` is
+    the context the model is meant for (RoPE itself has no limit); exported as Hugging Face's
+    ``max_position_embeddings``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_length: int,
+        num_layers: int,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        hidden_dim: int,
+        rope_theta: float = 500000.0,
+        rope_scaling: dict | None = None,
+        norm_eps: float = 1e-5,
+        tie_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        for name, value in (("vocab_size", vocab_size), ("max_length", max_length), ("num_layers", num_layers),
+                            ("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                            ("hidden_dim", hidden_dim)):
+            positive_int(f"model.net.{name}", value, f"set model.net.{name} to a positive integer.")
+        if dim % num_heads or (dim // num_heads) % 2:
+            raise ConfigError("model.net.num_heads", f"is {num_heads}, which does not divide model.net.dim={dim} "
+                              "into heads of an even width.", "choose a head count that gives each head an even "
+                              "number of dimensions (RoPE rotates them in pairs).")
+        if num_heads % num_kv_heads:
+            raise ConfigError("model.net.num_kv_heads", f"is {num_kv_heads}, which does not divide "
+                              f"model.net.num_heads={num_heads}.", "choose a divisor of num_heads: each key/value "
+                              "head serves an equal group of query heads.")
+        rope = (rope_theta, dict(rope_scaling) if rope_scaling else None)
+        self.stem = TokenEmbedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(Block(dim, num_heads, num_kv_heads, hidden_dim, norm_eps, rope)
+                                    for _ in range(num_layers))
+        self.head = LMHead(dim, vocab_size, nn.RMSNorm(dim, eps=norm_eps))
+        if tie_weights:  # Llama 3.2's small models: the output projection reuses the token embedding
+            self.head.output.weight = self.stem.tokens.weight
+        self.num_layers = num_layers
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Weights and embeddings normal with std 0.02, the residual projections (attention output, MLP down)
+        scaled down by sqrt(2 x layers) so the residual stream does not grow with depth; norms 1."""
+        module = self.get_submodule(name.rpartition(".")[0])
+        if isinstance(module, nn.RMSNorm):
+            tensor.fill_(1.0)
+        elif name.endswith(("attention.o.weight", "mlp.down.weight")):
+            tensor.normal_(0.0, 0.02 / math.sqrt(2 * self.num_layers), generator=generator)
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.stem(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

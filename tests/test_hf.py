@@ -1,0 +1,128 @@
+"""Hugging Face interop, checked against ``transformers`` itself: its GPT2LMHeadModel and LlamaForCausalLM, random
+weights saved locally, loaded here give the same logits; this project's models written as HF dirs and loaded by
+transformers give them back. And the Llama presets against the published parameter counts."""
+
+import json
+import sys
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from conftest import TINY_GPT, run_command, train
+from project.errors import ConfigError
+from project.hf import HFWeights, check_matches, net_options, read_config, write_hf_dir
+from project.models import GPT, Llama, init_weights
+from project.parallel import materialize
+from test_config import compose_train
+
+transformers = pytest.importorskip("transformers")
+
+# Small, but every feature of the families: GPT-2's tanh GELU and tied head; Llama's grouped-query attention, Llama
+# 3's RoPE scaling (the sequence goes past its original context) and both head choices.
+GPT2 = dict(vocab_size=61, n_positions=48, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new")
+LLAMA = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
+             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+TOKENS = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(0))
+
+
+def hf_model(family: str, tied: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2, tie_word_embeddings=tied)).eval()
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, tie_word_embeddings=tied)).eval()
+
+
+@pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False), ("llama", True)])
+def test_hugging_face_weights_in_and_out_give_transformers_logits(family, tied, tmp_path):
+    reference = hf_model(family, tied)
+    reference.save_pretrained(tmp_path / "hf")
+    options = net_options(read_config(tmp_path / "hf"))
+    with torch.device("meta"):
+        net = (GPT if family == "gpt2" else Llama)(**options)
+    materialize(net, torch.device("cpu"), seed=0, weights=HFWeights(tmp_path / "hf"))
+    with torch.no_grad():
+        expected = reference(TOKENS).logits
+        assert torch.allclose(net(TOKENS), expected, rtol=0, atol=1e-5)
+
+        # Out again, from this project's own (seeded) weights: transformers computes what this model does.
+        init_weights(net, seed=1)
+        write_hf_dir(net.state_dict(), net, options, tmp_path / "out")
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert type(exported) is type(reference)
+        assert torch.allclose(exported(TOKENS).logits, net(TOKENS), rtol=0, atol=1e-5)
+        assert not torch.allclose(exported(TOKENS).logits, expected, atol=1e-3)  # the new weights, not the old
+
+
+def test_a_model_dir_of_another_shape_names_the_key_to_set(tmp_path):
+    hf_model("llama", tied=False).save_pretrained(tmp_path / "hf")
+    options = net_options(read_config(tmp_path / "hf"))
+    with torch.device("meta"):
+        net = Llama(**{**options, "num_kv_heads": 4})
+    with pytest.raises(ConfigError, match=r"model.net.num_kv_heads: is 4, but .*config.json gives 2"):
+        check_matches(tmp_path / "hf", net, {**options, "num_kv_heads": 4})
+    with pytest.raises(ConfigError, match=r"model.init_from: is a llama model, but model.net is a GPT"):
+        check_matches(tmp_path / "hf", GPT(61, 16, 1, 32, 4), {})
+
+
+@pytest.mark.parametrize("preset, published", [
+    ("llama_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B
+    ("llama_3b", 3_212_749_824),  # meta-llama/Llama-3.2-3B
+    ("llama_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
+])
+def test_llama_presets_have_the_published_parameter_counts(preset, published):
+    """With Llama 3's vocabulary, built on the meta device (nothing allocated); a tied weight counts once."""
+    cfg = compose_train([f"model={preset}", "data=tokens", "data.vocab_size=128256", "data.seq_length=1024"])
+    with torch.device("meta"):
+        net = instantiate(cfg.model.net)
+    assert sum(p.numel() for p in net.parameters()) == published
+
+
+def transformers_val_loss(model: torch.nn.Module, overrides: list[str]) -> float:
+    """Mean next-token cross-entropy of a transformers model over the validation set ``train.py <overrides>`` uses."""
+    data = instantiate(compose_train(overrides).data)
+    data.setup("fit")
+    inputs, targets = data.val_set.tensors
+    with torch.no_grad():
+        logits = model(inputs).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_exported_gives_transformers_its_val_loss(gpt_ddp_fsdp_sweep, tmp_path, home):
+    """The fsdp GPT's sharded last.ckpt through ``python -m project.export``: transformers' GPT2LMHeadModel on the
+    exported dir computes the run's own last val/loss."""
+    job = gpt_ddp_fsdp_sweep[1]
+    result = run_command([sys.executable, "-m", "project.export", str(job / "checkpoints" / "last.ckpt"),
+                          str(tmp_path / "hf")], home)
+    assert result.returncode == 0, result.output
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    run_loss = json.loads((job / "result.json").read_text())["final"]["val/loss"]
+    overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
+    assert transformers_val_loss(exported, list(overrides)) == pytest.approx(run_loss, rel=1e-5)
+
+
+# model=llama shaped as LLAMA without RoPE scaling, on token data of its vocabulary.
+LLAMA_EVAL = [*TINY_GPT[1:], "model=llama", "data.vocab_size=61", "model.net.dim=48", "model.net.num_heads=4",
+              "model.net.num_kv_heads=2", "model.net.hidden_dim=80", "data.batch_size=8"]
+
+
+@pytest.mark.slow
+def test_a_hugging_face_llama_evaluates_to_its_transformers_loss_under_fsdp_and_pipeline(runs_dir, home, tmp_path):
+    """mode=eval model.init_from=<a LlamaForCausalLM dir>: fsdp ranks read their shards' rows, pipeline stages their
+    blocks' tensors; each job's val/loss is transformers' own on the same validation set."""
+    torch.manual_seed(0)
+    config = {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    reference.save_pretrained(tmp_path / "hf")
+    sweep = runs_dir / "llama-eval"
+    train(["-m", *LLAMA_EVAL, "mode=eval", f"model.init_from={tmp_path / 'hf'}", "trainer.devices=2",
+           "strategy=fsdp,pipeline", f"hydra.sweep.dir={sweep}"], home)
+    expected = transformers_val_loss(reference, LLAMA_EVAL)
+    for job in ("0", "1"):
+        result = json.loads((sweep / job / "result.json").read_text())
+        assert result["status"] == "completed"
+        assert result["final"]["val/loss"] == pytest.approx(expected, rel=1e-5), job
