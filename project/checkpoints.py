@@ -8,13 +8,16 @@ load single files, so such a folder is consolidated first, for evaluation or fin
 import os
 import pickle
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -115,3 +118,30 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError("holds no state_dict: it is not a Lightning checkpoint")
     return {name: tuple(tensor.shape) for name, tensor in checkpoint["state_dict"].items()}
+
+
+PREFIX = "net."  # the LightningModule's name for the model in its state_dict
+
+
+def model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The model's tensors of a checkpoint, by parameter name (sharded ones gathered whole)."""
+    checkpoint = Path(checkpoint)
+    if is_sharded_checkpoint(checkpoint):
+        metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        wanted = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in metadata.items()
+                  if key.startswith(f"state_dict.{PREFIX}")}
+        with warnings.catch_warnings():  # one process reading on purpose, which DCP warns about
+            warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+            load(wanted, checkpoint_id=str(checkpoint), no_dist=True)
+        return {key.removeprefix(f"state_dict.{PREFIX}"): value for key, value in wanted.items()}
+    state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+    return {key.removeprefix(PREFIX): value for key, value in state.items() if key.startswith(PREFIX)}
+
+
+def job_config(checkpoint: str | Path, config: str | Path | None = None) -> DictConfig:
+    """The resolved config of the job that saved ``checkpoint``: ``config``, or the job dir's ``config.yaml``
+    beside its ``checkpoints/``."""
+    config = Path(config) if config else Path(checkpoint).resolve().parent.parent / "config.yaml"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config} does not exist: pass the job's config with --config <job dir>/config.yaml")
+    return OmegaConf.load(config)

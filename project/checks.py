@@ -348,6 +348,10 @@ def check_config(cfg: DictConfig) -> None:
     strategy_rules = getattr(strategy_class(cfg), "check_config", None)
     if strategy_rules is not None:  # each strategy of this project checks what it needs (its own module)
         strategy_rules(cfg, net)
+    for name, callback in (cfg.callbacks or {}).items():  # and so does each callback, of the data and strategy
+        callback_rules = getattr(get_class(callback._target_), "check_config", None)
+        if callback_rules is not None:
+            callback_rules(cfg, name, datamodule, strategy_class(cfg))
 
     data_parallel = data_parallel_size(cfg)
     global_batch = batch_size * data_parallel

@@ -13,41 +13,21 @@ from pathlib import Path
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict_loader import load
 
-from project.checkpoints import is_sharded_checkpoint
+from project.checkpoints import job_config, model_state
 from project.hf import write_hf_dir
-
-PREFIX = "net."  # the LightningModule's name for the model in its state_dict
-
-
-def model_state(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """The model's tensors of a checkpoint, by parameter name (sharded ones gathered whole)."""
-    if is_sharded_checkpoint(checkpoint):
-        metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-        wanted = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in metadata.items()
-                  if key.startswith(f"state_dict.{PREFIX}")}
-        load(wanted, checkpoint_id=str(checkpoint), no_dist=True)
-        return {key.removeprefix(f"state_dict.{PREFIX}"): value for key, value in wanted.items()}
-    state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
-    return {key.removeprefix(PREFIX): value for key, value in state.items() if key.startswith(PREFIX)}
 
 
 def export(checkpoint: str | Path, out: str | Path, config: str | Path | None = None,
            dtype: torch.dtype = torch.float32) -> Path:
-    checkpoint = Path(checkpoint)
-    config = Path(config) if config else checkpoint.resolve().parent.parent / "config.yaml"
-    if not config.is_file():
-        raise FileNotFoundError(f"{config} does not exist: pass the job's config with --config <job dir>/config.yaml")
-    net_cfg = OmegaConf.to_container(OmegaConf.load(config).model.net, resolve=True)
+    net_cfg = OmegaConf.to_container(job_config(checkpoint, config).model.net, resolve=True)
     with torch.device("meta"):
         net = instantiate(net_cfg)
     state = model_state(checkpoint)
     expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
     state = {name: value for name, value in state.items() if name in expected}
     if set(state) != expected:
-        raise ValueError(f"{checkpoint} lacks {sorted(expected - set(state))[:3]}: not a checkpoint of {config}'s model")
+        raise ValueError(f"{checkpoint} lacks {sorted(expected - set(state))[:3]}: not a checkpoint of this model")
     return write_hf_dir(state, net, net_cfg, out, dtype)
 
 

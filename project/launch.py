@@ -27,7 +27,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import InterpolationResolutionError
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from project.results import read_result
 from project.checkpoints import consolidate_checkpoint, is_sharded_checkpoint
@@ -106,7 +106,10 @@ def job_config(cfg: DictConfig) -> DictConfig:
         if wandb_cfg is not None and wandb_cfg.group is None and multirun:
             wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
     try:
-        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+    except MissingMandatoryValue as error:  # a ??? the command line did not fill (model=language_model: no net)
+        raise ConfigError(str(error.full_key), "is required and has no value (???).",
+                          f"set it on the command line: {error.full_key}=..., or choose an option that sets it.") from None
     except InterpolationResolutionError as error:
         raised = re.search(r"ConfigError raised while resolving interpolation: (\S+): (.*?) Fix: (.*?)\n", error.msg)
         if raised:  # a resolver's own error (data=shards: no meta.json in data.path)

@@ -173,12 +173,13 @@ class EpochWandbLogger(WandbLogger):
             self._send_row(row)
 
     @rank_zero_only
-    def log_device_table(self, rows: list[dict[str, Any]]) -> None:
-        """One row per device (memory, throughput) as the W&B table ``devices``, in the summary: the latest
-        epoch's, for comparing devices and strategies side by side."""
+    def log_summary_table(self, key: str, rows: list[dict[str, Any]]) -> None:
+        """``rows`` as the W&B table ``key`` in the run's summary (replacing the one before): the latest epoch's
+        row per device (``devices``: memory, throughput, to compare devices and strategies side by side), or the
+        text samples so far (``samples``)."""
         if rows:
             columns = list(rows[0])
-            self.experiment.summary["devices"] = wandb.Table(
+            self.experiment.summary[key] = wandb.Table(
                 columns=columns, data=[[row.get(column) for column in columns] for row in rows])
 
     def _send_row(self, row: dict[str, float]) -> None:

@@ -44,6 +44,10 @@ TINY_GPT = [
 ]
 
 
+# The tiny Llama on the same language; its 2 query heads share 1 key/value head (grouped-query attention).
+TINY_LLAMA = ["model=llama", *TINY_GPT[1:], "model.net.num_kv_heads=1", "model.net.hidden_dim=64"]
+
+
 def isolated_env(home: Path) -> dict[str, str]:
     """No W&B credentials or mode from the developer's machine: runs must decide offline by themselves. The
     tests folder is importable, so a run can load a probe callback from ``tests/probes.py``."""
@@ -212,6 +216,18 @@ def gpt_split_sweep(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
-def gpt_gpipe_run(runs_dir, home):
-    return one_run("gpt-gpipe", [*TINY_GPT, "trainer.devices=2", "data.batch_size=32", "strategy=pipeline",
-                                 "strategy.schedule=gpipe"], runs_dir, home)
+def llama_auto(runs_dir, home):
+    return one_run("llama-auto", [*TINY_LLAMA, "data.batch_size=32"], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def llama_ddp_fsdp_sweep(runs_dir, home):
+    return two_job_sweep("llama-ddp-fsdp", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=16",
+                                            "strategy=ddp,fsdp"], runs_dir, home)[1]
+
+
+@pytest.fixture(scope="session")
+def llama_split_sweep(runs_dir, home):
+    """model_parallel and pipeline (1f1b) over 2 devices: jobs 0 and 1."""
+    return two_job_sweep("llama-split", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=32",
+                                         "strategy=model_parallel,pipeline"], runs_dir, home)[1]

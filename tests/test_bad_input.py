@@ -116,8 +116,18 @@ CASES = [
     # Hydra's own: an option or key that does not exist
     (["model=nosuch"], "Could not find 'model/nosuch'"),
     (["nosuchkey=1"], "Could not override 'nosuchkey'"),
+    (["model=gpt", "callbacks.text_sample.prompt=hi"],
+     "callbacks.text_sample.prompt: is set, but MarkovTokenDataModule has no text to write a prompt in"),
+    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "strategy=pipeline", "trainer.devices=2",
+      "callbacks.text_sample.prompt=hi"], "callbacks.text_sample.prompt: is set, but under PipelineStrategy no rank"),
+    (["mode=fit"], "mode: is 'fit'"),
+    (["mode=eval"], "mode: is eval, but there are no weights to evaluate"),
+    (["mode=eval", "ckpt_path=last"], "ckpt_path: is 'last', this job dir's own checkpoint"),
+    (["model=llama", "model.net.num_kv_heads=3"], "model.net.num_kv_heads: is 3, which does not divide"),
+    (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
+    (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
 ]
-GPT_MARK = "model=gpt"
+LM_MARKS = ("model=gpt", "model=llama")  # cases on TINY_GPT's language data, with their own model
 IDS = [" ".join(overrides) for overrides, _ in CASES]
 
 
@@ -144,7 +154,8 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
     cases, dirs = [], []
     for number, (overrides, _) in enumerate(CASES):
         overrides = [fill(item, names) for item in overrides]
-        base = [item for item in TINY_GPT if item != GPT_MARK] if GPT_MARK in overrides else TINY
+        language_model = any(mark in overrides for mark in LM_MARKS)
+        base = [item for item in TINY_GPT if item != "model=gpt"] if language_model else TINY
         if "data=text" in overrides or "data=shards" in overrides:  # their own data group and sizes
             base = [item for item in base if not item.startswith(("data=", "data.vocab", "data.seq", "data.num"))]
         job_dir, launch_dir = root / "jobs" / str(number), root / "launch" / str(number)  # nothing may land in the latter

@@ -38,7 +38,8 @@ def test_every_group_exists_with_options():
 
 
 # Options that need a partner option: a language model needs token data and the other way round.
-PARTNERS = {"model=gpt": ["data=tokens"], "data=tokens": ["model=gpt"], "data=text": ["model=gpt", "data.path=x.txt"]}
+PARTNERS = {"model=gpt": ["data=tokens"], "model=llama": ["data=tokens"], "model=language_model": ["data=tokens"],
+            "data=tokens": ["model=gpt"], "data=text": ["model=gpt", "data.path=x.txt"]}
 OPTIONS = [
     f"{path.parent.name}={path.stem}"
     for path in sorted(CONF.glob("*/*.yaml"))

@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 
 from conftest import only_run
 from project.data.tokens import MarkovTokenDataModule, TextDataModule, entropy_rate, random_markov_chain
-from project.models import GPT
+from project.models import GPT, Llama
 from project.models.gpt import MLP
 from project.modules.language_model import TokenCrossEntropy
 from project.parallel import apply_activation_checkpointing
@@ -85,13 +85,17 @@ def test_text_data_is_bytes_split_without_overlap(tmp_path):
     assert int(dm.val_set.tensors[0][0, 0]) == 1536 % 256  # the split starts at the last quarter
 
 
-def test_activation_checkpointing_same_loss_less_saved_activation_memory():
+@pytest.mark.parametrize("build", [
+    lambda: GPT(vocab_size=64, max_length=32, num_layers=4, dim=64, num_heads=4),
+    lambda: Llama(vocab_size=64, max_length=32, num_layers=4, dim=64, num_heads=4, num_kv_heads=2, hidden_dim=128),
+], ids=["gpt", "llama"])
+def test_activation_checkpointing_same_loss_less_saved_activation_memory(build):
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (4, 32))
     losses, saved = [], []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        model = GPT(vocab_size=64, max_length=32, num_layers=4, dim=64, num_heads=4)
+        model = build()
         if checkpointing:
             apply_activation_checkpointing(model)
         saved_bytes = 0

@@ -1,12 +1,12 @@
 """Every strategy against the hand-written loop of ``reference.py``: the same per-epoch numbers to 1e-5, for the MLP
-and for the tiny GPT (AdamW with weight-decay groups, warmup + cosine over the run's steps), shuffled every epoch.
+and for the tiny GPT and Llama (AdamW with weight-decay groups, warmup + cosine over the run's steps), shuffled every epoch.
 
 The runs are the session's real ``python train.py`` runs (conftest); the reference trains in this process.
 """
 
 import pytest
 
-from conftest import TINY, TINY_GPT, assert_matches_reference, only_run
+from conftest import TINY, TINY_GPT, TINY_LLAMA, assert_matches_reference, only_run
 
 # (fixture, job index or None) of each strategy's run; every one has the reference's global batch.
 RUNS = {
@@ -18,21 +18,27 @@ RUNS = {
         "pipeline-gpipe": ("pipeline_sweep", 0),
         "pipeline-1f1b": ("pipeline_sweep", 1),
     },
-    "gpt": {
+    "gpt": {  # the pipeline schedules against each other: the MLP's runs
         "auto": ("gpt_auto", None),
         "ddp": ("gpt_ddp_fsdp_sweep", 0),
         "fsdp": ("gpt_ddp_fsdp_sweep", 1),
         "model_parallel": ("gpt_split_sweep", 0),
-        "pipeline-gpipe": ("gpt_gpipe_run", None),
         "pipeline-1f1b": ("gpt_split_sweep", 1),
     },
+    "llama": {
+        "auto": ("llama_auto", None),
+        "ddp": ("llama_ddp_fsdp_sweep", 0),
+        "fsdp": ("llama_ddp_fsdp_sweep", 1),
+        "model_parallel": ("llama_split_sweep", 0),
+        "pipeline-1f1b": ("llama_split_sweep", 1),
+    },
 }
-REFERENCE_ARGS = {"mlp": ([*TINY, "data.batch_size=64"], 64), "gpt": ([*TINY_GPT, "data.batch_size=32"], 32)}
+REFERENCE_ARGS = {"mlp": ([*TINY, "data.batch_size=64"], 64), "gpt": ([*TINY_GPT, "data.batch_size=32"], 32),
+                  "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", list(RUNS["mlp"]))
-@pytest.mark.parametrize("model", list(RUNS))
+@pytest.mark.parametrize("model, strategy", [(model, strategy) for model in RUNS for strategy in RUNS[model]])
 def test_every_strategy_matches_the_hand_written_loop(model, strategy, reference, request):
     fixture, job = RUNS[model][strategy]
     job_dir = request.getfixturevalue(fixture)

@@ -38,7 +38,7 @@ class JobResult(L.Callback):
         self.devices = per_device_rows(trainer)
         for logger in trainer.loggers:
             if isinstance(logger, EpochWandbLogger):
-                logger.log_device_table(self.devices)
+                logger.log_summary_table("devices", self.devices)
         self._write(trainer, "running")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

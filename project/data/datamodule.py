@@ -9,6 +9,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
 from project.errors import positive_int
+from project.generation import TextCodec
 
 
 # The data module resumes its loader mid-epoch itself (``InMemoryDataModule.state_dict``); Lightning, looking only
@@ -86,6 +87,10 @@ class InMemoryDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)
+
+    def text_codec(self) -> TextCodec | None:
+        """Text to token ids and back, for data made of text (None: the samples are not text)."""
+        return None
 
 
 class GeneratedDataModule(InMemoryDataModule):

@@ -9,6 +9,7 @@ from torch.utils.data import Dataset
 from project.data.datamodule import InMemoryDataModule
 from project.data.shards import read_shard
 from project.errors import ConfigError, positive_int
+from project.generation import TokenizerCodec
 from project.resolvers import prepared_meta
 
 
@@ -50,6 +51,9 @@ class ShardsDataModule(InMemoryDataModule):
     """The shards ``python -m project.data.prepare`` wrote (``path``: its ``--out`` dir), read through memory maps
     as windows of ``seq_length + 1`` tokens, batched as every data module here (``GlobalBatchSampler``: the same
     global batches whatever the device count; every validation window once)."""
+
+    def text_codec(self) -> TokenizerCodec:
+        return TokenizerCodec(self.path / "tokenizer.json")  # the tokenizer prepare used, saved beside the shards
 
     def __init__(self, path: str, seq_length: int, batch_size: int, seed: int, shuffle: bool = True,
                  num_workers: int = 0, vocab_size: int | None = None) -> None:

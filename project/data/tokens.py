@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
 from project.errors import ConfigError, number_in, positive_int
+from project.generation import BytesCodec
 
 
 def random_markov_chain(vocab_size: int, branching: int, generator: torch.Generator) -> torch.Tensor:
@@ -108,6 +109,9 @@ class MarkovTokenDataModule(GeneratedDataModule):
 class TextDataModule(InMemoryDataModule):
     """Byte-level tokens (vocabulary 256) of a local text file, cut into sequences; the last ``val_fraction`` of
     the file is the validation split, so no text is in both."""
+
+    def text_codec(self) -> BytesCodec:
+        return BytesCodec()
 
     def __init__(
         self, path: str, seq_length: int, val_fraction: float, batch_size: int, seed: int, shuffle: bool = True

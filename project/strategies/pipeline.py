@@ -72,6 +72,8 @@ def keep_only(model: nn.Module, kept: list[nn.Module]) -> None:
 class PipelineStrategy(ShardedCheckpointStrategy):
     """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline; batches must be ``(inputs, targets)``."""
 
+    runs_whole_model = False  # no rank can run the model's forward alone (callbacks that would, refuse before launch)
+
     def __init__(
         self,
         num_stages: int,

@@ -1,0 +1,57 @@
+"""A sample of the text a language model writes, after each validation."""
+
+from typing import Any
+
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+
+from project.errors import ConfigError
+from project.generation import generate
+from project.loggers import EpochWandbLogger
+
+
+class TextSample(L.Callback):
+    """After each validation (not the sanity check), ``max_new_tokens`` tokens the model writes after ``prompt``
+    (``project.generation.generate``: ``temperature``, ``top_k``, ``seed``), printed and kept in the W&B run's
+    table ``samples`` (epoch, step, prompt, text: one row per validation). ``prompt`` null: no sample.
+
+    Every rank generates (an FSDP forward needs them all), drawing the same tokens; rank 0 prints and logs. The
+    context is cut to the data's sequence length, the longest the model trained on.
+    """
+
+    def __init__(self, prompt: str | None, max_new_tokens: int = 64, temperature: float = 0.8,
+                 top_k: int | None = 50, seed: int = 0) -> None:
+        self.prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed = (
+            prompt, max_new_tokens, temperature, top_k, seed)
+        self.rows: list[dict[str, Any]] = []
+
+    @staticmethod
+    def check_config(cfg: DictConfig, name: str, datamodule: L.LightningDataModule, strategy: type | None) -> None:
+        """A prompt (``callbacks.<name>.prompt``) needs text data and a strategy whose ranks run the whole model."""
+        key = f"callbacks.{name}.prompt"
+        if OmegaConf.select(cfg, key) is None:
+            return
+        if getattr(datamodule, "text_codec", lambda: None)() is None:
+            raise ConfigError(key, f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
+                              f"use data=text or data=shards, or {key}=null.")
+        if not getattr(strategy, "runs_whole_model", True):
+            raise ConfigError(key, f"is set, but under {strategy.__name__} no rank runs the whole model.",
+                              f"set {key}=null, and generate from the checkpoint: python -m project.generate.")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.prompt is None or trainer.sanity_checking:
+            return
+        codec, net = trainer.datamodule.text_codec(), pl_module.net
+        training = net.training
+        net.eval()
+        tokens = generate(net, codec.encode(self.prompt), self.max_new_tokens, self.temperature, self.top_k,
+                          self.seed, max_length=trainer.datamodule.seq_length)
+        net.train(training)
+        text = codec.decode(tokens)
+        self.rows.append({"epoch": trainer.current_epoch, "step": trainer.global_step, "prompt": self.prompt,
+                          "text": text})
+        if trainer.is_global_zero:
+            print(f"Sample (epoch {trainer.current_epoch}, step {trainer.global_step}): {self.prompt}{text}")
+            for logger in trainer.loggers:
+                if isinstance(logger, EpochWandbLogger):
+                    logger.log_summary_table("samples", self.rows)

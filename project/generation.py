@@ -1,0 +1,63 @@
+"""Text from a language model: sampling with temperature and top-k, and the data's text <-> token codec."""
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+
+
+class TextCodec(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, tokens: list[int]) -> str: ...
+
+
+class BytesCodec:
+    """data=text: each byte is a token."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: list[int]) -> str:
+        return bytes(tokens).decode("utf-8", errors="replace")
+
+
+class TokenizerCodec:
+    """data=shards: the Hugging Face tokenizer the corpus was prepared with (its ``tokenizer.json``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.tokenizer = Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+
+@torch.no_grad()
+def generate(net: nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, seed: int = 0, max_length: int | None = None) -> list[int]:
+    """``max_new_tokens`` tokens continuing ``prompt``, each drawn from the model's next-token distribution divided
+    by ``temperature`` (0: the most likely token) and cut to the ``top_k`` most likely (None: all).
+
+    Every rank of a sharded model must call this together (the forward gathers shards); the draws come from a
+    generator seeded with ``seed`` on the CPU, so every rank draws the same tokens. Each step runs the whole
+    context again (no key/value cache: short samples of small models), cut to ``max_length`` tokens (a learned
+    position table's size)."""
+    device = next(net.parameters()).device
+    tokens = torch.tensor([prompt], device=device)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(max_new_tokens):
+        context = tokens if max_length is None else tokens[:, -max_length:]
+        logits = net(context)[0, -1].float().cpu()
+        if temperature == 0:
+            token = logits.argmax()
+        else:
+            logits = logits / temperature
+            if top_k is not None and top_k < logits.numel():
+                logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
+            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
+        tokens = torch.cat([tokens, token.view(1, 1).to(device)], dim=1)
+    return tokens[0, len(prompt):].tolist()
