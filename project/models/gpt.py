@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from project.errors import ConfigError, positive_int
+from project.models.sequence import BlockSequence
 
 
 class CausalSelfAttention(nn.Module):
@@ -86,7 +87,7 @@ class LMHead(nn.Module):
         return self.output(self.norm(x))
 
 
-class GPT(nn.Module):
+class GPT(BlockSequence):
     """Decoder-only transformer mapping token ids (batch, length) to next-token logits (batch, length, vocab)."""
 
     def __init__(
@@ -129,9 +130,3 @@ class GPT(nn.Module):
             tensor.normal_(0.0, 0.02 / math.sqrt(2 * self.num_layers), generator=generator)
         else:
             tensor.normal_(0.0, 0.02, generator=generator)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.stem(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)

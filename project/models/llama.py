@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from project.errors import ConfigError, positive_int
 from project.models.gpt import LMHead
+from project.models.sequence import BlockSequence
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, device: torch.device | None = None
@@ -115,7 +116,7 @@ class TokenEmbedding(nn.Module):
         return self.tokens(tokens)
 
 
-class Llama(nn.Module):
+class Llama(BlockSequence):
     """Decoder-only transformer mapping token ids (batch, length) to next-token logits (batch, length, vocab).
 
     ``rope_scaling``: null, or Llama 3.1's long-context frequency rule (``rope_frequencies``). ``max_length`` is
@@ -169,9 +170,3 @@ class Llama(nn.Module):
             tensor.normal_(0.0, 0.02 / math.sqrt(2 * self.num_layers), generator=generator)
         else:
             tensor.normal_(0.0, 0.02, generator=generator)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.stem(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from project.errors import ConfigError, positive_int
+from project.models.sequence import BlockSequence
 
 
-class MLP(nn.Module):
+class MLP(BlockSequence):
     """Linear → ReLU blocks, then a Linear output block; ``blocks`` holds them in order.
 
     Like every model here it is ``head(blocks(stem(x)))``; for the MLP, stem and head do nothing.
@@ -36,9 +37,3 @@ class MLP(nn.Module):
         layer = self.get_submodule(name.rpartition(".")[0])
         bound = 1 / math.sqrt(layer.in_features)
         tensor.uniform_(-bound, bound, generator=generator)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)

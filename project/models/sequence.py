@@ -1,0 +1,23 @@
+"""The shape every model here has, and the one strategies act on: ``head(blocks(stem(x)))``."""
+
+import torch
+from torch import nn
+
+
+class BlockSequence(nn.Module):
+    """A model as ``stem``, an ordered ``blocks`` list, and ``head``. FSDP shards it block by block; model_parallel
+    and pipeline split ``blocks`` into stages, the stem with the first and the head with the last. Subclasses set
+    the three parts and say how each parameter starts (``init_parameter``, see ``project.models.init``)."""
+
+    stem: nn.Module
+    blocks: nn.ModuleList
+    head: nn.Module
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
