@@ -134,7 +134,10 @@ def model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
             warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
             load(wanted, checkpoint_id=str(checkpoint), no_dist=True)
         return {key.removeprefix(f"state_dict.{PREFIX}"): value for key, value in wanted.items()}
-    state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)["state_dict"]
+    state = torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=False)
+    if not isinstance(state, dict) or "state_dict" not in state:
+        raise ValueError(f"{checkpoint} is not a Lightning checkpoint (no state_dict)")
+    state = state["state_dict"]
     return {key.removeprefix(PREFIX): value for key, value in state.items() if key.startswith(PREFIX)}
 
 

@@ -278,7 +278,7 @@ def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
     if accumulate == 1 or (isinstance(interval, float) and interval == 1.0):
         return
     every = interval if _is_int(interval) else max(1, int(batches * interval))  # Lightning's val_check_batch
-    if every % accumulate:
+    if every % accumulate and not (every == batches and every_epoch is not None):  # an epoch's end is a step's
         multiple = max(accumulate, every - every % accumulate)
         raise ConfigError("trainer.val_check_interval", f"validates every {every} training batches, inside an "
                           f"optimizer step of trainer.accumulate_grad_batches={accumulate} batches: its checkpoints "

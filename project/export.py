@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from project.checkpoints import job_config, model_state
-from project.hf import write_hf_dir
+from project.hf import NET_CLASSES, write_hf_dir
 
 
 def export(checkpoint: str | Path, out: str | Path, config: str | Path | None = None,
@@ -23,6 +23,8 @@ def export(checkpoint: str | Path, out: str | Path, config: str | Path | None = 
     net_cfg = OmegaConf.to_container(job_config(checkpoint, config).model.net, resolve=True)
     with torch.device("meta"):
         net = instantiate(net_cfg)
+    if not isinstance(net, tuple(NET_CLASSES.values())):
+        raise ValueError(f"the job's model is a {type(net).__name__}; Hugging Face dirs hold GPT and Llama models")
     state = model_state(checkpoint)
     expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
     state = {name: value for name, value in state.items() if name in expected}

@@ -12,7 +12,7 @@ import torch
 from hydra.utils import instantiate
 
 from project.checkpoints import job_config, model_state
-from project.generation import generate
+from project.generation import check_settings, generate
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,6 +26,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to run")
     args = parser.parse_args(argv)
+    problem = check_settings(args.max_new_tokens, args.temperature, args.top_k or None)
+    if problem is not None:
+        setting, text = problem.split(": ", 1)
+        parser.error(f"--{setting.replace('_', '-')}: {text}")
+    if not args.prompt:
+        parser.error("--prompt is empty: give the text to continue")
     try:
         cfg = job_config(args.checkpoint, args.config)
         state = model_state(args.checkpoint)

@@ -36,6 +36,17 @@ class TokenizerCodec:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
 
+def check_settings(max_new_tokens: int, temperature: float, top_k: int | None) -> str | None:
+    """What is wrong with these sampling settings (the setting's name first), or None."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        return f"max_new_tokens: must be a positive integer, got {max_new_tokens!r}"
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        return f"temperature: must be a number of at least 0 (0: the most likely token), got {temperature!r}"
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        return f"top_k: must be a positive integer, or null for every token, got {top_k!r}"
+    return None
+
+
 @torch.no_grad()
 def generate(net: nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, seed: int = 0, max_length: int | None = None) -> list[int]:
@@ -46,6 +57,8 @@ def generate(net: nn.Module, prompt: list[int], max_new_tokens: int, temperature
     generator seeded with ``seed`` on the CPU, so every rank draws the same tokens. Each step runs the whole
     context again (no key/value cache: short samples of small models), cut to ``max_length`` tokens (a learned
     position table's size)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token to continue")
     device = next(net.parameters()).device
     tokens = torch.tensor([prompt], device=device)
     generator = torch.Generator().manual_seed(seed)

@@ -73,7 +73,11 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if not config_file.is_file():
         raise ConfigError("model.init_from", f"{path} holds no config.json.", "pass a Hugging Face model dir "
                           "(config.json and *.safetensors, as save_pretrained writes them).")
-    config = json.loads(config_file.read_text())
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError("model.init_from", f"{config_file} is not valid JSON ({error}).",
+                          "pass a complete Hugging Face model dir.") from None
     if config.get("model_type") not in NAMES:
         raise ConfigError("model.init_from", f"{path} holds a {config.get('model_type')!r} model.",
                           f"use a model of the families {sorted(NAMES)} (model=gpt or model=llama).")
@@ -95,26 +99,67 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
                    "original_max_length": parameters["original_max_position_embeddings"]}
 
 
+# GPT-2's GELU spellings in transformers: the exact one, and the tanh approximation under two names.
+GPT2_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+def is_tied(config: dict[str, Any]) -> bool:
+    """Whether the model's output layer is its token embedding (transformers' default: GPT-2 yes, Llama no)."""
+    return config.get("tie_word_embeddings", config["model_type"] == "gpt2")
+
+
 def net_options(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``model.net`` options that give a Hugging Face config's model (the shape keys, by this project's name)."""
-    if config["model_type"] == "gpt2":
-        if config.get("n_inner") not in (None, 4 * config["n_embd"]) or config.get("layer_norm_epsilon", 1e-5) != 1e-5:
-            raise ConfigError("model.init_from", "is a GPT-2 variant this GPT cannot hold (an MLP width other than "
-                              "4 x n_embd, or a LayerNorm epsilon other than 1e-5).", "use a GPT-2-shaped model.")
-        return {"vocab_size": config["vocab_size"], "max_length": config["n_positions"], "num_layers": config["n_layer"],
-                "dim": config["n_embd"], "num_heads": config["n_head"],
-                "tie_weights": config.get("tie_word_embeddings", True),
-                "gelu_approximate": "none" if config.get("activation_function") == "gelu" else "tanh"}
+    """The ``model.net`` options that give a Hugging Face config's model (the shape keys, by this project's name);
+    ``ConfigError`` for a variant these models cannot compute."""
+    try:
+        return _gpt2_options(config) if config["model_type"] == "gpt2" else _llama_options(config)
+    except KeyError as error:
+        raise ConfigError("model.init_from", f"its config.json has no {error}.",
+                          "pass a complete Hugging Face model dir.") from None
+
+
+def _variant(description: str) -> ConfigError:
+    return ConfigError("model.init_from", f"is a variant this project's model cannot compute: {description}.",
+                       "use a model of the standard GPT-2 or Llama shape.")
+
+
+def _gpt2_options(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("n_inner") not in (None, 4 * config["n_embd"]) or config.get("layer_norm_epsilon", 1e-5) != 1e-5:
+        raise _variant("an MLP width other than 4 x n_embd, or a LayerNorm epsilon other than 1e-5")
+    if config.get("activation_function", "gelu_new") not in GPT2_GELU:
+        raise _variant(f"activation_function {config['activation_function']!r} (GELU only)")
+    if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx"):
+        raise _variant("attention scores scaled otherwise than by 1/sqrt(head width)")
+    return {"vocab_size": config["vocab_size"], "max_length": config["n_positions"], "num_layers": config["n_layer"],
+            "dim": config["n_embd"], "num_heads": config["n_head"], "tie_weights": is_tied(config),
+            "gelu_approximate": GPT2_GELU[config.get("activation_function", "gelu_new")]}
+
+
+def _llama_options(config: dict[str, Any]) -> dict[str, Any]:
     heads = config["num_attention_heads"]
-    if config.get("attention_bias") or config.get("mlp_bias") or config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
-        raise ConfigError("model.init_from", "is a Llama variant this Llama cannot hold (biases, or a head width "
-                          "other than hidden_size / num_attention_heads).", "use a Llama-shaped model.")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise _variant("biases")
+    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+        raise _variant("a head width other than hidden_size / num_attention_heads")
+    if config.get("hidden_act", "silu") != "silu":
+        raise _variant(f"hidden_act {config['hidden_act']!r} (SwiGLU's silu only)")
     theta, scaling = _rope(config)
     return {"vocab_size": config["vocab_size"], "max_length": config["max_position_embeddings"],
             "num_layers": config["num_hidden_layers"], "dim": config["hidden_size"], "num_heads": heads,
             "num_kv_heads": config.get("num_key_value_heads") or heads, "hidden_dim": config["intermediate_size"],
             "rope_theta": theta, "rope_scaling": scaling, "norm_eps": config.get("rms_norm_eps", 1e-6),
-            "tie_weights": config.get("tie_word_embeddings", False)}
+            "tie_weights": is_tied(config)}
+
+
+def _hydra_value(value: Any) -> str:
+    """``value`` as a command-line override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{_hydra_value(item)}" for key, item in value.items()) + "}"
+    return str(value)
 
 
 def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> None:
@@ -125,16 +170,24 @@ def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> 
         raise ConfigError("model.init_from", f"is a {family} model, but model.net is a {type(net).__name__}.",
                           f"use model={'gpt' if family == 'gpt2' else 'llama'} (or one of its presets).")
     for key, value in net_options(config).items():
-        if key != "max_length" and net_cfg.get(key) != value:  # max_length: the context trained at, not a shape
-            raise ConfigError(f"model.net.{key}", f"is {net_cfg.get(key)!r}, but {path}/config.json gives {value!r}.",
-                              f"set model.net.{key}={value}" + (" (the data's vocabulary: prepare it with the "
-                              "model's tokenizer.json)." if key == "vocab_size" else "."))
+        if key == "max_length":  # the context it was trained for; GPT-2's position table holds only so many
+            if family == "gpt2" and net_cfg.get(key, 0) > value:
+                raise ConfigError("data.seq_length", f"is {net_cfg.get(key)}, longer than the {value} positions of "
+                                  f"{path}'s position table.", f"use data.seq_length={value} or less.")
+        elif key == "tie_weights" and value and not net_cfg.get(key):
+            continue  # untied here (model_parallel, pipeline): the output layer starts as a copy of the embedding
+        elif net_cfg.get(key) != value:
+            raise ConfigError(f"model.net.{key}", f"is {_hydra_value(net_cfg.get(key))}, but {path}/config.json "
+                              f"gives {_hydra_value(value)}.", f"set model.net.{key}={_hydra_value(value)}" +
+                              (" (the data's vocabulary: prepare it with the model's tokenizer.json)."
+                               if key == "vocab_size" else ", or use the preset of that model's shape."))
 
 
 def _local_slices(parameter: torch.Tensor) -> tuple[slice, ...]:
-    """The part of the full tensor this rank holds: all of it, or its shard of a DTensor."""
+    """The part of the saved tensor this rank holds: the parameter's shape from the start (a GPT-2 position table
+    cut to the sequence length trained here), or its shard of it (a DTensor)."""
     if not isinstance(parameter, DTensor):
-        return tuple(slice(None) for _ in parameter.shape)
+        return tuple(slice(0, size) for size in parameter.shape)
     shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh, parameter.placements)
     return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
@@ -144,7 +197,8 @@ class HFWeights:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.family = read_config(path)["model_type"]
+        config = read_config(path)
+        self.family, self.tied = config["model_type"], is_tied(config)
         index = self.path / "model.safetensors.index.json"  # a model saved in several files
         if index.is_file():
             self.files = {key: self.path / file for key, file in json.loads(index.read_text())["weight_map"].items()}
@@ -154,15 +208,16 @@ class HFWeights:
 
     def _key(self, name: str) -> str:
         key = hf_name(self.family, name)
-        if key == "lm_head.weight" and key not in self.files:  # tied: saved once, as the input embedding
+        if key == "lm_head.weight" and self.tied and key not in self.files:  # tied: saved once, as the embedding
             key = TIED_INPUT[self.family]
         if key not in self.files:
             key = key.removeprefix("transformer.")  # GPT-2 as first published: no "transformer." prefix
         return key
 
     def missing(self, net: nn.Module) -> list[str]:
-        """The Hugging Face names of ``net``'s parameters this dir does not hold."""
-        return [hf_name(self.family, name) for name, _ in net.named_parameters() if self._key(name) not in self.files]
+        """The Hugging Face names of ``net``'s parameters this dir does not hold (or whose file is absent)."""
+        return [hf_name(self.family, name) for name, _ in net.named_parameters()
+                if self._key(name) not in self.files or not self.files[self._key(name)].is_file()]
 
     def read(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter ``name`` (its local shape), in float32 on the CPU."""
@@ -194,6 +249,11 @@ def write_hf_dir(state_dict: dict[str, torch.Tensor], net: nn.Module, net_cfg: d
     return out
 
 
+# The special tokens are the tokenizer's business, which this project does not know: without these nulls,
+# transformers would take its family defaults (GPT-2's 50256, Llama's 1 and 2) and stop generating at them.
+NO_TOKEN_IDS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
 def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     dtype_name = str(dtype).removeprefix("torch.")
     if family == "gpt2":
@@ -202,7 +262,7 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
                 "n_head": net_cfg["num_heads"], "n_inner": None, "layer_norm_epsilon": 1e-5,
                 "activation_function": "gelu" if net_cfg.get("gelu_approximate", "none") == "none" else "gelu_new",
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name}
+                "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name, **NO_TOKEN_IDS}
     scaling = net_cfg.get("rope_scaling")
     rope = {"rope_type": "default", "rope_theta": net_cfg["rope_theta"]}
     if scaling:
@@ -216,4 +276,5 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
             "head_dim": net_cfg["dim"] // net_cfg["num_heads"], "hidden_act": "silu",
             "rms_norm_eps": net_cfg["norm_eps"], "rope_theta": net_cfg["rope_theta"],
             "rope_scaling": rope if scaling else None, "rope_parameters": rope, "attention_bias": False,
-            "mlp_bias": False, "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name}
+            "mlp_bias": False, "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name,
+            **NO_TOKEN_IDS}

@@ -2,8 +2,8 @@
 
 ``python tests/invocations.py CASES.json RESULTS.json``: CASES is a list of ``{"args": [...], "cwd": dir}``, each
 run with ``dir`` as its working dir (where the user would have launched it). One process imports
-what train.py imports (torch, Lightning, Hydra: most of a run's start-up time), then forks a child per case that
-runs ``train.py`` as ``__main__`` with that ``sys.argv``, its stdout and stderr in files, and exits as the
+what train.py imports (torch, Lightning, Hydra: most of a run's start-up time), then forks a child per case (as
+many at once as it has cores) that runs ``train.py`` as ``__main__`` with that ``sys.argv``, its stdout and stderr in files, and exits as the
 interpreter would (a ``sys.exit("message")`` prints the message and exits 1; an uncaught exception prints its
 traceback). RESULTS gets ``{"exit_code", "stdout", "stderr"}`` per case, in order.
 """
@@ -19,7 +19,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_in_child(args: list[str], cwd: str, stdout: Path, stderr: Path) -> int:
+def start_child(args: list[str], cwd: str, stdout: Path, stderr: Path) -> int:
+    """Fork a child that runs train.py with ``args`` in ``cwd``; returns its pid."""
     pid = os.fork()
     if pid == 0:
         os.chdir(cwd)
@@ -41,20 +42,28 @@ def run_in_child(args: list[str], cwd: str, stdout: Path, stderr: Path) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
+    return pid
 
 
 def main(cases_file: str, results_file: str) -> None:
     sys.path.insert(0, str(REPO))
     import project.launch  # noqa: F401  (what train.py imports when it runs: loaded once, before forking)
 
-    results = []
+    cases = json.loads(Path(cases_file).read_text())
+    results: list[dict | None] = [None] * len(cases)
+    at_once = len(os.sched_getaffinity(0))  # a child per core: each case is a short CPU-bound process
     with tempfile.TemporaryDirectory() as tmp:  # outside the launch dirs, which the cases must leave empty
-        stdout, stderr = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        for case in json.loads(Path(cases_file).read_text()):
-            exit_code = run_in_child(case["args"], case["cwd"], stdout, stderr)
-            results.append({"exit_code": exit_code, "stdout": stdout.read_text(), "stderr": stderr.read_text()})
+        running: dict[int, tuple[int, Path, Path]] = {}
+        pending = list(enumerate(cases))
+        while pending or running:
+            while pending and len(running) < at_once:
+                index, case = pending.pop(0)
+                stdout, stderr = Path(tmp) / f"{index}.out", Path(tmp) / f"{index}.err"
+                running[start_child(case["args"], case["cwd"], stdout, stderr)] = (index, stdout, stderr)
+            pid, status = os.wait()
+            index, stdout, stderr = running.pop(pid)
+            results[index] = {"exit_code": os.waitstatus_to_exitcode(status), "stdout": stdout.read_text(),
+                              "stderr": stderr.read_text()}
     Path(results_file).write_text(json.dumps(results))
 
 

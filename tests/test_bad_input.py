@@ -116,6 +116,8 @@ CASES = [
     # Hydra's own: an option or key that does not exist
     (["model=nosuch"], "Could not find 'model/nosuch'"),
     (["nosuchkey=1"], "Could not override 'nosuchkey'"),
+    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "callbacks.text_sample.prompt=hi",
+      "callbacks.text_sample.top_k=0"], "callbacks.text_sample.top_k: must be a positive integer, or null"),
     (["model=gpt", "callbacks.text_sample.prompt=hi"],
      "callbacks.text_sample.prompt: is set, but MarkovTokenDataModule has no text to write a prompt in"),
     (["model=gpt", "data=text", "data.path={files}/corpus.txt", "strategy=pipeline", "trainer.devices=2",

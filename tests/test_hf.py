@@ -2,6 +2,7 @@
 weights saved locally, loaded here give the same logits; this project's models written as HF dirs and loaded by
 transformers give them back. And the Llama presets against the published parameter counts."""
 
+import csv
 import json
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
 
 from conftest import TINY_GPT, run_command, train
 from project.errors import ConfigError
@@ -36,14 +38,26 @@ def hf_model(family: str, tied: bool) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, tie_word_embeddings=tied)).eval()
 
 
+def strip_gpt2_prefix(model_dir) -> None:
+    """Rewrite a GPT-2 dir as GPT-2 was first published: names without ``transformer.``."""
+    tensors = load_file(model_dir / "model.safetensors")
+    save_file({key.removeprefix("transformer."): value for key, value in tensors.items()},
+              model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False), ("llama", True)])
 def test_hugging_face_weights_in_and_out_give_transformers_logits(family, tied, tmp_path):
+    """GPT-2 in its first-published names; the untied Llama in several safetensors files with their index."""
     reference = hf_model(family, tied)
-    reference.save_pretrained(tmp_path / "hf")
+    reference.save_pretrained(tmp_path / "hf", max_shard_size="40KB" if not tied else "5GB")
+    if family == "gpt2":
+        strip_gpt2_prefix(tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file() == (not tied)
     options = net_options(read_config(tmp_path / "hf"))
     with torch.device("meta"):
         net = (GPT if family == "gpt2" else Llama)(**options)
     materialize(net, torch.device("cpu"), seed=0, weights=HFWeights(tmp_path / "hf"))
+    assert (net.head.output.weight is net.stem.tokens.weight) == tied  # one tensor, trained once
     with torch.no_grad():
         expected = reference(TOKENS).logits
         assert torch.allclose(net(TOKENS), expected, rtol=0, atol=1e-5)
@@ -64,8 +78,27 @@ def test_a_model_dir_of_another_shape_names_the_key_to_set(tmp_path):
         net = Llama(**{**options, "num_kv_heads": 4})
     with pytest.raises(ConfigError, match=r"model.net.num_kv_heads: is 4, but .*config.json gives 2"):
         check_matches(tmp_path / "hf", net, {**options, "num_kv_heads": 4})
+    with pytest.raises(ConfigError, match=r"Fix: set model.net.rope_scaling=\{factor:8.0,low_freq_factor:1.0,"):
+        check_matches(tmp_path / "hf", net, {**options, "rope_scaling": None})  # as a command line writes it
     with pytest.raises(ConfigError, match=r"model.init_from: is a llama model, but model.net is a GPT"):
         check_matches(tmp_path / "hf", GPT(61, 16, 1, 32, 4), {})
+
+
+def test_gpt2_loads_into_a_shorter_context_and_untied_for_split_strategies(tmp_path):
+    """A 16-token GPT (data.seq_length=16) takes the first 16 rows of GPT-2's 48 positions, and an untied one (as
+    model_parallel and pipeline need) starts its output layer as a copy of the embedding: transformers' logits."""
+    reference = hf_model("gpt2", tied=True)
+    reference.save_pretrained(tmp_path / "hf")
+    options = {**net_options(read_config(tmp_path / "hf")), "max_length": 16, "tie_weights": False}
+    with torch.device("meta"):
+        net = GPT(**options)
+    check_matches(tmp_path / "hf", net, options)
+    materialize(net, torch.device("cpu"), seed=0, weights=HFWeights(tmp_path / "hf"))
+    assert net.head.output.weight is not net.stem.tokens.weight
+    with torch.no_grad():
+        assert torch.allclose(net(TOKENS[:, :16]), reference(TOKENS[:, :16]).logits, rtol=0, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"data.seq_length: is 64, longer than the 48 positions"):
+        check_matches(tmp_path / "hf", net, {**options, "max_length": 64})
 
 
 @pytest.mark.parametrize("preset, published", [
@@ -126,3 +159,21 @@ def test_a_hugging_face_llama_evaluates_to_its_transformers_loss_under_fsdp_and_
         result = json.loads((sweep / job / "result.json").read_text())
         assert result["status"] == "completed"
         assert result["final"]["val/loss"] == pytest.approx(expected, rel=1e-5), job
+
+
+@pytest.mark.slow
+def test_evaluating_a_sharded_checkpoint_logs_its_runs_last_val_loss(gpt_ddp_fsdp_sweep, tmp_path, home):
+    """mode=eval on the fsdp GPT's sharded last.ckpt, under fsdp: the printed table, the CSV row and result.json
+    hold the run's own last val/loss."""
+    job = gpt_ddp_fsdp_sweep[1]
+    overrides = list(OmegaConf.load(job / ".hydra" / "overrides.yaml"))  # strategy=fsdp, 2 devices, the tiny GPT
+    out = tmp_path / "eval"
+    output = train([*overrides, "mode=eval", f"ckpt_path={job / 'checkpoints' / 'last.ckpt'}", "logger=csv",
+                    f"hydra.run.dir={out}"], home).output
+    run_loss = json.loads((job / "result.json").read_text())["final"]["val/loss"]
+    assert "Validate metric" in output and "val/loss" in output
+    with open(out / "csv" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    assert len(rows) == 1 and float(rows[0]["val/loss"]) == pytest.approx(run_loss, rel=1e-6)
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "completed" and result["final"]["val/loss"] == pytest.approx(run_loss, rel=1e-6)

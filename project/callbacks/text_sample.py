@@ -6,7 +6,7 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from project.errors import ConfigError
-from project.generation import generate
+from project.generation import check_settings, generate
 from project.loggers import EpochWandbLogger
 
 
@@ -29,8 +29,17 @@ class TextSample(L.Callback):
     def check_config(cfg: DictConfig, name: str, datamodule: L.LightningDataModule, strategy: type | None) -> None:
         """A prompt (``callbacks.<name>.prompt``) needs text data and a strategy whose ranks run the whole model."""
         key = f"callbacks.{name}.prompt"
-        if OmegaConf.select(cfg, key) is None:
+        prompt = OmegaConf.select(cfg, key)
+        if prompt is None:
             return
+        if not isinstance(prompt, str) or not prompt:
+            raise ConfigError(key, f"is {prompt!r}.", f"give the text to continue, e.g. {key}='Once upon a time'.")
+        settings = cfg.callbacks[name]
+        problem = check_settings(settings.max_new_tokens, settings.temperature, settings.top_k)
+        if problem is not None:
+            setting, text = problem.split(": ", 1)
+            raise ConfigError(f"callbacks.{name}.{setting}", f"{text}.", f"e.g. callbacks.{name}.{setting}=" +
+                              {"max_new_tokens": "64", "temperature": "0.8", "top_k": "50"}[setting] + ".")
         if getattr(datamodule, "text_codec", lambda: None)() is None:
             raise ConfigError(key, f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
                               f"use data=text or data=shards, or {key}=null.")
