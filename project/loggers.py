@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
-import wandb
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
@@ -135,6 +134,8 @@ class EpochWandbLogger(WandbLogger):
         init_timeout_s: float = 30.0,
         **kwargs: Any,
     ) -> None:
+        import wandb  # here, not at the top: a run with other loggers does not pay its import (~0.6 s)
+
         settings = wandb.Settings(init_timeout=init_timeout_s)
         super().__init__(mode=resolve_wandb_mode(mode), settings=settings, **kwargs)
         # Lightning 2.6 always passes `anonymous`, which wandb 0.31 deprecated with a warning on every run.
@@ -158,6 +159,8 @@ class EpochWandbLogger(WandbLogger):
         return self._experiment
 
     def _start_run(self):
+        import wandb
+
         try:
             return wandb.init(**self._wandb_init)
         except Exception as error:  # noqa: BLE001 - any failure to reach W&B must not end the training run
@@ -177,6 +180,8 @@ class EpochWandbLogger(WandbLogger):
         """``rows`` as the W&B table ``key`` in the run's summary (replacing the one before): the latest epoch's
         row per device (``devices``: memory, throughput, to compare devices and strategies side by side), or the
         text samples so far (``samples``)."""
+        import wandb
+
         if rows:
             columns = list(rows[0])
             self.experiment.summary[key] = wandb.Table(

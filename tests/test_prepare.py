@@ -133,10 +133,12 @@ def test_shard_windows_are_the_token_stream_across_shard_ends_and_batch_alike_on
     data.setup("fit")
     stream = torch.from_numpy(split_tokens(out, "train").astype(np.int64))
     assert len(data.train_set) == (len(stream) - 1) // 64 == data.num_train_samples
-    for index in range(len(data.train_set)):  # many windows straddle a shard's end (1000 is not a multiple of 64)
-        inputs, targets = data.train_set[index]
-        assert torch.equal(inputs, stream[index * 64: index * 64 + 64])
-        assert torch.equal(targets, stream[index * 64 + 1: index * 64 + 65])
+    # Every window in one batch read, in a shuffled order; many straddle a shard's end (1000 is not a multiple of 64).
+    indices = torch.randperm(len(data.train_set), generator=torch.Generator().manual_seed(0)).tolist()
+    inputs, targets = data.train_set[indices]
+    for row, index in enumerate(indices):
+        assert torch.equal(inputs[row], stream[index * 64: index * 64 + 64])
+        assert torch.equal(targets[row], stream[index * 64 + 1: index * 64 + 65])
     order = EpochShuffle(len(data.train_set), shuffle=True, seed=3)
     one = list(GlobalBatchSampler(order, 16, rank=0, world_size=1, drop_last=True))
     two = [list(GlobalBatchSampler(order, 8, rank=rank, world_size=2, drop_last=True)) for rank in (0, 1)]

@@ -19,8 +19,10 @@ class LatestAndBestCheckpoint(ModelCheckpoint):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         deferred_now = self._defer_save_until_validation
         self._defer_save_until_validation = deferred_before or deferred_now
+        if not (deferred_now and self.save_last):
+            return  # the monitor candidates (a copy of every logged metric) only when there is something to save
         candidates = self._monitor_candidates(trainer)
-        if deferred_now and self.save_last and self.monitor not in candidates:  # no validation yet
+        if self.monitor not in candidates:  # no validation yet
             step_saved = self._last_global_step_saved
             self._save_last_checkpoint(trainer, candidates)
             # Lightning skips a step marked saved: the top-k save it deferred to the validation must still happen.

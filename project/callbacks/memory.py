@@ -56,13 +56,14 @@ class DeviceMemory(L.Callback):
     """Logs ``memory/{params,grads,optimizer,model_state}_mb`` and, on CUDA, ``memory/peak_{allocated,reserved}_mb``.
 
     Each value is the maximum over devices: the device that runs out first is the one that matters. Model state
-    is measured just before each optimizer step, when gradients exist (Lightning frees them after the step), and
-    the epoch's last measurement is logged; CUDA peaks cover the epoch, validation included. ``per_device`` holds
+    is measured just before optimizer steps, when gradients exist (Lightning frees them after the step), until
+    two steps agree, and the epoch's last measurement is logged; CUDA peaks cover the epoch, validation included. ``per_device`` holds
     the epoch's values of every device of the job (``rank``, ``stage`` and the ``memory/*`` keys), on every rank.
     """
 
     def __init__(self) -> None:
         self._sizes: dict[int, dict[str, int]] = {}
+        self._settled_epoch: int | None = None  # the epoch whose sizes have stopped changing
         self.per_device: list[dict[str, Any]] = []
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -70,8 +71,16 @@ class DeviceMemory(L.Callback):
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        # The sizes change only while the optimizer creates its state (its first steps): once a measurement repeats
+        # the one before, the epoch's later steps would repeat it too, and walking every parameter at every step
+        # costs a small model more than its step.
+        if self._settled_epoch == trainer.current_epoch:
+            return
         placement = getattr(trainer.strategy, "parameter_stage", None)
-        self._sizes = model_state_bytes_per_device(pl_module, trainer.optimizers, placement)
+        sizes = model_state_bytes_per_device(pl_module, trainer.optimizers, placement)
+        if sizes == self._sizes:
+            self._settled_epoch = trainer.current_epoch
+        self._sizes = sizes
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         rows = []

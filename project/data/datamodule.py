@@ -18,7 +18,8 @@ warnings.filterwarnings("ignore", message=r".*your dataloader is not resumable.*
 
 
 class InMemoryDataModule(L.LightningDataModule):
-    """Subclasses build ``self.train_set`` and ``self.val_set`` in ``setup``; this class batches them.
+    """Subclasses build ``self.train_set`` and ``self.val_set`` in ``setup``, datasets indexed by a list of indices
+    that return that batch (as ``TensorDataset`` is); this class batches them.
 
     ``batch_size`` is per data-parallel replica (seed 000: "keep batch size per GPU the same"), so the global
     batch is ``batch_size`` times the data-parallel replicas (devices x nodes for DDP and FSDP).
@@ -48,7 +49,9 @@ class InMemoryDataModule(L.LightningDataModule):
         rank, replicas = data_parallel_rank_and_size(self.trainer)
         order = EpochShuffle(len(dataset), shuffle=train and self.shuffle, seed=self.seed)
         batches = GlobalBatchSampler(order, self.batch_size, rank=rank, world_size=replicas, drop_last=train)
-        return DataLoader(dataset, batch_sampler=batches, pin_memory=torch.cuda.is_available(),
+        # Whole batches read at once (batch_size=None: the sampler yields a batch's indices, the dataset is indexed
+        # with them), not sample by sample and then collated: for tensors in memory, one indexing per batch.
+        return DataLoader(dataset, sampler=batches, batch_size=None, pin_memory=torch.cuda.is_available(),
                           num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
 
     def state_dict(self) -> dict[str, int]:
@@ -81,7 +84,7 @@ class InMemoryDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         loader = self._loader(self.train_set, train=True)
         if self._resume_position is not None:
-            loader.batch_sampler.resume_at(self._resume_position["epoch"], self._resume_position["batches"])
+            loader.sampler.resume_at(self._resume_position["epoch"], self._resume_position["batches"])
             self._resume_position = None
         return loader
 

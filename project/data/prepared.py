@@ -41,10 +41,12 @@ class TokenWindows(Dataset):
             start, shard = end, shard + 1
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.seq_length
-        window = torch.from_numpy(self._tokens(start, start + self.seq_length + 1).astype(np.int64))
-        return window[:-1], window[1:]
+    def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of windows at ``indices``: inputs and next-token targets, each (len(indices), seq_length)."""
+        length = self.seq_length
+        windows = np.stack([self._tokens(index * length, index * length + length + 1) for index in indices])
+        windows = torch.from_numpy(windows.astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]
 
 
 class ShardsDataModule(InMemoryDataModule):

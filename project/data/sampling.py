@@ -28,8 +28,8 @@ def data_parallel_rank_and_size(trainer: L.Trainer) -> tuple[int, int]:
 class EpochShuffle(Sampler[int]):
     """The order of the whole set in one epoch: a permutation drawn from ``seed + epoch``, or the natural order.
 
-    It depends on nothing else (not the process, not the device count). Lightning calls ``set_epoch`` at every
-    epoch start on ``dataloader.batch_sampler.sampler``, which is where ``GlobalBatchSampler`` keeps this object.
+    It depends on nothing else (not the process, not the device count). ``GlobalBatchSampler.set_epoch`` passes
+    Lightning's call at every epoch start on to it.
     """
 
     def __init__(self, num_samples: int, shuffle: bool, seed: int = 0) -> None:
@@ -83,6 +83,10 @@ class GlobalBatchSampler(Sampler[list[int]]):
         else:  # ceil, but never more slices than samples: an evaluation slice may then hold one extra sample
             self.num_global_batches = min(-(-num_samples // global_batch), num_samples // world_size)
         self._skip = 0  # global batches the next iteration leaves out: those a resumed run has already trained on
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this at every epoch start on the DataLoader's sampler (this object)."""
+        self.sampler.set_epoch(epoch)
 
     def resume_at(self, epoch: int, batches_done: int) -> None:
         """Make the next iteration continue epoch ``epoch`` after its first ``batches_done`` global batches (a

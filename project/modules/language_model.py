@@ -3,9 +3,9 @@
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torchmetrics import MeanMetric
 
 from project.modules.base import TrainingModule
+from project.modules.metrics import SampleMean
 
 
 class TokenCrossEntropy(nn.Module):
@@ -22,10 +22,11 @@ class LanguageModelModule(TrainingModule):
     def __init__(self, net: nn.Module, **kwargs) -> None:
         super().__init__(net, **kwargs)
         self.criterion = TokenCrossEntropy()
-        self.train_metrics = nn.ModuleDict({"loss": MeanMetric()})
-        self.val_metrics = nn.ModuleDict({"loss": MeanMetric()})
+        self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
+        self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
 
     def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
         # Perplexity is exp of the mean token loss, which the loss metric already holds (reduced over all ranks):
         # no second pass over the logits.
         self.log("val/perplexity", torch.exp(self.val_metrics["loss"].compute()))

@@ -1,0 +1,36 @@
+"""The progress bar: Lightning's Rich bar, redrawn a few times a second rather than at every batch."""
+
+import time
+
+import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar
+
+
+class TimedRichProgressBar(RichProgressBar):
+    """``RichProgressBar``, redrawn at most every ``min_interval_s`` seconds and at the last batch of each loop.
+
+    Lightning's bars redraw every ``refresh_rate`` batches, whatever a batch takes: at every batch, a redraw (and
+    the metrics it shows) costs some 0.2 ms, 5% of a small model's step on a CPU; no rate suits both a 4 ms and a
+    4 s step. A person reading the bar needs no more than ~10 redraws a second.
+    """
+
+    def __init__(self, min_interval_s: float = 0.1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.min_interval_s = min_interval_s
+        self._last_redraw = 0.0
+
+    def _due(self, batch_idx: int, total: int | float) -> bool:
+        now = time.monotonic()
+        if now - self._last_redraw < self.min_interval_s and batch_idx + 1 < total:
+            return False
+        self._last_redraw = now
+        return True
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if not self.is_disabled and self._due(batch_idx, self.total_train_batches):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if not self.is_disabled and self._due(batch_idx, self.total_val_batches_current_dataloader):
+            super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)

@@ -1,0 +1,39 @@
+"""The epoch metrics: means over every sample (or token) of the epoch, summed on each rank, reduced once at its end."""
+
+import torch
+from torchmetrics import Metric
+
+
+class SampleMean(Metric):
+    """The mean of values over the epoch, each counted ``weight`` times (a batch's mean loss: its targets).
+
+    torchmetrics' ``MeanMetric`` checks every update for NaN (``.any()``: a device sync per step on a GPU) and drops
+    NaNs, hiding a diverged run; its ``nan_strategy="disable"`` skips the check but then ignores the weights
+    (torchmetrics 1.8). Here an update is two additions on the device, and a NaN shows in the epoch's value.
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("weight", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
+        """Add ``values`` (each with weight 1), or one value standing for ``weight`` samples."""
+        if weight is None:
+            self.total += values.sum()
+            self.weight += values.numel()
+        else:
+            self.total += values.sum() * weight
+            self.weight += weight
+
+    def compute(self) -> torch.Tensor:
+        return (self.total / self.weight).float()
+
+
+class SampleAccuracy(SampleMean):
+    """The fraction of samples whose most likely class is the target."""
+
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+        super().update(logits.argmax(-1) == target)
