@@ -108,6 +108,14 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
             checkpoint(block)
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` each block's forward, torchtitan's way: the blocks are alike, so the first compiles and the
+    others reuse its code. The hooks a strategy puts on a block (FSDP's parameter gathers, activation checkpointing)
+    run around the compiled forward, not inside it; parameter names, and so checkpoints, stay as without it."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward)
+
+
 # Compute dtype of FSDP's gathered parameters for each Trainer precision; None keeps the parameters' own dtype.
 # (16-mixed is refused by the checks: Lightning's ModelParallelStrategy does not support it.)
 _FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16}

@@ -4,12 +4,12 @@ Every process of a job runs this: the single process of a one-device run, each w
 each rank that torchrun starts.
 """
 
+import sys
 import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
-import wandb
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerStatus
@@ -46,6 +46,13 @@ def result_file(cfg: DictConfig) -> Path:
     return Path(cfg.paths.output_dir) / RESULT_FILE
 
 
+def set_tf32(enabled: bool, device: torch.device) -> None:
+    """float32 matmuls in TF32 on a GPU's tensor cores (Ampere and newer; about 8x the float32 rate, with a 10-bit
+    mantissa, as in bf16-mixed's matmuls) or in full float32. CPU runs are left as they are."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+
+
 def train(cfg: DictConfig) -> None:
     """Fit the configured model (or, with ``mode=eval``, validate it); rank 0 writes the job's ``result.json``
     (``project.callbacks.JobResult``)."""
@@ -67,6 +74,7 @@ def train(cfg: DictConfig) -> None:
         logger=loggers or False,
         plugins=[AtomicCheckpointIO()],  # a checkpoint that cannot be written stops the run (Lightning's goes on)
     )
+    set_tf32(cfg.tf32, trainer.strategy.root_device)
     try:
         if evaluating:  # Lightning prints the metrics' table; the loggers and result.json get them
             trainer.validate(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
@@ -75,5 +83,6 @@ def train(cfg: DictConfig) -> None:
     finally:
         # Close the W&B run in this process, also on failure, so none is left half-open and the next job of
         # an in-process sweep starts a new one.
-        if wandb.run is not None:
+        wandb = sys.modules.get("wandb")  # imported only by a W&B logger
+        if wandb is not None and wandb.run is not None:
             wandb.finish(exit_code=0 if trainer.state.status == TrainerStatus.FINISHED else 1)

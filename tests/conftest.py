@@ -100,6 +100,7 @@ EPOCH_KEYS = [
     "val/acc",
     "perf/samples_per_sec",
     "perf/epoch_time_s",
+    "perf/tflops_per_device",
     "memory/params_mb",
     "memory/grads_mb",
     "memory/optimizer_mb",
@@ -221,7 +222,8 @@ def gpt_ddp_fsdp_sweep(runs_dir, home):
 
 @pytest.fixture(scope="session")
 def gpt_split_sweep(runs_dir, home):
-    return split_sweep("gpt-split", TINY_GPT, runs_dir, home)
+    """The GPT's blocks compiled (model.compile=true), under the strategies that split the block sequence."""
+    return split_sweep("gpt-split", [*TINY_GPT, "model.compile=true"], runs_dir, home)
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,7 @@ def decayed_and_spared(net: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
 def build_optimizer(cfg: DictConfig, net: nn.Module) -> torch.optim.Optimizer:
     """The optimizer the config names, with its hyperparameters, over weight-decayed and spared groups."""
     options = {key: value for key, value in cfg.model.optimizer.items() if not key.startswith("_")}
+    options.pop("fused", None)  # parameter by parameter here: the framework's fused kernel must give the same steps
     if cfg.model.optimizer._target_ == "torch.optim.SGD":
         return torch.optim.SGD(net.parameters(), **options)
     assert cfg.model.optimizer._target_ == "torch.optim.AdamW"

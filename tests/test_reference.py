@@ -18,7 +18,8 @@ RUNS = {
         "pipeline-gpipe": ("pipeline_sweep", 0),
         "pipeline-1f1b": ("pipeline_sweep", 1),
     },
-    "gpt": {  # the pipeline schedules against each other: the MLP's runs
+    "gpt": {  # the pipeline schedules against each other: the MLP's runs. model_parallel and pipeline compile
+              # the blocks (model.compile=true): compiled against the eager reference.
         "auto": ("gpt_auto", None),
         "ddp": ("gpt_ddp_fsdp_sweep", 0),
         "fsdp": ("gpt_ddp_fsdp_sweep", 1),

@@ -1,5 +1,6 @@
 """Per-epoch throughput: how fast the whole job trains, and how fast each device does."""
 
+import copy
 import time
 
 import lightning as L
@@ -8,11 +9,15 @@ from lightning.pytorch.utilities.data import extract_batch_size
 
 from project.callbacks.memory import gather_from_ranks
 from project.data.sampling import data_parallel_rank_and_size
+from project.flops import peak_tflops, training_flops_per_sample
 
 
 class EpochThroughput(L.Callback):
-    """Logs ``perf/samples_per_sec`` (the job), ``perf/samples_per_sec_per_device``, ``perf/epoch_time_s`` and, when
-    the inputs are token ids, ``perf/tokens_per_sec`` (the job).
+    """Logs ``perf/samples_per_sec`` (the job), ``perf/samples_per_sec_per_device``, ``perf/epoch_time_s``, when
+    the inputs are token ids ``perf/tokens_per_sec`` (the job), and ``perf/tflops_per_device``: the model FLOPs of
+    training (``project.flops``) the job did per second, per device; on a GPU whose peak is known
+    (``project.flops.PEAK_TFLOPS``) also ``perf/mfu``, that as a fraction of the device's peak at the run's
+    precision (model FLOPs utilisation).
 
     The rates count training time only: the train clock runs from the epoch start and stops while the epoch
     validates (and during what follows validation, such as checkpointing, until the next training batch starts).
@@ -27,7 +32,16 @@ class EpochThroughput(L.Callback):
         self._train_time = 0.0
         self._samples = 0
         self._tokens = 0
+        self._meta_net: torch.nn.Module | None = None  # the whole model on the meta device, to count its FLOPs
+        self._flops_per_sample: int | None = None
         self.per_device: list[dict[str, float]] = []
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Before configure_model: the model is still whole (not yet sharded or split) and on the meta device, so a
+        # copy costs nothing.
+        net = getattr(pl_module, "net", None)
+        if net is not None and all(parameter.is_meta for parameter in net.parameters()):
+            self._meta_net = copy.deepcopy(net)
 
     def _now(self, pl_module: L.LightningModule) -> float:
         if pl_module.device.type == "cuda":
@@ -56,6 +70,9 @@ class EpochThroughput(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         self._samples += extract_batch_size(batch)
         inputs = batch[0]
+        if self._flops_per_sample is None and self._meta_net is not None:
+            self._flops_per_sample = training_flops_per_sample(self._meta_net, inputs)
+            self._meta_net = None
         if not torch.is_floating_point(inputs):  # token ids: every element is a token
             self._tokens += inputs.numel()
 
@@ -75,8 +92,22 @@ class EpochThroughput(L.Callback):
         if self._tokens:
             pl_module.log("perf/tokens_per_sec", self._tokens / self._train_time * share, sync_dist=True, reduce_fx="sum")
         pl_module.log("perf/samples_per_sec_per_device", rate, sync_dist=True, reduce_fx="mean")
+        if self._flops_per_sample is not None:
+            # The mean over ranks of their shares of the job's rate: the job's model FLOPs per second per device.
+            tflops = self._flops_per_sample * rate * share / 1e12
+            pl_module.log("perf/tflops_per_device", tflops, sync_dist=True, reduce_fx="mean")
+            peak = self._peak_tflops(trainer, pl_module)
+            if peak is not None:
+                pl_module.log("perf/mfu", tflops / peak, sync_dist=True, reduce_fx="mean")
         pl_module.log("perf/epoch_time_s", epoch_time, sync_dist=True, reduce_fx="max")
         own = {"rank": trainer.global_rank, "perf/samples_per_sec_per_device": rate}
         if self._tokens:
             own["perf/tokens_per_sec_per_device"] = self._tokens / self._train_time
         self.per_device = gather_from_ranks([own])
+
+    @staticmethod
+    def _peak_tflops(trainer: L.Trainer, pl_module: L.LightningModule) -> float | None:
+        if pl_module.device.type != "cuda":
+            return None
+        tf32 = torch.get_float32_matmul_precision() != "highest"
+        return peak_tflops(torch.cuda.get_device_name(pl_module.device), str(trainer.precision), tf32)

@@ -1,0 +1,167 @@
+"""The hand-written PyTorch loop ``benchmarks/overhead.py`` times the framework against.
+
+``python benchmarks/hand_loop.py <clock file> <strategy> <Hydra overrides...>``, under ``torchrun`` for ddp, fsdp
+and pipeline. It trains what ``python train.py <overrides>`` trains (the model, data, batch, optimizer and LR
+schedule of the composed config; the project builds the model and data, everything else is written here) and does
+each epoch what the framework does: train on the epoch's shuffled global batches (this rank's slice of each), sum
+the loss (and accuracy) over the epoch, validate on the whole validation set, reduce the sums across ranks, and
+save the model and optimizer state. Rank 0 appends ``{"event": "epoch_start" | "first_step" | "end", "time": ...}``
+lines to the clock file, read by the benchmark.
+
+It is written as one would write it by hand for speed: whole batches indexed from the in-memory tensors, no
+``.item()`` inside the epoch, the collectives of the strategy and nothing else.
+"""
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from reference import decayed_and_spared, epoch_order, lr_factor  # noqa: E402 (the tests' hand-written rules)
+
+from project.models import init_weights  # noqa: E402
+from project.parallel import block_sizes, split_blocks, stage_modules  # noqa: E402 (the same stage split)
+
+
+def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
+class Stage(nn.Module):
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for part in self.parts:
+            x = part(x)
+        return x
+
+
+def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
+    def stamp(event: str) -> None:
+        if rank == 0:
+            with open(clock_file, "a") as clock:
+                clock.write(json.dumps({"event": event, "time": time.time()}) + "\n")
+
+    distributed = strategy != "auto"
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    data = instantiate(cfg.data)
+    data.setup("fit")
+    (x, y), (x_val, y_val) = data.train_set.tensors, data.val_set.tensors
+    net = init_weights(instantiate(cfg.model.net), cfg.seed)
+    batch = cfg.data.batch_size  # per data-parallel replica, as the framework's
+    replicas = 1 if strategy == "pipeline" else world
+    global_batch = batch * replicas
+    model, stage, schedule, eval_schedule = net, None, None, None
+    if strategy == "ddp":
+        model = DistributedDataParallel(net)
+    elif strategy == "fsdp":
+        for block in net.blocks:
+            fully_shard(block)
+        model = fully_shard(net)
+    elif strategy == "pipeline":
+        stages = split_blocks(block_sizes(net), world, None)
+        model = Stage(stage_modules(net, stages, rank))
+        microbatches = cfg.strategy.microbatches
+        stage = PipelineStage(model, rank, world, torch.device("cpu"))
+        schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, tgt: mean_loss(out, tgt) / microbatches,
+                                scale_grads=False)
+        eval_schedule = Schedule1F1B(PipelineStage(model, rank, world, torch.device("cpu")), microbatches)
+    last_stage = strategy != "pipeline" or rank == world - 1
+    decayed, spared = decayed_and_spared(model)  # the configured optimizer (fused where the config says), two groups
+    optimizer = instantiate(cfg.model.optimizer)(params=[{"params": decayed}, {"params": spared, "weight_decay": 0.0}])
+    steps_per_epoch = len(x) // global_batch
+    schedule_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.trainer.max_epochs * steps_per_epoch))
+    classification = y.dim() == 1
+    checkpoint_dir = Path(clock_file).with_suffix(".ckpt")
+
+    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if schedule is None:
+            outputs = model(inputs)
+            loss = mean_loss(outputs, targets)
+            loss.backward()
+            return outputs, loss
+        losses = []
+        outputs = schedule.step(*([inputs] if rank == 0 else []), target=targets if last_stage else None, losses=losses)
+        return (outputs, torch.stack(losses).sum()) if last_stage else None
+
+    def forward(inputs: torch.Tensor) -> torch.Tensor | None:
+        if eval_schedule is None:
+            return model(inputs)
+        return eval_schedule.eval(*([inputs] if rank == 0 else []))
+
+    for epoch in range(cfg.trainer.max_epochs):
+        stamp("epoch_start")
+        order = epoch_order(len(x), cfg.seed, epoch) if cfg.data.shuffle else torch.arange(len(x))
+        sums = torch.zeros(3, dtype=torch.float64)  # loss x targets, correct, targets
+        model.train()
+        for step in range(steps_per_epoch):
+            rows = order[step * global_batch:(step + 1) * global_batch]
+            if strategy != "pipeline":
+                rows = rows[rank * batch:(rank + 1) * batch]
+            result = forward_backward(x[rows], y[rows])
+            optimizer.step()
+            schedule_lr.step()
+            optimizer.zero_grad()
+            if result is not None:
+                outputs, loss = result
+                sums[0] += loss.detach() * y[rows].numel()
+                sums[2] += y[rows].numel()
+                if classification:
+                    sums[1] += (outputs.detach().argmax(-1) == y[rows]).sum()
+            if epoch == 0 and step == 0:
+                stamp("first_step")
+        model.eval()
+        val_sums = torch.zeros(3, dtype=torch.float64)
+        # The framework's evaluation split: every sample once, near-equal slices per replica, batch by batch.
+        parts = torch.arange(len(x_val)).tensor_split(min(math.ceil(len(x_val) / global_batch) * replicas, len(x_val)))
+        with torch.no_grad():
+            for rows in parts[(0 if strategy == "pipeline" else rank)::replicas]:
+                inputs, targets = x_val[rows], y_val[rows]
+                if strategy == "pipeline" and len(rows) % microbatches:
+                    continue  # equal micro-batches only (the framework pads the last; here it is left out)
+                outputs = forward(inputs)
+                if last_stage:
+                    val_sums[0] += F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1),
+                                                   reduction="sum")
+                    val_sums[2] += targets.numel()
+                    if classification:
+                        val_sums[1] += (outputs.argmax(-1) == targets).sum()
+        totals = torch.cat([sums, val_sums])
+        if distributed:
+            dist.all_reduce(totals)
+        if strategy in ("fsdp", "pipeline"):  # each rank writes its own part
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir / str(epoch))
+        elif rank == 0:
+            torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_dir.with_suffix(".pt"))
+        if rank == 0:
+            print(f"epoch {epoch}: train/loss {totals[0] / totals[2]:.4f} val/loss {totals[3] / totals[5]:.4f}")
+    stamp("end")
+    if distributed:
+        dist.barrier()  # rank 0 may still be writing its checkpoint
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
