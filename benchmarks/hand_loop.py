@@ -23,7 +23,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -36,21 +35,11 @@ from reference import decayed_and_spared, epoch_order, lr_factor  # noqa: E402 (
 
 from project.models import init_weights  # noqa: E402
 from project.parallel import block_sizes, split_blocks, stage_modules  # noqa: E402 (the same stage split)
+from project.strategies.pipeline import StageModule  # noqa: E402
 
 
 def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
-
-
-class Stage(nn.Module):
-    def __init__(self, modules: list[nn.Module]) -> None:
-        super().__init__()
-        self.parts = nn.ModuleList(modules)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self.parts:
-            x = part(x)
-        return x
 
 
 def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
@@ -81,7 +70,7 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         model = fully_shard(net)
     elif strategy == "pipeline":
         stages = split_blocks(block_sizes(net), world, None)
-        model = Stage(stage_modules(net, stages, rank))
+        model = StageModule(stage_modules(net, stages, rank))  # the stage's modules run in order
         microbatches = cfg.strategy.microbatches
         stage = PipelineStage(model, rank, world, torch.device("cpu"))
         schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, tgt: mean_loss(out, tgt) / microbatches,
