@@ -203,27 +203,18 @@ def gpt_auto(runs_dir, home):
     return one_run("gpt-auto", [*TINY_GPT, "data.batch_size=32"], runs_dir, home)
 
 
-def ddp_and_fsdp_sweep(name: str, tiny: list[str], runs_dir: Path, home: Path) -> tuple[Path, Path]:
-    """A language model's ddp and fsdp jobs over 2 devices, 16 per device: jobs 0 and 1."""
-    return two_job_sweep(name, [*tiny, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp"], runs_dir,
-                         home)[1]
-
-
-def split_sweep(name: str, tiny: list[str], runs_dir: Path, home: Path) -> tuple[Path, Path]:
-    """A language model's model_parallel and pipeline (1f1b) jobs over 2 devices: jobs 0 and 1."""
-    return two_job_sweep(name, [*tiny, "trainer.devices=2", "data.batch_size=32", "strategy=model_parallel,pipeline"],
+@pytest.fixture(scope="session")
+def gpt_ddp_fsdp_sweep(runs_dir, home):
+    """The GPT's ddp and fsdp jobs over 2 devices, 16 per device: jobs 0 and 1."""
+    return two_job_sweep("gpt-ddp-fsdp", [*TINY_GPT, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp"],
                          runs_dir, home)[1]
 
 
 @pytest.fixture(scope="session")
-def gpt_ddp_fsdp_sweep(runs_dir, home):
-    return ddp_and_fsdp_sweep("gpt-ddp-fsdp", TINY_GPT, runs_dir, home)
-
-
-@pytest.fixture(scope="session")
-def gpt_split_sweep(runs_dir, home):
-    """The GPT's blocks compiled (model.compile=true), under the strategies that split the block sequence."""
-    return split_sweep("gpt-split", [*TINY_GPT, "model.compile=true"], runs_dir, home)
+def gpt_pipeline_compiled(runs_dir, home):
+    """The GPT's blocks compiled (model.compile=true) and split into pipeline stages (1f1b)."""
+    return one_run("gpt-pipeline-compiled", [*TINY_GPT, "trainer.devices=2", "data.batch_size=32", "strategy=pipeline",
+                                             "model.compile=true"], runs_dir, home)
 
 
 @pytest.fixture(scope="session")
@@ -232,10 +223,12 @@ def llama_auto(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
-def llama_ddp_fsdp_sweep(runs_dir, home):
-    return ddp_and_fsdp_sweep("llama-ddp-fsdp", TINY_LLAMA, runs_dir, home)
+def llama_fsdp(runs_dir, home):
+    return one_run("llama-fsdp", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp"], runs_dir, home)
 
 
 @pytest.fixture(scope="session")
 def llama_split_sweep(runs_dir, home):
-    return split_sweep("llama-split", TINY_LLAMA, runs_dir, home)
+    """The Llama's model_parallel and pipeline (1f1b) jobs over 2 devices: jobs 0 and 1."""
+    return two_job_sweep("llama-split", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=32",
+                                         "strategy=model_parallel,pipeline"], runs_dir, home)[1]

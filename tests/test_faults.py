@@ -115,12 +115,12 @@ def signal_rank_1(sig: signal.Signals, args: list[str], home, tmp_path) -> tuple
 
 
 def test_a_stopped_worker_fails_the_job_after_the_collective_timeout(home, tmp_path):
-    """SIGSTOP on rank 1: rank 0 times out in its next collective (15 s here), the launcher stops everything
+    """SIGSTOP on rank 1: rank 0 times out in its next collective (6 s here), the launcher stops everything
     (SIGTERM, then SIGKILL after torchelastic's 30 s for the stopped rank) and names rank 1."""
-    exit_code, output, workers = signal_rank_1(signal.SIGSTOP, ["strategy.timeout.minutes=0.25"], home, tmp_path)
+    exit_code, output, workers = signal_rank_1(signal.SIGSTOP, ["strategy.timeout.minutes=0.1"], home, tmp_path)
     assert exit_code == 1
     assert "Training failed in the workers:\n- rank 1 stopped responding at " in output, output[-3000:]
-    # gloo words its timeout by where rank 0 waited: "Timed out waiting 15000ms for recv operation to complete",
+    # gloo words its timeout by where rank 0 waited: "Timed out waiting 6000ms for recv operation to complete",
     # or "Application timeout caused pair closure".
     assert re.search(r"- rank 0 raised RuntimeError: [^\n]*(Timed out|timeout)", output), output[-3000:]
     assert all(process_state(pid) is None for pid in workers)

@@ -101,15 +101,24 @@ def test_interleaved_pipeline_and_its_consolidated_checkpoint(reference, runs_di
     assert_matches_reference(only_run(continued_dir), expected[2:])
 
 
+# A model whose blocks are all the same size, for one epoch.
+EVEN = [*TINY, *BATCH_64, "data.num_features=64", "model.net.hidden_dims=[64,64,64,64]", "trainer.max_epochs=1"]
+
+
+@pytest.fixture(scope="module")
+def even_auto_run(runs_dir, home):
+    job_dir = runs_dir / "even-auto"
+    train([*EVEN, f"hydra.run.dir={job_dir}"], home)
+    return job_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["model_parallel", "pipeline"])
-def test_each_device_holds_its_stage(strategy, runs_dir, home):
+def test_each_device_holds_its_stage(strategy, even_auto_run, runs_dir, home):
     """With 2 stages of a model whose blocks are even, the fullest device holds about half of auto's model state."""
-    even = [*TINY, *BATCH_64, "data.num_features=64", "model.net.hidden_dims=[64,64,64,64]", "trainer.max_epochs=1"]
-    auto_dir, job_dir = runs_dir / f"even-auto-{strategy}", runs_dir / f"even-{strategy}"
-    train([*even, f"hydra.run.dir={auto_dir}"], home)
-    train([*even, f"hydra.run.dir={job_dir}", f"strategy={strategy}", "trainer.devices=2"], home)
-    auto_state = only_run(auto_dir).series("memory/model_state_mb")[-1]
+    job_dir = runs_dir / f"even-{strategy}"
+    train([*EVEN, f"hydra.run.dir={job_dir}", f"strategy={strategy}", "trainer.devices=2"], home)
+    auto_state = only_run(even_auto_run).series("memory/model_state_mb")[-1]
     stage_state = only_run(job_dir).series("memory/model_state_mb")[-1]
     assert 0.4 * auto_state < stage_state <= (1 / 2 + 0.1) * auto_state, (stage_state, auto_state)
 

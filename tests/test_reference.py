@@ -18,18 +18,16 @@ RUNS = {
         "pipeline-gpipe": ("pipeline_sweep", 0),
         "pipeline-1f1b": ("pipeline_sweep", 1),
     },
-    "gpt": {  # the pipeline schedules against each other: the MLP's runs. model_parallel and pipeline compile
-              # the blocks (model.compile=true): compiled against the eager reference.
+    "gpt": {  # the pipeline schedules against each other: the MLP's runs. The pipeline compiles the blocks
+              # (model.compile=true): compiled against the eager reference.
         "auto": ("gpt_auto", None),
         "ddp": ("gpt_ddp_fsdp_sweep", 0),
         "fsdp": ("gpt_ddp_fsdp_sweep", 1),
-        "model_parallel": ("gpt_split_sweep", 0),
-        "pipeline-1f1b": ("gpt_split_sweep", 1),
+        "pipeline-1f1b-compiled": ("gpt_pipeline_compiled", None),
     },
-    "llama": {
+    "llama": {  # ddp: the GPT's and the MLP's
         "auto": ("llama_auto", None),
-        "ddp": ("llama_ddp_fsdp_sweep", 0),
-        "fsdp": ("llama_ddp_fsdp_sweep", 1),
+        "fsdp": ("llama_fsdp", None),
         "model_parallel": ("llama_split_sweep", 0),
         "pipeline-1f1b": ("llama_split_sweep", 1),
     },

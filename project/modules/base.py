@@ -72,7 +72,7 @@ class TrainingModule(L.LightningModule):
         self.no_weight_decay = list(no_weight_decay)
         self.activation_checkpointing = activation_checkpointing
         self.init_from = init_from  # a Hugging Face model dir whose weights replace the seeded ones
-        self.compile = compile
+        self.compile_each_block = compile  # (not self.compile: that is nn.Module's own method)
         # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
         self.interval_loss = SampleMean()
         self._configured = False
@@ -84,7 +84,7 @@ class TrainingModule(L.LightningModule):
             return  # Lightning calls this again for validate or test after fit
         if self.activation_checkpointing:
             apply_activation_checkpointing(self.net)
-        if self.compile:
+        if self.compile_each_block:
             compile_blocks(self.net)
         parallelize = getattr(self.trainer.strategy, "parallelize", None)
         if parallelize is not None:  # DDP and one device keep the whole model
