@@ -3,19 +3,16 @@ logged values of real runs against the arithmetic done here."""
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.utils import instantiate
 from torch import nn
 
-from conftest import REPO, TINY, TINY_GPT, TINY_LLAMA, only_run
+from conftest import TINY, TINY_GPT, TINY_LLAMA, only_run
 from project.flops import peak_tflops, training_flops_per_sample
+from project.training import build_net
+from test_config import compose_train
 
 
 def meta_net(overrides: list[str]) -> nn.Module:
-    with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
-    with torch.device("meta"):
-        return instantiate(cfg.model.net)
+    return build_net(compose_train(overrides))  # the model on the meta device, as a run builds it
 
 
 TRANSFORMERS = {"gpt": TINY_GPT, "llama": TINY_LLAMA}  # width 32 in 2 heads; the Llama's share 1 key/value head

@@ -164,6 +164,17 @@ def test_default_run_learns_like_seed_002(runs_dir, home):
     assert run.series("val/acc")[-1] >= 0.8
 
 
+@pytest.mark.slow
+def test_model_state_memory_is_the_parameter_count_times_four_bytes(single_run):
+    """The tiny MLP (32 -> 64 -> 32 -> 10) in float32 with SGD momentum: parameters, gradients and momentum buffers
+    each hold (32*64 + 64 + 64*32 + 32 + 32*10 + 10) floats, counted here from the layer sizes, in every epoch."""
+    mib = (32 * 64 + 64 + 64 * 32 + 32 + 32 * 10 + 10) * 4 / 2**20
+    run = only_run(single_run)
+    for key in ("memory/params_mb", "memory/grads_mb", "memory/optimizer_mb"):
+        assert run.series(key) == [mib] * 3, key
+    assert run.series("memory/model_state_mb") == [3 * mib] * 3
+
+
 def test_fast_dev_run(runs_dir, home):
     job_dir = runs_dir / "fast-dev"
     result = train([*TINY, f"hydra.run.dir={job_dir}", "debug=fast_dev_run"], home)
