@@ -9,9 +9,10 @@ from torch.utils.flop_counter import FlopCounterMode
 # Dense peak TFLOPS (no structured sparsity) of NVIDIA's datacenter GPUs, from NVIDIA's datasheets, for the dtype
 # the tensor cores compute in: bf16 (also fp16: the same rate on these parts), tf32 (fp32 matmuls with TF32 on)
 # and fp32 (TF32 off). The datasheets list the sparse rate for bf16 and tf32; the dense rate is half of it.
-# Matched in order against torch.cuda.get_device_name(), so the more specific names come first. The A10G has no
-# NVIDIA datasheet of its own; it and GPUs not listed log perf/tflops_per_device without perf/mfu.
-PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
+# Matched in order against torch.cuda.get_device_name(), so the more specific names come first. None: no peak to
+# divide by; such GPUs, and those not listed, log perf/tflops_per_device without perf/mfu.
+PEAK_TFLOPS: list[tuple[str, dict[str, float] | None]] = [
+    ("A10G", None),  # AWS's variant of the A10: no NVIDIA datasheet of its own, so no peak rather than a guess
     ("H200 NVL", {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),  # H200 datasheet (NVL form factor)
     ("H200", {"bf16": 989.5, "tf32": 494.5, "fp32": 67.0}),  # H200 datasheet (SXM)
     ("H100 NVL", {"bf16": 835.5, "tf32": 417.5, "fp32": 60.0}),  # H100 datasheet, NVL
@@ -20,16 +21,15 @@ PEAK_TFLOPS: list[tuple[str, dict[str, float]]] = [
     ("A100", {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),  # A100 datasheet, SXM and PCIe alike
     ("L40S", {"bf16": 362.05, "tf32": 183.0, "fp32": 91.6}),  # L40S datasheet
     ("L4", {"bf16": 121.0, "tf32": 60.0, "fp32": 30.3}),  # L4 datasheet
-    ("A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),  # A10 datasheet (not the A10G, matched below)
+    ("A10", {"bf16": 125.0, "tf32": 62.5, "fp32": 31.2}),  # A10 datasheet
 ]
 
 
 def peak_tflops(device_name: str, precision: str, tf32: bool) -> float | None:
     """The dense peak of the GPU called ``device_name`` for a run at Lightning ``precision`` (None: unknown)."""
-    if "A10G" in device_name:
-        return None
     dtype = "bf16" if precision.startswith(("bf16", "16")) else "tf32" if tf32 else "fp32"
-    return next((peaks[dtype] for name, peaks in PEAK_TFLOPS if name in device_name), None)
+    peaks = next((peaks for name, peaks in PEAK_TFLOPS if name in device_name), None)
+    return None if peaks is None else peaks[dtype]
 
 
 def training_flops_per_sample(net: nn.Module, inputs: torch.Tensor) -> int:
