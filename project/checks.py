@@ -63,6 +63,14 @@ def _check_numbers(cfg: DictConfig) -> None:
     for key in ("best_metric.mode", "optimized_metric.mode"):
         if OmegaConf.select(cfg, key) not in ("max", "min"):
             raise ConfigError(key, f"is {OmegaConf.select(cfg, key)!r}.", "use max (higher is better) or min.")
+    memory = cfg.get("memory_plan") or {}
+    capacity = memory.get("device_memory_gb")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or capacity <= 0):
+        raise ConfigError("memory_plan.device_memory_gb", f"must be a positive number or null, got {capacity!r}.",
+                          "the memory of one device in GiB, e.g. memory_plan.device_memory_gb=80, or null: the GPU's.")
+    if memory.get("if_over") not in ("error", "warn"):
+        raise ConfigError("memory_plan.if_over", f"is {memory.get('if_over')!r}.", "use error (refuse a run "
+                          "predicted not to fit, before launch) or warn (train anyway).")
     clip = cfg.trainer.gradient_clip_val
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError("trainer.gradient_clip_val", f"must be a positive number or null, got {clip!r}.",

@@ -36,6 +36,7 @@ from project.console import lightning_logs_through_root, print_config_tree, prin
 from project.errors import ConfigError, JobFailed
 from project.failures import failure_report
 from project.job_dir import job_dir_lock
+from project.memory_plan import MemoryPlan, check_fits, format_plan, plan_memory, write_plan
 from project.processes import (
     HEARTBEAT_DIR_VARIABLE,
     JOB_LOG_VARIABLE,
@@ -329,11 +330,36 @@ def exclusive_job_dir(cfg: DictConfig, torchrun: bool) -> Iterator[None]:
         yield
 
 
+def print_memory_plan(cfg: DictConfig) -> None:
+    """``plan=true``: the config checked and its memory plan printed, with activation checkpointing both ways and,
+    if it does not fit, the smallest change that does; nothing is trained or written."""
+    cfg = job_config(cfg)
+    check_config(cfg)
+    print(format_plan(plan_memory(cfg, alternatives=True), cfg))
+
+
+def planned_memory(cfg: DictConfig, torchrun: bool) -> MemoryPlan | None:
+    """The job's memory plan, computed before any worker starts; a run predicted not to fit is refused here
+    (``memory_plan.if_over``). Under torchrun the ranks already hold a process group, which the plan's
+    simulation needs to itself: ``plan=true`` on a machine without torchrun checks such a job beforehand. An
+    evaluation (``mode=eval``) trains no step, which is what a plan simulates."""
+    if torchrun or cfg.mode == "eval":
+        return None
+    plan = plan_memory(cfg)
+    if is_rank_zero():
+        log.info(format_plan(plan, cfg))
+    check_fits(plan, cfg)
+    return plan
+
+
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """Check the config, then train; returns the job's result (``result.json``) in the process Hydra runs (rank 0
-    under torchrun), None in torchrun's other ranks."""
+    under torchrun), None in torchrun's other ranks and with ``plan=true``."""
     lightning_logs_through_root()  # Hydra's root handlers print them and write the job's log file
     stop_on_early_warning()
+    if cfg.plan:
+        print_memory_plan(cfg)
+        return None
     torchrun = launched_by_torchrun()
     if torchrun:
         join_torchrun_job(cfg)
@@ -346,6 +372,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
     cfg = checked_job_config(cfg, torchrun)
+    plan = planned_memory(cfg, torchrun)
     node = node_task()
     # The resolved config this job trains with: the job's record, and what launched workers load. Other nodes
     # keep a copy of their own (the same but for the W&B id, which only rank 0, on node 0, uses).
@@ -357,6 +384,8 @@ def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
     if not torchrun or is_rank_zero():
         config_file.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, config_file)
+        if plan is not None and node.rank == 0:
+            write_plan(plan, job_dir)  # DeviceMemory logs it next to what it measures
     if torchrun or (cfg.strategy.processes == 1 and node.count == 1):
         if concurrent_jobs() > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(threads_per_process(1))  # this job's share of the cores

@@ -77,6 +77,18 @@ def stage_modules(model: nn.Module, stages: Sequence[range], stage: int) -> list
     return modules
 
 
+def keep_only(model: nn.Module, kept: list[nn.Module]) -> None:
+    """Drop the stem, blocks and head this rank does not run (before they are ever allocated); ``nn.Identity`` in
+    their place keeps the names of the others (and so the checkpoint keys) unchanged."""
+    kept_ids = {id(module) for module in kept}
+    for index, block in enumerate(model.blocks):
+        if id(block) not in kept_ids:
+            model.blocks[index] = nn.Identity()
+    for name in ("stem", "head"):
+        if id(getattr(model, name)) not in kept_ids:
+            setattr(model, name, nn.Identity())
+
+
 def place_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
     """Allocate each stage's modules (built on the meta device) on its own device; ``materialize`` fills them."""
     for stage, device in enumerate(devices):
@@ -161,6 +173,18 @@ def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     return [group for group in places.values() if len(group) > 1]
 
 
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give what is still on the meta device uninitialised storage on ``device``, keeping tied weights tied."""
+    if any(parameter.is_meta for parameter in model.parameters()):
+        shared = _shared_parameters(model)
+        model.to_empty(device=device)
+        # to_empty gives each module a new parameter of its own: tied weights (an output layer that is the token
+        # embedding) would come apart, and train as two.
+        for (module, attr), *others in shared:
+            for other, other_attr in others:
+                setattr(other, other_attr, getattr(module, attr))
+
+
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, weights: HFWeights | None = None) -> None:
     """Allocate what is still on the meta device on ``device`` and give every parameter its initial value: drawn
@@ -174,14 +198,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, weights: HFWe
     """
     if any(buffer.is_meta for buffer in model.buffers()):
         raise NotImplementedError("materialize initialises parameters; this model's buffers would stay empty")
-    if any(parameter.is_meta for parameter in model.parameters()):
-        shared = _shared_parameters(model)
-        model.to_empty(device=device)
-        # to_empty gives each module a new parameter of its own: tied weights (an output layer that is the token
-        # embedding) would come apart, and train as two.
-        for (module, attr), *others in shared:
-            for other, other_attr in others:
-                setattr(other, other_attr, getattr(module, attr))
+    allocate(model, device)
     for name, parameter in model.named_parameters():
         if weights is not None:
             value = weights.read(name, parameter).to(parameter.device)

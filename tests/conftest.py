@@ -153,6 +153,9 @@ def assert_epoch_metrics(run: OfflineRun, epochs: int) -> None:
 
 # Session runs that several tests read. MLP runs have a global batch of 64, GPT runs of 32.
 
+# Runs that also track every tensor of their first two steps, for the memory plan's peak (test_memory_plan).
+TRACKED = "callbacks.memory.tracked_steps=2"
+
 
 def one_run(name: str, args: list[str], runs_dir: Path, home: Path) -> Path:
     """``python train.py <args>`` into the job dir ``runs_dir/name``, which it returns."""
@@ -171,7 +174,7 @@ def two_job_sweep(name: str, args: list[str], runs_dir: Path, home: Path):
 @pytest.fixture(scope="session")
 def single_run(runs_dir, home):
     """auto on one device, global batch 64."""
-    return one_run("single", [*TINY, "data.batch_size=64"], runs_dir, home)
+    return one_run("single", [*TINY, "data.batch_size=64", TRACKED], runs_dir, home)
 
 
 @pytest.fixture(scope="session")
@@ -179,7 +182,7 @@ def ddp_fsdp_sweep(runs_dir, home):
     """`python train.py -m strategy=ddp,fsdp,pipeline trainer.devices=2`, 32 per device: returns job 0 (ddp) and job 1
     (fsdp). Job 2 (pipeline: one replica of two stages, so a global batch of 32) serves the report's test."""
     result, jobs = two_job_sweep("ddp-fsdp", [*TINY, "trainer.devices=2", "data.batch_size=32",
-                                              "strategy=ddp,fsdp,pipeline"], runs_dir, home)
+                                              "strategy=ddp,fsdp,pipeline", TRACKED], runs_dir, home)
     assert "distributed_backend=gloo" in result.output and "Starting with 2 processes" in result.output
     return jobs
 
@@ -195,19 +198,19 @@ def pipeline_sweep(runs_dir, home):
     """`-m strategy=pipeline strategy.schedule=gpipe,1f1b trainer.devices=2`: jobs 0 and 1 (precision given as 32,
     Lightning's other spelling of 32-true)."""
     return two_job_sweep("pipeline", [*TINY, "data.batch_size=64", "strategy=pipeline", "trainer.devices=2",
-                                      "strategy.schedule=gpipe,1f1b", "trainer.precision=32"], runs_dir, home)[1]
+                                      "strategy.schedule=gpipe,1f1b", "trainer.precision=32", TRACKED], runs_dir, home)[1]
 
 
 @pytest.fixture(scope="session")
 def gpt_auto(runs_dir, home):
-    return one_run("gpt-auto", [*TINY_GPT, "data.batch_size=32"], runs_dir, home)
+    return one_run("gpt-auto", [*TINY_GPT, "data.batch_size=32", TRACKED], runs_dir, home)
 
 
 @pytest.fixture(scope="session")
 def gpt_ddp_fsdp_sweep(runs_dir, home):
     """The GPT's ddp and fsdp jobs over 2 devices, 16 per device: jobs 0 and 1."""
-    return two_job_sweep("gpt-ddp-fsdp", [*TINY_GPT, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp"],
-                         runs_dir, home)[1]
+    return two_job_sweep("gpt-ddp-fsdp", [*TINY_GPT, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp",
+                                          TRACKED], runs_dir, home)[1]
 
 
 @pytest.fixture(scope="session")
@@ -224,11 +227,12 @@ def llama_auto(runs_dir, home):
 
 @pytest.fixture(scope="session")
 def llama_fsdp(runs_dir, home):
-    return one_run("llama-fsdp", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp"], runs_dir, home)
+    return one_run("llama-fsdp", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp", TRACKED],
+                   runs_dir, home)
 
 
 @pytest.fixture(scope="session")
 def llama_split_sweep(runs_dir, home):
     """The Llama's model_parallel and pipeline (1f1b) jobs over 2 devices: jobs 0 and 1."""
     return two_job_sweep("llama-split", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=32",
-                                         "strategy=model_parallel,pipeline"], runs_dir, home)[1]
+                                         "strategy=model_parallel,pipeline", TRACKED], runs_dir, home)[1]

@@ -122,6 +122,12 @@ CASES = [
      "callbacks.text_sample.prompt: is set, but MarkovTokenDataModule has no text to write a prompt in"),
     (["model=gpt", "data=text", "data.path={files}/corpus.txt", "strategy=pipeline", "trainer.devices=2",
       "callbacks.text_sample.prompt=hi"], "callbacks.text_sample.prompt: is set, but under PipelineStrategy no rank"),
+    # The memory plan: a run predicted not to fit is refused before launch, naming the change that fits
+    (["model=gpt", "strategy=ddp", "trainer.devices=2", "memory_plan.device_memory_gb=0.002"],
+     "memory_plan: predicts a peak of ... on rank 0, more than the 2.0 MiB of a device ... Fix: change "
+     "model.activation_checkpointing=true, or set memory_plan.if_over=warn"),
+    (["memory_plan.device_memory_gb=0"], "memory_plan.device_memory_gb: must be a positive number or null, got 0"),
+    (["memory_plan.if_over=maybe"], "memory_plan.if_over: is 'maybe'"),
     (["mode=fit"], "mode: is 'fit'"),
     (["mode=eval"], "mode: is eval, but there are no weights to evaluate"),
     (["mode=eval", "ckpt_path=last"], "ckpt_path: is 'last', this job dir's own checkpoint"),

@@ -1,10 +1,13 @@
 """Per-epoch memory of one device: what the model state costs, so the dashboard shows why a strategy helps."""
 
+import json
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
 MB = 2**20
@@ -52,23 +55,84 @@ def gather_from_ranks(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [row for rank_rows in gathered for row in rank_rows]
 
 
+class _NoModuleHooks:
+    """What ``MemTracker`` asks of its ``ModTracker``, hooking no module: its hooks only attribute memory to
+    modules, refuse a module run twice per step (a pipeline stage's micro-batches), and break the pipeline's
+    partial backward (``autograd.grad`` on a stage's inputs)."""
+
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoModuleHooks":
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class StepMemoryTracker(MemTracker):
+    """PyTorch's ``MemTracker`` (every tensor's storage, as it is made and freed, on each device) for the totals
+    and peak of whole training steps, not per module. Tensors made before it starts count once handed to
+    ``track_external`` (the model, the optimizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._mod_tracker = _NoModuleHooks()
+
+
+def held_bytes(tracker: MemTracker, snapshot: str = "current") -> int:
+    """Bytes a ``MemTracker`` counts as held, now or at its peak (``snapshot="peak"``), over the devices it saw
+    (shape-only meta tensors, e.g. a FLOP count's model copy, hold none)."""
+    return sum(sizes["Total"] for device, sizes in tracker.get_tracker_snapshot(snapshot).items()
+               if device.type != "meta")
+
+
 class DeviceMemory(L.Callback):
-    """Logs ``memory/{params,grads,optimizer,model_state}_mb`` and, on CUDA, ``memory/peak_{allocated,reserved}_mb``.
+    """Logs ``memory/{params,grads,optimizer,model_state}_mb`` and, on CUDA, ``memory/peak_{allocated,reserved}_mb``;
+    next to them, the job's memory plan (``project.memory_plan``, read from ``plan_file``) as
+    ``memory/planned_{params,grads,optimizer,model_state,peak}_mb``.
 
     Each value is the maximum over devices: the device that runs out first is the one that matters. Model state
     is measured just before optimizer steps, when gradients exist (Lightning frees them after the step), until
-    two steps agree, and the epoch's last measurement is logged; CUDA peaks cover the epoch, validation included. ``per_device`` holds
-    the epoch's values of every device of the job (``rank``, ``stage`` and the ``memory/*`` keys), on every rank.
+    two steps agree, and the epoch's last measurement is logged; CUDA peaks cover the epoch, validation included.
+    ``per_device`` holds the epoch's values of every device of the job (``rank``, ``stage`` and the ``memory/*``
+    keys), on every rank.
+
+    ``tracked_steps`` > 0 also measures the peak of the first that many training steps by tracking every tensor
+    (PyTorch's ``MemTracker``; it slows those steps), as ``memory/tracked_peak_mb``: the CPU has no allocator
+    statistics. Stages of ``strategy=model_parallel`` on one CPU add up in it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, plan_file: str | None = None, tracked_steps: int = 0) -> None:
         self._sizes: dict[int, dict[str, int]] = {}
         self._settled_epoch: int | None = None  # the epoch whose sizes have stopped changing
         self.per_device: list[dict[str, Any]] = []
+        self.plan_file = Path(plan_file) if plan_file else None
+        self.tracked_steps = tracked_steps
+        self._tracker: StepMemoryTracker | None = None
+        self._tracked_peak: int | None = None
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step == 0 and self.tracked_steps and self._tracker is None and self._tracked_peak is None:
+            self._tracker = StepMemoryTracker()
+            self._tracker.track_external(pl_module, *trainer.optimizers)
+            self._tracker.__enter__()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._tracker is not None and trainer.global_step >= self.tracked_steps:
+            self._tracker.__exit__(None, None, None)
+            self._tracked_peak = held_bytes(self._tracker, "peak")
+            self._tracker = None
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         # The sizes change only while the optimizer creates its state (its first steps): once a measurement repeats
@@ -91,8 +155,19 @@ class DeviceMemory(L.Callback):
                 sizes["peak_reserved"] = torch.cuda.max_memory_reserved(pl_module.device)
             rows.append({"rank": trainer.global_rank, "stage": stage,
                          **{f"memory/{name}_mb": size / MB for name, size in sizes.items()}})
+        if self._tracked_peak is not None:
+            for row in rows:
+                row["memory/tracked_peak_mb"] = self._tracked_peak / MB
         self.per_device = gather_from_ranks(rows)
         fullest = max(rows, key=lambda row: row["memory/model_state_mb"])
         for name, value in fullest.items():
             if name.startswith("memory/"):
                 pl_module.log(name, value, sync_dist=True, reduce_fx="max")
+        plan = json.loads(self.plan_file.read_text()) if self.plan_file and self.plan_file.is_file() else None
+        if plan is not None:  # the same rule: the device with the most model state, and the highest peak
+            planned = max(plan["devices"], key=lambda device: device["params"] + device["grads"] + device["optimizer"])
+            for name in ("params", "grads", "optimizer"):
+                pl_module.log(f"memory/planned_{name}_mb", planned[name] / MB)
+            pl_module.log("memory/planned_model_state_mb",
+                          (planned["params"] + planned["grads"] + planned["optimizer"]) / MB)
+            pl_module.log("memory/planned_peak_mb", plan["peak"] / MB)

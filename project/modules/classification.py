@@ -1,6 +1,7 @@
 """Classification: cross-entropy, accuracy and mean loss, logged once per epoch."""
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 from project.modules.base import TrainingModule
@@ -23,3 +24,7 @@ class ClassificationModule(TrainingModule):
 
     def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
         metrics["acc"].update(outputs, target)
+
+    def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of the shapes and dtypes the data module (``data``, its config) feeds: features and labels."""
+        return torch.zeros(batch_size, data.num_features), torch.zeros(batch_size, dtype=torch.long)

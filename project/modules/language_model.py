@@ -1,6 +1,7 @@
 """Next-token prediction: token cross-entropy, perplexity, and the data's entropy floor next to the val loss."""
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
 
@@ -24,6 +25,11 @@ class LanguageModelModule(TrainingModule):
         self.criterion = TokenCrossEntropy()
         self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
         self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
+
+    def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of the shapes and dtypes the data module (``data``, its config) feeds: token ids and targets."""
+        tokens = torch.zeros(batch_size, data.seq_length, dtype=torch.long)
+        return tokens, tokens
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()

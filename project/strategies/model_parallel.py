@@ -6,7 +6,7 @@ Every device holds only its stage's parameters, gradients and optimizer state, b
 on a CPU-only machine every stage sits on the CPU and the same code runs.
 """
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,7 +15,8 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig
 from torch import nn
 
-from project.parallel import block_sizes, connect_stages, place_stages, split_blocks, stage_modules
+from project.memory_plan import DeviceWork, block_inputs
+from project.parallel import block_sizes, connect_stages, keep_only, place_stages, split_blocks, stage_modules
 from project.strategies.stages import check_stage_split
 
 
@@ -38,6 +39,23 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
     def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
         """Rules checked before launch (``project.checks``)."""
         check_stage_split(cfg, net)
+
+    @classmethod
+    def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], nn.Module]) -> Iterator[DeviceWork]:
+        """For the memory plan: each stage, holding its blocks, the activations of the whole batch through them
+        and, after the first, the input that arrives from the stage before."""
+        strategy = cfg.strategy
+        module = new_module()
+        stages = split_blocks(block_sizes(module.net), strategy.num_stages, strategy.blocks_per_stage)
+        example = module.example_batch(cfg.data.batch_size, cfg.data)[0].to("meta")
+        boundaries = block_inputs(module.net, example)
+        for stage in range(strategy.num_stages):
+            module = new_module()
+            kept = stage_modules(module.net, stages, stage)
+            keep_only(module.net, kept)
+            yield DeviceWork(f"stage {stage}", module, kept, cfg.data.batch_size,
+                             stage_input=boundaries[stages[stage].start] if stage else None,
+                             last=stage == strategy.num_stages - 1)
 
     def stage_device(self, stage: int) -> torch.device:
         if isinstance(self.accelerator, CUDAAccelerator):

@@ -16,10 +16,12 @@ a rank allocates only its own stages.
 
 import warnings
 from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from lightning.fabric.connector import _convert_precision_to_unified_args
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -27,13 +29,22 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from project.checkpoints import META_FILE, is_sharded_checkpoint
 from project.checks import resolve_ckpt_path
 from project.errors import ConfigError
-from project.parallel import apply_fsdp, block_sizes, clip_grad_norm_, fsdp_param_dtype, split_blocks, stage_modules
+from project.memory_plan import DeviceWork, block_inputs, fake_process_group
+from project.parallel import (
+    apply_fsdp,
+    block_sizes,
+    clip_grad_norm_,
+    fsdp_param_dtype,
+    keep_only,
+    split_blocks,
+    stage_modules,
+)
 from project.strategies.sharded import ShardedCheckpointStrategy
 from project.strategies.stages import check_stage_split
 
@@ -57,17 +68,32 @@ class StageModule(nn.Module):
         return x
 
 
-def keep_only(model: nn.Module, kept: list[nn.Module]) -> None:
-    """Drop the stem, blocks and head this rank does not run (before they are ever allocated); ``nn.Identity`` in
-    their place keeps the names of the others (and so the checkpoint keys) unchanged."""
-    kept_ids = {id(module) for module in kept}
-    for index, block in enumerate(model.blocks):
-        if id(block) not in kept_ids:
-            model.blocks[index] = nn.Identity()
-    for name in ("stem", "head"):
-        if id(getattr(model, name)) not in kept_ids:
-            setattr(model, name, nn.Identity())
+def _in_flight(schedule: str, microbatches: int, ranks: int, rank: int, stages_per_rank: int) -> int:
+    """Micro-batches whose activations pipeline rank ``rank`` holds at once under ``schedule``: GPipe runs every
+    forward first; 1F1B starts with one per stage still ahead, then alternates; interleaved 1F1B's warm-up
+    (torch's formula, in stage chunks) spread over the rank's stages."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule == "1f1b":
+        return min(microbatches, ranks - rank)
+    chunks = (stages_per_rank - 1) * ranks + 2 * (ranks - 1 - rank) + 1
+    return min(microbatches, -(-chunks // stages_per_rank))
 
+
+def keep_stages(model: nn.Module, stages: list[range], stage_ids: list[int], data_parallel: DeviceMesh,
+                precision: str) -> list[StageModule]:
+    """A pipeline rank's part of ``model`` (on the meta device): the modules of its stages, the others dropped,
+    each stage sharded over its data-parallel peers when it has some."""
+    kept = [StageModule(stage_modules(model, stages, stage)) for stage in stage_ids]
+    keep_only(model, [module for stage in kept for module in stage.blocks])
+    if data_parallel.size() > 1:
+        param_dtype = fsdp_param_dtype(precision)
+        for stage_module in kept:
+            # Gathered once per step, not once per micro-batch (torchtitan does the same under PP): the schedule
+            # runs every micro-batch through the stage, and only its last backward reduces and reshards.
+            apply_fsdp(stage_module, data_parallel, reshard_after_forward=False, param_dtype=param_dtype,
+                       reduce_dtype=torch.float32 if param_dtype is not None else None)
+    return kept
 
 class PipelineStrategy(ShardedCheckpointStrategy):
     """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline; batches must be ``(inputs, targets)``."""
@@ -193,20 +219,37 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         if self.stage_modules:
             return
         stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
-        self.stage_modules = [StageModule(stage_modules(model, stages, stage)) for stage in self.stage_ids]
-        keep_only(model, [module for stage in self.stage_modules for module in stage.blocks])
-        if self.device_mesh["data_parallel"].size() > 1:
-            param_dtype = fsdp_param_dtype(self.precision_plugin.precision)
-            for stage_module in self.stage_modules:
-                # Gathered once per step, not once per micro-batch (torchtitan does the same under PP): the schedule
-                # runs every micro-batch through the stage, and only its last backward reduces and reshards.
-                apply_fsdp(
-                    stage_module,
-                    self.device_mesh["data_parallel"],
-                    reshard_after_forward=False,
-                    param_dtype=param_dtype,
-                    reduce_dtype=torch.float32 if param_dtype is not None else None,
+        self.stage_modules = keep_stages(model, stages, self.stage_ids, self.device_mesh["data_parallel"],
+                                         self.precision_plugin.precision)
+
+    @classmethod
+    def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], nn.Module]) -> Iterator[DeviceWork]:
+        """For the memory plan: each rank of one pipeline (their data-parallel peers hold the same), laid out over
+        a fake process group of the job's size, with the micro-batches its schedule keeps in flight."""
+        strategy, ranks = cfg.strategy, cls.pipeline_ranks(cfg)
+        world, microbatches = strategy.processes * cfg.trainer.num_nodes, strategy.microbatches
+        microbatch_size = cfg.data.batch_size // microbatches
+        module = new_module()
+        stages = split_blocks(block_sizes(module.net), strategy.num_stages, strategy.blocks_per_stage)
+        example = module.example_batch(microbatch_size, cfg.data)[0].to("meta")
+        boundaries = block_inputs(module.net, example)  # what enters each block, then the head
+        for rank in range(ranks):
+            stage_ids = [rank + k * ranks for k in range(strategy.stages_per_rank)]
+            with fake_process_group(world, rank):  # data-parallel index 0: global rank = pipeline rank
+                mesh = init_device_mesh("cpu", (world // ranks, ranks), mesh_dim_names=("data_parallel", "pipeline"))
+                module = new_module()
+                kept = keep_stages(module.net, stages, stage_ids, mesh["data_parallel"],
+                                   _convert_precision_to_unified_args(cfg.trainer.precision))
+                first, last = 0 in stage_ids, strategy.num_stages - 1 in stage_ids
+                yield DeviceWork(
+                    f"rank {rank} (stage {', '.join(map(str, stage_ids))})", module, kept, microbatch_size,
+                    microbatches=microbatches, in_flight=_in_flight(strategy.schedule, microbatches, ranks, rank,
+                                                                    strategy.stages_per_rank),
+                    stage_input=None if first else boundaries[stages[stage_ids[0]].start],
+                    stage_output=None if last else boundaries[stages[stage_ids[-1]].stop],
+                    last=last, receive_buffers=True, keeps_outputs=last, forward_in_backward=True,
                 )
+
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads its own blocks and their optimizer state from a sharded checkpoint.

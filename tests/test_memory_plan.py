@@ -1,0 +1,161 @@
+"""The memory plan (``project/memory_plan.py``): what it predicts against what real runs measure, plans of 1024
+simulated ranks against arithmetic, and the plan as a guard before launch (its refusals are in test_bad_input)."""
+
+import math
+
+import pytest
+from omegaconf import OmegaConf, open_dict
+
+from conftest import TINY_GPT, only_run, train
+from project.memory_plan import plan_memory
+from project.parallel import block_sizes, split_blocks, stage_modules
+from project.training import build_net
+from test_config import compose_train
+
+MODEL_STATE = ("params", "grads", "optimizer", "model_state")
+
+# Session runs of every strategy (conftest), each launched after its plan: (fixture, job index or None).
+PLANNED_RUNS = [
+    ("single_run", None), ("ddp_fsdp_sweep", 0), ("ddp_fsdp_sweep", 1), ("ddp_fsdp_sweep", 2), ("model_parallel_run", None),
+    ("pipeline_sweep", 0), ("pipeline_sweep", 1), ("gpt_auto", None), ("gpt_ddp_fsdp_sweep", 0),
+    ("gpt_ddp_fsdp_sweep", 1), ("gpt_pipeline_compiled", None), ("llama_fsdp", None), ("llama_split_sweep", 0),
+    ("llama_split_sweep", 1),
+]
+# The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
+# model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.
+TRACKED_RUNS = [run for run in PLANNED_RUNS if run[0] not in ("model_parallel_run", "gpt_pipeline_compiled")
+                and run != ("llama_split_sweep", 0)]
+
+
+def job_dir_of(request, fixture: str, index: int | None):
+    """The job dir of a one-run fixture, or of job ``index`` of a sweep fixture (which returns jobs 0 and 1)."""
+    value = request.getfixturevalue(fixture)
+    return value if index is None else value[0].parent / str(index)
+
+
+@pytest.mark.parametrize("fixture,index", PLANNED_RUNS)
+def test_planned_model_state_equals_the_measured_byte_for_byte(request, fixture, index):
+    """Parameters, gradients and optimizer state of the plan (simulated on fake tensors before launch) are what
+    the run's devices held (counted on the real tensors each epoch): equal floats of bytes / 2**20, so equal bytes."""
+    run = only_run(job_dir_of(request, fixture, index))
+    for part in MODEL_STATE:
+        planned, measured = run.series(f"memory/planned_{part}_mb"), run.series(f"memory/{part}_mb")
+        assert planned == measured and measured[0] > 0, part
+
+
+@pytest.mark.parametrize("fixture,index", TRACKED_RUNS)
+def test_planned_peak_is_within_15_percent_of_the_tracked_peak(request, fixture, index):
+    """The peak the plan predicts, against the peak of the run's first two training steps, tracked on its real
+    tensors (every rank; the most of any is logged)."""
+    run = only_run(job_dir_of(request, fixture, index))
+    planned, tracked = run.series("memory/planned_peak_mb")[0], run.series("memory/tracked_peak_mb")[0]
+    assert abs(planned - tracked) <= 0.15 * tracked, (planned, tracked)
+
+
+# GPT-3 XL on 8 devices x 128 nodes, with a short sequence so that each simulated step is quick.
+LARGE = ["model=gpt_1_3b", "data=tokens", "data.vocab_size=50257", "data.seq_length=64", "data.batch_size=8",
+         "data.num_train=100000", "data.num_val=2048", "trainer.devices=8", "trainer.num_nodes=128", "logger=none"]
+RANKS = 1024
+
+
+def resolved(overrides: list[str]):
+    cfg = compose_train(overrides)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+
+
+def sharded_bytes(parameters, shards: int) -> int:
+    """FSDP2 cuts each parameter's dimension 0 into ``shards`` chunks of ceil(rows / shards) rows (the last ones
+    shorter or empty): rank 0 holds a full chunk of every parameter, 4 bytes per float32 value."""
+    return sum(math.ceil(p.shape[0] / shards) * p[0].numel() * 4 for p in parameters)
+
+
+def adamw_bytes(parameter_bytes: int, parameters: list) -> int:
+    """AdamW's state: two moments the size of the parameters, and a float32 step count per parameter."""
+    return 2 * parameter_bytes + 4 * len(parameters)
+
+
+def test_fsdp_and_ddp_plans_of_1024_ranks_hold_what_arithmetic_says():
+    net_parameters = list(build_net(resolved([*LARGE, "strategy=fsdp"])).parameters())
+    assert sum(p.numel() for p in net_parameters) > 1.3e9
+    fsdp = plan_memory(resolved([*LARGE, "strategy=fsdp"]), suggest=False)
+    rank0 = fsdp.devices[0]
+    expected = sharded_bytes(net_parameters, RANKS)
+    assert fsdp.world_size == RANKS and [d.name for d in fsdp.devices] == ["rank 0"]
+    assert rank0.params == rank0.grads == expected
+    assert rank0.optimizer == adamw_bytes(expected, net_parameters)
+
+    ddp = plan_memory(resolved([*LARGE, "strategy=ddp"]), suggest=False).devices[0]
+    full = sum(p.numel() for p in net_parameters) * 4
+    assert ddp.params == ddp.grads == full and ddp.optimizer == adamw_bytes(full, net_parameters)
+    assert ddp.comm_buffers == full  # the gradients live in DDP's all-reduce buckets (gradient_as_bucket_view)
+    assert ddp.activations == rank0.activations  # the same micro-batch through the same blocks
+    assert ddp.peak > rank0.peak + 3 * full  # what sharding saves
+
+
+def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight():
+    """8 stages x 128 data-parallel replicas: each pipeline rank holds its stage sharded 128 ways, and under
+    1F1B rank r keeps the activations of 8 - r micro-batches at once (GPipe: all 8)."""
+    overrides = [*LARGE, "strategy=pipeline", "strategy.num_stages=8", "strategy.microbatches=8",
+                 "model.net.tie_weights=false"]
+    cfg = resolved(overrides)
+    plan = plan_memory(cfg, suggest=False)
+    net = build_net(cfg)
+    stages = split_blocks(block_sizes(net), 8, None)
+    assert [device.name for device in plan.devices] == [f"rank {r} (stage {r})" for r in range(8)]
+    for rank, device in enumerate(plan.devices):
+        parameters = [p for module in stage_modules(net, stages, rank) for p in module.parameters()]
+        assert device.params == sharded_bytes(parameters, RANKS // 8), rank
+    # Ranks 1..6 run equal stages (3 blocks each): activations in proportion to the micro-batches in flight.
+    activations = [device.activations for device in plan.devices]
+    assert len({len(stages[r]) for r in range(1, 7)}) == 1
+    for rank in range(1, 6):
+        assert activations[rank] * (8 - rank - 1) == activations[rank + 1] * (8 - rank)
+    gpipe = plan_memory(resolved([*overrides, "strategy.schedule=gpipe"]), suggest=False)
+    assert gpipe.devices[3].activations == activations[3] * 8 // (8 - 3)
+
+
+def test_model_parallel_plan_holds_each_stage_on_its_device():
+    cfg = resolved([*LARGE, "strategy=model_parallel", "trainer.num_nodes=1", "model.net.tie_weights=false"])
+    plan = plan_memory(cfg, suggest=False)
+    net = build_net(cfg)
+    stages = split_blocks(block_sizes(net), 8, None)
+    assert [device.name for device in plan.devices] == [f"stage {s}" for s in range(8)]
+    for stage, device in enumerate(plan.devices):
+        parameters = [p for module in stage_modules(net, stages, stage) for p in module.parameters()]
+        assert device.params == sum(p.numel() for p in parameters) * 4
+
+
+# The tiny GPT on one device: a peak of 2.7 MiB, 1.7 MiB with activation checkpointing, so that 2 MiB devices
+# hold it only with checkpointing (the refusal itself, under ddp, is a case of test_bad_input).
+SMALL_DEVICE = [*TINY_GPT, "memory_plan.device_memory_gb=0.002", "trainer.max_epochs=1",
+                "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1", "logger=csv"]
+
+
+def test_the_suggested_change_fits_and_trains(tmp_path, home):
+    result = train([*SMALL_DEVICE, "model.activation_checkpointing=true", f"hydra.run.dir={tmp_path / 'job'}"], home)
+    assert "per device fits in 2.0 MiB (memory_plan.device_memory_gb)" in result.output
+    assert (tmp_path / "job" / "result.json").is_file()
+
+
+def test_if_over_warn_trains_a_run_predicted_not_to_fit(tmp_path, home):
+    result = train([*SMALL_DEVICE, "memory_plan.if_over=warn", f"hydra.run.dir={tmp_path / 'job'}"], home)
+    assert "does NOT fit in 2.0 MiB" in result.output
+    assert "Training anyway (memory_plan.if_over=warn)" in result.output
+    assert (tmp_path / "job" / "result.json").is_file()
+
+
+def test_plan_true_prints_the_plan_and_trains_nothing(tmp_path, home):
+    job_dir = tmp_path / "job"
+    result = train([*TINY_GPT, "plan=true", "strategy=pipeline", "trainer.devices=2", "memory_plan.device_memory_gb=1",
+                    f"hydra.run.dir={job_dir}"], home)
+    lines = result.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("Memory plan: model=gpt strategy=pipeline"))
+    assert "2 device(s) x 1 node(s) = 2 process(es)" in header
+    assert any(line.strip().startswith("rank 0 (stage 0)") for line in lines)
+    assert any(line.strip().startswith("rank 1 (stage 1)") for line in lines)
+    assert "activations (AC on)" in result.stdout  # the other activation checkpointing setting, side by side
+    assert "per device fits in 1.00 GiB (memory_plan.device_memory_gb)." in result.stdout
+    for trained in ("workers", "checkpoints", "result.json", "config.yaml", "wandb", "memory_plan.json"):
+        assert not (job_dir / trained).exists(), trained
