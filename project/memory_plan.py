@@ -38,7 +38,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
 from project.callbacks.memory import MB, StepMemoryTracker, held_bytes, model_state_bytes_per_device
-from project.checks import strategy_class, uses_cuda
+from project.checks import check_config, strategy_class, uses_cuda
 from project.errors import ConfigError
 from project.parallel import allocate, apply_activation_checkpointing
 
@@ -336,31 +336,45 @@ def _checkpointing(cfg: DictConfig) -> bool:
 
 
 def candidate_changes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
-    """Changes that lower the memory per device, the smallest first: each as the overrides a user would type,
-    and the config they make."""
+    """Changes that lower the memory per device, the smallest first, each as the overrides a user would type and
+    the config they make: activation checkpointing; the strategy's own (``memory_saving_changes`` on its class: a
+    pipeline's more micro-batches or stages); FSDP over the same devices; a smaller batch per step with the same
+    global batch; FSDP over more devices, then more nodes, up to 1024 ranks."""
+    from project.strategies import FSDPStrategy  # imported here: the strategies import this module
+
     checkpointing = {} if _checkpointing(cfg) else {"model.activation_checkpointing": True}
     if checkpointing:
         yield "model.activation_checkpointing=true", _changed(cfg, checkpointing)
-    fsdp = OmegaConf.select(cfg, "strategy._target_") == "project.strategies.FSDPStrategy"
+    cls = strategy_class(cfg)
+    for change, changes in getattr(cls, "memory_saving_changes", lambda cfg: [])(cfg):
+        yield change, _changed(cfg, changes)
+    fsdp = cls is not None and issubclass(cls, FSDPStrategy)
     devices, nodes = cfg.trainer.devices, cfg.trainer.num_nodes
     if not fsdp and devices * nodes > 1:
         yield "strategy=fsdp", _changed(cfg, {}, "fsdp")
         if checkpointing:
             yield "strategy=fsdp model.activation_checkpointing=true", _changed(cfg, checkpointing, "fsdp")
-    stages = OmegaConf.select(cfg, "strategy.num_stages")
-    if stages is not None and OmegaConf.select(cfg, "strategy.microbatches") is not None:  # a pipeline
-        more = {"strategy.num_stages": 2 * stages, "trainer.devices": 2 * devices, "strategy.processes": 2 * devices}
-        if 2 * stages <= len(_new_module_factory(cfg)().net.blocks):
-            yield f"strategy.num_stages={2 * stages} trainer.devices={2 * devices}", _changed(cfg, more)
     batch, accumulate = cfg.data.batch_size, cfg.trainer.accumulate_grad_batches
-    microbatches = OmegaConf.select(cfg, "strategy.microbatches") or 1
-    while batch % (2 * microbatches) == 0:
+    while batch > 1:
         batch, accumulate = batch // 2, accumulate * 2
-        yield (f"data.batch_size={batch} trainer.accumulate_grad_batches={accumulate} (the same global batch)",
+        yield (f"data.batch_size={batch} trainer.accumulate_grad_batches={accumulate}",
                _changed(cfg, {"data.batch_size": batch, "trainer.accumulate_grad_batches": accumulate}))
     while devices * nodes < 1024:
-        nodes *= 2
-        yield f"strategy=fsdp trainer.num_nodes={nodes}", _changed(cfg, {"trainer.num_nodes": nodes}, "fsdp")
+        if nodes == 1 and devices < 8:
+            devices *= 2
+        else:
+            nodes *= 2
+        yield (f"strategy=fsdp trainer.devices={devices} trainer.num_nodes={nodes}",
+               _changed(cfg, {"trainer.devices": devices, "trainer.num_nodes": nodes}, "fsdp"))
+
+
+def _valid(cfg: DictConfig) -> bool:
+    """Whether ``cfg`` passes the checks of a run (a smaller batch must still split into micro-batches...)."""
+    try:
+        check_config(cfg)
+    except ConfigError:
+        return False
+    return True
 
 
 def plan_memory(cfg: DictConfig, suggest: bool = True, alternatives: bool = False) -> MemoryPlan:
@@ -379,6 +393,8 @@ def plan_memory(cfg: DictConfig, suggest: bool = True, alternatives: bool = Fals
             device.activations_checkpointed, device.peak_checkpointed = other.activations, other.peak
     if suggest and not plan.fits:
         for change, changed in candidate_changes(cfg):
+            if not _valid(changed):
+                continue
             peak = max(device.peak for device in simulate_devices(changed))
             plan.alternatives[change] = peak
             if peak <= capacity:

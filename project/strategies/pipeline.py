@@ -223,6 +223,17 @@ class PipelineStrategy(ShardedCheckpointStrategy):
                                          self.precision_plugin.precision)
 
     @classmethod
+    def memory_saving_changes(cls, cfg: DictConfig) -> Iterator[tuple[str, dict[str, Any]]]:
+        """For the memory plan's suggestions: smaller micro-batches (fewer activations each, and 1F1B keeps no more
+        of them in flight), then twice the stages over twice the devices (each holds half the blocks)."""
+        strategy, devices = cfg.strategy, cfg.trainer.devices
+        yield (f"strategy.microbatches={2 * strategy.microbatches}",
+               {"strategy.microbatches": 2 * strategy.microbatches})
+        yield (f"strategy.num_stages={2 * strategy.num_stages} trainer.devices={2 * devices}",
+               {"strategy.num_stages": 2 * strategy.num_stages, "trainer.devices": 2 * devices,
+                "strategy.processes": 2 * devices})
+
+    @classmethod
     def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], nn.Module]) -> Iterator[DeviceWork]:
         """For the memory plan: each rank of one pipeline (their data-parallel peers hold the same), laid out over
         a fake process group of the job's size, with the micro-batches its schedule keeps in flight."""
