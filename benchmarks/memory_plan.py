@@ -45,27 +45,40 @@ def measured(tmp: Path) -> str:
 LARGE = ["model=gpt_1_3b", "data=tokens", "data.vocab_size=50257", "data.seq_length=1024", "data.batch_size=8",
          "data.num_train=100000", "data.num_val=2048", "trainer.devices=8", "trainer.num_nodes=128",
          "trainer.precision=bf16-mixed", "memory_plan.device_memory_gb=80"]
-LAYOUTS = {"ddp": ["strategy=ddp"], "fsdp": ["strategy=fsdp"],
+ONE_NODE = ["trainer.num_nodes=1", "model.net.tie_weights=false"]
+LAYOUTS = {"auto (1 device)": ["trainer.devices=1", "trainer.num_nodes=1"],
+           "model_parallel (8 stages, 1 node)": ["strategy=model_parallel", *ONE_NODE],
+           "ddp (1024 ranks)": ["strategy=ddp"], "fsdp (1024 ranks)": ["strategy=fsdp"],
            "pipeline (8 stages x 128 data-parallel)": ["strategy=pipeline", "strategy.num_stages=8",
                                                        "strategy.microbatches=8", "model.net.tie_weights=false"]}
+# Llama 3.1 8B under DDP on one node of 80 GiB GPUs: refused, with the change that fits.
+REFUSED = ["model=llama_8b", "data=tokens", "data.vocab_size=128256", "data.seq_length=2048", "data.batch_size=2",
+           "data.num_train=100000", "trainer.devices=8", "trainer.precision=bf16-mixed", "strategy=ddp",
+           "memory_plan.device_memory_gb=80"]
+
+
+def plan(overrides: list[str], tmp: Path) -> tuple[str, float]:
+    """``python train.py plan=true <overrides>``: its output and wall time."""
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "train.py", "plan=true", *overrides, f"hydra.run.dir={tmp / 'plan'}"],
+                            cwd=REPO, check=True, capture_output=True, text=True)
+    return result.stdout.strip(), time.perf_counter() - start
 
 
 def at_scale(tmp: Path) -> str:
-    """``plan=true`` for GPT-3 XL on 1024 simulated ranks: each layout's plan (with activation checkpointing both
-    ways, and the search for a change that fits), its wall time, and the fsdp plan as printed."""
+    """``plan=true`` for GPT-3 XL up to 1024 simulated ranks: each layout's plan (with activation checkpointing both
+    ways), its wall time, and the fsdp plan as printed; then Llama 3.1 8B refused under DDP."""
     rows, example = [], ""
     for name, overrides in LAYOUTS.items():
-        start = time.perf_counter()
-        result = subprocess.run([sys.executable, "train.py", "plan=true", *LARGE, *overrides,
-                                 f"hydra.run.dir={tmp / 'plan'}"], cwd=REPO, check=True, capture_output=True, text=True)
-        seconds = time.perf_counter() - start
-        simulated = float(re.search(r"simulated in ([\d.]+) s", result.stdout).group(1))
-        verdict = re.search(r"Peak (.*) per device (.*?) in", result.stdout)
+        output, seconds = plan([*LARGE, *overrides], tmp)
+        simulated = float(re.search(r"simulated in ([\d.]+) s", output).group(1))
+        verdict = re.search(r"Peak (.*) per device (.*?) in", output)
         rows.append([name, f"{simulated:.1f}", f"{seconds:.1f}", verdict.group(1), verdict.group(2)])
-        if name == "fsdp":
-            example = result.stdout.strip()
-    return table(["layout", "plan s (simulation)", "plan=true s (whole command)", "peak per device", "80 GiB"],
-                 rows) + "\n\n```\n" + example + "\n```"
+        if name.startswith("fsdp"):
+            example = output
+    refused, seconds = plan(REFUSED, tmp)
+    return (table(["layout", "plan s (simulation)", "plan=true s (whole command)", "peak per device", "80 GiB"], rows)
+            + "\n\n```\n" + example + "\n```\n\n" + f"Refused ({seconds:.0f} s):\n\n```\n" + refused + "\n```")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ class TrainingModule(L.LightningModule):
 
     Subclasses set ``criterion`` (loss of a batch or micro-batch), ``train_metrics`` and ``val_metrics``
     (ModuleDicts of torchmetrics with a ``loss`` SampleMean, reduced across ranks once at epoch end) and may
-    override ``update_task_metrics`` for the metrics beyond the loss.
+    override ``update_task_metrics`` for the metrics beyond the loss. They give ``example_batch`` (a batch of the
+    data's shapes, for the memory plan's simulated step).
 
     The protocol strategies use: ``configure_model`` hands ``net`` to ``strategy.parallelize`` (FSDP shards it,
     model/pipeline parallelism split it); a pipeline strategy runs the steps itself with ``criterion`` per
