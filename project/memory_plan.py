@@ -4,11 +4,11 @@ steps on fake tensors, at any world size, in this one process.
 How: the model is built on the meta device and each strategy lays it out for a simulated rank as it would for a
 real one (``simulated_devices`` on the strategy class: FSDP shards it over a mesh of the job's world size on
 torch's fake process-group backend, a pipeline keeps one rank's stages, ...). The rank's parameters are then
-allocated as fake tensors (shapes and dtypes, no memory), and two training steps run on them under PyTorch's
-``MemTracker``, in Lightning's order (forward, zero_grad, backward, optimizer step), at the configured batch,
-sequence length and precision. The tracker follows every tensor's storage as it is made and freed: its peak is the
-plan's peak; parameters, gradients and optimizer state are counted from the rank's tensors after the steps, as
-``project.callbacks.DeviceMemory`` counts a real run's.
+allocated as fake tensors (shapes and dtypes, no memory), the optimizer makes its state, and a training step runs
+on them under PyTorch's ``MemTracker``, in Lightning's order (forward, zero_grad, backward, optimizer step), at the
+configured batch, sequence length and precision. The tracker follows every tensor's storage as it is made and
+freed: its peak is the plan's peak; parameters, gradients and optimizer state are counted from the rank's tensors
+after the step, as ``project.callbacks.DeviceMemory`` counts a real run's.
 
 What a plan does not see: the caching allocator's fragmentation and CUDA's own context (a GPU's real peak is
 higher than its allocated bytes), kernels of another device (the simulation runs the CPU's: its attention keeps
@@ -79,9 +79,9 @@ class DeviceWork:
 
 @dataclass
 class DevicePlan:
-    """Bytes one device needs. ``activations``: saved by the forward passes in flight; ``comm_buffers``: what the
-    step allocates for communication (FSDP's gathered parameters, a pipeline's receive buffers, DDP's buckets);
-    ``peak``: the most the device holds at once in a step."""
+    """Bytes one device needs. ``activations``: what autograd saves for backward over the forwards in flight;
+    ``comm_buffers``: held for communication (DDP's buckets, a pipeline's receive buffers; FSDP's gathered
+    parameters and collective buffers at the peak); ``peak``: the most the device holds at once in a step."""
 
     name: str
     params: int
@@ -91,7 +91,7 @@ class DevicePlan:
     comm_buffers: int
     peak: int
     activations_checkpointed: int | None = None  # the same with the other activation checkpointing setting...
-    peak_checkpointed: int | None = None  # ...and its peak (only in plan=true output and for suggestions)
+    peak_checkpointed: int | None = None  # ...and its peak (plan=true only)
 
     @property
     def model_state(self) -> int:
@@ -101,7 +101,7 @@ class DevicePlan:
 @dataclass
 class MemoryPlan:
     devices: list[DevicePlan]
-    capacity: int | None  # bytes of one device; None: unknown (nothing to check against)
+    capacity: int  # bytes of one device
     capacity_source: str
     activation_checkpointing: bool
     world_size: int
@@ -115,7 +115,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.capacity is None or self.peak <= self.capacity
+        return self.peak <= self.capacity
 
     def fullest(self) -> DevicePlan:
         return max(self.devices, key=lambda device: device.peak)
@@ -284,9 +284,9 @@ def whole_model_devices(cfg: DictConfig, new_module) -> Iterator[DeviceWork]:
     live in its all-reduce buckets for the whole run: as views of them (``gradient_as_bucket_view``), or beside
     them, in buckets of the gradients' size."""
     module = new_module()
-    cls = strategy_class(cfg)
-    ddp = cls is not None and issubclass(cls, DDPStrategy) and cfg.strategy.processes * cfg.trainer.num_nodes > 1
-    views = ddp and bool(OmegaConf.select(cfg, "strategy.gradient_as_bucket_view"))
+    cls = strategy_class(cfg)  # None: auto, which Lightning makes DDP over several devices
+    ddp = (cls is None or issubclass(cls, DDPStrategy)) and cfg.strategy.processes * cfg.trainer.num_nodes > 1
+    views = ddp and bool(OmegaConf.select(cfg, "strategy.gradient_as_bucket_view"))  # DDP's own default: false
     buckets = 0
     if ddp and not views:
         buckets = sum(p.numel() * p.element_size() for p in module.net.parameters() if p.requires_grad)
@@ -305,7 +305,7 @@ def simulate_devices(cfg: DictConfig) -> list[DevicePlan]:
     return [simulate(work, cfg) for work in device_works(cfg)]
 
 
-def device_capacity(cfg: DictConfig) -> tuple[int | None, str]:
+def device_capacity(cfg: DictConfig) -> tuple[int, str]:
     """Bytes of one device, and where the figure comes from: ``memory_plan.device_memory_gb`` if set, else the
     GPU's, else on a CPU this machine's memory shared by the node's devices."""
     gigabytes = cfg.memory_plan.device_memory_gb
@@ -434,11 +434,8 @@ def format_plan(plan: MemoryPlan, cfg: DictConfig) -> str:
     widths = [max(len(str(row[i])) for row in rows + [columns]) for i in range(len(columns))]
     lines = [header, "  ".join(name.rjust(width) for name, width in zip(columns, widths))]
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
-    if plan.capacity is None:
-        lines.append("No device memory to check against.")
-    else:
-        verdict = "fits" if plan.fits else "does NOT fit"
-        lines.append(f"Peak {_size(plan.peak)} per device {verdict} in {_size(plan.capacity)} ({plan.capacity_source}).")
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"Peak {_size(plan.peak)} per device {verdict} in {_size(plan.capacity)} ({plan.capacity_source}).")
     for change, peak in plan.alternatives.items():
         lines.append(f"  tried {change}: peak {_size(peak)}")
     if not plan.fits:

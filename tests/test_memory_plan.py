@@ -18,12 +18,13 @@ MODEL_STATE = ("params", "grads", "optimizer", "model_state")
 PLANNED_RUNS = [
     ("single_run", None), ("ddp_fsdp_sweep", 0), ("ddp_fsdp_sweep", 1), ("ddp_fsdp_sweep", 2), ("model_parallel_run", None),
     ("pipeline_sweep", 0), ("pipeline_sweep", 1), ("gpt_auto", None), ("gpt_ddp_fsdp_sweep", 0),
-    ("gpt_ddp_fsdp_sweep", 1), ("gpt_pipeline_compiled", None), ("llama_fsdp", None), ("llama_split_sweep", 0),
+    ("gpt_ddp_fsdp_sweep", 1), ("gpt_pipeline_compiled", None), ("llama_auto", None), ("llama_fsdp", None),
+    ("llama_split_sweep", 0),
     ("llama_split_sweep", 1),
 ]
 # The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
 # model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.
-TRACKED_RUNS = [run for run in PLANNED_RUNS if run[0] not in ("model_parallel_run", "gpt_pipeline_compiled")
+TRACKED_RUNS = [run for run in PLANNED_RUNS if run[0] not in ("model_parallel_run", "gpt_pipeline_compiled", "llama_auto")
                 and run != ("llama_split_sweep", 0)]
 
 
@@ -94,22 +95,37 @@ def test_fsdp_and_ddp_plans_of_1024_ranks_hold_what_arithmetic_says():
     assert ddp.peak > rank0.peak + 3 * full  # what sharding saves
 
 
+@pytest.mark.parametrize("model", [["model=llama_1b", "data=tokens", "data.vocab_size=128256", "data.seq_length=64"],
+                                   ["experiment=seed_large_model", "data.batch_size=8"]], ids=["llama_1b", "seed_mlp"])
+def test_fsdp_plans_of_1024_ranks_of_the_other_models(model):
+    cfg = resolved([*model, "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=128", "logger=none"])
+    parameters = list(build_net(cfg).parameters())
+    plan = plan_memory(cfg, suggest=False)
+    expected = sharded_bytes(parameters, RANKS)
+    assert plan.world_size == RANKS and plan.devices[0].params == plan.devices[0].grads == expected
+
+
+def plan_of_stages(overrides: list[str]) -> tuple:
+    """The plan of a config that splits the model into 8 stages, and each stage's parameters (on the meta device)."""
+    cfg = resolved(overrides)
+    net = build_net(cfg)
+    stages = split_blocks(block_sizes(net), 8, None)
+    parameters = [[p for module in stage_modules(net, stages, stage) for p in module.parameters()] for stage in range(8)]
+    return plan_memory(cfg, suggest=False), parameters
+
+
 def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight():
     """8 stages x 128 data-parallel replicas: each pipeline rank holds its stage sharded 128 ways, and under
     1F1B rank r keeps the activations of 8 - r micro-batches at once (GPipe: all 8)."""
     overrides = [*LARGE, "strategy=pipeline", "strategy.num_stages=8", "strategy.microbatches=8",
                  "model.net.tie_weights=false"]
-    cfg = resolved(overrides)
-    plan = plan_memory(cfg, suggest=False)
-    net = build_net(cfg)
-    stages = split_blocks(block_sizes(net), 8, None)
+    plan, stage_parameters = plan_of_stages(overrides)
     assert [device.name for device in plan.devices] == [f"rank {r} (stage {r})" for r in range(8)]
     for rank, device in enumerate(plan.devices):
-        parameters = [p for module in stage_modules(net, stages, rank) for p in module.parameters()]
-        assert device.params == sharded_bytes(parameters, RANKS // 8), rank
+        assert device.params == sharded_bytes(stage_parameters[rank], RANKS // 8), rank
     # Ranks 1..6 run equal stages (3 blocks each): activations in proportion to the micro-batches in flight.
     activations = [device.activations for device in plan.devices]
-    assert len({len(stages[r]) for r in range(1, 7)}) == 1
+    assert len({len(stage_parameters[r]) for r in range(1, 7)}) == 1
     for rank in range(1, 6):
         assert activations[rank] * (8 - rank - 1) == activations[rank + 1] * (8 - rank)
     gpipe = plan_memory(resolved([*overrides, "strategy.schedule=gpipe"]), suggest=False)
@@ -117,14 +133,11 @@ def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight
 
 
 def test_model_parallel_plan_holds_each_stage_on_its_device():
-    cfg = resolved([*LARGE, "strategy=model_parallel", "trainer.num_nodes=1", "model.net.tie_weights=false"])
-    plan = plan_memory(cfg, suggest=False)
-    net = build_net(cfg)
-    stages = split_blocks(block_sizes(net), 8, None)
+    plan, stage_parameters = plan_of_stages([*LARGE, "strategy=model_parallel", "trainer.num_nodes=1",
+                                             "model.net.tie_weights=false"])
     assert [device.name for device in plan.devices] == [f"stage {s}" for s in range(8)]
     for stage, device in enumerate(plan.devices):
-        parameters = [p for module in stage_modules(net, stages, stage) for p in module.parameters()]
-        assert device.params == sum(p.numel() for p in parameters) * 4
+        assert device.params == sum(p.numel() for p in stage_parameters[stage]) * 4
 
 
 # The tiny GPT on one device: a peak of 2.7 MiB, 1.7 MiB with activation checkpointing, so that 2 MiB devices
