@@ -50,7 +50,9 @@ LAYOUTS = {"auto (1 device)": ["trainer.devices=1", "trainer.num_nodes=1"],
            "model_parallel (8 stages, 1 node)": ["strategy=model_parallel", *ONE_NODE],
            "ddp (1024 ranks)": ["strategy=ddp"], "fsdp (1024 ranks)": ["strategy=fsdp"],
            "pipeline (8 stages x 128 data-parallel)": ["strategy=pipeline", "strategy.num_stages=8",
-                                                       "strategy.microbatches=8", "model.net.tie_weights=false"]}
+                                                       "strategy.microbatches=8", "model.net.tie_weights=false"],
+           "fsdp (1024 ranks), model=llama_8b, sequence 2048, 2 per device": [
+               "strategy=fsdp", "model=llama_8b", "data.vocab_size=128256", "data.seq_length=2048", "data.batch_size=2"]}
 # Llama 3.1 8B under DDP on one node of 80 GiB GPUs: refused, with the change that fits.
 REFUSED = ["model=llama_8b", "data=tokens", "data.vocab_size=128256", "data.seq_length=2048", "data.batch_size=2",
            "data.num_train=100000", "trainer.devices=8", "trainer.precision=bf16-mixed", "strategy=ddp",
@@ -66,15 +68,16 @@ def plan(overrides: list[str], tmp: Path) -> tuple[str, float]:
 
 
 def at_scale(tmp: Path) -> str:
-    """``plan=true`` for GPT-3 XL up to 1024 simulated ranks: each layout's plan (with activation checkpointing both
-    ways), its wall time, and the fsdp plan as printed; then Llama 3.1 8B refused under DDP."""
+    """``plan=true`` for GPT-3 XL (and Llama 3.1 8B) up to 1024 simulated ranks: each layout's plan (with
+    activation checkpointing both ways), its wall time, and GPT-3 XL's fsdp plan as printed; then Llama 3.1 8B
+    refused under DDP on one node."""
     rows, example = [], ""
     for name, overrides in LAYOUTS.items():
         output, seconds = plan([*LARGE, *overrides], tmp)
         simulated = float(re.search(r"simulated in ([\d.]+) s", output).group(1))
         verdict = re.search(r"Peak (.*) per device (.*?) in", output)
         rows.append([name, f"{simulated:.1f}", f"{seconds:.1f}", verdict.group(1), verdict.group(2)])
-        if name.startswith("fsdp"):
+        if name == "fsdp (1024 ranks)":
             example = output
     refused, seconds = plan(REFUSED, tmp)
     return (table(["layout", "plan s (simulation)", "plan=true s (whole command)", "peak per device", "80 GiB"], rows)
