@@ -332,7 +332,7 @@ def exclusive_job_dir(cfg: DictConfig, torchrun: bool) -> Iterator[None]:
 
 def print_memory_plan(cfg: DictConfig) -> None:
     """``plan=true``: the config checked and its memory plan printed, with activation checkpointing both ways and,
-    if it does not fit, the smallest change that does; nothing is trained or written."""
+    if it does not fit, the smallest change that does; nothing is trained."""
     cfg = job_config(cfg)
     check_config(cfg)
     print(format_plan(plan_memory(cfg, alternatives=True), cfg))

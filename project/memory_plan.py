@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 GB = 2**30
 # What FSDPMemTracker counts as FSDP's communication: gathered parameters and the buffers of the collectives.
 FSDP_COMMUNICATION = (_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER, _FSDPRefType.REDUCE_SCATTER)
+# The compute dtype of Lightning's mixed precisions (autocast): on the CPU's kernels in the simulation.
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 PLAN_FILE = "memory_plan.json"  # in the job dir: the plan the run was launched with (DeviceMemory logs it)
 
 
@@ -211,7 +213,8 @@ def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
     autograd saved for backward in the forwards in flight at once: each storage once, parameters (and views of
     them) not counted."""
     data_inputs, target = batch
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else nullcontext()
+    autocast_dtype = AUTOCAST_DTYPES.get(precision)
+    autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
     zero_grad = lambda: optimizer.zero_grad(set_to_none=not work.grads_persist)  # noqa: E731
     if work.forward_in_backward:
         zero_grad()

@@ -1,6 +1,7 @@
 """The memory plan (``project/memory_plan.py``): what it predicts against what real runs measure, plans of 1024
 simulated ranks against arithmetic, and the plan as a guard before launch (its refusals are in test_bad_input)."""
 
+import csv
 import math
 
 import pytest
@@ -153,10 +154,14 @@ def test_the_suggested_change_fits_and_trains(tmp_path, home):
 
 
 def test_if_over_warn_trains_a_run_predicted_not_to_fit(tmp_path, home):
-    result = train([*SMALL_DEVICE, "memory_plan.if_over=warn", f"hydra.run.dir={tmp_path / 'job'}"], home)
+    # Tracking more steps than the epoch has: the tracker stops with the epoch and logs what it saw.
+    result = train([*SMALL_DEVICE, "memory_plan.if_over=warn", "callbacks.memory.tracked_steps=5",
+                    f"hydra.run.dir={tmp_path / 'job'}"], home)
     assert "does NOT fit in 2.0 MiB" in result.output
     assert "Training anyway (memory_plan.if_over=warn)" in result.output
-    assert (tmp_path / "job" / "result.json").is_file()
+    with open(tmp_path / "job" / "csv" / "version_0" / "metrics.csv") as file:
+        (row,) = list(csv.DictReader(file))
+    assert float(row["memory/tracked_peak_mb"]) > float(row["memory/model_state_mb"]) > 0
 
 
 def test_plan_true_prints_the_plan_and_trains_nothing(tmp_path, home):

@@ -130,9 +130,12 @@ class DeviceMemory(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._tracker is not None and trainer.global_step >= self.tracked_steps:
-            self._tracker.__exit__(None, None, None)
-            self._tracked_peak = held_bytes(self._tracker, "peak")
-            self._tracker = None
+            self._stop_tracking()
+
+    def _stop_tracking(self) -> None:
+        self._tracker.__exit__(None, None, None)
+        self._tracked_peak = held_bytes(self._tracker, "peak")
+        self._tracker = None
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
         # The sizes change only while the optimizer creates its state (its first steps): once a measurement repeats
@@ -147,6 +150,8 @@ class DeviceMemory(L.Callback):
         self._sizes = sizes
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._tracker is not None:  # an epoch shorter than tracked_steps: its steps are what there was
+            self._stop_tracking()
         rows = []
         for stage, parts in sorted((self._sizes or {0: {}}).items()):  # {}: no optimizer step this epoch
             sizes = dict(parts, model_state=sum(parts.values()))

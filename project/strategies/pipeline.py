@@ -15,8 +15,8 @@ a rank allocates only its own stages.
 """
 
 import warnings
-from pathlib import Path
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -94,6 +94,7 @@ def keep_stages(model: nn.Module, stages: list[range], stage_ids: list[int], dat
             apply_fsdp(stage_module, data_parallel, reshard_after_forward=False, param_dtype=param_dtype,
                        reduce_dtype=torch.float32 if param_dtype is not None else None)
     return kept
+
 
 class PipelineStrategy(ShardedCheckpointStrategy):
     """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline; batches must be ``(inputs, targets)``."""
