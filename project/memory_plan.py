@@ -194,7 +194,7 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
             # loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
             batches = [module.example_batch(cfg.data.batch_size, cfg.data) for _ in range(1 if uses_cuda(cfg) else 2)]
             microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
-            activations = _step(work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, precision)
+            activations = _step(work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, cfg)
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
             if work.grads_persist:
                 comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
@@ -207,15 +207,18 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
 
 def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
           batch: tuple[torch.Tensor, torch.Tensor], input_buffers: list[torch.Tensor],
-          grad_buffers: list[torch.Tensor], tracker: MemTracker, precision: str) -> int:
+          grad_buffers: list[torch.Tensor], tracker: MemTracker, cfg: DictConfig) -> int:
     """One optimizer step in Lightning's order: forward (``training_step``), ``zero_grad``, backward, step; a
     pipeline's forwards run inside its backward, after ``zero_grad``, in its schedule's order. Returns the bytes
     autograd saved for backward in the forwards in flight at once: each storage once, parameters (and views of
     them) not counted."""
     data_inputs, target = batch
-    autocast_dtype = AUTOCAST_DTYPES.get(precision)
+    autocast_dtype = AUTOCAST_DTYPES.get(_precision(cfg))
     autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
-    zero_grad = lambda: optimizer.zero_grad(set_to_none=not work.grads_persist)  # noqa: E731
+    # With gradient accumulation, the step that holds the most is a later one of the accumulation: Lightning does
+    # not zero the gradients there, so the previous batches' are held through the forward and backward.
+    accumulating = cfg.trainer.accumulate_grad_batches > 1
+    zero_grad = lambda: accumulating or optimizer.zero_grad(set_to_none=not work.grads_persist)  # noqa: E731
     if work.forward_in_backward:
         zero_grad()
     saved: dict[int, int] = {}  # storage -> bytes, of the tensors saved for backward that are not parameters
