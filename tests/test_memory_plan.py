@@ -117,14 +117,15 @@ def plan_of_stages(overrides: list[str]) -> tuple:
 
 def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight():
     """8 stages x 128 data-parallel replicas: each pipeline rank holds its stage sharded 128 ways, and under
-    1F1B rank r keeps the activations of 8 - r micro-batches at once (GPipe: all 8)."""
+    1F1B rank r keeps the activations of 8 - r micro-batches at once (GPipe: all 8). GPT-3 XL's width, 8 of its
+    24 blocks: one per stage."""
     overrides = [*LARGE, "strategy=pipeline", "strategy.num_stages=8", "strategy.microbatches=8",
-                 "model.net.tie_weights=false"]
+                 "model.net.tie_weights=false", "model.net.num_layers=8"]
     plan, stage_parameters = plan_of_stages(overrides)
     assert [device.name for device in plan.devices] == [f"rank {r} (stage {r})" for r in range(8)]
     for rank, device in enumerate(plan.devices):
         assert device.params == sharded_bytes(stage_parameters[rank], RANKS // 8), rank
-    # Ranks 1..6 run equal stages (3 blocks each): activations in proportion to the micro-batches in flight.
+    # Ranks 1..6 run equal stages (a block each): activations in proportion to the micro-batches in flight.
     activations = [device.activations for device in plan.devices]
     assert len({len(stage_parameters[r]) for r in range(1, 7)}) == 1
     for rank in range(1, 6):
