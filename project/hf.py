@@ -8,7 +8,8 @@ Out: ``python -m project.export`` writes a checkpoint as such a dir (``write_hf_
 ``transformers.AutoModelForCausalLM.from_pretrained``.
 
 Names are translated by a table per family (``NAMES``); GPT-2 stores its linear layers transposed (its
-``Conv1D``), which ``TRANSPOSED`` lists.
+``Conv1D``), which ``TRANSPOSED`` lists, and its query, key and value projections as one (``c_attn``), of which
+this project's ``q``, ``k`` and ``v`` are thirds (``FUSED``).
 """
 
 import json
@@ -32,7 +33,9 @@ NAMES = {
         "stem.tokens.weight": "transformer.wte.weight",
         "stem.positions.weight": "transformer.wpe.weight",
         "blocks.{i}.norm1.{p}": "transformer.h.{i}.ln_1.{p}",
-        "blocks.{i}.attention.qkv.{p}": "transformer.h.{i}.attn.c_attn.{p}",
+        "blocks.{i}.attention.q.{p}": "transformer.h.{i}.attn.c_attn.{p}",
+        "blocks.{i}.attention.k.{p}": "transformer.h.{i}.attn.c_attn.{p}",
+        "blocks.{i}.attention.v.{p}": "transformer.h.{i}.attn.c_attn.{p}",
         "blocks.{i}.attention.proj.{p}": "transformer.h.{i}.attn.c_proj.{p}",
         "blocks.{i}.norm2.{p}": "transformer.h.{i}.ln_2.{p}",
         "blocks.{i}.mlp.up.{p}": "transformer.h.{i}.mlp.c_fc.{p}",
@@ -51,6 +54,10 @@ NAMES = {
     },
 }
 TRANSPOSED = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+# Parameters stored as one part of a Hugging Face tensor: (part, parts) along the output features (GPT-2's c_attn
+# is [query; key; value]). Separate here, so that tensor parallelism shards each by heads.
+FUSED = {"q": (0, 3), "k": (1, 3), "v": (2, 3)}
+FUSED_NAME = re.compile(r"\.attention\.([qkv])\.(weight|bias)$")
 NET_CLASSES = {"gpt2": GPT, "llama": Llama}
 TIED_INPUT = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}  # lm_head's source when tied
 
@@ -183,12 +190,23 @@ def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> 
                                if key == "vocab_size" else ", or use the preset of that model's shape."))
 
 
-def _local_slices(parameter: torch.Tensor) -> tuple[slice, ...]:
+def _fused_part(family: str, name: str) -> tuple[int, int] | None:
+    """(part, parts) when ``name`` is a part of a fused Hugging Face tensor (GPT-2's query, key and value)."""
+    match = FUSED_NAME.search(name) if family == "gpt2" else None
+    return FUSED[match.group(1)] if match else None
+
+
+def _local_slices(parameter: torch.Tensor, part: tuple[int, int] | None) -> tuple[slice, ...]:
     """The part of the saved tensor this rank holds: the parameter's shape from the start (a GPT-2 position table
-    cut to the sequence length trained here), or its shard of it (a DTensor)."""
-    if not isinstance(parameter, DTensor):
-        return tuple(slice(0, size) for size in parameter.shape)
-    shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh, parameter.placements)
+    cut to the sequence length trained here), or its shard of it (a DTensor); within a fused tensor, rows of the
+    parameter's own part."""
+    if isinstance(parameter, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh,
+                                                              parameter.placements)
+    else:
+        shape, offset = parameter.shape, [0] * parameter.dim()
+    if part is not None:
+        offset = [offset[0] + part[0] * parameter.shape[0], *offset[1:]]
     return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
@@ -222,7 +240,7 @@ class HFWeights:
     def read(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter ``name`` (its local shape), in float32 on the CPU."""
         key = self._key(name)
-        slices = _local_slices(parameter)
+        slices = _local_slices(parameter, _fused_part(self.family, name))
         transposed = TRANSPOSED.search(key) is not None
         with safe_open(self.files[key], "pt") as file:
             value = file.get_slice(key)[slices[::-1] if transposed else slices]
@@ -235,11 +253,17 @@ def write_hf_dir(state_dict: dict[str, torch.Tensor], net: nn.Module, net_cfg: d
     model.safetensors. A tied output layer is saved once, as transformers expects."""
     family = next(family for family, cls in NET_CLASSES.items() if isinstance(net, cls))
     tied = bool(net_cfg.get("tie_weights"))
-    tensors = {}
+    parts: dict[str, list[torch.Tensor | None]] = {}  # a fused tensor's parts, in order
     for name, value in state_dict.items():
         key = hf_name(family, name)
         if tied and key == "lm_head.weight":
             continue
+        part = _fused_part(family, name)
+        index, count = part if part is not None else (0, 1)
+        parts.setdefault(key, [None] * count)[index] = value
+    tensors = {}
+    for key, values in parts.items():
+        value = torch.cat(values)
         value = value.T if TRANSPOSED.search(key) else value
         tensors[key] = value.to(dtype).contiguous()
     out = Path(out)

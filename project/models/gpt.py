@@ -16,20 +16,25 @@ from project.models.sequence import BlockSequence
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention. The heads are counted from the projections' outputs, so a module whose
+    projections compute only some of them (a tensor-parallel rank's) attends over those."""
+
     def __init__(self, dim: int, num_heads: int, dropout: float) -> None:
         super().__init__()
-        self.num_heads = num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.head_dim = dim // num_heads
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, dim = x.shape
-        q, k, v = self.qkv(x).split(dim, dim=2)
-        q, k, v = (t.view(batch, length, self.num_heads, dim // self.num_heads).transpose(1, 2) for t in (q, k, v))
+        batch, length, _ = x.shape
+        q, k, v = (projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+                   for projection in (self.q, self.k, self.v))
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, length, dim))
+        return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
 class MLP(nn.Module):

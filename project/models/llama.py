@@ -65,9 +65,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        q = self.q(x).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # -1: the heads the projections computed (all of them, or a tensor-parallel rank's share, in proportion).
+        q, k, v = (projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+                   for projection in (self.q, self.k, self.v))
         # Computed for each call, on the input's device: a buffer would need initialising after meta-device
         # construction in every strategy, and these few small kernels cost next to attention nothing.
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
