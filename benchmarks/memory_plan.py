@@ -12,12 +12,11 @@ PyTorch's MemTracker on real tensors and real gloo process groups) and logs the 
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme_figures import REPO, epochs, run, table  # noqa: E402
+from readme_figures import REPO, epochs, main, run, table  # noqa: E402
 
 GPT = ["model=gpt", "data=tokens"]
 STRATEGIES = {"auto": [], "ddp": ["strategy=ddp", "trainer.devices=2"], "fsdp": ["strategy=fsdp", "trainer.devices=2"],
@@ -85,9 +84,4 @@ def at_scale(tmp: Path) -> str:
 
 
 if __name__ == "__main__":
-    wanted = sys.argv[1:] or ["measured", "scale"]
-    with tempfile.TemporaryDirectory() as tmp:
-        if "measured" in wanted:
-            print(measured(Path(tmp)), "\n")
-        if "scale" in wanted:
-            print(at_scale(Path(tmp)))
+    main({"measured": measured, "scale": at_scale})

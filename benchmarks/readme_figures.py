@@ -104,12 +104,13 @@ def gpt(tmp: Path) -> str:
 TABLES = {"default": default_run, "batch": batch_equivalence, "fsdp": fsdp_memory, "split": split_strategies, "gpt": gpt}
 
 
-def main() -> None:
-    chosen = sys.argv[1:] or list(TABLES)
+def main(tables: dict) -> None:
+    """Print the tables named on the command line (all of them by default), each made in a temporary dir."""
+    chosen = sys.argv[1:] or list(tables)
     with tempfile.TemporaryDirectory() as tmp:
         for name in chosen:
-            print(f"## {name}\n\n{TABLES[name](Path(tmp))}\n", flush=True)
+            print(f"## {name}\n\n{tables[name](Path(tmp))}\n", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(TABLES)

@@ -24,6 +24,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.tensor.parallel import loss_parallel
 
 from project.callbacks.memory import MB, StepMemoryTracker, held_bytes, model_state_bytes_per_device
 from project.checks import check_config, strategy_class, uses_cuda
@@ -77,6 +83,7 @@ class DeviceWork:
     forward_in_backward: bool = False  # a pipeline: the schedule runs the forwards after Lightning's zero_grad
     grads_persist: bool = False  # DDP with gradient_as_bucket_view: gradients live in its buckets throughout
     extra_buffer_bytes: int = 0  # held throughout besides (DDP's buckets, when gradients are not views of them)
+    loss_parallel: bool = False  # logits split by vocabulary across tensor-parallel ranks: torch's loss_parallel
 
 
 @dataclass
@@ -139,6 +146,11 @@ def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        # DTensor caches its sharding decisions, meshes included, keyed by meshes that compare equal whatever the
+        # rank and process groups (torch 2.13): the next simulated rank would run its collectives in this one's
+        # groups, which are gone.
+        _clear_sharding_prop_cache()
+        _gen_transform_infos.cache_clear()
 
 
 def block_inputs(net: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
@@ -182,7 +194,9 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
         else:
             tracker = StepMemoryTracker()
             tracker.track_external(net, optimizer)
-        with tracker:
+
+        def step(work: DeviceWork) -> tuple[int, int]:
+            """The step with what the device holds beside it; its activations and communication bytes."""
             held: list[torch.Tensor] = []  # for the whole run: communication buffers
             if work.extra_buffer_bytes:
                 held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
@@ -198,11 +212,25 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
             if work.grads_persist:
                 comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
+            return activations, comm_bytes
+
+        with tracker, _dtensor_shapes_inferred_apart():
+            activations, comm_bytes = step(work)
         sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
         at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         peak = held_bytes(tracker, "peak")
         comm_bytes += sum(at_peak.get(kind, 0) for kind in FSDP_COMMUNICATION)
     return DevicePlan(work.name, sizes["params"], sizes["grads"], sizes["optimizer"], activations, comm_bytes, peak)
+
+
+@contextmanager
+def _dtensor_shapes_inferred_apart() -> Iterator[None]:
+    """DTensor infers each op's output shape by running the op on fake tensors of the fake mode in force (torch
+    2.13: ``detect_fake_mode() or FakeTensorMode()``): here the simulation's own, where the tracker would count
+    them as the step's memory, at global shapes (for Llama 3 8B split 8 ways: a whole vocabulary's logits, twice).
+    Outside a simulation DTensor makes a fresh mode for it, which no tracker sees; so it does here."""
+    with patch.object(_sharding_prop, "detect_fake_mode", lambda: None):
+        yield
 
 
 def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -225,7 +253,8 @@ def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):  # a linear saves W.T
-            storage = tensor.untyped_storage()
+            # A tensor-parallel activation is a DTensor: its bytes are this rank's part (its local tensor).
+            storage = (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
             saved[storage._cdata] = storage.nbytes()
         return tensor
 
@@ -250,7 +279,8 @@ def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
     def backward() -> None:
         index, output = pending.pop(0)
         if work.last:
-            output.backward()
+            with loss_parallel() if work.loss_parallel else nullcontext():
+                output.backward()
         else:  # the gradient comes from the next device
             output.backward(grad_buffers[index] if grad_buffers else torch.empty_like(output))
 
@@ -344,8 +374,9 @@ def _checkpointing(cfg: DictConfig) -> bool:
 def candidate_changes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
     """Changes that lower the memory per device, the smallest first, each as the overrides a user would type and
     the config they make: activation checkpointing; the strategy's own (``memory_saving_changes`` on its class: a
-    pipeline's more micro-batches or stages); FSDP over the same devices; a smaller batch per step with the same
-    global batch; FSDP over more devices, then more nodes, up to 1024 ranks."""
+    pipeline's more micro-batches or stages); FSDP over the same devices; FSDP with each layer split over 2, 4 or
+    8 of a node's devices (tensor parallelism, which also splits the activations); a smaller batch per step with the
+    same global batch; FSDP over more devices, then more nodes, up to 1024 ranks."""
     from project.strategies import FSDPStrategy  # imported here: the strategies import this module
 
     checkpointing = {} if _checkpointing(cfg) else {"model.activation_checkpointing": True}
@@ -360,6 +391,11 @@ def candidate_changes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
         yield "strategy=fsdp", _changed(cfg, {}, "fsdp")
         if checkpointing:
             yield "strategy=fsdp model.activation_checkpointing=true", _changed(cfg, checkpointing, "fsdp")
+    size = 2 * (OmegaConf.select(cfg, "strategy.tensor_parallel_size") or 1)
+    while size <= min(devices, 8) and devices % size == 0:
+        yield (f"{'' if fsdp else 'strategy=fsdp '}strategy.tensor_parallel_size={size}",
+               _changed(cfg, {"strategy.tensor_parallel_size": size}, None if fsdp else "fsdp"))
+        size *= 2
     batch, accumulate = cfg.data.batch_size, cfg.trainer.accumulate_grad_batches
     while batch > 1:
         batch, accumulate = batch // 2, accumulate * 2

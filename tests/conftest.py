@@ -47,6 +47,9 @@ TINY_GPT = [
 # The tiny Llama on the same language; its 2 query heads share 1 key/value head (grouped-query attention).
 TINY_LLAMA = ["model=llama", *TINY_GPT[1:], "model.net.num_kv_heads=1", "model.net.hidden_dim=64"]
 
+# The tiny Llama as 2 tensor-parallel ranks can split it: 4 query heads of 8 sharing 2 key/value heads.
+TINY_LLAMA_TP = [*TINY_LLAMA, "model.net.num_heads=4", "model.net.num_kv_heads=2"]
+
 
 def isolated_env(home: Path) -> dict[str, str]:
     """No W&B credentials or mode from the developer's machine: runs must decide offline by themselves. The
@@ -236,3 +239,40 @@ def llama_split_sweep(runs_dir, home):
     """The Llama's model_parallel and pipeline (1f1b) jobs over 2 devices: jobs 0 and 1."""
     return two_job_sweep("llama-split", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=32",
                                          "strategy=model_parallel,pipeline", TRACKED], runs_dir, home)[1]
+
+
+# Tensor parallelism: the tiny GPT in its three layouts, each with the global batch of 32 of gpt_auto.
+
+
+@pytest.fixture(scope="session")
+def gpt_tensor_parallel(runs_dir, home):
+    """strategy=tensor_parallel over 2 devices, every epoch's checkpoint kept (the layouts' resume chain)."""
+    return one_run("gpt-tp2", [*TINY_GPT, "data.batch_size=32", "strategy=tensor_parallel", "trainer.devices=2",
+                               "callbacks.model_checkpoint.save_top_k=-1", TRACKED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def gpt_fsdp_tensor_parallel(runs_dir, home):
+    """FSDP over 2 replicas of 2 tensor-parallel ranks (2D), 16 per replica."""
+    return one_run("gpt-fsdp2-tp2", [*TINY_GPT, "data.batch_size=16", "strategy=fsdp", "trainer.devices=4",
+                                     "strategy.tensor_parallel_size=2", TRACKED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def gpt_pipeline_tensor_parallel(runs_dir, home):
+    """2 pipeline stages, each split over 2 tensor-parallel ranks (pipeline x tensor parallel)."""
+    return one_run("gpt-pp2-tp2", [*TINY_GPT, "data.batch_size=32", "strategy=pipeline", "trainer.devices=4",
+                                   "strategy.num_stages=2", "strategy.tensor_parallel_size=2", TRACKED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def llama_fsdp_tensor_parallel(runs_dir, home):
+    return one_run("llama-fsdp2-tp2", [*TINY_LLAMA_TP, "data.batch_size=16", "strategy=fsdp", "trainer.devices=4",
+                                       "strategy.tensor_parallel_size=2", TRACKED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def mlp_tensor_parallel(runs_dir, home):
+    """The MLP over 2 tensor-parallel ranks: its first pair of layers split, the classifier whole on each."""
+    return one_run("mlp-tp2", [*TINY, "data.batch_size=64", "strategy=tensor_parallel", "trainer.devices=2", TRACKED],
+                   runs_dir, home)

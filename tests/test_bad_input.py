@@ -73,6 +73,25 @@ CASES = [
     (["strategy=pipeline", "trainer.devices=2", "strategy.microbatches=1"], "strategy.microbatches: is 1, fewer than the 2"),
     (["strategy=pipeline", "trainer.devices=3", "strategy.num_stages=2"], "trainer.devices: gives 3 processes, not a multiple"),
     (["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"], "strategy.schedule: is 'zigzag'"),
+    # Tensor parallelism: the sizes each plan splits, and the mesh (tiny GPT: 2 heads of 16; tiny Llama: 1 kv head)
+    (["model=gpt", "strategy=tensor_parallel", "trainer.devices=4"],
+     "model.net.num_heads: gives 2 attention heads, which 4 tensor-parallel ranks cannot share evenly"),
+    (["model=llama", "model.net.num_kv_heads=1", "strategy=tensor_parallel", "trainer.devices=2"],
+     "model.net.num_kv_heads: gives 1 key/value heads, which 2 tensor-parallel ranks cannot share evenly"),
+    (["model=llama", "model.net.num_kv_heads=2", "model.net.hidden_dim=63", "strategy=fsdp", "trainer.devices=2",
+      "strategy.tensor_parallel_size=2"], "model.net.hidden_dim: gives 63 SwiGLU hidden units, which 2"),
+    (["model.net.hidden_dims=[63,32]", "strategy=tensor_parallel", "trainer.devices=2"],
+     "model.net.hidden_dims: gives 63 units in hidden layer 0, which 2 tensor-parallel ranks cannot share evenly"),
+    (["model=gpt", "data.seq_length=15", "strategy=tensor_parallel", "trainer.devices=2"],
+     "data.seq_length: is 15, which 2 tensor-parallel ranks cannot share evenly under sequence parallelism"),
+    (["strategy=fsdp", "trainer.devices=3", "strategy.tensor_parallel_size=2"],
+     "trainer.devices: gives 3 processes, not a multiple of strategy.tensor_parallel_size=2"),
+    (["strategy=tensor_parallel", "trainer.devices=4", "strategy.tensor_parallel_size=2"],
+     "strategy.tensor_parallel_size: is 2 of the job's 4 processes; strategy=tensor_parallel runs one replica"),
+    (["strategy=fsdp", "trainer.devices=2", "strategy.tensor_parallel_size=0"],
+     "strategy.tensor_parallel_size: must be a positive integer, got 0"),
+    (["model=gpt", "strategy=pipeline", "trainer.devices=6", "strategy.num_stages=2",
+      "strategy.tensor_parallel_size=2"], "trainer.devices: gives 6 processes, not a multiple of the 4 ranks one pipeline needs (2 stages / 1 per rank x 2"),
     # The model, its optimizer and schedule
     (["model.net.hidden_dims=abc"], "model.net.hidden_dims: must be a list of layer widths, got 'abc'"),
     (["model.net.hidden_dims=[64,0]"], "model.net.hidden_dims: must be a positive integer, got 0"),
@@ -121,7 +140,10 @@ CASES = [
     (["model=gpt", "callbacks.text_sample.prompt=hi"],
      "callbacks.text_sample.prompt: is set, but MarkovTokenDataModule has no text to write a prompt in"),
     (["model=gpt", "data=text", "data.path={files}/corpus.txt", "strategy=pipeline", "trainer.devices=2",
-      "callbacks.text_sample.prompt=hi"], "callbacks.text_sample.prompt: is set, but under PipelineStrategy no rank"),
+      "callbacks.text_sample.prompt=hi"], "callbacks.text_sample.prompt: is set, but under PipelineStrategy as "
+     "configured no rank"),
+    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "strategy=tensor_parallel", "trainer.devices=2",
+      "callbacks.text_sample.prompt=hi"], "callbacks.text_sample.prompt: is set, but under TensorParallelStrategy"),
     # The memory plan: a run predicted not to fit is refused before launch, naming the change that fits
     (["model=gpt", "strategy=ddp", "trainer.devices=2", "memory_plan.device_memory_gb=0.002"],
      "memory_plan: predicts a peak of ... on rank 0, more than the 2.0 MiB of a device ... Fix: change "

@@ -20,8 +20,9 @@ PLANNED_RUNS = [
     ("single_run", None), ("ddp_fsdp_sweep", 0), ("ddp_fsdp_sweep", 1), ("ddp_fsdp_sweep", 2), ("model_parallel_run", None),
     ("pipeline_sweep", 0), ("pipeline_sweep", 1), ("gpt_auto", None), ("gpt_ddp_fsdp_sweep", 0),
     ("gpt_ddp_fsdp_sweep", 1), ("gpt_pipeline_compiled", None), ("llama_auto", None), ("llama_fsdp", None),
-    ("llama_split_sweep", 0),
-    ("llama_split_sweep", 1),
+    ("llama_split_sweep", 0), ("llama_split_sweep", 1),
+    ("gpt_tensor_parallel", None), ("gpt_fsdp_tensor_parallel", None), ("gpt_pipeline_tensor_parallel", None),
+    ("llama_fsdp_tensor_parallel", None), ("mlp_tensor_parallel", None),
 ]
 # The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
 # model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.
@@ -106,6 +107,27 @@ def test_fsdp_plans_of_1024_ranks_of_the_other_models(model):
     assert plan.world_size == RANKS and plan.devices[0].params == plan.devices[0].grads == expected
 
 
+def test_fsdp_x_tensor_parallel_plan_of_1024_ranks_shards_each_split_again():
+    """Llama 3.2 1B (2 of its 16 blocks) as 128 FSDP replicas of 8 tensor-parallel ranks: each parameter is first
+    split as its plan says (query/key/value, gate and up projections and the vocabulary tables by rows, attention
+    output and down projections by columns, norms whole), then FSDP cuts rank 0's split into ceil(rows / 128) rows.
+    The tied output layer is the token table, held once."""
+    cfg = resolved(["model=llama_1b", "model.net.num_layers=2", "data=tokens", "data.vocab_size=128256",
+                    "data.seq_length=64", "data.batch_size=8", "strategy=fsdp", "strategy.tensor_parallel_size=8",
+                    "trainer.devices=8", "trainer.num_nodes=128", "logger=none"])
+    replicas, split = 128, 8
+    expected = 0
+    for name, parameter in build_net(cfg).named_parameters():  # a tied weight once, under its first name
+        rows, columns = parameter.shape[0], parameter[0].numel()
+        if name.endswith(("q.weight", "k.weight", "v.weight", "gate.weight", "up.weight", "tokens.weight")):
+            rows //= split
+        elif name.endswith(("o.weight", "down.weight")):
+            columns //= split
+        expected += math.ceil(rows / replicas) * columns * 4
+    rank0 = plan_memory(cfg, suggest=False).devices[0]
+    assert rank0.params == rank0.grads == expected
+
+
 def plan_of_stages(overrides: list[str]) -> tuple:
     """The plan of a config that splits the model into 8 stages, and each stage's parameters (on the meta device)."""
     cfg = resolved(overrides)
@@ -140,6 +162,26 @@ def test_model_parallel_plan_holds_each_stage_on_its_device():
     assert [device.name for device in plan.devices] == [f"stage {s}" for s in range(8)]
     for stage, device in enumerate(plan.devices):
         assert device.params == sum(p.numel() for p in stage_parameters[stage]) * 4
+
+
+# A small GPT whose peak is its logits (8 x 256 tokens x 8192): 227 MiB under ddp over 2 devices, 216 under fsdp, 201
+# under fsdp with activation checkpointing (the logits stay), 179 with the logits split over 2 tensor-parallel ranks.
+LOGITS_BOUND = ["model=gpt", "data=tokens", "data.vocab_size=8192", "data.seq_length=256", "data.batch_size=8",
+                "data.num_train=4096", "model.net.dim=64", "model.net.num_heads=4", "trainer.devices=2",
+                "strategy=ddp", f"memory_plan.device_memory_gb={190 / 1024}", "logger=none"]
+
+
+def test_a_plan_that_does_not_fit_suggests_tensor_parallelism_where_it_is_what_fits():
+    """Activation checkpointing and FSDP leave a language model's logits whole on each device; splitting the output
+    layer by vocabulary over 2 tensor-parallel ranks halves them: the first change tried that fits, before a smaller
+    batch."""
+    plan = plan_memory(resolved(LOGITS_BOUND))
+    assert not plan.fits and plan.suggestion == "strategy=fsdp strategy.tensor_parallel_size=2"
+    tried = list(plan.alternatives)
+    assert tried == ["model.activation_checkpointing=true", "strategy=fsdp",
+                     "strategy=fsdp model.activation_checkpointing=true", plan.suggestion]
+    assert all(peak > plan.capacity for change, peak in plan.alternatives.items() if change != plan.suggestion)
+    assert plan.alternatives[plan.suggestion] <= plan.capacity
 
 
 # The tiny GPT on one device: a peak of 2.7 MiB, 1.7 MiB with activation checkpointing, so that 2 MiB devices

@@ -1,12 +1,13 @@
 """Every strategy against the hand-written loop of ``reference.py``: the same per-epoch numbers to 1e-5, for the MLP
-and for the tiny GPT and Llama (AdamW with weight-decay groups, warmup + cosine over the run's steps), shuffled every epoch.
+and for the tiny GPT and Llama (AdamW with weight-decay groups, warmup + cosine over the run's steps), shuffled every
+epoch; the tensor-parallel layouts too (tensor parallel alone, under FSDP, inside pipeline stages).
 
 The runs are the session's real ``python train.py`` runs (conftest); the reference trains in this process.
 """
 
 import pytest
 
-from conftest import TINY, TINY_GPT, TINY_LLAMA, assert_matches_reference, only_run
+from conftest import TINY, TINY_GPT, TINY_LLAMA, TINY_LLAMA_TP, assert_matches_reference, only_run
 
 # (fixture, job index or None) of each strategy's run; every one has the reference's global batch.
 RUNS = {
@@ -17,6 +18,7 @@ RUNS = {
         "model_parallel": ("model_parallel_run", None),
         "pipeline-gpipe": ("pipeline_sweep", 0),
         "pipeline-1f1b": ("pipeline_sweep", 1),
+        "tensor_parallel": ("mlp_tensor_parallel", None),
     },
     "gpt": {  # the pipeline schedules against each other: the MLP's runs. The pipeline compiles the blocks
               # (model.compile=true): compiled against the eager reference.
@@ -24,6 +26,9 @@ RUNS = {
         "ddp": ("gpt_ddp_fsdp_sweep", 0),
         "fsdp": ("gpt_ddp_fsdp_sweep", 1),
         "pipeline-1f1b-compiled": ("gpt_pipeline_compiled", None),
+        "tensor_parallel": ("gpt_tensor_parallel", None),
+        "fsdp-x-tensor_parallel": ("gpt_fsdp_tensor_parallel", None),
+        "pipeline-x-tensor_parallel": ("gpt_pipeline_tensor_parallel", None),
     },
     "llama": {  # ddp: the GPT's and the MLP's
         "auto": ("llama_auto", None),
@@ -31,9 +36,13 @@ RUNS = {
         "model_parallel": ("llama_split_sweep", 0),
         "pipeline-1f1b": ("llama_split_sweep", 1),
     },
+    "llama-tp": {  # 2 key/value heads, which 2 tensor-parallel ranks can split
+        "fsdp-x-tensor_parallel": ("llama_fsdp_tensor_parallel", None),
+    },
 }
 REFERENCE_ARGS = {"mlp": ([*TINY, "data.batch_size=64"], 64), "gpt": ([*TINY_GPT, "data.batch_size=32"], 32),
-                  "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32)}
+                  "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32),
+                  "llama-tp": ([*TINY_LLAMA_TP, "data.batch_size=32"], 32)}
 
 
 @pytest.mark.slow

@@ -43,8 +43,10 @@ class TextSample(L.Callback):
         if getattr(datamodule, "text_codec", lambda: None)() is None:
             raise ConfigError(key, f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
                               f"use data=text or data=shards, or {key}=null.")
-        if not getattr(strategy, "runs_whole_model", True):
-            raise ConfigError(key, f"is set, but under {strategy.__name__} no rank runs the whole model.",
+        runs_whole_model = getattr(strategy, "runs_whole_model", None)
+        if runs_whole_model is not None and not runs_whole_model(cfg):
+            raise ConfigError(key, f"is set, but under {strategy.__name__} as configured no rank runs the whole model "
+                              "(pipeline stages, tensor-parallel splits).",
                               f"set {key}=null, and generate from the checkpoint: python -m project.generate.")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

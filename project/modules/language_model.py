@@ -3,6 +3,8 @@
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn import functional as F
 
 from project.modules.base import TrainingModule
@@ -10,9 +12,16 @@ from project.modules.metrics import SampleMean
 
 
 class TokenCrossEntropy(nn.Module):
-    """Mean cross-entropy over every token of a (batch, length, vocab) logits tensor."""
+    """Mean cross-entropy over every token of a (batch, length, vocab) logits tensor.
+
+    Logits split by vocabulary across tensor-parallel ranks (a DTensor) stay split: torch's ``loss_parallel``
+    combines the ranks' partial sums; the loss, the same on every rank, comes back as a plain tensor. Its backward
+    must run inside ``loss_parallel`` too (the tensor-parallel strategies' ``backward``)."""
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, DTensor):
+            with loss_parallel():
+                return F.cross_entropy(logits.flatten(0, 1), target.flatten()).to_local()
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 

@@ -33,9 +33,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from project.checkpoints import META_FILE, is_sharded_checkpoint
-from project.checks import resolve_ckpt_path
+from project.checks import build_strategy, resolve_ckpt_path
 from project.errors import ConfigError
 from project.memory_plan import DeviceWork, block_inputs, fake_process_group
+from project.models.tensor_parallel import apply_tensor_parallel
 from project.parallel import (
     apply_fsdp,
     block_sizes,
@@ -45,8 +46,8 @@ from project.parallel import (
     split_blocks,
     stage_modules,
 )
-from project.strategies.sharded import ShardedCheckpointStrategy
 from project.strategies.stages import check_stage_split
+from project.strategies.tensor_parallel import TensorParallelStrategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -80,26 +81,18 @@ def _in_flight(schedule: str, microbatches: int, ranks: int, rank: int, stages_p
     return min(microbatches, -(-chunks // stages_per_rank))
 
 
-def keep_stages(model: nn.Module, stages: list[range], stage_ids: list[int], data_parallel: DeviceMesh,
-                precision: str) -> list[StageModule]:
-    """A pipeline rank's part of ``model`` (on the meta device): the modules of its stages, the others dropped,
-    each stage sharded over its data-parallel peers when it has some."""
-    kept = [StageModule(stage_modules(model, stages, stage)) for stage in stage_ids]
-    keep_only(model, [module for stage in kept for module in stage.blocks])
-    if data_parallel.size() > 1:
-        param_dtype = fsdp_param_dtype(precision)
-        for stage_module in kept:
-            # Gathered once per step, not once per micro-batch (torchtitan does the same under PP): the schedule
-            # runs every micro-batch through the stage, and only its last backward reduces and reshards.
-            apply_fsdp(stage_module, data_parallel, reshard_after_forward=False, param_dtype=param_dtype,
-                       reduce_dtype=torch.float32 if param_dtype is not None else None)
-    return kept
+def pipeline_mesh(device_type: str, world_size: int, pipeline_ranks: int, tensor_parallel: int) -> DeviceMesh:
+    """The (data_parallel, pipeline, tensor_parallel) mesh: a stage's tensor-parallel ranks are neighbours (one
+    node, where the links are fastest), then the ranks of one pipeline, then the replicas."""
+    shape = (world_size // (pipeline_ranks * tensor_parallel), pipeline_ranks, tensor_parallel)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("data_parallel", "pipeline", "tensor_parallel"))
 
 
-class PipelineStrategy(ShardedCheckpointStrategy):
-    """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline; batches must be ``(inputs, targets)``."""
+class PipelineStrategy(TensorParallelStrategy):
+    """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline, each stage split over
+    ``tensor_parallel_size`` ranks; batches must be ``(inputs, targets)``."""
 
-    runs_whole_model = False  # no rank can run the model's forward alone (callbacks that would, refuse before launch)
+    shards_data_parallel = True  # pipelines beyond the first shard their stages with FSDP
 
     def __init__(
         self,
@@ -110,7 +103,8 @@ class PipelineStrategy(ShardedCheckpointStrategy):
         blocks_per_stage: list[int] | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        # The last stage's logits go through the schedule, which passes plain tensors: gathered, not split.
+        super().__init__(loss_parallel=False, **kwargs)
         self.num_stages = num_stages
         self.schedule_name = schedule
         self.microbatches = microbatches
@@ -130,8 +124,14 @@ class PipelineStrategy(ShardedCheckpointStrategy):
 
     @classmethod
     def data_parallel_replicas(cls, cfg: DictConfig) -> int:
-        """The ranks of one pipeline share a replica; the factor beyond them is data parallel."""
-        return cfg.strategy.processes * cfg.trainer.num_nodes // cls.pipeline_ranks(cfg)
+        """The ranks of one pipeline (each stage's tensor-parallel ranks too) share a replica; the factor beyond
+        them is data parallel."""
+        ranks_per_replica = cls.pipeline_ranks(cfg) * cfg.strategy.tensor_parallel_size
+        return cfg.strategy.processes * cfg.trainer.num_nodes // ranks_per_replica
+
+    @classmethod
+    def runs_whole_model(cls, cfg: DictConfig) -> bool:
+        return False  # no rank can run the model's forward alone
 
     @classmethod
     def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
@@ -156,12 +156,14 @@ class PipelineStrategy(ShardedCheckpointStrategy):
                 "use schedule=interleaved_1f1b with stages_per_rank >= 2, or stages_per_rank=1 with gpipe or 1f1b.",
             )
         ranks, processes = cls.pipeline_ranks(cfg), strategy.processes * cfg.trainer.num_nodes
-        if processes % ranks:
+        tensor_parallel = strategy.tensor_parallel_size
+        if processes % (ranks * tensor_parallel):
+            split = f" x {tensor_parallel} tensor-parallel ranks per stage" if tensor_parallel > 1 else ""
             raise ConfigError(
                 "trainer.devices",
-                f"gives {processes} processes, not a multiple of the {ranks} ranks one pipeline needs "
-                f"({strategy.num_stages} stages / {stages_per_rank} per rank).",
-                f"use a multiple of {ranks} devices (the factor beyond {ranks} is data parallel).",
+                f"gives {processes} processes, not a multiple of the {ranks * tensor_parallel} ranks one pipeline "
+                f"needs ({strategy.num_stages} stages / {stages_per_rank} per rank{split}).",
+                f"use a multiple of {ranks * tensor_parallel} devices (the factor beyond is data parallel).",
             )
         microbatches, batch_size = strategy.microbatches, cfg.data.batch_size
         if microbatches < 1 or batch_size % microbatches:
@@ -193,19 +195,20 @@ class PipelineStrategy(ShardedCheckpointStrategy):
             )
 
     def setup_environment(self) -> None:
-        # ModelParallelStrategy's setup with a (data_parallel, pipeline) mesh instead of (data, tensor) parallel.
+        # ModelParallelStrategy's setup with the pipeline's mesh instead of (data, tensor) parallel.
         self._setup_distributed()
-        data_parallel = self.world_size // self.pipeline_size
-        self._device_mesh = init_device_mesh(
-            self.root_device.type, (data_parallel, self.pipeline_size), mesh_dim_names=("data_parallel", "pipeline")
-        )
+        self._device_mesh = pipeline_mesh(self.root_device.type, self.world_size, self.pipeline_size,
+                                          self.tensor_parallel_size)
         self.lightning_module._device_mesh = self._device_mesh
+
+    def stages_of(self, pipeline_rank: int) -> list[int]:
+        """The stages pipeline rank r runs: r, r + P, r + 2P, ... (interleaved when several)."""
+        return [pipeline_rank + k * self.pipeline_size for k in range(self.stages_per_rank)]
 
     @property
     def stage_ids(self) -> list[int]:
-        """This rank's stages: pipeline rank r runs stages r, r + P, r + 2P, ... (interleaved when several)."""
-        rank = self.device_mesh["pipeline"].get_local_rank()
-        return [rank + k * self.pipeline_size for k in range(self.stages_per_rank)]
+        """This rank's stages."""
+        return self.stages_of(self.device_mesh["pipeline"].get_local_rank())
 
     @property
     def holds_first_stage(self) -> bool:
@@ -217,11 +220,25 @@ class PipelineStrategy(ShardedCheckpointStrategy):
 
     def parallelize(self, model: nn.Module) -> None:
         """Called from the LightningModule's ``configure_model`` with its plain (meta) model."""
-        if self.stage_modules:
-            return
+        if not self.stage_modules:
+            self.stage_modules = self.lay_out(model, self.device_mesh, self.precision_plugin.precision)
+
+    def lay_out(self, model: nn.Module, mesh: DeviceMesh, precision: str) -> list["StageModule"]:
+        """This rank's part of ``model`` (on the meta device): the modules of its stages, the others dropped, each
+        split over its tensor-parallel ranks and then sharded over its data-parallel peers when it has them."""
         stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
-        self.stage_modules = keep_stages(model, stages, self.stage_ids, self.device_mesh["data_parallel"],
-                                         self.precision_plugin.precision)
+        kept = [StageModule(stage_modules(model, stages, stage))
+                for stage in self.stages_of(mesh["pipeline"].get_local_rank())]
+        keep_only(model, [module for stage in kept for module in stage.blocks])
+        super().lay_out(model, mesh, precision)
+        if mesh["data_parallel"].size() > 1:
+            param_dtype = fsdp_param_dtype(precision)
+            for stage_module in kept:
+                # Gathered once per step, not once per micro-batch (torchtitan does the same under PP): the schedule
+                # runs every micro-batch through the stage, and only its last backward reduces and reshards.
+                apply_fsdp(stage_module, mesh["data_parallel"], reshard_after_forward=False, param_dtype=param_dtype,
+                           reduce_dtype=torch.float32 if param_dtype is not None else None)
+        return kept
 
     @classmethod
     def memory_saving_changes(cls, cfg: DictConfig) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -236,39 +253,44 @@ class PipelineStrategy(ShardedCheckpointStrategy):
 
     @classmethod
     def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], nn.Module]) -> Iterator[DeviceWork]:
-        """For the memory plan: each rank of one pipeline (their data-parallel peers hold the same), laid out over
-        a fake process group of the job's size, with the micro-batches its schedule keeps in flight."""
-        strategy, ranks = cfg.strategy, cls.pipeline_ranks(cfg)
-        world, microbatches = strategy.processes * cfg.trainer.num_nodes, strategy.microbatches
+        """For the memory plan: each rank of one pipeline (their data-parallel and tensor-parallel peers hold the
+        same), laid out as in a real run over a fake process group of the job's size, with the micro-batches its
+        schedule keeps in flight."""
+        strategy, ranks = build_strategy(cfg.strategy), cls.pipeline_ranks(cfg)
+        tensor_parallel = strategy.tensor_parallel_size
+        world, microbatches = cfg.strategy.processes * cfg.trainer.num_nodes, strategy.microbatches
         microbatch_size = cfg.data.batch_size // microbatches
-        module = new_module()
-        stages = split_blocks(block_sizes(module.net), strategy.num_stages, strategy.blocks_per_stage)
-        example = module.example_batch(microbatch_size, cfg.data)[0].to("meta")
-        boundaries = block_inputs(module.net, example)  # what enters each block, then the head
+        precision = _convert_precision_to_unified_args(cfg.trainer.precision)
+        stages = split_blocks(block_sizes(new_module().net), strategy.num_stages, strategy.blocks_per_stage)
         for rank in range(ranks):
-            stage_ids = [rank + k * ranks for k in range(strategy.stages_per_rank)]
-            with fake_process_group(world, rank):  # data-parallel index 0: global rank = pipeline rank
-                mesh = init_device_mesh("cpu", (world // ranks, ranks), mesh_dim_names=("data_parallel", "pipeline"))
+            # Data-parallel and tensor-parallel index 0: global rank = pipeline rank x tensor-parallel ranks.
+            with fake_process_group(world, rank * tensor_parallel):
+                mesh = pipeline_mesh("cpu", world, ranks, tensor_parallel)
+                if rank == 0:  # what enters each block, then the head: a tensor-parallel rank's share of it
+                    whole = new_module()
+                    if tensor_parallel > 1:
+                        apply_tensor_parallel(whole.net, mesh["tensor_parallel"], strategy.sequence_parallel, False)
+                    example = whole.example_batch(microbatch_size, cfg.data)[0].to("meta")
+                    boundaries = block_inputs(whole.net, example)
                 module = new_module()
-                kept = keep_stages(module.net, stages, stage_ids, mesh["data_parallel"],
-                                   _convert_precision_to_unified_args(cfg.trainer.precision))
+                kept = strategy.lay_out(module.net, mesh, precision)
+                stage_ids = strategy.stages_of(rank)
                 first, last = 0 in stage_ids, strategy.num_stages - 1 in stage_ids
                 yield DeviceWork(
                     f"rank {rank} (stage {', '.join(map(str, stage_ids))})", module, kept, microbatch_size,
-                    microbatches=microbatches, in_flight=_in_flight(strategy.schedule, microbatches, ranks, rank,
+                    microbatches=microbatches, in_flight=_in_flight(strategy.schedule_name, microbatches, ranks, rank,
                                                                     strategy.stages_per_rank),
                     stage_input=None if first else boundaries[stages[stage_ids[0]].start],
                     stage_output=None if last else boundaries[stages[stage_ids[-1]].stop],
                     last=last, receive_buffers=True, keeps_outputs=last, forward_in_backward=True,
                 )
 
-
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads its own blocks and their optimizer state from a sharded checkpoint.
 
         Lightning's loader insists on DTensor parameters, which a pipeline without data parallelism does not have;
-        and the optimizer's parameter groups differ per rank, so only their tensors are read back (the groups'
-        hyperparameters come from the config, the LR schedule from Lightning's own state).
+        and the optimizer's parameter groups differ per rank, so only their tensors are read back: the groups'
+        hyperparameters come from the config, and their learning rates from where the LR schedules left them.
         """
         path = Path(self.broadcast(str(checkpoint_path)))
         if not is_sharded_checkpoint(path):
@@ -280,7 +302,13 @@ class PipelineStrategy(ShardedCheckpointStrategy):
             optimizer_state = get_optimizer_state_dict(self.model, optimizer)
             dcp.load({f"optimizer_{index}": {"state": optimizer_state["state"]}}, checkpoint_id=path)
             set_optimizer_state_dict(self.model, optimizer, optimizer_state)
-        return torch.load(path / META_FILE, weights_only=weights_only)
+        checkpoint = torch.load(path / META_FILE, weights_only=weights_only)
+        # Lightning restores the schedules' own state, but a group's current rate lives in the optimizer's groups;
+        # without this, the first steps after a resume would run at the config's rate.
+        for optimizer, schedule in zip(self.optimizers, checkpoint.get("lr_schedulers", [])):
+            for group, rate in zip(optimizer.param_groups, schedule.get("_last_lr", [])):
+                group["lr"] = rate
+        return checkpoint
 
     def _make_schedule(self, loss_fn) -> Any:
         stages = [

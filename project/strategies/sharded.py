@@ -17,7 +17,7 @@ SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
 
 
 class ShardedCheckpointStrategy(ModelParallelStrategy):
-    """Base of the strategies whose ranks each save their own part of the model (fsdp, pipeline)."""
+    """Base of the strategies whose ranks each save their own part of the model (fsdp, pipeline, tensor_parallel)."""
 
     @classmethod
     def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
@@ -26,8 +26,8 @@ class ShardedCheckpointStrategy(ModelParallelStrategy):
         if precision not in SUPPORTED_PRECISIONS:
             raise ConfigError(
                 "trainer.precision",
-                f"is {precision!r}, which Lightning's ModelParallelStrategy (under strategy=fsdp and pipeline) does "
-                "not support.",
+                f"is {precision!r}, which Lightning's ModelParallelStrategy (under strategy=fsdp, pipeline and "
+                "tensor_parallel) does not support.",
                 f"use one of {', '.join(SUPPORTED_PRECISIONS)} (bf16-mixed: parameters are gathered and computed in "
                 "bf16, gradients reduced in fp32).",
             )

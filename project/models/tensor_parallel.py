@@ -1,0 +1,201 @@
+"""Tensor-parallel plans of this project's models, torchtitan style: for each model a plain function that lays its
+layers out over a tensor-parallel mesh with torch's parallel styles, and the sizes that layout needs.
+
+Megatron's layout: in a transformer block the query, key and value projections and the MLP's first layers are split
+by output features (``ColwiseParallel``: each rank computes its own heads and its own slice of the hidden layer),
+the attention's output projection and the MLP's last layer by input features (``RowwiseParallel``: partial sums,
+added up across the ranks), so a block costs two collectives forward and two backward. With sequence parallelism
+the norms and the residual stream between blocks hold only each rank's share of the sequence
+(``SequenceParallel``): each all-reduce becomes a reduce-scatter and an all-gather (the same traffic), and the
+activations outside attention and MLP take 1/T of the memory. The token embedding is split by vocabulary, and so is
+the output layer: with loss parallelism the logits stay split into the loss, and no rank holds the logits of the
+whole vocabulary.
+
+Every parameter ends up a DTensor on the mesh, split or replicated (norms, GPT's position table, the biases added
+after a row-wise split), so that FSDP shards them all alike over the data-parallel dimension and gradient clipping
+sees one kind of tensor. A plan acts on whichever of ``stem``, ``blocks`` and ``head`` a rank still holds (a
+pipeline stage drops the others), block by block in the model's own numbering.
+"""
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from project.models.gpt import GPT
+from project.models.llama import Llama
+from project.models.mlp import MLP
+
+
+class ReplicateParallel(ParallelStyle):
+    """The module computed whole on every rank: its parameters become replicated DTensors, plain tensors come in
+    and go out. torch has no such style; torchtitan's ``NoParallel`` is the same idea."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, _replicate_parameters, _inputs_replicated, _output_local)
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for parameter_name, parameter in list(module.named_parameters(recurse=False)):
+        module.register_parameter(parameter_name, nn.Parameter(DTensor.from_local(parameter, mesh, [Replicate()],
+                                                                                  run_check=False)))
+
+
+def _inputs_replicated(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _output_local(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    return output.to_local() if isinstance(output, DTensor) else output
+
+
+def _norm(sequence_parallel: bool) -> ParallelStyle:
+    """A norm's style: on its share of the sequence, or whole on every rank."""
+    return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
+
+def _gradient_split_like_weight(embedding: nn.Embedding) -> None:
+    """torch computes a vocabulary-split embedding's gradient whole on every rank when its lookups are all-reduced
+    (the GPT's, whose position table is added after): each rank keeps only its own rows of it, as of the table,
+    instead of a whole table's gradient. The hook goes on the weight the forward uses: materialising (and FSDP's
+    gathering) replaces the parameter, and a parameter's hooks go with it."""
+
+    def keep_own_rows(weight: nn.Parameter) -> None:
+        weight.grad = weight.grad.redistribute(placements=weight.placements)
+
+    def hook_weight(module: nn.Module, args: tuple) -> None:
+        if not getattr(module.weight, "keeps_own_rows", False):
+            module.weight.register_post_accumulate_grad_hook(keep_own_rows)
+            module.weight.keeps_own_rows = True
+
+    embedding.register_forward_pre_hook(hook_weight)
+
+
+def _transformer_block_plan(attention: tuple[str, str, str, str], mlp_in: tuple[str, ...], mlp_out: str,
+                            sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """A pre-norm block ``x + attention(norm1(x))``, ``x + mlp(norm2(x))``: ``attention`` names the query, key,
+    value and output projections; ``mlp_in`` the MLP's first layers, ``mlp_out`` its last."""
+    between_blocks = Shard(1) if sequence_parallel else Replicate()  # the residual stream
+    plan: dict[str, ParallelStyle] = {"norm1": _norm(sequence_parallel), "norm2": _norm(sequence_parallel)}
+    if sequence_parallel:  # the whole sequence into attention and MLP: gathered from the ranks' shares
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan.update({"attention": gather, "mlp": gather})
+    *projections, output = attention
+    plan.update({f"attention.{name}": ColwiseParallel() for name in projections})
+    plan[f"attention.{output}"] = RowwiseParallel(output_layouts=between_blocks)
+    plan.update({f"mlp.{name}": ColwiseParallel() for name in mlp_in})
+    plan[f"mlp.{mlp_out}"] = RowwiseParallel(output_layouts=between_blocks)
+    return plan
+
+
+def _head_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The final norm and the output layer, split by vocabulary: its logits gathered, or left split for the loss
+    (a DTensor sharded on the vocabulary)."""
+    return {
+        "norm": _norm(sequence_parallel),
+        "output": ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+
+
+def _parallelize_decoder(net: GPT | Llama, mesh: DeviceMesh, stem_plan: dict[str, ParallelStyle],
+                         block_plan: dict[str, ParallelStyle], sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Apply the plans to the parts this rank holds (``nn.Identity`` marks a dropped one), keeping a tied output
+    layer tied to the embedding (both split by vocabulary alike)."""
+    holds = {part: not isinstance(getattr(net, part), nn.Identity) for part in ("stem", "head")}
+    tied = holds["stem"] and holds["head"] and net.head.output.weight is net.stem.tokens.weight
+    if holds["stem"]:
+        parallelize_module(net.stem, mesh, stem_plan)
+    for block in net.blocks:
+        if not isinstance(block, nn.Identity):
+            parallelize_module(block, mesh, block_plan)
+    if holds["head"]:
+        parallelize_module(net.head, mesh, _head_plan(sequence_parallel, loss_parallel))
+    if tied:
+        net.head.output.weight = net.stem.tokens.weight
+
+
+def parallelize_gpt(net: GPT, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """The token table split by vocabulary (its lookups all-reduced) plus the replicated position table; under
+    sequence parallelism each rank then keeps its share of the sequence."""
+    stem_plan: dict[str, ParallelStyle] = {
+        "tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "positions": ReplicateParallel(),
+    }
+    block_plan = _transformer_block_plan(("q", "k", "v", "proj"), ("up",), "down", sequence_parallel)
+    _parallelize_decoder(net, mesh, stem_plan, block_plan, sequence_parallel, loss_parallel)
+    if not isinstance(net.stem, nn.Identity):
+        _gradient_split_like_weight(net.stem.tokens)
+        if sequence_parallel:  # the sum of the two, cut to each rank's share
+            parallelize_module(net.stem, mesh, PrepareModuleOutput(output_layouts=Replicate(),
+                                                                   desired_output_layouts=Shard(1)))
+
+
+def parallelize_llama(net: Llama, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """torchtitan's Llama plan: the token table split by vocabulary, its lookups reduce-scattered straight into
+    each rank's share of the sequence under sequence parallelism."""
+    stem_plan = {"tokens": RowwiseParallel(input_layouts=Replicate(),
+                                           output_layouts=Shard(1) if sequence_parallel else Replicate())}
+    block_plan = _transformer_block_plan(("q", "k", "v", "o"), ("gate", "up"), "down", sequence_parallel)
+    _parallelize_decoder(net, mesh, stem_plan, block_plan, sequence_parallel, loss_parallel)
+
+
+def parallelize_mlp(net: MLP, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """Blocks in pairs: the first split by output features, the ReLU on each rank's slice, the second by input
+    features (its partial sums all-reduced), so a pair costs one collective each way. An unpaired last layer (the
+    classifier, a few outputs) stays whole on every rank. No sequence, no vocabulary: the two switches do nothing."""
+    pairs = len(net.blocks) // 2
+    for index, block in enumerate(net.blocks):
+        if isinstance(block, nn.Identity):
+            continue
+        linear = "0" if isinstance(block, nn.Sequential) else ""
+        if index >= 2 * pairs:
+            style: ParallelStyle = ReplicateParallel()
+        elif index % 2 == 0:
+            style = ColwiseParallel()
+        else:
+            style = RowwiseParallel(input_layouts=Shard(-1))
+        parallelize_module(block, mesh, {linear: style} if linear else style)
+
+
+PLANS: dict[type, Callable[[nn.Module, DeviceMesh, bool, bool], None]] = {
+    GPT: parallelize_gpt,
+    Llama: parallelize_llama,
+    MLP: parallelize_mlp,
+}
+
+
+def apply_tensor_parallel(net: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True,
+                          loss_parallel: bool = True) -> None:
+    """Lay ``net`` (on the meta device) out over the tensor-parallel ``mesh`` with its model's plan."""
+    PLANS[type(net)](net, mesh, sequence_parallel, loss_parallel)
+
+
+def split_sizes(net: nn.Module) -> list[tuple[str, str, int]]:
+    """The counts ``net``'s plan shares out across tensor-parallel ranks, each as (the config key that sets it,
+    what it counts, the count): every one must divide by the tensor-parallel size."""
+    if isinstance(net, (GPT, Llama)):
+        attention = net.blocks[0].attention
+        sizes = [("model.net.num_heads", "attention heads", attention.q.out_features // attention.head_dim)]
+        if isinstance(net, Llama):  # (the GPT's MLP width, 4 x dim, divides whenever its heads do)
+            sizes += [("model.net.num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
+                      ("model.net.hidden_dim", "SwiGLU hidden units", net.blocks[0].mlp.up.out_features)]
+        return sizes
+    if isinstance(net, MLP):  # the first layer of each pair, split by its outputs
+        pairs = len(net.blocks) // 2
+        return [("model.net.hidden_dims", f"units in hidden layer {index}", net.blocks[index][0].out_features)
+                for index in range(0, 2 * pairs, 2)]
+    return []
