@@ -144,18 +144,19 @@ LLAMA_EVAL = [*TINY_GPT[1:], "model=llama", "data.vocab_size=61", "model.net.dim
 
 
 @pytest.mark.slow
-def test_a_hugging_face_llama_evaluates_to_its_transformers_loss_under_fsdp_and_pipeline(runs_dir, home, tmp_path):
+def test_a_hugging_face_llama_evaluates_to_its_transformers_loss_under_each_strategy(runs_dir, home, tmp_path):
     """mode=eval model.init_from=<a LlamaForCausalLM dir>: fsdp ranks read their shards' rows, pipeline stages their
-    blocks' tensors; each job's val/loss is transformers' own on the same validation set."""
+    blocks' tensors, tensor-parallel ranks their heads' and units' slices; each job's val/loss is transformers' own
+    on the same validation set."""
     torch.manual_seed(0)
     config = {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     reference.save_pretrained(tmp_path / "hf")
     sweep = runs_dir / "llama-eval"
     train(["-m", *LLAMA_EVAL, "mode=eval", f"model.init_from={tmp_path / 'hf'}", "trainer.devices=2",
-           "strategy=fsdp,pipeline", f"hydra.sweep.dir={sweep}"], home)
+           "strategy=fsdp,pipeline,tensor_parallel", f"hydra.sweep.dir={sweep}"], home)
     expected = transformers_val_loss(reference, LLAMA_EVAL)
-    for job in ("0", "1"):
+    for job in ("0", "1", "2"):
         result = json.loads((sweep / job / "result.json").read_text())
         assert result["status"] == "completed"
         assert result["final"]["val/loss"] == pytest.approx(expected, rel=1e-5), job

@@ -4,9 +4,17 @@ checkpoints that move between layouts. Each layout against the hand-written loop
 launch: test_bad_input; planned against measured memory: test_memory_plan."""
 
 import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor
 
 from conftest import TINY_GPT, assert_close, assert_matches_reference, only_run, train
 from project.checkpoints import is_sharded_checkpoint
+from project.hf import HFWeights, net_options, read_config
+from project.memory_plan import fake_process_group
+from project.models import GPT, Llama
+from project.models.tensor_parallel import apply_tensor_parallel
+from project.parallel import apply_fsdp, materialize
 
 # Each layout's run (conftest) and its ranks: data-parallel replicas x tensor-parallel ranks (x pipeline stages).
 LAYOUTS = {"tensor_parallel": "gpt_tensor_parallel", "fsdp x tensor_parallel": "gpt_fsdp_tensor_parallel",
@@ -77,3 +85,33 @@ def test_a_pipeline_x_tensor_parallel_checkpoint_evaluates_under_tensor_parallel
            f"ckpt_path={last}"], home)
     evaluated = only_run(eval_dir).series("val/loss")
     assert_close(evaluated, only_run(gpt_pipeline_tensor_parallel).series("val/loss")[-1:], rel=1e-5)
+
+
+@pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False)])
+def test_each_rank_reads_its_own_part_of_hugging_face_weights(family, tied, tmp_path):
+    """model.init_from under FSDP over 2 replicas of 2 tensor-parallel ranks: each rank reads from the safetensors
+    exactly its part of every tensor, as torch's own distribute_tensor cuts the tensor one device reads whole (GPT-2's
+    fused query/key/value: each rank's heads of each third; an uneven vocabulary of 61). The 4 ranks are simulated
+    one after another on torch's fake process group: reading sends nothing."""
+    pytest.importorskip("transformers")
+    from test_hf import hf_model
+
+    hf_model(family, tied).save_pretrained(tmp_path / "hf")
+    weights, options = HFWeights(tmp_path / "hf"), net_options(read_config(tmp_path / "hf"))
+    model_class = GPT if family == "gpt2" else Llama
+    with torch.device("meta"):
+        whole = model_class(**options)
+    materialize(whole, torch.device("cpu"), seed=0, weights=weights)
+    for rank in range(4):
+        with fake_process_group(4, rank):
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+            with torch.device("meta"):
+                net = model_class(**options)
+            apply_tensor_parallel(net, mesh["tensor_parallel"])
+            apply_fsdp(net, mesh["data_parallel"])
+            materialize(net, torch.device("cpu"), seed=0, weights=weights)
+            for name, parameter in net.named_parameters():
+                expected = distribute_tensor(whole.get_parameter(name).detach(), parameter.device_mesh,
+                                             parameter.placements, src_data_rank=None).to_local()
+                assert torch.equal(parameter.to_local(), expected), (rank, name)
+            assert (net.head.output.weight is net.stem.tokens.weight) == tied
