@@ -24,7 +24,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
@@ -229,8 +228,12 @@ def _dtensor_shapes_inferred_apart() -> Iterator[None]:
     2.13: ``detect_fake_mode() or FakeTensorMode()``): here the simulation's own, where the tracker would count
     them as the step's memory, at global shapes (for Llama 3 8B split 8 ways: a whole vocabulary's logits, twice).
     Outside a simulation DTensor makes a fresh mode for it, which no tracker sees; so it does here."""
-    with patch.object(_sharding_prop, "detect_fake_mode", lambda: None):
+    detect_fake_mode = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda: None
+    try:
         yield
+    finally:
+        _sharding_prop.detect_fake_mode = detect_fake_mode
 
 
 def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
@@ -374,9 +377,9 @@ def _checkpointing(cfg: DictConfig) -> bool:
 def candidate_changes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
     """Changes that lower the memory per device, the smallest first, each as the overrides a user would type and
     the config they make: activation checkpointing; the strategy's own (``memory_saving_changes`` on its class: a
-    pipeline's more micro-batches or stages); FSDP over the same devices; FSDP with each layer split over 2, 4 or
-    8 of a node's devices (tensor parallelism, which also splits the activations); a smaller batch per step with the
-    same global batch; FSDP over more devices, then more nodes, up to 1024 ranks."""
+    pipeline's more micro-batches or stages); FSDP over the same devices; a smaller batch per step with the same
+    global batch; FSDP over more devices, then more nodes, up to 1024 ranks. (Not tensor parallelism: at the same
+    global batch it holds what FSDP over the same devices holds, and torch's sequence parallelism more.)"""
     from project.strategies import FSDPStrategy  # imported here: the strategies import this module
 
     checkpointing = {} if _checkpointing(cfg) else {"model.activation_checkpointing": True}
@@ -391,11 +394,6 @@ def candidate_changes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
         yield "strategy=fsdp", _changed(cfg, {}, "fsdp")
         if checkpointing:
             yield "strategy=fsdp model.activation_checkpointing=true", _changed(cfg, checkpointing, "fsdp")
-    size = 2 * (OmegaConf.select(cfg, "strategy.tensor_parallel_size") or 1)
-    while size <= min(devices, 8) and devices % size == 0:
-        yield (f"{'' if fsdp else 'strategy=fsdp '}strategy.tensor_parallel_size={size}",
-               _changed(cfg, {"strategy.tensor_parallel_size": size}, None if fsdp else "fsdp"))
-        size *= 2
     batch, accumulate = cfg.data.batch_size, cfg.trainer.accumulate_grad_batches
     while batch > 1:
         batch, accumulate = batch // 2, accumulate * 2

@@ -266,9 +266,11 @@ def gpt_pipeline_tensor_parallel(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
-def llama_fsdp_tensor_parallel(runs_dir, home):
-    return one_run("llama-fsdp2-tp2", [*TINY_LLAMA_TP, "data.batch_size=16", "strategy=fsdp", "trainer.devices=4",
-                                       "strategy.tensor_parallel_size=2", TRACKED], runs_dir, home)
+def llama_tensor_parallel(runs_dir, home):
+    """The Llama over 2 tensor-parallel ranks: 2 query heads and 1 key/value head each (fsdp x tensor parallel: the
+    GPT's)."""
+    return one_run("llama-tp2", [*TINY_LLAMA_TP, "data.batch_size=32", "strategy=tensor_parallel", "trainer.devices=2",
+                                 TRACKED], runs_dir, home)
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ RUNS = {
         "pipeline-1f1b": ("llama_split_sweep", 1),
     },
     "llama-tp": {  # 2 key/value heads, which 2 tensor-parallel ranks can split
-        "fsdp-x-tensor_parallel": ("llama_fsdp_tensor_parallel", None),
+        "tensor_parallel": ("llama_tensor_parallel", None),
     },
 }
 REFERENCE_ARGS = {"mlp": ([*TINY, "data.batch_size=64"], 64), "gpt": ([*TINY_GPT, "data.batch_size=32"], 32),

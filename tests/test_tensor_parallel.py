@@ -8,13 +8,17 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
-from conftest import TINY_GPT, assert_close, assert_matches_reference, only_run, train
+from conftest import TINY, TINY_GPT, assert_close, assert_matches_reference, only_run, train
 from project.checkpoints import is_sharded_checkpoint
+from project.errors import ConfigError
 from project.hf import HFWeights, net_options, read_config
 from project.memory_plan import fake_process_group
 from project.models import GPT, Llama
 from project.models.tensor_parallel import apply_tensor_parallel
 from project.parallel import apply_fsdp, materialize
+from project.strategies import FSDPStrategy
+from project.training import build_net
+from test_memory_plan import resolved
 
 # Each layout's run (conftest) and its ranks: data-parallel replicas x tensor-parallel ranks (x pipeline stages).
 LAYOUTS = {"tensor_parallel": "gpt_tensor_parallel", "fsdp x tensor_parallel": "gpt_fsdp_tensor_parallel",
@@ -85,6 +89,22 @@ def test_a_pipeline_x_tensor_parallel_checkpoint_evaluates_under_tensor_parallel
            f"ckpt_path={last}"], home)
     evaluated = only_run(eval_dir).series("val/loss")
     assert_close(evaluated, only_run(gpt_pipeline_tensor_parallel).series("val/loss")[-1:], rel=1e-5)
+
+
+@pytest.mark.parametrize("devices, nodes, size, fits", [(6, 2, 4, False), (6, 2, 3, True), (4, 2, 8, True),
+                                                       (4, 3, 6, False)])
+def test_a_tensor_parallel_group_stays_within_a_node_or_takes_whole_ones(devices, nodes, size, fits):
+    """A group's ranks are consecutive: T dividing the devices of a node keeps it inside one, a multiple of them
+    takes whole nodes; anything else would straddle nodes (checked before launch; the MLP's 96 units split 3, 4, 6
+    and 8 ways)."""
+    cfg = resolved([*TINY, "model.net.hidden_dims=[96,32]", "data.num_val=256", "strategy=fsdp",
+                    f"trainer.devices={devices}", f"trainer.num_nodes={nodes}",
+                    f"strategy.tensor_parallel_size={size}", "logger=none"])
+    if fits:
+        FSDPStrategy.check_config(cfg, build_net(cfg))
+    else:
+        with pytest.raises(ConfigError, match=f"groups of {size} consecutive ranks would straddle nodes of {devices}"):
+            FSDPStrategy.check_config(cfg, build_net(cfg))
 
 
 @pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False)])

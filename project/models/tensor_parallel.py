@@ -185,17 +185,17 @@ def apply_tensor_parallel(net: nn.Module, mesh: DeviceMesh, sequence_parallel: b
 
 
 def split_sizes(net: nn.Module) -> list[tuple[str, str, int]]:
-    """The counts ``net``'s plan shares out across tensor-parallel ranks, each as (the config key that sets it,
-    what it counts, the count): every one must divide by the tensor-parallel size."""
+    """The counts ``net``'s plan shares out across tensor-parallel ranks, each as (the model's argument that sets
+    it, what it counts, the count): every one must divide by the tensor-parallel size."""
     if isinstance(net, (GPT, Llama)):
         attention = net.blocks[0].attention
-        sizes = [("model.net.num_heads", "attention heads", attention.q.out_features // attention.head_dim)]
+        sizes = [("num_heads", "attention heads", attention.q.out_features // attention.head_dim)]
         if isinstance(net, Llama):  # (the GPT's MLP width, 4 x dim, divides whenever its heads do)
-            sizes += [("model.net.num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
-                      ("model.net.hidden_dim", "SwiGLU hidden units", net.blocks[0].mlp.up.out_features)]
+            sizes += [("num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
+                      ("hidden_dim", "SwiGLU hidden units", net.blocks[0].mlp.up.out_features)]
         return sizes
     if isinstance(net, MLP):  # the first layer of each pair, split by its outputs
         pairs = len(net.blocks) // 2
-        return [("model.net.hidden_dims", f"units in hidden layer {index}", net.blocks[index][0].out_features)
+        return [("hidden_dims", f"units of hidden layer {index}", net.blocks[index][0].out_features)
                 for index in range(0, 2 * pairs, 2)]
     return []

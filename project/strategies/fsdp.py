@@ -6,7 +6,8 @@ CPU (gloo) as on GPU (nccl), and saves distributed checkpoints (each rank writes
 atomically by ``ShardedCheckpointStrategy``). The mesh is (data_parallel x tensor_parallel): with the default
 ``tensor_parallel_size=1`` every rank is a data-parallel shard; with T, each group of T ranks splits every layer
 (``TensorParallelStrategy``) and FSDP shards those splits over the groups, torchtitan's order: tensor parallelism,
-activation checkpointing, then FSDP per block (``project.parallel``).
+activation checkpointing (``strategy.activation_checkpointing``), then FSDP per block (``project.parallel``). The
+model's own activation checkpointing and compilation (``model.*``) wrap the blocks before the strategy acts.
 """
 
 from typing import Any

@@ -4,7 +4,7 @@ The model's blocks are split into stages (``project.parallel.split_blocks``); ra
 blocks of its stages. A batch is cut into ``microbatches`` and a schedule (GPipe, 1F1B, interleaved 1F1B) overlaps
 their forward and backward passes across the stages, so fewer devices sit idle than in ``model_parallel``: the idle
 fraction (bubble) is (S - 1) / (M + S - 1) for S stages and M micro-batches. When there are more ranks than one
-pipeline needs, the rest is data parallel: the ranks form a (data_parallel x pipeline) mesh and each stage is
+pipeline needs, the rest is data parallel: the ranks form a (pipeline x data_parallel) mesh and each stage is
 sharded with FSDP over its data-parallel group.
 
 Lightning has no pipeline strategy; this one runs the schedule (forward and backward of every micro-batch
@@ -82,10 +82,11 @@ def _in_flight(schedule: str, microbatches: int, ranks: int, rank: int, stages_p
 
 
 def pipeline_mesh(device_type: str, world_size: int, pipeline_ranks: int, tensor_parallel: int) -> DeviceMesh:
-    """The (data_parallel, pipeline, tensor_parallel) mesh: a stage's tensor-parallel ranks are neighbours (one
-    node, where the links are fastest), then the ranks of one pipeline, then the replicas."""
-    shape = (world_size // (pipeline_ranks * tensor_parallel), pipeline_ranks, tensor_parallel)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("data_parallel", "pipeline", "tensor_parallel"))
+    """The (pipeline, data_parallel, tensor_parallel) mesh, torchtitan's order: a stage's tensor-parallel ranks are
+    neighbours (one node, where the links are fastest), then its data-parallel peers (FSDP's collectives), and the
+    stages furthest apart (across nodes, where a pipeline sends only activations from one stage to the next)."""
+    shape = (pipeline_ranks, world_size // (pipeline_ranks * tensor_parallel), tensor_parallel)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("pipeline", "data_parallel", "tensor_parallel"))
 
 
 class PipelineStrategy(TensorParallelStrategy):
@@ -263,8 +264,8 @@ class PipelineStrategy(TensorParallelStrategy):
         precision = _convert_precision_to_unified_args(cfg.trainer.precision)
         stages = split_blocks(block_sizes(new_module().net), strategy.num_stages, strategy.blocks_per_stage)
         for rank in range(ranks):
-            # Data-parallel and tensor-parallel index 0: global rank = pipeline rank x tensor-parallel ranks.
-            with fake_process_group(world, rank * tensor_parallel):
+            # Data-parallel and tensor-parallel index 0: the first global rank of pipeline rank ``rank``.
+            with fake_process_group(world, rank * world // ranks):
                 mesh = pipeline_mesh("cpu", world, ranks, tensor_parallel)
                 if rank == 0:  # what enters each block, then the head: a tensor-parallel rank's share of it
                     whole = new_module()
@@ -288,8 +289,8 @@ class PipelineStrategy(TensorParallelStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """Each rank reads its own blocks and their optimizer state from a sharded checkpoint.
 
-        Lightning's loader insists on DTensor parameters, which a pipeline without data parallelism does not have;
-        and the optimizer's parameter groups differ per rank, so only their tensors are read back: the groups'
+        Lightning's loader insists on DTensor parameters, which a stage has only when sharded or split; and the
+        optimizer's parameter groups differ per rank, so only their tensors are read back: the groups'
         hyperparameters come from the config, and their learning rates from where the LR schedules left them.
         """
         path = Path(self.broadcast(str(checkpoint_path)))

@@ -39,10 +39,10 @@ def check_tensor_parallel(cfg: DictConfig, net: nn.Module) -> int:
         raise ConfigError("strategy.tensor_parallel_size", f"is {size}, but {type(net).__name__} has no "
                           "tensor-parallel plan (project/models/tensor_parallel.py).",
                           "set strategy.tensor_parallel_size=1.")
-    for key, what, value in split_sizes(net):
+    for argument, what, value in split_sizes(net):
         if value % size:
-            raise ConfigError(key, f"gives {value} {what}, which {size} tensor-parallel ranks cannot share evenly "
-                              "(strategy.tensor_parallel_size).",
+            raise ConfigError(f"model.net.{argument}", f"gives the model's {what} ({value}), which {size} "
+                              "tensor-parallel ranks (strategy.tensor_parallel_size) cannot share evenly.",
                               f"use a multiple of {size}, or a strategy.tensor_parallel_size that divides {value}.")
     if isinstance(net, SEQUENCE_MODELS) and cfg.strategy.sequence_parallel and cfg.data.seq_length % size:
         raise ConfigError("data.seq_length", f"is {cfg.data.seq_length}, which {size} tensor-parallel ranks cannot "
@@ -75,16 +75,28 @@ class TensorParallelStrategy(ShardedCheckpointStrategy):
     @classmethod
     def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
         super().check_config(cfg, net)
-        size, ranks = check_tensor_parallel(cfg, net), cfg.strategy.processes * cfg.trainer.num_nodes
+        size, per_node = check_tensor_parallel(cfg, net), cfg.strategy.processes
+        ranks = per_node * cfg.trainer.num_nodes
         if ranks % size:
             raise ConfigError("trainer.devices", f"gives {ranks} processes, not a multiple of "
                               f"strategy.tensor_parallel_size={size}.",
                               f"use a multiple of {size} devices, or a tensor_parallel_size that divides {ranks}.")
+        if per_node % size and size % per_node:  # a group's ranks are consecutive: whole nodes, or within one
+            raise ConfigError("strategy.tensor_parallel_size", f"is {size}: groups of {size} consecutive ranks would "
+                              f"straddle nodes of {per_node} devices (trainer.devices).",
+                              f"use a divisor of {per_node} (within a node, where the links are fastest) or a "
+                              f"multiple of it.")
         if ranks > size and not cls.shards_data_parallel:
             raise ConfigError("strategy.tensor_parallel_size", f"is {size} of the job's {ranks} processes; "
                               "strategy=tensor_parallel runs one replica, which spans them all.",
-                              f"set strategy.tensor_parallel_size={ranks}, or use strategy=fsdp "
-                              f"strategy.tensor_parallel_size={size} to shard the {ranks // size} replicas with FSDP.")
+                              f"use strategy=fsdp strategy.tensor_parallel_size={size} to shard the {ranks // size} "
+                              f"replicas with FSDP, or strategy.tensor_parallel_size={ranks} to split every layer "
+                              "over all of them.")
+
+    @classmethod
+    def data_parallel_replicas(cls, cfg: DictConfig) -> int:
+        """The ranks of a tensor-parallel group compute one replica's batch together."""
+        return cfg.strategy.processes * cfg.trainer.num_nodes // cfg.strategy.tensor_parallel_size
 
     @classmethod
     def runs_whole_model(cls, cfg: DictConfig) -> bool:
