@@ -193,9 +193,7 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
         else:
             tracker = StepMemoryTracker()
             tracker.track_external(net, optimizer)
-
-        def step(work: DeviceWork) -> tuple[int, int]:
-            """The step with what the device holds beside it; its activations and communication bytes."""
+        with tracker, _dtensor_shapes_inferred_apart():
             held: list[torch.Tensor] = []  # for the whole run: communication buffers
             if work.extra_buffer_bytes:
                 held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
@@ -211,10 +209,6 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
             if work.grads_persist:
                 comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
-            return activations, comm_bytes
-
-        with tracker, _dtensor_shapes_inferred_apart():
-            activations, comm_bytes = step(work)
         sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
         at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         peak = held_bytes(tracker, "peak")

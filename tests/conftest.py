@@ -47,7 +47,7 @@ TINY_GPT = [
 # The tiny Llama on the same language; its 2 query heads share 1 key/value head (grouped-query attention).
 TINY_LLAMA = ["model=llama", *TINY_GPT[1:], "model.net.num_kv_heads=1", "model.net.hidden_dim=64"]
 
-# The tiny Llama as 2 tensor-parallel ranks can split it: 4 query heads of 8 sharing 2 key/value heads.
+# The tiny Llama as 2 tensor-parallel ranks can split it: 4 query heads (of width 8) sharing 2 key/value heads.
 TINY_LLAMA_TP = [*TINY_LLAMA, "model.net.num_heads=4", "model.net.num_kv_heads=2"]
 
 
