@@ -1,8 +1,10 @@
-"""Memory per device of each way to lay a model out over devices: the figures of README.md's "Choosing a layout".
+"""Memory per device of each way to lay a model out over devices, and the losses of options the suite does not run
+under tensor parallelism: the figures of README.md's "Tensor parallelism and 2D / 3D layouts".
 
-    python benchmarks/layouts.py            # both tables, about 10 minutes on 2 CPU cores
+    python benchmarks/layouts.py            # every table, about 12 minutes on 2 CPU cores
     python benchmarks/layouts.py measured   # real runs of a small GPT in every layout
     python benchmarks/layouts.py scale      # plans of Llama 3.1 8B on 32 simulated GPUs
+    python benchmarks/layouts.py options    # options the suite does not run under tensor parallelism, against one device
 
 Measured: each run trains a few steps with the same global batch, tracks every tensor of its first two training
 steps (``callbacks.memory.tracked_steps=2``, on real tensors and real gloo process groups) and logs its model state
@@ -82,5 +84,39 @@ def _gib(size: str) -> float:
     return float(value) * {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1}[unit]
 
 
+# A tiny GPT (2 blocks of width 32, 2 heads), 32 sequences of 16 tokens per step, 3 epochs.
+TINY = ["model=gpt", "data=tokens", "data.vocab_size=32", "data.seq_length=16", "data.num_train=512",
+        "data.num_val=100", "model.net.dim=32", "model.net.num_heads=2", "trainer.max_epochs=3"]
+# option -> (what it adds to one device's run and to the layout's, the layout, its data-parallel replicas)
+OPTIONS = {
+    "tied embedding, tensor_parallel 2": (["model.net.tie_weights=true"],
+                                          ["strategy=tensor_parallel", "trainer.devices=2"], 1),
+    "model.compile, tensor_parallel 2": (["model.compile=true"], ["strategy=tensor_parallel", "trainer.devices=2"], 1),
+    "strategy.activation_checkpointing, fsdp 2 x tp 2": (
+        [], ["strategy=fsdp", "trainer.devices=4", "strategy.tensor_parallel_size=2",
+             "strategy.activation_checkpointing=true"], 2),
+    "model.activation_checkpointing, pipeline 2 x tp 2": (
+        ["model.activation_checkpointing=true"], ["strategy=pipeline", "trainer.devices=4", "strategy.num_stages=2",
+                                                  "strategy.tensor_parallel_size=2"], 1),
+}
+
+
+def options(tmp: Path) -> str:
+    """Each option under its layout against one device with the same option: the largest relative difference of
+    the per-epoch train/loss and val/loss."""
+    rows = []
+    for number, (name, (option, layout, replicas)) in enumerate(OPTIONS.items()):
+        logged = []
+        for overrides, batch in (([], 32), (layout, 32 // replicas)):
+            job_dir = tmp / f"option-{number}-{len(logged)}"
+            run([*TINY, *option, *overrides, f"data.batch_size={batch}"], job_dir)
+            logged.append([(e["train/loss"], e["val/loss"]) for e in epochs(job_dir)])
+        one_device, split = (sum(values, ()) for values in logged)
+        difference = max(abs(a - b) / abs(b) for a, b in zip(split, one_device))
+        rows.append([name, f"{one_device[-2]:.5f}", f"{split[-2]:.5f}", f"{difference:.1e}"])
+    return table(["option, layout", "last train/loss, one device", "last train/loss, layout",
+                  "largest relative difference (train and val loss, every epoch)"], rows)
+
+
 if __name__ == "__main__":
-    main({"measured": measured, "scale": at_scale})
+    main({"measured": measured, "scale": at_scale, "options": options})
