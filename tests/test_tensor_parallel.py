@@ -55,20 +55,23 @@ def test_each_device_holds_its_share_of_the_model_state(gpt_auto, gpt_tensor_par
 
 @pytest.mark.slow
 def test_a_checkpoint_moves_from_layout_to_layout(gpt_tensor_parallel, reference, runs_dir, home):
-    """tensor_parallel over 2 ranks saves epoch 0 (each rank its slices); fsdp over 2 devices resumes it and trains
-    epochs 1 and 2; from fsdp's epoch 1, auto on one device (consolidated into one file) and pipeline x tensor
-    parallel on 4 train epoch 2. Every epoch is the hand-written loop's: weights, AdamW moments, the learning rate
-    where the schedule left it, and the data order carry over."""
+    """tensor_parallel over 2 ranks saves epoch 0 (each rank its slices); fsdp over 2 replicas of 2 tensor-parallel
+    ranks resumes it and trains epochs 1 and 2 (each rank its shard of its slices); from that run's epoch 1, auto on
+    one device (consolidated into one file) and pipeline x tensor parallel on 4 train epoch 2. Every epoch is the
+    hand-written loop's: weights, AdamW moments, the learning rate where the schedule left it, and the data order
+    carry over."""
     expected = reference(GPT_32, 32).history
     tensor_parallel_epoch_0 = gpt_tensor_parallel / "checkpoints" / "epoch000.ckpt"
     assert is_sharded_checkpoint(tensor_parallel_epoch_0) and len(list(tensor_parallel_epoch_0.glob("*.distcp"))) == 2
-    fsdp_dir, auto_dir, pipeline_dir = (runs_dir / f"gpt-tp2-to-{name}" for name in ("fsdp2", "auto", "pp2-tp2"))
-    train([*TINY_GPT, "data.batch_size=16", "strategy=fsdp", "trainer.devices=2", f"hydra.run.dir={fsdp_dir}",
-           f"ckpt_path={tensor_parallel_epoch_0}", "callbacks.model_checkpoint.save_top_k=-1"], home)
+    fsdp_dir, auto_dir, pipeline_dir = (runs_dir / f"gpt-tp2-to-{name}" for name in ("fsdp2-tp2", "auto", "pp2-tp2"))
+    train([*TINY_GPT, "data.batch_size=16", "strategy=fsdp", "trainer.devices=4", "strategy.tensor_parallel_size=2",
+           f"hydra.run.dir={fsdp_dir}", f"ckpt_path={tensor_parallel_epoch_0}",
+           "callbacks.model_checkpoint.save_top_k=-1"], home)
     fsdp = only_run(fsdp_dir)
     assert [row["epoch"] for row in fsdp.history] == [1, 2]
     assert_matches_reference(fsdp, expected[1:])
     fsdp_epoch_1 = fsdp_dir / "checkpoints" / "epoch001.ckpt"
+    assert len(list(fsdp_epoch_1.glob("*.distcp"))) == 4
     train([*GPT_32, f"hydra.run.dir={auto_dir}", f"ckpt_path={fsdp_epoch_1}"], home)
     assert (auto_dir / "consolidated.ckpt").is_file()
     assert_matches_reference(only_run(auto_dir), expected[2:])
