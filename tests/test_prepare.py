@@ -147,8 +147,9 @@ def test_shard_windows_are_the_token_stream_across_shard_ends_and_batch_alike_on
         ShardsDataModule(str(tmp_path), seq_length=64, batch_size=8, seed=3)
 
 
-def kill_process_tree(root: int) -> None:
-    """SIGKILL ``root`` and all its descendants (found through /proc), the descendants listed before any dies."""
+def kill_process_tree(root: int, signum: int = signal.SIGKILL) -> None:
+    """Send ``signum`` to ``root`` and all its descendants (found through /proc), the descendants listed before any
+    dies."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -162,7 +163,7 @@ def kill_process_tree(root: int) -> None:
         index += 1
     for pid in tree:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
 
@@ -204,14 +205,24 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         tolerance = 1e-6 if name == "fsdp" else 1e-5
         job = tmp_path / f"{name}-killed"
         marker = tmp_path / f"{name}-at-step-17"
-        run = subprocess.Popen([sys.executable, "train.py", *common, *args, f"hydra.run.dir={job}",
-                                "+callbacks.stall._target_=probes.StallAtStep", "+callbacks.stall.step=17",
-                                f"+callbacks.stall.marker={marker}"],
-                               cwd=REPO, env=isolated_env(tmp_path / "home"), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 300
+        console = tmp_path / f"{name}-killed.out"
+        with open(console, "w") as output:
+            # PYTHONFAULTHANDLER: a process that never reaches step 17 prints every thread's stack on SIGABRT.
+            run = subprocess.Popen([sys.executable, "train.py", *common, *args, f"hydra.run.dir={job}",
+                                    "+callbacks.stall._target_=probes.StallAtStep", "+callbacks.stall.step=17",
+                                    f"+callbacks.stall.marker={marker}"],
+                                   cwd=REPO, env={**isolated_env(tmp_path / "home"), "PYTHONFAULTHANDLER": "1"},
+                                   stdout=output, stderr=subprocess.STDOUT)
+        launched = time.monotonic()
         while not marker.exists():
-            assert run.poll() is None and time.monotonic() < deadline, "the run ended before step 17"
+            if run.poll() is not None:
+                pytest.fail(f"{name}: exited {run.returncode} before step 17:\n{console.read_text()[-6000:]}")
+            if time.monotonic() - launched > 300:
+                kill_process_tree(run.pid, signal.SIGABRT)
+                time.sleep(5)
+                kill_process_tree(run.pid)
+                stacks = [line for line in console.read_text().splitlines() if not line.startswith("Extension modules")]
+                pytest.fail(f"{name}: no step 17 after 300 s; its console:\n" + "\n".join(stacks)[-12000:])
             time.sleep(0.05)
         kill_process_tree(run.pid)  # the launcher and every rank at once, as a node failure would
         assert run.wait(timeout=60) == -signal.SIGKILL
