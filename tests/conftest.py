@@ -2,12 +2,15 @@
 
 import math
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from preloaded import TrainServer
 from reference import ReferenceRun, reference_run
 from wandb_offline import OfflineRun, offline_runs
 
@@ -59,10 +62,69 @@ def isolated_env(home: Path) -> dict[str, str]:
     return env
 
 
+def kill_process_tree(root: int, signum: int = signal.SIGKILL) -> None:
+    """Send ``signum`` to ``root`` and all its descendants (found through /proc), the descendants listed before any
+    dies."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree, index = [root], 0
+    while index < len(tree):
+        tree += children.get(tree[index], [])
+        index += 1
+    for pid in tree:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+# One per HOME (tests/preloaded.py), started on first use, the least recently used closed past 3 (each holds torch).
+TRAIN_SERVERS: dict[Path, TrainServer] = {}
+
+
+def train_server(home: Path) -> TrainServer:
+    server = TRAIN_SERVERS.pop(home, None) or TrainServer(isolated_env(home))
+    TRAIN_SERVERS[home] = server  # last: the most recently used
+    if len(TRAIN_SERVERS) > 3:
+        TRAIN_SERVERS.pop(next(iter(TRAIN_SERVERS))).close()
+    return server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def close_train_servers():
+    yield
+    for server in TRAIN_SERVERS.values():
+        server.close()
+
+
+def run_preloaded(args: list[str], home: Path, timeout: int) -> subprocess.CompletedProcess:
+    """``python train.py <args>``, forked by the preloaded server, as ``subprocess.run`` would report it."""
+    server = train_server(home)
+    with tempfile.TemporaryDirectory() as tmp:
+        stdout, stderr = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        pid = server.start(args, REPO, stdout, stderr)
+        ended = server.wait(pid, timeout)
+        if ended is None:
+            kill_process_tree(pid)
+            server.wait(pid, 60)
+            raise subprocess.TimeoutExpired(["train.py", *args], timeout, stdout.read_text(), stderr.read_text())
+        return subprocess.CompletedProcess([sys.executable, "train.py", *args], ended[1], stdout.read_text(),
+                                           stderr.read_text())
+
+
 def run_command(command: list[str], home: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        command, cwd=REPO, env=isolated_env(home), capture_output=True, text=True, timeout=timeout
-    )
+    """Run ``command`` in the repo with the isolated environment; ``python train.py`` is forked from the preloaded
+    server (the same process but for the imports already done)."""
+    if command[:2] == [sys.executable, "train.py"]:
+        result = run_preloaded(command[2:], home, timeout)
+    else:
+        result = subprocess.run(command, cwd=REPO, env=isolated_env(home), capture_output=True, text=True,
+                                timeout=timeout)
     result.output = result.stdout + result.stderr
     return result
 

@@ -1,17 +1,16 @@
 """Bad input: a one-paragraph error naming the key and the fix, exit code 1, before any worker or W&B run.
 
-Every case is a real ``python train.py <args>`` process (``tests/invocations.py`` forks one per case from a process
-that has imported torch and Lightning once, so that the whole table costs about a minute).
+Every case is a real ``python train.py <args>`` process (forked from ``tests/preloaded.py``, which has imported torch
+and Lightning once; as many at once as there are cores, so that the whole table costs about a minute).
 """
 
-import json
+import os
 import random
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, TINY_GPT, isolated_env, only_run, train
+from conftest import TINY, TINY_GPT, only_run, train, train_server
 
 # (overrides, what the message must say). The overrides come after TINY (the MLP) unless they start with
 # "model=gpt"; {files}, {mlp_ckpt} and {fsdp_ckpt} are filled in by the fixture, and " ... " stands for any text.
@@ -198,11 +197,28 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
         # A case's own hydra.run.dir comes last, so it wins.
         cases.append({"args": [*base, f"hydra.run.dir={job_dir}", *overrides], "cwd": str(launch_dir)})
         dirs.append((job_dir, launch_dir))
-    (root / "cases.json").write_text(json.dumps(cases))
-    subprocess.run([sys.executable, str(REPO / "tests" / "invocations.py"), str(root / "cases.json"),
-                    str(root / "results.json")], env=isolated_env(home), check=True, timeout=600)
-    results = json.loads((root / "results.json").read_text())
+    results = run_all(train_server(home), cases, root / "output")
     return {id: (result, *where, names) for id, result, where in zip(IDS, results, dirs)}
+
+
+def run_all(server, cases: list[dict], output: Path) -> list[dict]:
+    """Every case as ``python train.py`` in its own dir, as many at once as there are cores (each is a short
+    CPU-bound process); ``{"exit_code", "stdout", "stderr"}`` per case, in order."""
+    output.mkdir()
+    files = [(output / f"{number}.out", output / f"{number}.err") for number in range(len(cases))]
+    results: list[dict | None] = [None] * len(cases)
+    running: dict[int, int] = {}  # pid: case number
+    pending = list(enumerate(cases))
+    while pending or running:
+        while pending and len(running) < len(os.sched_getaffinity(0)):
+            number, case = pending.pop(0)
+            running[server.start(case["args"], case["cwd"], *files[number])] = number
+        ended = server.wait(timeout=300)
+        assert ended is not None, f"cases {sorted(running.values())} still running after 300 s"
+        number = running.pop(ended[0])
+        results[number] = {"exit_code": ended[1], "stdout": files[number][0].read_text(),
+                           "stderr": files[number][1].read_text()}
+    return results
 
 
 def test_the_table_is_large_and_every_case_distinct():

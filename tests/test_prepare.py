@@ -2,7 +2,6 @@
 
 import csv
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from conftest import REPO, isolated_env, train
+from conftest import REPO, isolated_env, kill_process_tree, train
 from project.checkpoints import META_FILE
 from project.data.prepare import documents, input_files, is_validation, prepare
 from project.data.prepared import ShardsDataModule
@@ -145,27 +144,6 @@ def test_shard_windows_are_the_token_stream_across_shard_ends_and_batch_alike_on
     assert one == [left + right for left, right in zip(*two)]
     with pytest.raises(ConfigError, match="data.path: .* has no meta.json"):
         ShardsDataModule(str(tmp_path), seq_length=64, batch_size=8, seed=3)
-
-
-def kill_process_tree(root: int, signum: int = signal.SIGKILL) -> None:
-    """Send ``signum`` to ``root`` and all its descendants (found through /proc), the descendants listed before any
-    dies."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue  # gone meanwhile
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    tree, index = [root], 0
-    while index < len(tree):
-        tree += children.get(tree[index], [])
-        index += 1
-    for pid in tree:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
 
 
 def csv_rows(job_dir: Path, version: int) -> list[dict[str, float]]:
