@@ -17,8 +17,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from conftest import TINY_GPT  # noqa: E402  (the tests' tiny GPT)
 from memory_plan import plan  # noqa: E402
-from readme_figures import epochs, main, run, table  # noqa: E402
+from readme_figures import QUIET, epochs, main, run, table  # noqa: E402
 
 # A GPT of 3.4 M parameters (4 blocks of width 256, 8 heads, a 512-token vocabulary), sequences of 128 tokens.
 MODEL = ["model=gpt", "data=tokens", "data.vocab_size=512", "data.seq_length=128", "data.num_train=2048",
@@ -84,9 +86,9 @@ def _gib(size: str) -> float:
     return float(value) * {"KiB": 2**-20, "MiB": 2**-10, "GiB": 1}[unit]
 
 
-# A tiny GPT (2 blocks of width 32, 2 heads), 32 sequences of 16 tokens per step, 3 epochs.
-TINY = ["model=gpt", "data=tokens", "data.vocab_size=32", "data.seq_length=16", "data.num_train=512",
-        "data.num_val=100", "model.net.dim=32", "model.net.num_heads=2", "trainer.max_epochs=3"]
+# The tests' tiny GPT (2 blocks of width 32, 2 heads, 3 epochs), with 32 sequences of 16 tokens per step; its quiet
+# console options are run()'s own.
+TINY = [item for item in TINY_GPT if item not in QUIET]
 # option -> (what it adds to one device's run and to the layout's, the layout, its data-parallel replicas)
 OPTIONS = {
     "tied embedding, tensor_parallel 2": (["model.net.tie_weights=true"],
