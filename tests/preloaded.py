@@ -1,5 +1,5 @@
 """``python train.py <args>`` without paying its imports each time: a server that has imported what train.py imports
-(torch, Lightning, Hydra: 4 to 5 s of CPU, most of a tiny run's start-up) forks a child per run.
+(torch, Lightning, Hydra: most of a tiny run's start-up; ``benchmarks/preloaded_start.py``) forks a child per run.
 
 ``python tests/preloaded.py``, started with the environment its runs are to have, reads one JSON request per line on
 stdin, ``{"args": [...], "cwd": dir, "stdout": file, "stderr": file}``, forks a child for it at once and answers
@@ -7,7 +7,7 @@ stdin, ``{"args": [...], "cwd": dir, "stdout": file, "stderr": file}``, forks a 
 ``__main__`` with that ``sys.argv`` and working dir, at module level (no frame of the server left to unwind), and
 ends as the interpreter would: a ``SystemExit``'s code (its message printed), an uncaught exception's traceback and
 exit code 1, non-daemon threads joined, atexit handlers run, the standard streams flushed. Only the interpreter's
-teardown of its modules (1.5 s with torch and Lightning loaded, and nothing a run writes) is skipped. The run's
+teardown of its modules (1.4 s with torch and Lightning loaded, and nothing a run writes) is skipped. The run's
 workers, W&B service and sweep jobs are processes it starts as any launcher does. The server holds no thread and no
 open file but its pipes when it forks.
 """
