@@ -33,7 +33,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
+from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -42,7 +42,7 @@ from torch.distributed.tensor._redistribute import _gen_transform_infos
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import loss_parallel
 
-from project.callbacks.memory import MB, StepMemoryTracker, held_bytes, model_state_bytes_per_device
+from project.callbacks.memory import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
 from project.checks import check_config, strategy_class, uses_cuda
 from project.errors import ConfigError
 from project.parallel import allocate, apply_activation_checkpointing
@@ -189,7 +189,7 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
             parameter.grad = torch.zeros_like(parameter)
         optimizer.step()
         if isinstance(net, FSDPModule):  # the same counts, and which of them are FSDP's gathers and reductions
-            tracker = FSDPMemTracker(net, optimizer)
+            tracker = StepFSDPMemTracker(net, optimizer)
         else:
             tracker = StepMemoryTracker()
             tracker.track_external(net, optimizer)

@@ -7,6 +7,8 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from torch._guards import active_fake_mode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
@@ -75,7 +77,28 @@ class _NoModuleHooks:
         pass
 
 
-class StepMemoryTracker(MemTracker):
+class ShapeInferenceUntracked:
+    """For torch's memory trackers: an op run under a fake mode other than the one in force when tracking began is
+    DTensor inferring an output's shape (on fake tensors of the global shape), not memory of the step. torch 2.13's
+    trackers leave such ops out themselves; 2.11's count them (a plan of FSDP over 1024 ranks then held every
+    parameter whole, over again, in the optimizer step). This does what 2.13 does, on either."""
+
+    def __enter__(self):
+        self._fake_mode_at_start = active_fake_mode()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if active_fake_mode() is not self._fake_mode_at_start:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class StepFSDPMemTracker(ShapeInferenceUntracked, FSDPMemTracker):
+    """PyTorch's ``FSDPMemTracker``: ``MemTracker`` that also tells FSDP's gathered parameters and collective
+    buffers apart."""
+
+
+class StepMemoryTracker(ShapeInferenceUntracked, MemTracker):
     """PyTorch's ``MemTracker`` (every tensor's storage, as it is made and freed, on each device) for the totals
     and peak of whole training steps, not per module. Tensors made before it starts count once handed to
     ``track_external`` (the model, the optimizer)."""
