@@ -1,5 +1,6 @@
 """Shared helpers: run ``python train.py`` (or torchrun) as a user would, in an isolated HOME, and find its outputs."""
 
+import importlib
 import math
 import os
 import signal
@@ -9,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from preloaded import TrainServer
 from reference import ReferenceRun, reference_run
@@ -52,6 +54,16 @@ TINY_LLAMA = ["model=llama", *TINY_GPT[1:], "model.net.num_kv_heads=1", "model.n
 
 # The tiny Llama as 2 tensor-parallel ranks can split it: 4 query heads (of width 8) sharing 2 key/value heads.
 TINY_LLAMA_TP = [*TINY_LLAMA, "model.net.num_heads=4", "model.net.num_kv_heads=2"]
+
+
+def require_extra(module: str, extra: str):
+    """``module``, of the project's optional dependencies ``extra``; without it the test is skipped (not in CI, whose
+    dev install has every extra)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        assert not os.environ.get("CI"), f"the dev install has project[{extra}]"
+        pytest.skip(f"no {module} here (pip install -e '.[{extra}]')")
 
 
 def isolated_env(home: Path) -> dict[str, str]:
@@ -138,8 +150,9 @@ def train(args: list[str], home: Path, expect_ok: bool = True, timeout: int = 30
 
 
 def torchrun(nproc: int, args: list[str], home: Path) -> subprocess.CompletedProcess:
-    torchrun_bin = str(Path(sys.executable).with_name("torchrun"))
-    result = run_command([torchrun_bin, "--standalone", f"--nproc-per-node={nproc}", "train.py", *args], home)
+    # torch's own module rather than the torchrun script, which sits beside the interpreter that installed torch
+    result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                          "train.py", *args], home)
     assert result.returncode == 0, result.output[-6000:]
     return result
 
@@ -187,16 +200,17 @@ def assert_close(a: list[float], b: list[float], rel: float) -> None:
 
 @pytest.fixture(scope="session")
 def reference():
-    """``reference(overrides, global_batch)``: the hand-written loop (reference.py) on the config that
-    ``python train.py <overrides>`` composes, computed once per config."""
+    """``reference(overrides, global_batch, device="cpu", autocast=None)``: the hand-written loop (reference.py) on
+    the config that ``python train.py <overrides>`` composes, computed once per config."""
     from test_config import compose_train
 
     cache: dict[tuple, ReferenceRun] = {}
 
-    def run(overrides: list[str], global_batch: int) -> ReferenceRun:
-        key = (tuple(overrides), global_batch)
+    def run(overrides: list[str], global_batch: int, device: str = "cpu",
+            autocast: torch.dtype | None = None) -> ReferenceRun:
+        key = (tuple(overrides), global_batch, device, autocast)
         if key not in cache:
-            cache[key] = reference_run(compose_train(overrides), global_batch)
+            cache[key] = reference_run(compose_train(overrides), global_batch, device, autocast)
         return cache[key]
 
     return run

@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
+from conftest import require_extra
 from project.checks import check_config
 from project.errors import ConfigError
 from project.resolvers import register_resolvers
@@ -61,6 +62,8 @@ def prepared_corpus(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("override", OPTIONS)
 def test_every_option_composes_and_resolves(override, prepared_corpus):
     partners = next((extra for prefix, extra in PARTNERS.items() if override.startswith(prefix)), [])
+    if override.startswith("hparams_search="):
+        require_extra("hydra_plugins.hydra_optuna_sweeper", "optuna")
     if override == "data=shards":
         partners = ["model=gpt", f"data.path={prepared_corpus}"]
     cfg = compose_train([override, *partners])

@@ -9,7 +9,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from conftest import REPO, isolated_env
+from conftest import REPO, isolated_env, require_extra
 
 CHROMIUM = shutil.which("chromium")
 # Flags for a machine without network (Chromium otherwise tries Google's hosts at every start).
@@ -71,6 +71,7 @@ def rendered_report(ddp_fsdp_sweep, tmp_path_factory, home):
     if CHROMIUM is None:
         assert not os.environ.get("CI"), ".ci/run installs Debian's chromium for this test"
         pytest.skip("no chromium on this machine (apt-get install chromium)")
+    require_extra("plotly", "report")
     sweep_dir, out = ddp_fsdp_sweep[0].parent, tmp_path_factory.mktemp("report")
     report = out / "report.html"
     made = subprocess.run([sys.executable, "-m", "project.report", str(sweep_dir), "--by", "strategy", "-o",

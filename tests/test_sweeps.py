@@ -9,14 +9,13 @@ import subprocess
 import sys
 import time
 
-import optuna
 import pytest
 import submitit
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from conftest import REPO, TINY, assert_close, isolated_env, only_run, train
+from conftest import REPO, TINY, assert_close, isolated_env, only_run, require_extra, train
 from project.resolvers import register_resolvers
 from wandb_offline import offline_runs
 
@@ -62,6 +61,7 @@ def test_optuna_search_over_ddp_jobs_records_every_trial_goes_on_past_failed_one
     """README's search with 4 trials of ddp x 2 jobs. With 200 training samples a batch size of 128 per device
     (global 256) is a config error: those trials must fail in Optuna's records while the search goes on. The
     search is killed while a trial trains, then the same command continues it to 4 trials that ended."""
+    optuna = require_extra("optuna", "optuna")
     sweep_dir = runs_dir / "optuna"
     searched = [item for item in TINY if not item.startswith("model.optimizer.lr=")]  # a fixed value is not searched
     command = ["-m", *searched, "hparams_search=mlp_optuna", "strategy=ddp", "trainer.devices=2", "data.num_train=200",

@@ -13,9 +13,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
-
 from project.results import RESULT_FILE, mark_interrupted, read_result
+
+try:
+    from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper
+except ImportError:  # no project[optuna] extra: Hydra finds no optuna sweeper config, and this module must still load
+    OptunaSweeper = object
 
 log = logging.getLogger(__name__)
 
