@@ -10,15 +10,28 @@ HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 TORCH_SPEC ?= torch==$(TORCH_VERSION)$(if $(HAS_NVIDIA),,+cpu)
 TORCH_INDEX_URL ?=
 PIP_TORCH_ARGS := $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL),)
+# VENV_FLAGS=--system-site-packages: a .venv that sees the system's packages, and so its torch (kept as it is).
+VENV_FLAGS ?=
+# The offline GPU bundle (make gpu-bundle writes it, make gpu-check installs it) and where gpu-check writes results.
+BUNDLE ?= gpu-bundle
+BUNDLE_PYTHON ?= 3.12
+LOCAL_PYTHON = $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+OUT ?= gpu-check-results
 
-.PHONY: install train test test-fast lock clean
+.PHONY: help install train test test-fast lock clean gpu-bundle gpu-check offline-check
+
+help:  ## this list
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 
+# A torch the venv already has is kept: it is pinned to itself for the project's install, so pip fails rather than
+# replace it (constraints.txt pins no torch).
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
-	$(BIN)/pip install -q $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev]"
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
+	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-installed.txt
+	$(BIN)/pip install -q -c constraints.txt -c $(VENV)/torch-installed.txt -e ".[dev]"
 	touch $@
 
 install: $(VENV)/.installed  ## create .venv and install the project with pinned versions
@@ -32,8 +45,20 @@ test: install  ## the whole test suite (what CI runs)
 test-fast: install  ## the suite without the slow end-to-end runs
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-lock: install  ## rewrite constraints.txt from the current .venv
-	( head -n 2 constraints.txt; $(BIN)/pip freeze --exclude-editable | sed 's/+cpu$$//' ) > constraints.tmp && mv constraints.tmp constraints.txt
+lock: install  ## rewrite constraints.txt from the current .venv (torch and its CUDA packages left out)
+	( head -n 3 constraints.txt; $(BIN)/pip freeze --exclude-editable --exclude torch \
+	  | grep -Ev '^(nvidia-|triton==|cuda-)' ) > constraints.tmp && mv constraints.tmp constraints.txt
 
-clean:
-	rm -rf $(VENV) logs outputs multirun
+gpu-bundle: install  ## write BUNDLE (gpu-bundle/): the wheels an offline GPU box lacks beside its torch
+	$(BIN)/python scripts/gpu_bundle.py --python-version $(BUNDLE_PYTHON) $(BUNDLE)
+
+gpu-check:  ## on an offline GPU box: BUNDLE over its torch, then pytest -m gpu and benchmarks/gpu.py into OUT
+	bash scripts/gpu_check.sh $(BUNDLE) $(OUT)
+
+offline-check: install  ## make gpu-bundle and gpu-check on a simulated GPU box: a CPU torch, no GPU (CI runs it)
+	$(MAKE) gpu-bundle
+	$(MAKE) gpu-bundle BUNDLE=$(BUNDLE)-local BUNDLE_PYTHON=$(LOCAL_PYTHON)
+	PYTHON=$(PYTHON) PIP_TORCH_ARGS="$(PIP_TORCH_ARGS)" bash scripts/offline_check.sh $(BUNDLE)-local
+
+clean:  ## remove .venv, the run outputs, the GPU bundle and its venv
+	rm -rf $(VENV) logs outputs multirun $(BUNDLE) $(BUNDLE)-local .gpu-venv

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# make gpu-check: on a GPU box without network, install the offline bundle (make gpu-bundle) over the system's torch,
+# run the GPU tests (pytest -m gpu) and the GPU benchmark (benchmarks/gpu.py), and write their results to OUT:
+# gpu_check.md and gpu_check.json (the tables), gpu_tests.xml (junit), gpu_benchmark.{md,json}, gpu_check.log.
+#   bash scripts/gpu_check.sh <bundle dir> <out dir>
+# GPU_PYTHON: the box's interpreter, the one with torch (default python3). GPU_VENV: the venv made over it
+# (default .gpu-venv). A failed test or benchmark still leaves every table; the exit code is then 1.
+set -uo pipefail
+bundle=$1
+out=$2
+python=${GPU_PYTHON:-python3}
+venv=${GPU_VENV:-.gpu-venv}
+cd "$(dirname "$0")/.."
+if [ ! -d "$bundle" ]; then
+    echo "No bundle at $bundle: run make gpu-bundle where pip reaches the registries, and bring that dir along."
+    exit 2
+fi
+mkdir -p "$out"
+log="$out/gpu_check.log"
+# The venv sees the system's packages, torch among them. pip takes from the bundle only what is missing there, and
+# with --no-index it can fetch nothing else, so the system's torch stays as it is. The project is this checkout,
+# editable (the bundle's own wheel could be older than the checkout).
+"$python" -m venv --system-site-packages "$venv" || exit 2
+"$venv/bin/python" -m pip install -q --no-index --find-links "$bundle" -e . pytest 2>&1 | tee "$log"
+[ "${PIPESTATUS[0]}" = 0 ] || exit 2
+py=$venv/bin/python
+"$py" -m pytest -m gpu -p no:cacheprovider -q -rA --junitxml="$out/gpu_tests.xml" 2>&1 | tee -a "$log"
+tests=${PIPESTATUS[0]}
+if "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    "$py" benchmarks/gpu.py --out "$out" 2>&1 | tee -a "$log"
+    benchmark=${PIPESTATUS[0]}
+else
+    echo "No CUDA device: benchmarks/gpu.py not run." | tee -a "$log"
+    benchmark=not-run
+fi
+"$py" scripts/gpu_report.py "$out" --tests-exit "$tests" --benchmark-exit "$benchmark"
