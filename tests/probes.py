@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import lightning as L
+import torch
 import torch.distributed as dist
 
 
@@ -116,3 +117,14 @@ class FailInFit(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         raise ValueError(f"a failure in fit, on rank {trainer.global_rank}")
+
+
+class FusedAdamW(L.Callback):
+    """Logs ``probe/fused_adamw_on_cuda``: 1 when every optimizer of the run is an AdamW with ``fused=True`` over
+    parameters on CUDA, the kernel the config asks for on a GPU."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        fused = all(isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused")
+                    and all(p.is_cuda for group in optimizer.param_groups for p in group["params"])
+                    for optimizer in trainer.optimizers)
+        pl_module.log("probe/fused_adamw_on_cuda", float(fused))

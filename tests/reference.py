@@ -73,14 +73,19 @@ class ReferenceRun:
     clipped_steps: int  # optimizer steps whose gradient norm was above the clipping threshold
 
 
-def reference_run(cfg: DictConfig, global_batch: int) -> ReferenceRun:
+def reference_run(cfg: DictConfig, global_batch: int, device: str = "cpu",
+                  autocast: torch.dtype | None = None) -> ReferenceRun:
     """Train the configured model on the configured data for ``trainer.max_epochs`` epochs, ``global_batch``
-    samples per batch, with the config's gradient accumulation and gradient-norm clipping."""
+    samples per batch, with the config's gradient accumulation and gradient-norm clipping, on ``device``; with
+    ``autocast`` (torch.bfloat16), forward and loss under ``torch.autocast`` in that dtype, the weights and the
+    optimizer in float32 (mixed precision as torch documents it)."""
     torch.manual_seed(0)  # only so that nothing below depends on the test order; the weights come from cfg.seed
     data = instantiate(cfg.data)
     data.setup("fit")
-    (x, y), (x_val, y_val) = data.train_set.tensors, data.val_set.tensors
-    net = init_weights(instantiate(cfg.model.net), cfg.seed)
+    (x, y), (x_val, y_val) = ([tensor.to(device) for tensor in split.tensors]
+                              for split in (data.train_set, data.val_set))
+    net = init_weights(instantiate(cfg.model.net), cfg.seed).to(device)
+    mixed = torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None)
     batches_per_epoch = len(x) // global_batch
     accumulate, clip = cfg.trainer.accumulate_grad_batches, cfg.trainer.gradient_clip_val
     epochs = cfg.trainer.max_epochs
@@ -90,13 +95,14 @@ def reference_run(cfg: DictConfig, global_batch: int) -> ReferenceRun:
     classification = y.dim() == 1
     history, clipped_steps = [], 0
     for epoch in range(epochs):
-        order = epoch_order(len(x), cfg.seed, epoch)
+        order = epoch_order(len(x), cfg.seed, epoch).to(device)
         loss_sum, correct, count = 0.0, 0, 0
         optimizer.zero_grad()
         for index in range(batches_per_epoch):
             batch = order[index * global_batch : (index + 1) * global_batch]
-            outputs = net(x[batch])
-            losses = element_losses(outputs, y[batch])
+            with mixed:
+                outputs = net(x[batch])
+                losses = element_losses(outputs, y[batch])
             (losses.mean() / accumulate).backward()  # the mean over an accumulation of equal batches
             if (index + 1) % accumulate == 0 or index + 1 == batches_per_epoch:
                 if clip is not None:
@@ -110,7 +116,7 @@ def reference_run(cfg: DictConfig, global_batch: int) -> ReferenceRun:
             count += losses.numel()
             if classification:
                 correct += (outputs.argmax(-1) == y[batch]).sum().item()
-        with torch.no_grad():
+        with torch.no_grad(), mixed:
             outputs = net(x_val)
             val_losses = element_losses(outputs, y_val)
         val_loss = val_losses.double().mean().item()

@@ -200,12 +200,3 @@ def test_seed_000_experiment(runs_dir, home):
     assert run.name == "mlp-ddp-2dev-1node" and run.tags == ["seed_large_model"]
     assert_epoch_metrics(run, epochs=2)
     assert run.series("train/loss")[-1] < run.series("train/loss")[0]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_run(runs_dir, home):
-    job_dir = runs_dir / "gpu"
-    train([*TINY, f"hydra.run.dir={job_dir}", "trainer.accelerator=gpu", "trainer.devices=1"], home)
-    run = only_run(job_dir)
-    assert run.config["trainer"]["accelerator"] == "gpu"
-    assert_epoch_metrics(run, epochs=3)
