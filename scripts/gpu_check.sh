@@ -4,7 +4,8 @@
 # gpu_check.md and gpu_check.json (the tables), gpu_tests.xml (junit), gpu_benchmark.{md,json}, gpu_check.log.
 #   bash scripts/gpu_check.sh <bundle dir> <out dir>
 # GPU_PYTHON: the box's interpreter, the one with torch (default python3). GPU_VENV: the venv made over it
-# (default .gpu-venv). A failed test or benchmark still leaves every table; the exit code is then 1.
+# (default .gpu-venv). GPU_CHECK_PARTS: "tests", "benchmark" or both (the default), for a box whose sessions are short.
+# A failed test or benchmark still leaves every table; the exit code is then 1.
 set -uo pipefail
 bundle=$1
 out=$2
@@ -24,9 +25,15 @@ log="$out/gpu_check.log"
 "$venv/bin/python" -m pip install -q --no-index --find-links "$bundle" -e . pytest 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 2
 py=$venv/bin/python
-"$py" -m pytest -m gpu -p no:cacheprovider -q -rA --junitxml="$out/gpu_tests.xml" 2>&1 | tee -a "$log"
-tests=${PIPESTATUS[0]}
-if "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+parts=${GPU_CHECK_PARTS:-tests benchmark}
+tests=not-run
+if [[ " $parts " == *" tests "* ]]; then
+    "$py" -m pytest -m gpu -p no:cacheprovider -q -rA --junitxml="$out/gpu_tests.xml" 2>&1 | tee -a "$log"
+    tests=${PIPESTATUS[0]}
+fi
+if [[ " $parts " != *" benchmark "* ]]; then
+    benchmark=not-run
+elif "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     "$py" benchmarks/gpu.py --out "$out" 2>&1 | tee -a "$log"
     benchmark=${PIPESTATUS[0]}
 else
