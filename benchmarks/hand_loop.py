@@ -5,15 +5,23 @@ and pipeline. It trains what ``python train.py <overrides>`` trains (the model, 
 schedule of the composed config; the project builds the model and data, everything else is written here) and does
 each epoch what the framework does: train on the epoch's shuffled global batches (this rank's slice of each), sum
 the loss (and accuracy) over the epoch, validate on the whole validation set, reduce the sums across ranks, and
-save the model and optimizer state. Rank 0 appends ``{"event": "epoch_start" | "first_step" | "end", "time": ...}``
+save the model and optimizer state (unless ``+trainer.enable_checkpointing=false``, the framework's own switch,
+is among the overrides). Rank 0 appends ``{"event": "epoch_start" | "first_step" | "end", "time": ...}``
 lines to the clock file, read by the benchmark.
 
 It is written as one would write it by hand for speed: whole batches indexed from the in-memory tensors, no
 ``.item()`` inside the epoch, the collectives of the strategy and nothing else.
+
+It runs where the framework would: on ``cuda:<LOCAL_RANK>`` (nccl between ranks) when ``trainer.accelerator`` is
+gpu, or auto on a machine with CUDA, else on the CPU (gloo). On a GPU the in-memory tensors are moved to it once,
+before the first epoch. As the framework does, it computes forward and loss in bfloat16 autocast under
+``trainer.precision=bf16-mixed``, lets float32 matmuls on a GPU use TF32 with ``tf32`` and compiles each block with
+``model.compile``.
 """
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,12 +42,20 @@ sys.path.insert(0, str(REPO / "tests"))
 from reference import decayed_and_spared, epoch_order, lr_factor  # noqa: E402 (the tests' hand-written rules)
 
 from project.models import init_weights  # noqa: E402
-from project.parallel import block_sizes, split_blocks, stage_modules  # noqa: E402 (the same stage split)
+from project.parallel import block_sizes, compile_blocks, split_blocks, stage_modules  # noqa: E402
 from project.strategies.pipeline import StageModule  # noqa: E402
+from project.training import set_tf32  # noqa: E402
 
 
 def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
+def training_device(accelerator: str) -> torch.device:
+    """The device Lightning's ``accelerator`` would pick for this process (one per device, as under torchrun)."""
+    if accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
 
 
 def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
@@ -48,16 +64,23 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
             with open(clock_file, "a") as clock:
                 clock.write(json.dumps({"event": event, "time": time.time()}) + "\n")
 
-    distributed = strategy != "auto"
-    if distributed:
-        dist.init_process_group("gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
         cfg = compose("train", overrides=overrides)
+    device = training_device(cfg.trainer.accelerator)
+    distributed = strategy != "auto"
+    if distributed:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    set_tf32(cfg.tf32, device)
     data = instantiate(cfg.data)
     data.setup("fit")
-    (x, y), (x_val, y_val) = data.train_set.tensors, data.val_set.tensors
-    net = init_weights(instantiate(cfg.model.net), cfg.seed)
+    # Onto the device once: a step then indexes its batch there, with no copy from the host.
+    x, y, x_val, y_val = [tensor.to(device) for tensor in data.train_set.tensors + data.val_set.tensors]
+    net = init_weights(instantiate(cfg.model.net), cfg.seed).to(device)
+    if cfg.model.compile:
+        compile_blocks(net)  # before any wrapping, as the framework does
     batch = cfg.data.batch_size  # per data-parallel replica, as the framework's
     replicas = 1 if strategy == "pipeline" else world
     global_batch = batch * replicas
@@ -72,10 +95,10 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         stages = split_blocks(block_sizes(net), world, None)
         model = StageModule(stage_modules(net, stages, rank))  # the stage's modules run in order
         microbatches = cfg.strategy.microbatches
-        stage = PipelineStage(model, rank, world, torch.device("cpu"))
+        stage = PipelineStage(model, rank, world, device)
         schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, tgt: mean_loss(out, tgt) / microbatches,
                                 scale_grads=False)
-        eval_schedule = Schedule1F1B(PipelineStage(model, rank, world, torch.device("cpu")), microbatches)
+        eval_schedule = Schedule1F1B(PipelineStage(model, rank, world, device), microbatches)
     last_stage = strategy != "pipeline" or rank == world - 1
     decayed, spared = decayed_and_spared(model)  # the configured optimizer (fused where the config says), two groups
     optimizer = instantiate(cfg.model.optimizer)(params=[{"params": decayed}, {"params": spared, "weight_decay": 0.0}])
@@ -83,15 +106,22 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     schedule_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.trainer.max_epochs * steps_per_epoch))
     classification = y.dim() == 1
     checkpoint_dir = Path(clock_file).with_suffix(".ckpt")
+    checkpointing = cfg.trainer.get("enable_checkpointing", True)
+
+    def autocast() -> torch.autocast:  # Lightning's bf16-mixed: forward and loss in bfloat16, backward outside
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
 
     def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         if schedule is None:
-            outputs = model(inputs)
-            loss = mean_loss(outputs, targets)
+            with autocast():
+                outputs = model(inputs)
+                loss = mean_loss(outputs, targets)
             loss.backward()
             return outputs, loss
         losses = []
-        outputs = schedule.step(*([inputs] if rank == 0 else []), target=targets if last_stage else None, losses=losses)
+        with autocast():  # the schedule runs the backward itself, as under the framework's pipeline strategy
+            outputs = schedule.step(*([inputs] if rank == 0 else []), target=targets if last_stage else None,
+                                    losses=losses)
         return (outputs, torch.stack(losses).sum()) if last_stage else None
 
     def forward(inputs: torch.Tensor) -> torch.Tensor | None:
@@ -102,7 +132,8 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     for epoch in range(cfg.trainer.max_epochs):
         stamp("epoch_start")
         order = epoch_order(len(x), cfg.seed, epoch) if cfg.data.shuffle else torch.arange(len(x))
-        sums = torch.zeros(3, dtype=torch.float64)  # loss x targets, correct, targets
+        order = order.to(device)  # once an epoch: host indices into device tensors would copy (and sync) every step
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss x targets, correct, targets
         model.train()
         for step in range(steps_per_epoch):
             rows = order[step * global_batch:(step + 1) * global_batch]
@@ -121,10 +152,11 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
             if epoch == 0 and step == 0:
                 stamp("first_step")
         model.eval()
-        val_sums = torch.zeros(3, dtype=torch.float64)
+        val_sums = torch.zeros(3, dtype=torch.float64, device=device)
         # The framework's evaluation split: every sample once, near-equal slices per replica, batch by batch.
-        parts = torch.arange(len(x_val)).tensor_split(min(math.ceil(len(x_val) / global_batch) * replicas, len(x_val)))
-        with torch.no_grad():
+        parts = torch.arange(len(x_val), device=device).tensor_split(
+            min(math.ceil(len(x_val) / global_batch) * replicas, len(x_val)))
+        with torch.no_grad(), autocast():
             for rows in parts[(0 if strategy == "pipeline" else rank)::replicas]:
                 inputs, targets = x_val[rows], y_val[rows]
                 if strategy == "pipeline" and len(rows) % microbatches:
@@ -139,11 +171,12 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         totals = torch.cat([sums, val_sums])
         if distributed:
             dist.all_reduce(totals)
-        if strategy in ("fsdp", "pipeline"):  # each rank writes its own part
+        if checkpointing and strategy in ("fsdp", "pipeline"):  # each rank writes its own part
             model_state, optimizer_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir / str(epoch))
-        elif rank == 0:
-            torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_dir.with_suffix(".pt"))
+        elif checkpointing and rank == 0:
+            torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()},
+                       checkpoint_dir.with_suffix(".pt"))
         if rank == 0:
             print(f"epoch {epoch}: train/loss {totals[0] / totals[2]:.4f} val/loss {totals[3] / totals[5]:.4f}")
     stamp("end")

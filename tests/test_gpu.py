@@ -29,19 +29,10 @@ STRATEGIES = ["auto", "ddp", "fsdp", "tensor_parallel"]  # ddp, fsdp and tensor_
 BF16_REL = 1e-2
 
 
-def epoch_rows(job_dir: Path) -> list[dict[str, float]]:
-    """The run's CSV log, one dict per row (validation and training rows of an epoch merged), by epoch."""
-    with open(job_dir / "csv" / "version_0" / "metrics.csv") as file:
-        rows = list(csv.DictReader(file))
-    epochs: dict[int, dict[str, float]] = {}
-    for row in rows:
-        values = {key: float(value) for key, value in row.items() if value not in ("", None)}
-        epochs.setdefault(int(values["epoch"]), {}).update(values)
-    return [epochs[epoch] for epoch in sorted(epochs)]
-
-
 def series(job_dir: Path, key: str) -> list[float]:
-    return [row[key] for row in epoch_rows(job_dir) if key in row]
+    """``key`` of each epoch, from the run's CSV log (a row per epoch, training and validation together)."""
+    with open(job_dir / "csv" / "version_0" / "metrics.csv") as file:
+        return [float(row[key]) for row in csv.DictReader(file) if row.get(key)]
 
 
 def largest_relative_difference(a: list[float], b: list[float]) -> float:
