@@ -4,7 +4,8 @@
 # gpu_check.md and gpu_check.json (the tables), gpu_tests.xml (junit), gpu_benchmark.{md,json}, gpu_check.log.
 #   bash scripts/gpu_check.sh <bundle dir> <out dir>
 # GPU_PYTHON: the box's interpreter, the one with torch (default python3). GPU_VENV: the venv made over it
-# (default .gpu-venv). GPU_CHECK_PARTS: "tests", "benchmark" or both (the default), for a box whose sessions are short.
+# (default .gpu-venv). GPU_CHECK_PARTS: "tests", "benchmark" or both (the default), for a box whose sessions are short;
+# GPU_TESTS_ARGS: more pytest arguments, e.g. -k memory_plan or -k "not memory_plan" to split the tests too.
 # A failed test or benchmark still leaves every table; the exit code is then 1.
 set -uo pipefail
 bundle=$1
@@ -28,7 +29,9 @@ py=$venv/bin/python
 parts=${GPU_CHECK_PARTS:-tests benchmark}
 tests=not-run
 if [[ " $parts " == *" tests "* ]]; then
-    "$py" -m pytest -m gpu -p no:cacheprovider -q -rA --junitxml="$out/gpu_tests.xml" 2>&1 | tee -a "$log"
+    # shellcheck disable=SC2086  # GPU_TESTS_ARGS is a list of arguments
+    "$py" -m pytest -m gpu -p no:cacheprovider -q -rA --junitxml="$out/gpu_tests.xml" ${GPU_TESTS_ARGS:-} 2>&1 \
+        | tee -a "$log"
     tests=${PIPESTATUS[0]}
 fi
 if [[ " $parts " != *" benchmark "* ]]; then

@@ -1,7 +1,7 @@
 """The tables of ``make gpu-check``: ``python scripts/gpu_report.py <out dir> --tests-exit N --benchmark-exit N``.
 
-Reads what the check wrote to the out dir (``gpu_tests.xml``: pytest's junit report, with the figures the GPU tests
-record as properties; ``gpu_benchmark.json`` when the benchmark ran) and writes ``gpu_check.json`` and
+Reads what the check wrote to the out dir (``gpu_tests*.xml``: pytest's junit reports, with the figures the GPU tests
+record as properties, several where the tests ran in parts; ``gpu_benchmark.json`` when the benchmark ran) and writes ``gpu_check.json`` and
 ``gpu_check.md``: the machine (date, GPU, torch, CUDA), every GPU test's outcome and figures, the benchmark's table.
 Exits 1 if a test or the benchmark failed.
 """
@@ -24,12 +24,12 @@ def machine() -> dict[str, Any]:
             "cuda": torch.version.cuda, "python": platform.python_version()}
 
 
-def test_results(junit: Path) -> list[dict[str, Any]]:
-    """One entry per test case: its name, outcome, seconds, the message of a failure or skip, its properties."""
-    if not junit.is_file():
-        return []
+def test_results(junits: list[Path]) -> list[dict[str, Any]]:
+    """One entry per test case of the junit files: its name, outcome, seconds, the message of a failure or skip, its
+    properties."""
     results = []
-    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+    cases = [case for junit in junits for case in ElementTree.parse(junit).getroot().iter("testcase")]
+    for case in cases:
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             found = case.find(tag)
@@ -74,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     benchmark_json, benchmark_md = args.out / "gpu_benchmark.json", args.out / "gpu_benchmark.md"
     report = {"machine": machine(), "tests_exit": args.tests_exit, "benchmark_exit": args.benchmark_exit,
-              "tests": test_results(args.out / "gpu_tests.xml"),
+              "tests": test_results(sorted(args.out.glob("gpu_tests*.xml"))),
               "benchmark": json.loads(benchmark_json.read_text()) if benchmark_json.is_file() else None}
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     text = markdown(report, benchmark_md.read_text() if benchmark_md.is_file() else None)

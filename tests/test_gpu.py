@@ -24,7 +24,7 @@ BF16 = ["trainer.precision=bf16-mixed"]
 STRATEGIES = ["auto", "ddp", "fsdp", "tensor_parallel"]  # ddp, fsdp and tensor_parallel on one GPU: nccl groups
 # bf16 keeps 8 bits of mantissa: each rounding is up to 2^-8 = 0.4% of the value. The run and the loop under the same
 # autocast round alike, except FSDP, whose mixed precision computes every op in bf16 (norms included) where autocast
-# keeps float32. On the CPU the per-epoch losses of 3 epochs differed by at most 7.6e-4 (fsdp; 5e-5 the others);
+# keeps float32. On the CPU the per-epoch losses of 3 epochs differed by at most 6.4e-4 (fsdp; 2e-5 the others);
 # 1e-2, two and a half roundings, leaves room for the GPU kernels' reduction order.
 BF16_REL = 1e-2
 
