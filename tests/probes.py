@@ -40,13 +40,15 @@ class AllGatherCount(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.count = 0
-        gather = dist.all_gather_single
+        # FSDP2 gathers through dist.all_gather_single from torch 2.13 on, through all_gather_into_tensor before.
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        gather = getattr(dist, name)
 
         def counted(*args, **kwargs):
             self.count += 1
             return gather(*args, **kwargs)
 
-        dist.all_gather_single = counted
+        setattr(dist, name, counted)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.per_batch: list[int] = []
