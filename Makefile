@@ -27,10 +27,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 
 # A torch the venv already has is kept: it is pinned to itself for the project's install, so pip fails rather than
-# replace it (constraints.txt pins no torch).
+# replace it (constraints.txt pins no torch). Its installed version, not torch.__version__: PyPI's CUDA wheels are
+# 2.11.0 to pip but say 2.11.0+cu130 at run time.
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
-	$(BIN)/python -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-installed.txt
+	$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+	  > $(VENV)/torch-installed.txt
 	$(BIN)/pip install -q -c constraints.txt -c $(VENV)/torch-installed.txt -e ".[dev]"
 	touch $@
 
@@ -58,7 +60,7 @@ gpu-check:  ## on an offline GPU box: BUNDLE over its torch, then pytest -m gpu 
 offline-check: install  ## make gpu-bundle and gpu-check on a simulated GPU box: a CPU torch, no GPU (CI runs it)
 	$(MAKE) gpu-bundle
 	$(MAKE) gpu-bundle BUNDLE=$(BUNDLE)-local BUNDLE_PYTHON=$(LOCAL_PYTHON)
-	PYTHON=$(PYTHON) PIP_TORCH_ARGS="$(PIP_TORCH_ARGS)" bash scripts/offline_check.sh $(BUNDLE)-local
+	PYTHON=$(PYTHON) PIP_TORCH_ARGS="$(PIP_TORCH_ARGS)" bash scripts/offline_check.sh $(BUNDLE)-local $(BUNDLE)
 
 clean:  ## remove .venv, the run outputs, the GPU bundle and its venv
 	rm -rf $(VENV) logs outputs multirun $(BUNDLE) $(BUNDLE)-local .gpu-venv

@@ -100,6 +100,10 @@ def main() -> None:
     pip("download", "-q", "--no-deps", *target, "-d", str(args.out), *pyproject["build-system"]["requires"])
     pip("wheel", "-q", "--no-deps", "-w", str(args.out), str(REPO))
     wheels = sorted(args.out.glob("*.whl"))
+    names = [canonical(wheel.name.split("-")[0]) for wheel in wheels]
+    cuda = [name for name in names if name in ("torch", "triton") or name.startswith(("nvidia-", "cuda-"))]
+    if cuda:  # the box's own build must stay: a --box-has without torch would bring these in
+        sys.exit(f"the bundle would hold torch or CUDA packages ({', '.join(cuda)}): name torch in --box-has")
     size = sum(wheel.stat().st_size for wheel in wheels) / 2**20
     print(f"{args.out}: {len(wheels)} wheels, {size:.1f} MiB (limit {LIMIT_MIB} MiB); left to the box: "
           f"{', '.join(sorted(on_box))}")

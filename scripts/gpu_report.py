@@ -1,8 +1,9 @@
 """The tables of ``make gpu-check``: ``python scripts/gpu_report.py <out dir> --tests-exit N --benchmark-exit N``.
 
-Reads what the check wrote to the out dir (``gpu_tests*.xml``: pytest's junit reports, with the figures the GPU tests
-record as properties, several where the tests ran in parts; ``gpu_benchmark.json`` when the benchmark ran) and writes ``gpu_check.json`` and
-``gpu_check.md``: the machine (date, GPU, torch, CUDA), every GPU test's outcome and figures, the benchmark's table.
+Reads what the check wrote to the out dir (``gpu_tests*.xml``: pytest's junit reports, with the figures the GPU
+tests record as properties, several where the tests ran in parts; ``gpu_benchmark.json`` when the benchmark ran)
+and writes ``gpu_check.json`` and ``gpu_check.md``: the machine (date, GPU, torch, CUDA), every GPU test's outcome
+and figures, the benchmark's table.
 Exits 1 if a test or the benchmark failed.
 """
 

@@ -5,11 +5,15 @@
 # then installs the bundle (made for this python) with --no-index. Checked: the box's torch is kept, every GPU test
 # is collected and skipped, python train.py trains with the default config (W&B offline) from that venv; and make
 # install with VENV_FLAGS=--system-site-packages over the same box (from the registries) keeps that torch too.
-#   bash scripts/offline_check.sh <bundle dir>
+# This machine's python3 has packages of its own, which the venv sees too; so a wheel the bundle should hold but
+# lacks could go unnoticed here. Checked against that: every distribution the project needs at run time is in the
+# venv, in the box's user site, or in the bundle, and the bundle the box gets (cp312) holds the same distributions.
+#   bash scripts/offline_check.sh <bundle dir, for this python> <the box's bundle dir>
 # BOX_TORCH: the torch on the box (default torch==2.13.0+cpu; torch==2.11.0 is the GPU box's, with its CUDA wheels).
 # PIP_TORCH_ARGS: pip arguments to find it (the Makefile passes TORCH_INDEX_URL's).
 set -euo pipefail
 bundle=$(realpath "$1")
+box_bundle=$(realpath "$2")
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
 box=$(mktemp -d)
@@ -17,8 +21,9 @@ trap 'rm -rf "$box"' EXIT
 export PYTHONUSERBASE=$box/system PIP_ROOT_USER_ACTION=ignore
 # shellcheck disable=SC2086  # PIP_TORCH_ARGS is a list of arguments
 "$python" -m pip install -q --user --no-warn-script-location ${PIP_TORCH_ARGS:-} "${BOX_TORCH:-torch==2.13.0+cpu}"
-torch=$("$python" -c "import torch; print(torch.__version__)")
-"$python" -m pip install -q --user --no-warn-script-location -c constraints.txt "torch==$torch" \
+installed=$("$python" -c "from importlib.metadata import version; print(version('torch'))")  # pip's version
+torch=$("$python" -c "import torch; print(torch.__version__)")  # what it says at run time (2.11.0+cu130)
+"$python" -m pip install -q --user --no-warn-script-location -c constraints.txt "torch==$installed" \
     lightning torchmetrics transformers safetensors tokenizers rich
 echo "Simulated GPU box: $("$python" --version), torch $torch in $PYTHONUSERBASE; installing $bundle offline"
 
@@ -33,12 +38,28 @@ kept() {  # the interpreter $1 imports the box's torch
 
 make gpu-check BUNDLE="$bundle" OUT="$box/out" GPU_PYTHON="$python" GPU_VENV="$box/venv"
 kept "$box/venv/bin/python"
-"$box/venv/bin/python" - "$box/out/gpu_check.json" <<'PY'
-import json, sys
-tests = json.load(open(sys.argv[1]))["tests"]
+"$box/venv/bin/python" - "$box/out/gpu_check.json" "$bundle" "$box_bundle" "$box/venv" <<'PY'
+import json, site, sys, sysconfig
+from importlib.metadata import distribution, requires
+from pathlib import Path
+from packaging.requirements import Requirement
+sys.path.insert(0, "scripts")
+from gpu_bundle import BOX_HAS, canonical, closure, target_markers
+report, bundle, box_bundle, venv = sys.argv[1:]
+tests = json.load(open(report))["tests"]
 outcomes = {test["outcome"] for test in tests}
 assert tests and outcomes == {"skipped"}, f"pytest -m gpu without a GPU: expected every test skipped, got {outcomes}"
 print(f"pytest -m gpu: {len(tests)} GPU tests collected, every one skipped")
+names = {folder: {canonical(wheel.name.split("-")[0]) for wheel in Path(folder).glob("*.whl")}
+         for folder in (bundle, box_bundle)}
+assert names[bundle] == names[box_bundle], names[bundle] ^ names[box_bundle]
+runtime = [Requirement(line) for line in requires("project") if "extra ==" not in line] + [Requirement("pytest")]
+needed = closure(runtime, target_markers(sysconfig.get_python_version()), stop={canonical(n) for n in BOX_HAS})
+ours = (venv, site.getuserbase())
+host = {name for name in needed if not str(distribution(name).locate_file("")).startswith(ours)}
+missing = sorted(host - names[bundle])
+assert not missing, f"the box would lack {missing}: this machine's python3 has them, the bundle does not"
+print(f"Every distribution the project needs is in the venv, the box's site or the bundle ({len(needed)})")
 PY
 HOME=$box/home "$box/venv/bin/python" train.py trainer.max_epochs=1 print_config=false hydra.run.dir="$box/run"
 grep -q '"status": "completed"' "$box/run/result.json"

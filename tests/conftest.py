@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ TINY_LLAMA = ["model=llama", *TINY_GPT[1:], "model.net.num_kv_heads=1", "model.n
 TINY_LLAMA_TP = [*TINY_LLAMA, "model.net.num_heads=4", "model.net.num_kv_heads=2"]
 
 
-def require_extra(module: str, extra: str):
+def require_extra(module: str, extra: str) -> ModuleType:
     """``module``, of the project's optional dependencies ``extra``; without it the test is skipped (not in CI, whose
     dev install has every extra)."""
     try:

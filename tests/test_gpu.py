@@ -95,8 +95,8 @@ def test_bf16_runs_stay_near_the_loop_under_the_same_autocast(gpt_runs, referenc
 
 
 def test_compiled_blocks_match_eager_and_fused_adamw_steps_on_cuda(gpt_runs, runs_dir, home, record_property):
-    """model.compile=true (Triton kernels) against the eager float32 run; both with the language model's fused AdamW,
-    which the probe confirms ran fused on CUDA parameters."""
+    """model.compile=true (Triton kernels) against the eager float32 run, both with the language model's AdamW
+    (fused: true in its config); the probe confirms the compiled run's ran fused on CUDA parameters."""
     job_dir, _ = gpu_run("gpu-compiled", [*TINY_GPT, "data.batch_size=32", *FP32, "model.compile=true",
                                           "+callbacks.fused._target_=probes.FusedAdamW"], runs_dir, home)
     eager = gpt_runs["auto", "fp32"]
@@ -124,19 +124,19 @@ def test_activation_checkpointing_lowers_the_peak_gpu_memory(runs_dir, home, rec
 
 
 def test_a_checkpoint_moves_from_the_gpu_to_the_cpu_and_back(runs_dir, home):
-    """Epoch 0 on one device, epoch 1 resumed on the other: the same numbers as both epochs on the first (float32,
-    tf32 off; 1e-4 for the devices' different kernels)."""
-    common = [*TINY_GPT, "data.batch_size=32", *FP32, "trainer.max_epochs=2", "logger=csv"]
+    """Two epochs on one device, keeping each epoch's checkpoint; epoch 1 again from epoch 0's checkpoint on the
+    other device: the same numbers (float32, tf32 off; 1e-4 for the devices' different kernels). The resumed run
+    has the same two epochs to go, so its learning-rate schedule is the straight run's."""
+    common = [*TINY_GPT, "data.batch_size=32", *FP32, "trainer.max_epochs=2", "logger=csv",
+              "callbacks.model_checkpoint.save_top_k=-1"]
+    on = {device: [f"trainer.accelerator={device}", "trainer.devices=1"] for device in ("gpu", "cpu")}
     for first, second in (("gpu", "cpu"), ("cpu", "gpu")):
-        straight, part, resumed = (runs_dir / f"move-{first}-{second}-{name}"
-                                   for name in ("straight", "part", "resumed"))
-        on = {device: [f"trainer.accelerator={device}", "trainer.devices=1"] for device in ("gpu", "cpu")}
+        straight, resumed = runs_dir / f"move-{first}-straight", runs_dir / f"move-{first}-to-{second}"
         train([*common, *on[first], f"hydra.run.dir={straight}"], home)
-        train([*common, *on[first], "trainer.max_epochs=1", f"hydra.run.dir={part}"], home)
-        train([*common, *on[second], f"ckpt_path={part / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={resumed}"],
-              home)
+        train([*common, *on[second], f"ckpt_path={straight / 'checkpoints' / 'epoch000.ckpt'}",
+               f"hydra.run.dir={resumed}"], home)
         for key in ("train/loss", "val/loss"):
-            assert series(part, key) + series(resumed, key) == pytest.approx(series(straight, key), rel=1e-4), key
+            assert series(resumed, key) == pytest.approx(series(straight, key)[1:], rel=1e-4), key
 
 
 def test_eval_generate_and_init_from_run_on_cuda(runs_dir, home, tmp_path):
@@ -170,10 +170,10 @@ def test_eval_generate_and_init_from_run_on_cuda(runs_dir, home, tmp_path):
 # The memory plan against the GPU: presets at sequence 1024, bf16-mixed, a few steps each. The models get their own
 # vocabularies (GPT-2's, padded to 64; Llama 3's); the Markov language's stays small, since its generator holds a
 # dense vocab x vocab matrix, and the embedding, output layer and loss cost the same whichever ids occur.
-PLANNED_MODELS = {
-    "gpt_125m": ["model=gpt_125m", "model.net.vocab_size=50304", "data.batch_size=8"],
-    "gpt_350m": ["model=gpt_350m", "model.net.vocab_size=50304", "data.batch_size=8"],
-    "llama_1b": ["model=llama_1b", "model.net.vocab_size=128256", "data.batch_size=4"],
+PLANNED_MODELS = {  # preset: (its overrides, sequences per step)
+    "gpt_125m": (["model=gpt_125m", "model.net.vocab_size=50304"], 8),
+    "gpt_350m": (["model=gpt_350m", "model.net.vocab_size=50304"], 8),
+    "llama_1b": (["model=llama_1b", "model.net.vocab_size=128256"], 4),
 }
 PLAN_GOAL = 0.10  # planned peak within 10% of max_memory_allocated
 
@@ -184,8 +184,8 @@ PLAN_GOAL = 0.10  # planned peak within 10% of max_memory_allocated
 def test_the_memory_plan_holds_against_max_memory_allocated(model, strategy, activation_checkpointing, runs_dir, home,
                                                             record_property):
     steps = 3
-    batch = int(PLANNED_MODELS[model][-1].split("=")[1])
-    args = ["data=tokens", "data.vocab_size=256", *PLANNED_MODELS[model], f"strategy={strategy}", *BF16,
+    overrides, batch = PLANNED_MODELS[model]
+    args = ["data=tokens", "data.vocab_size=256", *overrides, f"data.batch_size={batch}", f"strategy={strategy}", *BF16,
             "data.seq_length=1024", f"data.num_train={steps * batch}", f"data.num_val={batch}", "trainer.max_epochs=1",
             "trainer.num_sanity_val_steps=0", f"model.activation_checkpointing={str(activation_checkpointing).lower()}",
             "~callbacks.model_checkpoint", "+trainer.enable_checkpointing=false",  # no 20 GB of checkpoint writing
