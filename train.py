@@ -12,16 +12,16 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.errors import ConfigError, JobFailed, exit_with
-from project.resolvers import register_resolvers
-from project.results import record_failure
+from project.config.errors import ConfigError, JobFailed, exit_with
+from project.config.resolvers import register_resolvers
+from project.launch.results import record_failure
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    from project.launch import is_rank_zero, run  # imported here so that --help and --cfg stay fast
+    from project.launch.launcher import is_rank_zero, run  # imported here so that --help and --cfg stay fast
 
     try:
         result = run(cfg)

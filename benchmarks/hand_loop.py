@@ -39,12 +39,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
-from reference import decayed_and_spared, epoch_order, lr_factor  # noqa: E402 (the tests' hand-written rules)
+from helpers.reference import decayed_and_spared, epoch_order, lr_factor  # noqa: E402 (the tests' hand-written rules)
 
 from project.models import init_weights  # noqa: E402
-from project.parallel import block_sizes, compile_blocks, split_blocks, stage_modules  # noqa: E402
-from project.strategies.pipeline import StageModule  # noqa: E402
-from project.training import set_tf32  # noqa: E402
+from project.distributed.parallelize import block_sizes, compile_blocks, split_blocks, stage_modules  # noqa: E402
+from project.distributed.strategies.pipeline import StageModule  # noqa: E402
+from project.launch.training import set_tf32  # noqa: E402
 
 
 def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""What the tests save by forking ``python train.py`` from ``tests/preloaded.py``: ``python benchmarks/preloaded_start.py``.
+"""What the tests save by forking ``python train.py`` from ``tests/helpers/preloaded.py``: ``python benchmarks/preloaded_start.py``.
 
 Three figures, each the median of 5 runs, the compared ones in alternating pairs (so that a noisy machine weighs on
-both sides alike): the import of ``project.launch`` (what train.py imports: torch, Lightning, Hydra) in a fresh interpreter; a fork of
+both sides alike): the import of ``project.launch.launcher`` (what train.py imports: torch, Lightning, Hydra) in a fresh interpreter; a fork of
 an interpreter that has imported it, ending with the interpreter's teardown of its modules and without it (as
-``tests/preloaded.py`` ends its children); and the tests' tiny MLP on 2 tensor-parallel ranks, from scratch and
+``tests/helpers/preloaded.py`` ends its children); and the tests' tiny MLP on 2 tensor-parallel ranks, from scratch and
 forked from the preloaded server.
 """
 
@@ -29,7 +29,7 @@ def seconds(action) -> float:
 
 
 def import_launch() -> None:
-    subprocess.run([sys.executable, "-c", "import project.launch"], cwd=REPO, check=True)
+    subprocess.run([sys.executable, "-c", "import project.launch.launcher"], cwd=REPO, check=True)
 
 
 def forked_exit(teardown: bool) -> None:
@@ -49,10 +49,10 @@ def medians(first, second) -> tuple[float, float]:
 
 def main() -> None:
     sys.path.insert(0, str(REPO))
-    import project.launch  # noqa: F401  (this process is the preloaded one the forks below start from)
+    import project.launch.launcher  # noqa: F401  (this process is the preloaded one the forks below start from)
 
     imported = statistics.median(seconds(import_launch) for _ in range(PAIRS))
-    print(f"import project.launch, fresh interpreter: {imported:.2f} s")
+    print(f"import project.launch.launcher, fresh interpreter: {imported:.2f} s")
     with_teardown, without = medians(lambda: forked_exit(True), lambda: forked_exit(False))
     print(f"exit of a forked child, with torch and Lightning loaded: {with_teardown:.2f} s with the teardown of "
           f"its modules, {without:.2f} s without")

@@ -1,6 +1,6 @@
 """Does host memory stay flat as the corpus grows, and does the shard loader keep up with training?
 
-Writes two token sets of random tokens in the format ``python -m project.data.prepare`` writes (shards of 1e8
+Writes two token sets of random tokens in the format ``python -m project.cli.prepare`` writes (shards of 1e8
 uint16 tokens, a header each, ``meta.json``): a small one (50 MB) and a large one (5 GB by default). Then:
 
 1. **Memory.** Trains the tiny GPT (``model=gpt data=shards``, ``strategy=ddp trainer.devices=2``, two DataLoader
@@ -35,7 +35,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from project.data.prepared import ShardsDataModule  # noqa: E402
+from project.data.shards import ShardsDataModule  # noqa: E402
 from project.data.shards import token_dtype, write_shard  # noqa: E402
 
 VOCAB = 8192

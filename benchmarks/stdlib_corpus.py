@@ -51,7 +51,7 @@ def main() -> None:
         prepared, job = root / "prepared", root / "job"
         shutil.rmtree(prepared, ignore_errors=True)
         shutil.rmtree(job, ignore_errors=True)
-        prepare = [sys.executable, "-m", "project.data.prepare", *sources, "--out", str(prepared), "--vocab-size", str(VOCAB)]
+        prepare = [sys.executable, "-m", "project.cli.prepare", *sources, "--out", str(prepared), "--vocab-size", str(VOCAB)]
         prepare_s = run(prepare, env)
         meta = json.loads((prepared / "meta.json").read_text())
         strategy = [] if args.devices == 1 else ["strategy=ddp", f"trainer.devices={args.devices}"]
@@ -60,7 +60,7 @@ def main() -> None:
         train_s = run(train, env)
         final = json.loads((job / "result.json").read_text())["final"]
         splits = meta["splits"]
-        print(f"python -m project.data.prepare <the {len(sources)} package dirs under {stdlib}: {' '.join(PACKAGES)}> "
+        print(f"python -m project.cli.prepare <the {len(sources)} package dirs under {stdlib}: {' '.join(PACKAGES)}> "
               f"--out {prepared.name} --vocab-size {VOCAB}   # {prepare_s:.0f} s")
         print(f"python train.py {' '.join([*MODEL, *strategy])} data=shards data.path={prepared.name}   # {train_s:.0f} s\n")
         print(f"| tokens (train / val) | vocabulary | val loss after 1 epoch (uniform: ln {meta['vocab_size']} = "

@@ -13,9 +13,9 @@ from types import ModuleType
 import pytest
 import torch
 
-from preloaded import TrainServer
-from reference import ReferenceRun, reference_run
-from wandb_offline import OfflineRun, offline_runs
+from helpers.preloaded import TrainServer
+from helpers.reference import ReferenceRun, reference_run
+from helpers.wandb_offline import OfflineRun, offline_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,7 +69,7 @@ def require_extra(module: str, extra: str) -> ModuleType:
 
 def isolated_env(home: Path) -> dict[str, str]:
     """No W&B credentials or mode from the developer's machine: runs must decide offline by themselves. The
-    tests folder is importable, so a run can load a probe callback from ``tests/probes.py``."""
+    tests folder is importable, so a run can load a probe callback from ``tests/helpers/probes.py``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(home), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "tests"))
     return env
@@ -96,7 +96,7 @@ def kill_process_tree(root: int, signum: int = signal.SIGKILL) -> None:
             pass
 
 
-# One per HOME (tests/preloaded.py), started on first use, the least recently used closed past 3 (each holds torch).
+# One per HOME (tests/helpers/preloaded.py), started on first use, the least recently used closed past 3 (each holds torch).
 TRAIN_SERVERS: dict[Path, TrainServer] = {}
 
 

@@ -1,6 +1,6 @@
 """Bad input: a one-paragraph error naming the key and the fix, exit code 1, before any worker or W&B run.
 
-Every case is a real ``python train.py <args>`` process (forked from ``tests/preloaded.py``, which has imported torch
+Every case is a real ``python train.py <args>`` process (forked from ``tests/helpers/preloaded.py``, which has imported torch
 and Lightning once; as many at once as there are cores, so that the whole table costs about a minute).
 """
 
@@ -248,7 +248,7 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
     job_dir = tmp_path / "job"
     result = train(
         [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2",
-         "+callbacks.fail._target_=probes.FailInFit"],
+         "+callbacks.fail._target_=helpers.probes.FailInFit"],
         home,
         expect_ok=False,
         timeout=120,
@@ -263,5 +263,5 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
     log = (job_dir / "train.log").read_text()
     assert "[rank 0][lightning.pytorch.utilities.rank_zero][INFO] - GPU available: False" in log
     for rank in (0, 1):
-        assert f"[rank {rank}][project.worker.file][ERROR] - Rank {rank} failed\nTraceback (most recent call last)" in log
-    assert "[project.launch][ERROR] - Training failed in the workers:" in log and report in log
+        assert f"[rank {rank}][project.launch.worker.file][ERROR] - Rank {rank} failed\nTraceback (most recent call last)" in log
+    assert "[project.launch.launcher][ERROR] - Training failed in the workers:" in log and report in log

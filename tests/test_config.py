@@ -11,9 +11,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from conftest import require_extra
-from project.checks import check_config
-from project.errors import ConfigError
-from project.resolvers import register_resolvers
+from project.config.checks import check_config
+from project.config.errors import ConfigError
+from project.config.resolvers import register_resolvers
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -51,7 +51,7 @@ OPTIONS = [
 @pytest.fixture(scope="module")
 def prepared_corpus(tmp_path_factory) -> Path:
     """A tiny corpus prepared for data=shards (its meta.json gives the model its vocabulary size)."""
-    from project.data.prepare import prepare
+    from project.cli.prepare import prepare
 
     root = tmp_path_factory.mktemp("prepared")
     (root / "corpus.txt").write_text("a small corpus of words, words and more words. " * 50)

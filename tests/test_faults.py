@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO, TINY, isolated_env, train
-from probes import thaw
+from helpers.probes import thaw
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
     checkpoints = job_dir / "checkpoints"
     try:
         result = train([*TINY, f"hydra.run.dir={job_dir}", "logger=csv", "callbacks.model_checkpoint.save_top_k=-1",
-                        "+callbacks.freeze._target_=probes.FreezeCheckpointsDir", "+callbacks.freeze.epoch=1"],
+                        "+callbacks.freeze._target_=helpers.probes.FreezeCheckpointsDir", "+callbacks.freeze.epoch=1"],
                        home, expect_ok=False)
     finally:
         if checkpoints.exists():

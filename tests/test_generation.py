@@ -1,5 +1,5 @@
 """Generation: greedy decoding against transformers' own ``generate``; temperature and top-k from their definitions;
-the text_sample callback in a real run, and ``python -m project.generate`` writing the same text from its
+the text_sample callback in a real run, and ``python -m project.cli.generate`` writing the same text from its
 checkpoint."""
 
 import json
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from conftest import TINY_GPT, only_run, run_command, train
-from project.generation import BytesCodec, generate
-from project.hf import HFWeights, net_options, read_config
+from project.tasks.decoding import BytesCodec, generate
+from project.checkpointing.hf import HFWeights, net_options, read_config
 from project.models import GPT, Llama
-from project.parallel import materialize
+from project.distributed.parallelize import materialize
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,7 +65,7 @@ def test_a_run_writes_text_samples_and_its_checkpoint_writes_the_last_one_again(
     assert len(BytesCodec().encode(samples[-1])) == len(prompt) + 24  # bytes: one token each
     table = only_run(job).summary["samples"]
     assert table["_type"] == "table-file" and table["nrows"] == 2
-    again = run_command([sys.executable, "-m", "project.generate", str(job / "checkpoints" / "last.ckpt"),
+    again = run_command([sys.executable, "-m", "project.cli.generate", str(job / "checkpoints" / "last.ckpt"),
                          "--prompt", prompt, "--max-new-tokens", "24"], home)
     assert again.returncode == 0, again.output
     assert again.stdout.rstrip("\n") == samples[-1]

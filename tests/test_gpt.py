@@ -12,8 +12,8 @@ from conftest import only_run
 from project.data.tokens import MarkovTokenDataModule, TextDataModule, entropy_rate, random_markov_chain
 from project.models import GPT, Llama
 from project.models.gpt import MLP
-from project.modules.language_model import TokenCrossEntropy
-from project.parallel import apply_activation_checkpointing
+from project.tasks.language_model import TokenCrossEntropy
+from project.distributed.parallelize import apply_activation_checkpointing
 from test_config import compose_train
 
 LM_KEYS = ["train/loss", "val/loss", "val/perplexity"]

@@ -1,7 +1,7 @@
 """What only a GPU can show (``pytest -m gpu``; skipped without CUDA). ``make gpu-check`` runs them on a GPU box.
 
 Each run is a real ``python train.py`` on ``cuda:0``, read back from its CSV log. The numbers are held against the
-hand-written loop of ``tests/reference.py`` run on the same GPU, the memory plan against
+hand-written loop of ``tests/helpers/reference.py`` run on the same GPU, the memory plan against
 ``torch.cuda.max_memory_allocated``. Figures worth reporting are recorded as junit properties (``record_property``),
 which ``make gpu-check`` writes into its tables.
 """
@@ -90,7 +90,7 @@ def test_bf16_runs_stay_near_the_loop_under_the_same_autocast(gpt_runs, referenc
         assert against_fp32 > 1e-6, (key, "a bf16-mixed run gave float32's numbers")
     mfu = series(job_dir, "perf/mfu")
     record_property("perf/mfu", mfu[-1] if mfu else "not logged")
-    # The GPU's bf16 peak is in project/flops.py's table, and no run exceeds it.
+    # The GPU's bf16 peak is in project/observability/flops.py's table, and no run exceeds it.
     assert len(mfu) == 3 and all(0 < value < 1 for value in mfu), mfu
 
 
@@ -98,7 +98,7 @@ def test_compiled_blocks_match_eager_and_fused_adamw_steps_on_cuda(gpt_runs, run
     """model.compile=true (Triton kernels) against the eager float32 run, both with the language model's AdamW
     (fused: true in its config); the probe confirms the compiled run's ran fused on CUDA parameters."""
     job_dir, _ = gpu_run("gpu-compiled", [*TINY_GPT, "data.batch_size=32", *FP32, "model.compile=true",
-                                          "+callbacks.fused._target_=probes.FusedAdamW"], runs_dir, home)
+                                          "+callbacks.fused._target_=helpers.probes.FusedAdamW"], runs_dir, home)
     eager = gpt_runs["auto", "fp32"]
     for key in ("train/loss", "val/loss"):
         difference = largest_relative_difference(series(job_dir, key), series(eager, key))
@@ -141,7 +141,7 @@ def test_a_checkpoint_moves_from_the_gpu_to_the_cpu_and_back(runs_dir, home):
 
 def test_eval_generate_and_init_from_run_on_cuda(runs_dir, home, tmp_path):
     """A GPT trained on text on the GPU: mode=eval of its checkpoint on the GPU logs its last val/loss; python -m
-    project.generate on cuda writes what it writes on the CPU (greedy); the checkpoint exported to a Hugging Face dir
+    project.cli.generate on cuda writes what it writes on the CPU (greedy); the checkpoint exported to a Hugging Face dir
     and read back with model.init_from evaluates the same."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat. the dog sat on the log. " * 400)
@@ -155,12 +155,12 @@ def test_eval_generate_and_init_from_run_on_cuda(runs_dir, home, tmp_path):
     assert json.loads((evaluated / "result.json").read_text())["final"]["val/loss"] == pytest.approx(last, rel=1e-5)
     texts = {}
     for device in ("cuda", "cpu"):
-        generated = run_command([sys.executable, "-m", "project.generate", str(checkpoint), "--prompt", "the cat",
+        generated = run_command([sys.executable, "-m", "project.cli.generate", str(checkpoint), "--prompt", "the cat",
                                  "--max-new-tokens", "16", "--temperature", "0", "--device", device], home)
         assert generated.returncode == 0, generated.output
         texts[device] = generated.stdout
     assert texts["cuda"] == texts["cpu"] and texts["cuda"].startswith("the cat"), texts
-    exported = run_command([sys.executable, "-m", "project.export", str(checkpoint), str(tmp_path / "hf")], home)
+    exported = run_command([sys.executable, "-m", "project.cli.export", str(checkpoint), str(tmp_path / "hf")], home)
     assert exported.returncode == 0, exported.output
     initialised, _ = gpu_run("gpu-init-from", [*common, "mode=eval", f"model.init_from={tmp_path / 'hf'}"], runs_dir,
                              home)

@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_GPT, run_command, train
-from project.errors import ConfigError
-from project.hf import HFWeights, check_matches, net_options, read_config, write_hf_dir
+from project.config.errors import ConfigError
+from project.checkpointing.hf import HFWeights, check_matches, net_options, read_config, write_hf_dir
 from project.models import GPT, Llama, init_weights
-from project.parallel import materialize
+from project.distributed.parallelize import materialize
 from test_config import compose_train
 
 transformers = pytest.importorskip("transformers")
@@ -126,10 +126,10 @@ def transformers_val_loss(model: torch.nn.Module, overrides: list[str]) -> float
 
 @pytest.mark.slow
 def test_a_sharded_checkpoint_exported_gives_transformers_its_val_loss(gpt_ddp_fsdp_sweep, tmp_path, home):
-    """The fsdp GPT's sharded last.ckpt through ``python -m project.export``: transformers' GPT2LMHeadModel on the
+    """The fsdp GPT's sharded last.ckpt through ``python -m project.cli.export``: transformers' GPT2LMHeadModel on the
     exported dir computes the run's own last val/loss."""
     job = gpt_ddp_fsdp_sweep[1]
-    result = run_command([sys.executable, "-m", "project.export", str(job / "checkpoints" / "last.ckpt"),
+    result = run_command([sys.executable, "-m", "project.cli.export", str(job / "checkpoints" / "last.ckpt"),
                           str(tmp_path / "hf")], home)
     assert result.returncode == 0, result.output
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

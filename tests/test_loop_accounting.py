@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-import project.callbacks.throughput as throughput_module
-from project.callbacks import EpochThroughput, LatestAndBestCheckpoint
-from project.loggers import EpochCSVLogger
+import project.observability.throughput as throughput_module
+from project.observability import EpochThroughput
+from project.checkpointing import LatestAndBestCheckpoint
+from project.observability.loggers import EpochCSVLogger
 from project.data.datamodule import GeneratedDataModule
-from reference import epoch_order
+from helpers.reference import epoch_order
 
 
 class IndexData(GeneratedDataModule):

@@ -1,4 +1,4 @@
-"""The memory plan (``project/memory_plan.py``): what it predicts against what real runs measure, plans of 1024
+"""The memory plan (``project/memory/plan.py``): what it predicts against what real runs measure, plans of 1024
 simulated ranks against arithmetic, and the plan as a guard before launch (its refusals are in test_bad_input)."""
 
 import csv
@@ -8,9 +8,9 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from conftest import TINY_GPT, only_run, train
-from project.memory_plan import plan_memory
-from project.parallel import block_sizes, split_blocks, stage_modules
-from project.training import build_net
+from project.memory.plan import plan_memory
+from project.distributed.parallelize import block_sizes, split_blocks, stage_modules
+from project.launch.training import build_net
 from test_config import compose_train
 
 MODEL_STATE = ("params", "grads", "optimizer", "model_state")

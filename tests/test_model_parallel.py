@@ -4,8 +4,8 @@ checkpoints, and clear errors for splits that cannot work."""
 import pytest
 
 from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, assert_matches_reference, only_run, train
-from project.checkpoints import is_sharded_checkpoint
-from project.parallel import split_blocks
+from project.checkpointing.files import is_sharded_checkpoint
+from project.distributed.parallelize import split_blocks
 
 BATCH_64 = ["data.batch_size=64"]  # the single_run's global batch, one replica
 
@@ -56,8 +56,8 @@ def test_pipeline_times_data_parallel_accumulates_clips_and_runs_lightning_hooks
     stage's parameters once per batch, not once per micro-batch."""
     job_dir = runs_dir / "pipeline-2x2"
     result = train([*PIPELINE_2X2, f"hydra.run.dir={job_dir}", "strategy=pipeline", "trainer.devices=4",
-                    "strategy.num_stages=2", "+callbacks.hooks._target_=probes.BackwardHooks",
-                    "+callbacks.gathers._target_=probes.AllGatherCount"], home)
+                    "strategy.num_stages=2", "+callbacks.hooks._target_=helpers.probes.BackwardHooks",
+                    "+callbacks.gathers._target_=helpers.probes.AllGatherCount"], home)
     assert "Starting with 4 processes" in result.output
     expected = reference(PIPELINE_2X2, 64)
     assert expected.clipped_steps > 0  # the threshold bites, so clipping is tested

@@ -1,4 +1,4 @@
-"""python -m project.data.prepare: corpora into token shards, checked by decoding the shards back to the documents."""
+"""python -m project.cli.prepare: corpora into token shards, checked by decoding the shards back to the documents."""
 
 import csv
 import json
@@ -14,12 +14,12 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conftest import REPO, isolated_env, kill_process_tree, train
-from project.checkpoints import META_FILE
-from project.data.prepare import documents, input_files, is_validation, prepare
-from project.data.prepared import ShardsDataModule
+from project.checkpointing.files import META_FILE
+from project.cli.prepare import documents, input_files, is_validation, prepare
+from project.data.shards import ShardsDataModule
 from project.data.sampling import EpochShuffle, GlobalBatchSampler
 from project.data.shards import HEADER_BYTES, read_shard
-from project.errors import ConfigError
+from project.config.errors import ConfigError
 
 STDLIB_JSON = Path(json.__file__).parent  # a corpus that ships with Python: the json package's sources
 
@@ -104,7 +104,7 @@ def test_an_interrupted_prepare_continues_without_redoing_finished_shards(corpus
     straight = tmp_path / "straight"
     prepare([corpus], straight, vocab_size=600, shard_tokens=2000, val_fraction=0.05)
     out = tmp_path / "interrupted"
-    command = [sys.executable, "-m", "project.data.prepare", *args, "--out", str(out)]
+    command = [sys.executable, "-m", "project.cli.prepare", *args, "--out", str(out)]
     job = subprocess.Popen(command, cwd=REPO, env=isolated_env(tmp_path), stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL)
     while not (out / "train_000003.bin").exists():
@@ -187,7 +187,7 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         with open(console, "w") as output:
             # PYTHONFAULTHANDLER: a process that never reaches step 17 prints every thread's stack on SIGABRT.
             run = subprocess.Popen([sys.executable, "train.py", *common, *args, f"hydra.run.dir={job}",
-                                    "+callbacks.stall._target_=probes.StallAtStep", "+callbacks.stall.step=17",
+                                    "+callbacks.stall._target_=helpers.probes.StallAtStep", "+callbacks.stall.step=17",
                                     f"+callbacks.stall.marker={marker}"],
                                    cwd=REPO, env={**isolated_env(tmp_path / "home"), "PYTHONFAULTHANDLER": "1"},
                                    stdout=output, stderr=subprocess.STDOUT)

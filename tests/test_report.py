@@ -67,14 +67,14 @@ class RenderedCharts(HTMLParser):
 
 @pytest.fixture(scope="session")
 def rendered_report(ddp_fsdp_sweep, tmp_path_factory, home):
-    """``python -m project.report <sweep dir> --by strategy``, rendered by Chromium: its DOM and a screenshot."""
+    """``python -m project.cli.report <sweep dir> --by strategy``, rendered by Chromium: its DOM and a screenshot."""
     if CHROMIUM is None:
         assert not os.environ.get("CI"), ".ci/run installs Debian's chromium for this test"
         pytest.skip("no chromium on this machine (apt-get install chromium)")
     require_extra("plotly", "report")
     sweep_dir, out = ddp_fsdp_sweep[0].parent, tmp_path_factory.mktemp("report")
     report = out / "report.html"
-    made = subprocess.run([sys.executable, "-m", "project.report", str(sweep_dir), "--by", "strategy", "-o",
+    made = subprocess.run([sys.executable, "-m", "project.cli.report", str(sweep_dir), "--by", "strategy", "-o",
                            str(report)], cwd=REPO, env=isolated_env(home), capture_output=True, text=True, timeout=120)
     assert made.returncode == 0 and f"Report: {report}" in made.stdout, made.stderr
     browser = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={out / 'chromium'}"]

@@ -3,9 +3,9 @@
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
-from project.callbacks import progress
-from project.callbacks.progress import TimedRichProgressBar
-from project.training import set_tf32
+from project.observability import progress
+from project.observability.progress import TimedRichProgressBar
+from project.launch.training import set_tf32
 
 
 def test_tf32_is_switched_for_gpu_runs_only():

@@ -16,8 +16,8 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from conftest import REPO, TINY, assert_close, isolated_env, only_run, require_extra, train
-from project.resolvers import register_resolvers
-from wandb_offline import offline_runs
+from project.config.resolvers import register_resolvers
+from helpers.wandb_offline import offline_runs
 
 
 def assert_result_matches_run(job_dir) -> dict:
@@ -132,7 +132,7 @@ def test_joblib_runs_two_ddp_jobs_at_once_with_the_numbers_of_one_at_a_time(ddp_
 def preempt(command: list[str], home, signum: int, after_epochs: int, job_dir) -> str:
     """Start ``train.py <command>`` (epochs slowed down), send it ``signum`` once ``after_epochs`` epochs are in its
     result.json, and return its output: the job must stop cleanly, saying how to resume."""
-    job = subprocess.Popen([sys.executable, "train.py", *command, "+callbacks.slow._target_=probes.SlowEpochs",
+    job = subprocess.Popen([sys.executable, "train.py", *command, "+callbacks.slow._target_=helpers.probes.SlowEpochs",
                             "+callbacks.slow.seconds=3"], cwd=REPO, env=isolated_env(home),
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline, result = time.monotonic() + 120, job_dir / "result.json"
@@ -209,7 +209,7 @@ def test_slurm_local_runs_two_ddp_jobs_and_a_preempted_one_is_requeued_into_the_
     sweep_dir = runs_dir / "slurm-local"
     sweep = subprocess.Popen(
         [sys.executable, "train.py", "launcher=slurm_local", *TINY, "trainer.devices=2", "data.batch_size=32",
-         "strategy=ddp,fsdp", f"hydra.sweep.dir={sweep_dir}", "+callbacks.slow._target_=probes.SlowEpochs",
+         "strategy=ddp,fsdp", f"hydra.sweep.dir={sweep_dir}", "+callbacks.slow._target_=helpers.probes.SlowEpochs",
          "+callbacks.slow.seconds=1.5"], cwd=REPO, env=isolated_env(home), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120

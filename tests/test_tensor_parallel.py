@@ -9,15 +9,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
 from conftest import TINY, TINY_GPT, assert_close, assert_matches_reference, only_run, train
-from project.checkpoints import is_sharded_checkpoint
-from project.errors import ConfigError
-from project.hf import HFWeights, net_options, read_config
-from project.memory_plan import fake_process_group
+from project.checkpointing.files import is_sharded_checkpoint
+from project.config.errors import ConfigError
+from project.checkpointing.hf import HFWeights, net_options, read_config
+from project.memory.plan import fake_process_group
 from project.models import GPT, Llama
-from project.models.tensor_parallel import apply_tensor_parallel
-from project.parallel import apply_fsdp, materialize
-from project.strategies import FSDPStrategy
-from project.training import build_net
+from project.distributed.plans import apply_tensor_parallel
+from project.distributed.parallelize import apply_fsdp, materialize
+from project.distributed.strategies import FSDPStrategy
+from project.launch.training import build_net
 from test_memory_plan import resolved
 
 # Each layout's run (conftest) and its ranks: data-parallel replicas x tensor-parallel ranks (x pipeline stages).

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from project.loggers import resolve_wandb_mode
+from project.observability.loggers import resolve_wandb_mode
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ def test_logged_in_but_unreachable_means_offline_quickly(clean_env):
 @pytest.mark.slow  # waits out W&B's (shortened) init timeout and retries
 def test_online_start_that_fails_falls_back_to_offline(clean_env, tmp_path):
     """Forced online with a server that refuses: the run is created offline instead of failing the training."""
-    from project.loggers import EpochWandbLogger
+    from project.observability.loggers import EpochWandbLogger
 
     clean_env.setenv("WANDB_API_KEY", "x" * 40)
     clean_env.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{closed_port()}")

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from project.results import RESULT_FILE, mark_interrupted, read_result
+from project.launch.results import RESULT_FILE, mark_interrupted, read_result
 
 try:
     from hydra_plugins.hydra_optuna_sweeper.optuna_sweeper import OptunaSweeper

@@ -8,8 +8,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
 from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
-from project.errors import positive_int
-from project.generation import TextCodec
+from project.config.errors import positive_int
+from project.tasks.decoding import TextCodec
 
 
 # The data module resumes its loader mid-epoch itself (``InMemoryDataModule.state_dict``); Lightning, looking only

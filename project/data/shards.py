@@ -1,4 +1,5 @@
-"""Token shards on disk: a fixed header, then the tokens, read back as memory maps.
+"""Token shards on disk (a fixed header, then the tokens, read back as memory maps) and the data module over a
+prepared corpus (``python -m project.cli.prepare``): ``data=shards data.path=DIR``.
 
 A shard is a 1 KiB header of 256 little-endian int32 (as llm.c's): ``[0]`` the magic number, ``[1]`` the format
 version, ``[2]`` the number of tokens, ``[3]`` the bytes per token (2: uint16, when the vocabulary fits; else 4:
@@ -9,6 +10,13 @@ import os
 from pathlib import Path
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from project.config.errors import ConfigError, positive_int
+from project.config.resolvers import prepared_meta
+from project.data.datamodule import InMemoryDataModule
+from project.tasks.decoding import TokenizerCodec
 
 MAGIC = 20261122
 VERSION = 1
@@ -47,4 +55,82 @@ def read_shard(path: Path) -> np.ndarray:
     if path.stat().st_size != expected:
         raise ValueError(f"{path} has {path.stat().st_size} bytes; its header promises {expected}.")
     return tokens
+
+
+class TokenWindows(Dataset):
+    """Windows of ``seq_length + 1`` tokens over a split's shards, one after another (each overlapping the next by
+    one token): window ``i`` gives ``(tokens[i*L : i*L + L], tokens[i*L + 1 : i*L + L + 1])`` with ``L`` the
+    sequence length. The shards are memory-mapped on first use in each process (DataLoader workers open their
+    own maps), so host memory holds only the pages read, whatever the corpus size."""
+
+    def __init__(self, files: list[Path], lengths: list[int], seq_length: int) -> None:
+        self.files, self.seq_length = files, seq_length
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)])  # global index of each shard's first token
+        self._maps: list[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return max(0, (int(self.offsets[-1]) - 1) // self.seq_length)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": None}  # workers reopen the maps rather than receive copies
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        if self._maps is None:
+            self._maps = [read_shard(file) for file in self.files]
+        pieces = []
+        shard = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        while start < stop:
+            end = min(stop, int(self.offsets[shard + 1]))
+            pieces.append(self._maps[shard][start - self.offsets[shard]: end - self.offsets[shard]])
+            start, shard = end, shard + 1
+        return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of windows at ``indices``: inputs and next-token targets, each (len(indices), seq_length)."""
+        length = self.seq_length
+        windows = np.stack([self._tokens(index * length, index * length + length + 1) for index in indices])
+        windows = torch.from_numpy(windows.astype(np.int64))
+        return windows[:, :-1], windows[:, 1:]
+
+
+class ShardsDataModule(InMemoryDataModule):
+    """The shards ``python -m project.cli.prepare`` wrote (``path``: its ``--out`` dir), read through memory maps
+    as windows of ``seq_length + 1`` tokens, batched as every data module here (``GlobalBatchSampler``: the same
+    global batches whatever the device count; every validation window once)."""
+
+    def text_codec(self) -> TokenizerCodec:
+        return TokenizerCodec(self.path / "tokenizer.json")  # the tokenizer prepare used, saved beside the shards
+
+    def __init__(self, path: str, seq_length: int, batch_size: int, seed: int, shuffle: bool = True,
+                 num_workers: int = 0, vocab_size: int | None = None) -> None:
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, num_workers=num_workers)
+        self.path = Path(path)
+        self.meta = prepared_meta(self.path)
+        self.seq_length = positive_int("data.seq_length", seq_length, "set it to the tokens per sequence, e.g. 256.")
+        self.vocab_size = self.meta["vocab_size"]
+        if vocab_size not in (None, self.vocab_size):
+            raise ConfigError("data.vocab_size", f"is {vocab_size}, but {self.path} was tokenized with a vocabulary "
+                              f"of {self.vocab_size}.", "leave data.vocab_size unset: it comes from meta.json.")
+        for split in ("train", "val"):
+            if len(self._windows(split)) < 1:
+                raise ConfigError("data.path", f"{self.path}'s {split} split has {self.meta['splits'][split]['tokens']} "
+                                  f"tokens, too few for one window of data.seq_length + 1 = {seq_length + 1}.",
+                                  "prepare a larger corpus (or a larger --val-fraction), or shorten data.seq_length.")
+
+    def _windows(self, split: str) -> TokenWindows:
+        shards = self.meta["splits"][split]["shards"]
+        return TokenWindows([self.path / shard["file"] for shard in shards], [shard["tokens"] for shard in shards],
+                            self.seq_length)
+
+    @property
+    def num_train_samples(self) -> int:
+        return len(self._windows("train"))
+
+    @property
+    def num_val_samples(self) -> int:
+        return len(self._windows("val"))
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is None:
+            self.train_set, self.val_set = self._windows("train"), self._windows("val")
 

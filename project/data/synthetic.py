@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from project.data.datamodule import GeneratedDataModule
-from project.errors import positive_int
+from project.config.errors import positive_int
 
 
 def make_cluster_data(

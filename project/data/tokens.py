@@ -12,8 +12,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
-from project.errors import ConfigError, number_in, positive_int
-from project.generation import BytesCodec
+from project.config.errors import ConfigError, number_in, positive_int
+from project.tasks.decoding import BytesCodec
 
 
 def random_markov_chain(vocab_size: int, branching: int, generator: torch.Generator) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from project.errors import ConfigError, positive_int
+from project.config.errors import ConfigError, positive_int
 from project.models.sequence import BlockSequence
 
 

@@ -5,7 +5,7 @@ and the LM head.
 Read top to bottom: ``rope_frequencies`` and ``rotate`` place positions in the queries and keys; ``Attention`` and
 ``SwiGLU`` make a ``Block``; ``Llama`` is ``head(blocks(stem(tokens)))``, the stem / blocks / head shape of the other
 models, so strategies shard or split it by block. The rotation follows Hugging Face's layout (the two halves of each
-head rotate together), so its checkpoints load without permuting (``project.hf``).
+head rotate together), so its checkpoints load without permuting (``project.checkpointing.hf``).
 """
 
 import math
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from project.errors import ConfigError, positive_int
+from project.config.errors import ConfigError, positive_int
 from project.models.gpt import LMHead
 from project.models.sequence import BlockSequence
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from project.errors import ConfigError, positive_int
+from project.config.errors import ConfigError, positive_int
 from project.models.sequence import BlockSequence
 
 

@@ -1,0 +1,304 @@
+"""Hugging Face model dirs (``config.json`` + safetensors) of the GPT-2 and Llama families, in and out, offline.
+
+In: ``model.init_from=<dir>`` gives the model that dir's weights instead of seeded ones. The config's shape keys
+are checked against ``model.net`` before launch (``check_matches``), and each rank reads from the safetensors only
+the part of each tensor it keeps (``HFWeights.read``): its FSDP shard's rows, its pipeline stages' tensors.
+
+Out: ``python -m project.cli.export`` writes a checkpoint as such a dir (``write_hf_dir``), loadable by
+``transformers.AutoModelForCausalLM.from_pretrained``.
+
+Names are translated by a table per family (``NAMES``); GPT-2 stores its linear layers transposed (its
+``Conv1D``), which ``TRANSPOSED`` lists, and its query, key and value projections as one (``c_attn``), of which
+this project's ``q``, ``k`` and ``v`` are thirds (``FUSED``).
+"""
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from project.config.errors import ConfigError
+from project.models import GPT, Llama
+
+# This project's parameter name -> Hugging Face's, per family; {i} is a block index.
+NAMES = {
+    "gpt2": {
+        "stem.tokens.weight": "transformer.wte.weight",
+        "stem.positions.weight": "transformer.wpe.weight",
+        "blocks.{i}.norm1.{p}": "transformer.h.{i}.ln_1.{p}",
+        "blocks.{i}.attention.q.{p}": "transformer.h.{i}.attn.c_attn.{p}",
+        "blocks.{i}.attention.k.{p}": "transformer.h.{i}.attn.c_attn.{p}",
+        "blocks.{i}.attention.v.{p}": "transformer.h.{i}.attn.c_attn.{p}",
+        "blocks.{i}.attention.proj.{p}": "transformer.h.{i}.attn.c_proj.{p}",
+        "blocks.{i}.norm2.{p}": "transformer.h.{i}.ln_2.{p}",
+        "blocks.{i}.mlp.up.{p}": "transformer.h.{i}.mlp.c_fc.{p}",
+        "blocks.{i}.mlp.down.{p}": "transformer.h.{i}.mlp.c_proj.{p}",
+        "head.norm.{p}": "transformer.ln_f.{p}",
+        "head.output.weight": "lm_head.weight",
+    },
+    "llama": {
+        "stem.tokens.weight": "model.embed_tokens.weight",
+        "blocks.{i}.norm1.weight": "model.layers.{i}.input_layernorm.weight",
+        "blocks.{i}.attention.{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
+        "blocks.{i}.norm2.weight": "model.layers.{i}.post_attention_layernorm.weight",
+        "blocks.{i}.mlp.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
+        "head.norm.weight": "model.norm.weight",
+        "head.output.weight": "lm_head.weight",
+    },
+}
+TRANSPOSED = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
+# Parameters stored as one part of a Hugging Face tensor: (part, parts) along the output features (GPT-2's c_attn
+# is [query; key; value]). Separate here, so that tensor parallelism shards each by heads.
+FUSED = {"q": (0, 3), "k": (1, 3), "v": (2, 3)}
+FUSED_NAME = re.compile(r"\.attention\.([qkv])\.(weight|bias)$")
+NET_CLASSES = {"gpt2": GPT, "llama": Llama}
+TIED_INPUT = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}  # lm_head's source when tied
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>\w+)") + "$")
+
+
+def hf_name(family: str, name: str) -> str:
+    """The Hugging Face name of this project's parameter ``name``."""
+    for ours, theirs in NAMES[family].items():
+        match = _pattern(ours).match(name)
+        if match:
+            return theirs.format(**match.groupdict())
+    raise KeyError(f"{name} has no Hugging Face name in the {family} family")
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError("model.init_from", f"{path} holds no config.json.", "pass a Hugging Face model dir "
+                          "(config.json and *.safetensors, as save_pretrained writes them).")
+    try:
+        config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError("model.init_from", f"{config_file} is not valid JSON ({error}).",
+                          "pass a complete Hugging Face model dir.") from None
+    if config.get("model_type") not in NAMES:
+        raise ConfigError("model.init_from", f"{path} holds a {config.get('model_type')!r} model.",
+                          f"use a model of the families {sorted(NAMES)} (model=gpt or model=llama).")
+    return config
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
+    """(theta, scaling) from a Llama config: ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ConfigError("model.init_from", f"uses RoPE scaling {kind!r}.", "use a model with Llama 3's RoPE "
+                          "scaling (rope_type llama3) or none.")
+    return theta, {"factor": parameters["factor"], "low_freq_factor": parameters["low_freq_factor"],
+                   "high_freq_factor": parameters["high_freq_factor"],
+                   "original_max_length": parameters["original_max_position_embeddings"]}
+
+
+# GPT-2's GELU spellings in transformers: the exact one, and the tanh approximation under two names.
+GPT2_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+def is_tied(config: dict[str, Any]) -> bool:
+    """Whether the model's output layer is its token embedding (transformers' default: GPT-2 yes, Llama no)."""
+    return config.get("tie_word_embeddings", config["model_type"] == "gpt2")
+
+
+def net_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``model.net`` options that give a Hugging Face config's model (the shape keys, by this project's name);
+    ``ConfigError`` for a variant these models cannot compute."""
+    try:
+        return _gpt2_options(config) if config["model_type"] == "gpt2" else _llama_options(config)
+    except KeyError as error:
+        raise ConfigError("model.init_from", f"its config.json has no {error}.",
+                          "pass a complete Hugging Face model dir.") from None
+
+
+def _variant(description: str) -> ConfigError:
+    return ConfigError("model.init_from", f"is a variant this project's model cannot compute: {description}.",
+                       "use a model of the standard GPT-2 or Llama shape.")
+
+
+def _gpt2_options(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("n_inner") not in (None, 4 * config["n_embd"]) or config.get("layer_norm_epsilon", 1e-5) != 1e-5:
+        raise _variant("an MLP width other than 4 x n_embd, or a LayerNorm epsilon other than 1e-5")
+    if config.get("activation_function", "gelu_new") not in GPT2_GELU:
+        raise _variant(f"activation_function {config['activation_function']!r} (GELU only)")
+    if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx"):
+        raise _variant("attention scores scaled otherwise than by 1/sqrt(head width)")
+    return {"vocab_size": config["vocab_size"], "max_length": config["n_positions"], "num_layers": config["n_layer"],
+            "dim": config["n_embd"], "num_heads": config["n_head"], "tie_weights": is_tied(config),
+            "gelu_approximate": GPT2_GELU[config.get("activation_function", "gelu_new")]}
+
+
+def _llama_options(config: dict[str, Any]) -> dict[str, Any]:
+    heads = config["num_attention_heads"]
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise _variant("biases")
+    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
+        raise _variant("a head width other than hidden_size / num_attention_heads")
+    if config.get("hidden_act", "silu") != "silu":
+        raise _variant(f"hidden_act {config['hidden_act']!r} (SwiGLU's silu only)")
+    theta, scaling = _rope(config)
+    return {"vocab_size": config["vocab_size"], "max_length": config["max_position_embeddings"],
+            "num_layers": config["num_hidden_layers"], "dim": config["hidden_size"], "num_heads": heads,
+            "num_kv_heads": config.get("num_key_value_heads") or heads, "hidden_dim": config["intermediate_size"],
+            "rope_theta": theta, "rope_scaling": scaling, "norm_eps": config.get("rms_norm_eps", 1e-6),
+            "tie_weights": is_tied(config)}
+
+
+def _hydra_value(value: Any) -> str:
+    """``value`` as a command-line override writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{_hydra_value(item)}" for key, item in value.items()) + "}"
+    return str(value)
+
+
+def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> None:
+    """``ConfigError`` naming the first ``model.net`` key whose value differs from the Hugging Face model's."""
+    config = read_config(path)
+    family = config["model_type"]
+    if not isinstance(net, NET_CLASSES[family]):
+        raise ConfigError("model.init_from", f"is a {family} model, but model.net is a {type(net).__name__}.",
+                          f"use model={'gpt' if family == 'gpt2' else 'llama'} (or one of its presets).")
+    for key, value in net_options(config).items():
+        if key == "max_length":  # the context it was trained for; GPT-2's position table holds only so many
+            if family == "gpt2" and net_cfg.get(key, 0) > value:
+                raise ConfigError("data.seq_length", f"is {net_cfg.get(key)}, longer than the {value} positions of "
+                                  f"{path}'s position table.", f"use data.seq_length={value} or less.")
+        elif key == "tie_weights" and value and not net_cfg.get(key):
+            continue  # untied here (model_parallel, pipeline): the output layer starts as a copy of the embedding
+        elif net_cfg.get(key) != value:
+            raise ConfigError(f"model.net.{key}", f"is {_hydra_value(net_cfg.get(key))}, but {path}/config.json "
+                              f"gives {_hydra_value(value)}.", f"set model.net.{key}={_hydra_value(value)}" +
+                              (" (the data's vocabulary: prepare it with the model's tokenizer.json)."
+                               if key == "vocab_size" else ", or use the preset of that model's shape."))
+
+
+def _fused_part(family: str, name: str) -> tuple[int, int] | None:
+    """(part, parts) when ``name`` is a part of a fused Hugging Face tensor (GPT-2's query, key and value)."""
+    match = FUSED_NAME.search(name) if family == "gpt2" else None
+    return FUSED[match.group(1)] if match else None
+
+
+def _local_slices(parameter: torch.Tensor, part: tuple[int, int] | None) -> tuple[slice, ...]:
+    """The part of the saved tensor this rank holds: the parameter's shape from the start (a GPT-2 position table
+    cut to the sequence length trained here), or its shard of it (a DTensor); within a fused tensor, rows of the
+    parameter's own part."""
+    if isinstance(parameter, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh,
+                                                              parameter.placements)
+    else:
+        shape, offset = parameter.shape, [0] * parameter.dim()
+    if part is not None:
+        offset = [offset[0] + part[0] * parameter.shape[0], *offset[1:]]
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape))
+
+
+class HFWeights:
+    """Reads this project's parameters from a Hugging Face model dir, each rank only the part it holds."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        config = read_config(path)
+        self.family, self.tied = config["model_type"], is_tied(config)
+        index = self.path / "model.safetensors.index.json"  # a model saved in several files
+        if index.is_file():
+            self.files = {key: self.path / file for key, file in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            with safe_open(self.path / "model.safetensors", "pt") as file:
+                self.files = {key: self.path / "model.safetensors" for key in file.keys()}
+
+    def _key(self, name: str) -> str:
+        key = hf_name(self.family, name)
+        if key == "lm_head.weight" and self.tied and key not in self.files:  # tied: saved once, as the embedding
+            key = TIED_INPUT[self.family]
+        if key not in self.files:
+            key = key.removeprefix("transformer.")  # GPT-2 as first published: no "transformer." prefix
+        return key
+
+    def missing(self, net: nn.Module) -> list[str]:
+        """The Hugging Face names of ``net``'s parameters this dir does not hold (or whose file is absent)."""
+        return [hf_name(self.family, name) for name, _ in net.named_parameters()
+                if self._key(name) not in self.files or not self.files[self._key(name)].is_file()]
+
+    def read(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter ``name`` (its local shape), in float32 on the CPU."""
+        key = self._key(name)
+        slices = _local_slices(parameter, _fused_part(self.family, name))
+        transposed = TRANSPOSED.search(key) is not None
+        with safe_open(self.files[key], "pt") as file:
+            value = file.get_slice(key)[slices[::-1] if transposed else slices]
+        return (value.T if transposed else value).float().contiguous()
+
+
+def write_hf_dir(state_dict: dict[str, torch.Tensor], net: nn.Module, net_cfg: dict[str, Any], out: str | Path,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``state_dict`` (of ``net``, built from ``net_cfg``) as a Hugging Face model dir: config.json and
+    model.safetensors. A tied output layer is saved once, as transformers expects."""
+    family = next(family for family, cls in NET_CLASSES.items() if isinstance(net, cls))
+    tied = bool(net_cfg.get("tie_weights"))
+    parts: dict[str, list[torch.Tensor | None]] = {}  # a fused tensor's parts, in order
+    for name, value in state_dict.items():
+        key = hf_name(family, name)
+        if tied and key == "lm_head.weight":
+            continue
+        part = _fused_part(family, name)
+        index, count = part if part is not None else (0, 1)
+        parts.setdefault(key, [None] * count)[index] = value
+    tensors = {}
+    for key, values in parts.items():
+        value = torch.cat(values)
+        value = value.T if TRANSPOSED.search(key) else value
+        tensors[key] = value.to(dtype).contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(_hf_config(family, net_cfg, dtype), indent=2) + "\n")
+    return out
+
+
+# The special tokens are the tokenizer's business, which this project does not know: without these nulls,
+# transformers would take its family defaults (GPT-2's 50256, Llama's 1 and 2) and stop generating at them.
+NO_TOKEN_IDS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    dtype_name = str(dtype).removeprefix("torch.")
+    if family == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": net_cfg["vocab_size"],
+                "n_positions": net_cfg["max_length"], "n_embd": net_cfg["dim"], "n_layer": net_cfg["num_layers"],
+                "n_head": net_cfg["num_heads"], "n_inner": None, "layer_norm_epsilon": 1e-5,
+                "activation_function": "gelu" if net_cfg.get("gelu_approximate", "none") == "none" else "gelu_new",
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+                "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name, **NO_TOKEN_IDS}
+    scaling = net_cfg.get("rope_scaling")
+    rope = {"rope_type": "default", "rope_theta": net_cfg["rope_theta"]}
+    if scaling:
+        rope = {"rope_type": "llama3", "rope_theta": net_cfg["rope_theta"], "factor": scaling["factor"],
+                "low_freq_factor": scaling["low_freq_factor"], "high_freq_factor": scaling["high_freq_factor"],
+                "original_max_position_embeddings": scaling["original_max_length"]}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": net_cfg["vocab_size"],
+            "max_position_embeddings": net_cfg["max_length"], "hidden_size": net_cfg["dim"],
+            "intermediate_size": net_cfg["hidden_dim"], "num_hidden_layers": net_cfg["num_layers"],
+            "num_attention_heads": net_cfg["num_heads"], "num_key_value_heads": net_cfg["num_kv_heads"],
+            "head_dim": net_cfg["dim"] // net_cfg["num_heads"], "hidden_act": "silu",
+            "rms_norm_eps": net_cfg["norm_eps"], "rope_theta": net_cfg["rope_theta"],
+            "rope_scaling": rope if scaling else None, "rope_parameters": rope, "attention_bias": False,
+            "mlp_bias": False, "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name,
+            **NO_TOKEN_IDS}

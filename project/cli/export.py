@@ -1,0 +1,52 @@
+"""python -m project.cli.export <checkpoint> <out dir>: a checkpoint as a Hugging Face model dir.
+
+The checkpoint is a file (auto, ddp, model_parallel) or a sharded dir (fsdp, pipeline); its model is built from the
+job's ``config.yaml`` (found beside ``checkpoints/``, or given with ``--config``). Only the model's tensors are
+read, not the optimizer state. The dir holds ``config.json`` and ``model.safetensors``, for
+``transformers.AutoModelForCausalLM.from_pretrained(<out dir>)``.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from project.checkpointing.files import job_config, model_state
+from project.checkpointing.hf import NET_CLASSES, write_hf_dir
+
+
+def export(checkpoint: str | Path, out: str | Path, config: str | Path | None = None,
+           dtype: torch.dtype = torch.float32) -> Path:
+    net_cfg = OmegaConf.to_container(job_config(checkpoint, config).model.net, resolve=True)
+    with torch.device("meta"):
+        net = instantiate(net_cfg)
+    if not isinstance(net, tuple(NET_CLASSES.values())):
+        raise ValueError(f"the job's model is a {type(net).__name__}; Hugging Face dirs hold GPT and Llama models")
+    state = model_state(checkpoint)
+    expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
+    state = {name: value for name, value in state.items() if name in expected}
+    if set(state) != expected:
+        raise ValueError(f"{checkpoint} lacks {sorted(expected - set(state))[:3]}: not a checkpoint of this model")
+    return write_hf_dir(state, net, net_cfg, out, dtype)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m project.cli.export", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint file or sharded checkpoint dir (checkpoints/last.ckpt)")
+    parser.add_argument("out", help="the Hugging Face model dir to write")
+    parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="the saved tensors' type (default float32)")
+    args = parser.parse_args(argv)
+    try:
+        out = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
+    except (FileNotFoundError, ValueError) as error:
+        sys.exit(f"export: {error}")
+    print(f"Wrote {out}/config.json and {out}/model.safetensors")
+
+
+if __name__ == "__main__":
+    main()

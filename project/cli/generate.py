@@ -1,0 +1,53 @@
+"""python -m project.cli.generate <checkpoint> --prompt TEXT: the text a trained language model writes after a prompt.
+
+The model and the data's tokenizer come from the job's ``config.yaml`` (beside ``checkpoints/``, or ``--config``);
+the checkpoint is a file or a sharded dir, read into one process (``project.checkpointing.files.model_state``). The same
+weights, prompt and settings write the text the ``text_sample`` callback writes during training.
+"""
+
+import argparse
+import sys
+
+import torch
+from hydra.utils import instantiate
+
+from project.checkpointing.files import job_config, model_state
+from project.tasks.decoding import check_settings, generate
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m project.cli.generate", description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", help="a checkpoint file or sharded checkpoint dir (checkpoints/last.ckpt)")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to write (default 64)")
+    parser.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token (default 0.8)")
+    parser.add_argument("--top-k", type=int, default=50, help="draw among the k most likely tokens; 0: all (default 50)")
+    parser.add_argument("--seed", type=int, default=None, help="the draws' seed (default: the job's seed)")
+    parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to run")
+    args = parser.parse_args(argv)
+    problem = check_settings(args.max_new_tokens, args.temperature, args.top_k or None)
+    if problem is not None:
+        setting, text = problem.split(": ", 1)
+        parser.error(f"--{setting.replace('_', '-')}: {text}")
+    if not args.prompt:
+        parser.error("--prompt is empty: give the text to continue")
+    try:
+        cfg = job_config(args.checkpoint, args.config)
+        state = model_state(args.checkpoint)
+    except (FileNotFoundError, ValueError, RuntimeError) as error:
+        sys.exit(f"generate: {error}")
+    codec = instantiate(cfg.data).text_codec()
+    if codec is None:
+        sys.exit(f"generate: the job's data ({cfg.data._target_}) is not text; there is no prompt to write.")
+    with torch.device("meta"):
+        net = instantiate(cfg.model.net)
+    net.load_state_dict(state, assign=True)  # tensors as saved, in place of the meta ones
+    net.to(args.device).eval()
+    tokens = generate(net, codec.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k or None,
+                      cfg.seed if args.seed is None else args.seed, max_length=cfg.data.seq_length)
+    print(args.prompt + codec.decode(tokens))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Tokenize a local corpus into token shards:
+``python -m project.cli.prepare <files or dirs...> --out DIR [--tokenizer tokenizer.json | --vocab-size N]``.
+
+Inputs: text files (one document each), ``.jsonl`` files (one document per line, its ``--text-key`` field) and
+``.parquet`` files (the ``--text-key`` column; needs pyarrow), or directories of them, read in sorted order.
+The tokenizer is a Hugging Face ``tokenizer.json`` (GPT-2's, Llama 3's...) or, without one, a byte-level BPE
+trained on the corpus with HF ``tokenizers``. Each document is followed by the separator token. A fixed share of
+the documents (chosen by a hash of their index) goes to the validation split. Tokens go into fixed-size shards
+(``project.data.shards``) per split; ``meta.json`` describes them. HF ``tokenizers`` encodes batches of
+documents on all cores.
+
+Interrupted, the same command continues: ``progress.json`` records, after every shard, where each split's
+unwritten tokens begin (document and token), and finished shards are not written again.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from project.data.shards import token_dtype, write_shard
+
+SEPARATORS = ["<|endoftext|>", "<|end_of_text|>", "</s>"]  # GPT-2's, Llama 3's, Llama 2's and others'
+ENCODE_BATCH = 256  # documents per call: HF tokenizers spreads a batch over all cores
+
+
+def _skipped(relative: Path) -> bool:
+    """Inside an input dir: hidden files and dirs, and Python's byte-code caches (binary, not text)."""
+    return any(part.startswith(".") or part == "__pycache__" for part in relative.parts)
+
+
+def input_files(paths: list[Path]) -> list[Path]:
+    files = []
+    for path in paths:
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.is_file() and not _skipped(p.relative_to(path)))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise SystemExit(f"Input {path} does not exist.")
+    if not files:
+        raise SystemExit(f"No input files in {', '.join(map(str, paths))}.")
+    return files
+
+
+def documents(files: list[Path], text_key: str) -> Iterator[str]:
+    """Every document of the corpus, in a fixed order."""
+    for path in files:
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as lines:
+                for line in lines:
+                    if line.strip():
+                        yield json.loads(line)[text_key]
+        elif path.suffix == ".parquet":
+            try:
+                import pyarrow.parquet as parquet
+            except ImportError:
+                raise SystemExit(f"{path}: reading parquet needs pyarrow (pip install pyarrow).") from None
+            for batch in parquet.ParquetFile(path).iter_batches(columns=[text_key]):
+                yield from batch.column(0).to_pylist()
+        else:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def fingerprint(files: list[Path], settings: dict[str, Any]) -> str:
+    """What the output depends on: the inputs (path, size, time) and the settings; a rerun must match it."""
+    parts = [settings] + [[str(f), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE (GPT-2's kind: any text round-trips) with ``<|endoftext|>`` as its separator."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[SEPARATORS[0]],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def is_validation(document: int, val_fraction: float) -> bool:
+    """A fixed, well-spread share of the documents, the same whatever the batching."""
+    return (document * 2654435761 % 2**32) / 2**32 < val_fraction
+
+
+@dataclass
+class Split:
+    """One split's shards, and its tokens not yet in one: ``start`` is where they begin (document, token), or the
+    document after the last one taken when none are pending."""
+
+    name: str
+    shards: list[dict[str, Any]] = field(default_factory=list)
+    start: tuple[int, int] = (0, 0)
+    pending: list[np.ndarray] = field(default_factory=list, repr=False)
+    pending_from: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (document, first token)
+
+    def add(self, document: int, tokens: np.ndarray, first: int = 0) -> None:
+        """Tokens ``first`` onwards of ``document``."""
+        if not self.pending:
+            self.start = (document, first)
+        self.pending.append(tokens)
+        self.pending_from.append((document, first))
+
+    def pending_tokens(self) -> int:
+        return sum(len(tokens) for tokens in self.pending)
+
+    def take(self, count: int) -> np.ndarray:
+        """The first ``count`` pending tokens; ``start`` moves to the token after them."""
+        out, taken, last = [], 0, self.start[0]
+        while taken < count:
+            tokens, (document, first) = self.pending[0], self.pending_from[0]
+            piece = tokens[: count - taken]
+            out.append(piece)
+            taken, last = taken + len(piece), document
+            if len(piece) == len(tokens):
+                self.pending.pop(0)
+                self.pending_from.pop(0)
+            else:
+                self.pending[0] = tokens[len(piece):]
+                self.pending_from[0] = (document, first + len(piece))
+        self.start = self.pending_from[0] if self.pending else (last + 1, 0)
+        return np.concatenate(out)
+
+
+def prepare(inputs: list[Path], out: Path, tokenizer_path: Path | None = None, vocab_size: int = 8192,
+            separator: str | None = None, text_key: str = "text", shard_tokens: int = 100_000_000,
+            val_fraction: float = 0.005) -> dict[str, Any]:
+    """Tokenize ``inputs`` into shards under ``out``; returns the metadata written to ``meta.json``."""
+    files = input_files(inputs)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"tokenizer": str(tokenizer_path) if tokenizer_path else f"bpe-{vocab_size}", "text_key": text_key,
+                "shard_tokens": shard_tokens, "val_fraction": val_fraction, "separator": separator}
+    key = fingerprint(files, settings)
+    progress_file = out / "progress.json"
+    progress = json.loads(progress_file.read_text()) if progress_file.is_file() else None
+    if progress is not None and progress["fingerprint"] != key:
+        raise SystemExit(f"{out} holds a preparation of other inputs or settings; use another --out dir.")
+
+    tokenizer_file = out / "tokenizer.json"
+    if tokenizer_path is not None:
+        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        tokenizer.save(str(tokenizer_file))
+    elif progress is not None and tokenizer_file.is_file():
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))  # trained by the interrupted run
+    else:
+        tokenizer = train_bpe(documents(files, text_key), vocab_size)
+        tokenizer.save(str(tokenizer_file))
+    separator = separator or next((token for token in SEPARATORS if tokenizer.token_to_id(token) is not None), None)
+    if separator is None or tokenizer.token_to_id(separator) is None:
+        raise SystemExit(f"The tokenizer has no separator token ({', '.join(SEPARATORS)}); name one with --separator.")
+    separator_id = tokenizer.token_to_id(separator)
+    dtype = token_dtype(tokenizer.get_vocab_size())
+
+    splits = {name: Split(name) for name in ("train", "val")}
+    if progress is not None:
+        for name, state in progress["splits"].items():
+            splits[name].shards, splits[name].start = state["shards"], tuple(state["start"])
+    resume_from = min(split.start[0] for split in splits.values())
+
+    def save_progress() -> None:
+        state = {name: {"shards": s.shards, "start": list(s.start)} for name, s in splits.items()}
+        partial = progress_file.with_name(progress_file.name + ".partial")
+        partial.write_text(json.dumps({"fingerprint": key, "splits": state}))
+        os.replace(partial, progress_file)
+
+    def flush(split: Split, final: bool) -> None:
+        while split.pending_tokens() >= shard_tokens or (final and split.pending_tokens()):
+            tokens = split.take(min(shard_tokens, split.pending_tokens()))
+            name = f"{split.name}_{len(split.shards):06d}.bin"
+            write_shard(out / name, tokens.astype(dtype))
+            split.shards.append({"file": name, "tokens": len(tokens)})
+            save_progress()
+
+    save_progress()  # from here on, a rerun keeps the tokenizer
+    total_bytes = sum(f.stat().st_size for f in files)
+    columns = [TextColumn("Tokenizing"), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
+    with Progress(*columns) as bar:
+        task = bar.add_task("tokenize", total=total_bytes)
+        batch: list[tuple[int, str]] = []
+
+        def encode(batch: list[tuple[int, str]]) -> None:
+            todo = [(index, text) for index, text in batch
+                    if index >= splits["val" if is_validation(index, val_fraction) else "train"].start[0]]
+            encodings = tokenizer.encode_batch([text for _, text in todo], add_special_tokens=False)
+            for (index, _), encoding in zip(todo, encodings):
+                split = splits["val" if is_validation(index, val_fraction) else "train"]
+                tokens = np.array(encoding.ids + [separator_id], dtype=np.uint32)
+                first = split.start[1] if index == split.start[0] else 0  # a finished shard holds the tokens before
+                split.add(index, tokens[first:], first)
+            for split in splits.values():
+                flush(split, final=False)
+
+        for index, text in enumerate(documents(files, text_key)):
+            bar.advance(task, len(text.encode("utf-8", errors="replace")))
+            if index < resume_from:
+                continue  # in finished shards of both splits
+            batch.append((index, text))
+            if len(batch) == ENCODE_BATCH:
+                encode(batch)
+                batch = []
+        encode(batch)
+    for split in splits.values():
+        flush(split, final=True)
+
+    meta = {
+        "format": "project token shards v1",
+        "tokenizer": settings["tokenizer"],
+        "tokenizer_file": tokenizer_file.name,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "dtype": dtype.name,
+        "separator": {"token": separator, "id": separator_id},
+        "shard_tokens": shard_tokens,
+        "val_fraction": val_fraction,
+        "splits": {name: {"tokens": sum(s["tokens"] for s in split.shards), "shards": split.shards}
+                   for name, split in splits.items()},
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    return meta
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m project.cli.prepare", description=__doc__.split("\n\n")[0])
+    parser.add_argument("inputs", nargs="+", type=Path, help="text, .jsonl or .parquet files, or dirs of them")
+    parser.add_argument("--out", type=Path, required=True, help="the dir for the shards, meta.json, tokenizer.json")
+    parser.add_argument("--tokenizer", type=Path, help="a Hugging Face tokenizer.json (default: train a BPE)")
+    parser.add_argument("--vocab-size", type=int, default=8192, help="the trained BPE's vocabulary (default 8192)")
+    parser.add_argument("--separator", help="the token after each document (default: <|endoftext|> or the like)")
+    parser.add_argument("--text-key", default="text", help="the text field of .jsonl lines and .parquet rows")
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
+    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents kept for validation")
+    args = parser.parse_args()
+    meta = prepare(args.inputs, args.out, args.tokenizer, args.vocab_size, args.separator, args.text_key,
+                   args.shard_tokens, args.val_fraction)
+    counts = ", ".join(f"{name} {split['tokens']:,} tokens in {len(split['shards'])} shards"
+                       for name, split in meta["splits"].items())
+    print(f"{args.out}: {counts}; vocabulary {meta['vocab_size']:,} ({meta['dtype']}).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""One self-contained HTML report of runs and sweeps, readable offline:
+``python -m project.cli.report <run or sweep dirs...> [--by KEY] [--output FILE]``.
+
+It reads what every job writes whatever the logger: ``result.json`` (rank 0's record: every epoch's metrics, the
+latest epoch's memory and throughput per device, status, runtime) and ``config.yaml`` (the resolved config). The
+charts are Plotly's, with plotly.js inlined once, so the file needs no network.
+"""
+
+import argparse
+import html
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import plotly.graph_objects as go
+from omegaconf import OmegaConf
+from plotly.colors import qualitative
+
+from project.launch.results import RESULT_FILE, sweep_rows
+
+# Curves drawn when the runs logged them, one chart each.
+CURVES = ["train/loss", "val/loss", "train/acc", "val/acc", "val/perplexity"]
+FLOOR = "data/entropy_floor"  # drawn on the loss charts: the best loss the data allows
+
+
+@dataclass
+class Job:
+    """One job of the report: its dir, result.json, resolved config and legend label."""
+
+    dir: Path
+    result: dict[str, Any]
+    config: Any
+    label: str = ""
+    group: str = ""  # the value of the --by key: runs with the same value share a colour
+
+
+def find_jobs(paths: list[Path]) -> list[Job]:
+    """Each path is a job dir (it has a result.json) or a sweep dir (its job subdirs do), in job order."""
+    jobs = []
+    for path in paths:
+        dirs = [path] if (path / RESULT_FILE).is_file() else [path / row["job"] for row in sweep_rows(path)]
+        for job_dir in dirs:
+            if (job_dir / RESULT_FILE).is_file() and (job_dir / "config.yaml").is_file():
+                result = json.loads((job_dir / RESULT_FILE).read_text())
+                jobs.append(Job(job_dir, result, OmegaConf.load(job_dir / "config.yaml")))
+    if not jobs:
+        raise SystemExit(f"No job with a {RESULT_FILE} and config.yaml in {', '.join(map(str, paths))}.")
+    return jobs
+
+
+def label_jobs(jobs: list[Job], by: str | None) -> None:
+    """Legend labels: the overrides that differ between the jobs (the dir name where none do); the colour group
+    is the value of ``by`` (a config key such as ``model.optimizer.lr``, or a config group such as ``strategy``)."""
+    overrides = [list(job.config.get("overrides", [])) for job in jobs]
+    shared = set.intersection(*(set(items) for items in overrides))
+    for job, items in zip(jobs, overrides):
+        differing = " ".join(item for item in items if item not in shared)
+        job.label = f"{job.dir.name}: {differing}" if differing else str(job.dir)
+        if by:
+            value = OmegaConf.select(job.config, f"choices.{by}", default=None)
+            job.group = str(value if value is not None else OmegaConf.select(job.config, by, default="(unset)"))
+        else:
+            job.group = job.label
+
+
+def colours(jobs: list[Job]) -> dict[str, str]:
+    palette = qualitative.Plotly
+    groups = list(dict.fromkeys(job.group for job in jobs))
+    return {group: palette[index % len(palette)] for index, group in enumerate(groups)}
+
+
+DASHES = ["solid", "dash", "dot", "dashdot"]  # runs with the same numbers (ddp and fsdp) stay visible on one another
+
+
+def curve_figure(metric: str, jobs: list[Job], colour: dict[str, str]) -> go.Figure:
+    figure = go.Figure()
+    for index, job in enumerate(jobs):
+        rows = [row for row in job.result.get("history", []) if metric in row]
+        figure.add_scatter(x=[row["epoch"] for row in rows], y=[row[metric] for row in rows], mode="lines+markers",
+                           name=job.label, legendgroup=job.group,
+                           line={"color": colour[job.group], "dash": DASHES[index % len(DASHES)]})
+    floors = {row[FLOOR] for job in jobs for row in job.result.get("history", []) if FLOOR in row}
+    if metric.endswith("/loss") and len(floors) == 1:
+        figure.add_hline(y=floors.pop(), line_dash="dash", annotation_text="entropy floor")
+    figure.update_layout(title=metric, xaxis_title="epoch", yaxis_title=metric, height=420, showlegend=True,
+                         legend={"orientation": "h", "y": -0.25}, xaxis={"tickformat": "d"})
+    return figure
+
+
+def device_label(device: dict[str, Any]) -> str:
+    stage = device.get("stage", 0)
+    return f"rank {device['rank']}" + (f" stage {stage}" if stage else "")
+
+
+def device_figure(key: str, title: str, jobs: list[Job]) -> go.Figure:
+    """Grouped bars: one group per job, one bar per device, the value written on it."""
+    figure = go.Figure()
+    devices = sorted({device_label(d) for job in jobs for d in job.result.get("devices", []) if key in d})
+    for device in devices:
+        xs, ys = [], []
+        for job in jobs:
+            values = [d[key] for d in job.result.get("devices", []) if key in d and device_label(d) == device]
+            if values:
+                xs.append(job.label)
+                ys.append(values[0])
+        figure.add_bar(x=xs, y=ys, name=device, text=[f"{y:.4g}" for y in ys], textposition="outside")
+    figure.update_layout(title=title, barmode="group", yaxis_title=key, height=460, showlegend=True)
+    return figure
+
+
+def runs_table(jobs: list[Job]) -> str:
+    header = ["job", "overrides", "status", "objective", "best epoch", "final", "epochs", "runtime (s)"]
+    rows = []
+    for job in jobs:
+        result = job.result
+        metric = result.get("metric") or ""
+        final = (result.get("final") or {}).get(metric)
+        cells = [job.label, " ".join(job.config.get("overrides", [])), result.get("status"),
+                 f"{metric} ({result.get('mode')}) {result['objective']:.6g}" if result.get("objective") is not None
+                 else "", result.get("best_epoch"), "" if final is None else f"{final:.6g}", result.get("epochs"),
+                 result.get("runtime_s")]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(str('' if c is None else c))}</td>" for c in cells) + "</tr>")
+    head = "".join(f"<th>{html.escape(name)}</th>" for name in header)
+    return f'<table id="runs"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+
+
+def write_report(paths: list[Path], output: Path, by: str | None = None) -> Path:
+    jobs = find_jobs(paths)
+    label_jobs(jobs, by)
+    colour = colours(jobs)
+    logged = {key for job in jobs for row in job.result.get("history", []) for key in row}
+    curves = {f"curve-{metric.replace('/', '-')}": curve_figure(metric, jobs, colour)
+              for metric in CURVES if metric in logged}
+    device_keys = {key for job in jobs for device in job.result.get("devices", []) for key in device}
+    per_device = {}
+    if "memory/model_state_mb" in device_keys:
+        per_device["memory"] = device_figure(
+            "memory/model_state_mb", "Model state per device (MB): parameters, gradients, optimizer state", jobs)
+    rate = next((key for key in ("perf/tokens_per_sec_per_device", "perf/samples_per_sec_per_device")
+                 if key in device_keys), None)
+    if rate:
+        per_device["throughput"] = device_figure(rate, f"Throughput per device ({rate.split('/')[1]})", jobs)
+    first = next(iter([*curves, *per_device]), None)  # the one that carries plotly.js
+
+    def charts(figures: dict[str, go.Figure]) -> str:
+        return "".join(figure.to_html(full_html=False, include_plotlyjs=name == first, div_id=name)
+                       for name, figure in figures.items())
+
+    sources = ", ".join(html.escape(str(path)) for path in paths)
+    page = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>Training report</title>
+<style>body {{font-family: sans-serif; margin: 2em;}} table {{border-collapse: collapse;}}
+td, th {{border: 1px solid #ccc; padding: 4px 8px; text-align: left;}}
+.charts {{display: grid; grid-template-columns: repeat(auto-fill, minmax(600px, 1fr)); gap: 1em;}}</style></head>
+<body><h1>Training report</h1>
+<p>{len(jobs)} jobs from {sources}, {time.strftime('%Y-%m-%d %H:%M')}; colour: {html.escape(by or 'job')}.</p>
+<h2>Runs</h2>{runs_table(jobs)}
+<h2>Per epoch</h2><div class="charts">{charts(curves)}</div>
+<h2>Per device (latest epoch)</h2><div class="charts">{charts(per_device)}</div>
+</body></html>
+"""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(page)
+    return output
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m project.cli.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="job dirs and sweep dirs")
+    parser.add_argument("--by", help="colour runs by this config key or group (strategy, trainer.devices, "
+                                     "model.optimizer.lr...); default: one colour per run")
+    parser.add_argument("--output", "-o", type=Path, help="the HTML file (default: report.html in the first dir)")
+    args = parser.parse_args()
+    output = write_report(args.paths, args.output or args.paths[0] / "report.html", args.by)
+    print(f"Report: {output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,382 @@
+"""Checks of a composed config that run before any worker process or W&B run starts.
+
+Each failure is a ``ConfigError`` whose message names the key, what is wrong and the fix, in one paragraph. The
+checks here hold for every run; each strategy of this project adds its own rules (``check_config`` on its class),
+and the model and data modules check their options when they are built.
+"""
+
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.errors import InstantiationException
+from hydra.utils import get_class, instantiate
+from lightning.fabric.connector import _convert_precision_to_unified_args
+from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.strategies import ModelParallelStrategy
+from omegaconf import DictConfig, OmegaConf
+from safetensors import SafetensorError
+from torch import nn
+
+from project.checkpointing.files import checkpoint_shapes
+from project.checkpointing.hf import HFWeights, check_matches
+from project.config.errors import ConfigError, positive_int
+
+
+def positive_int_at(cfg: DictConfig, key: str, fix: str) -> int:
+    """The value at ``key`` if it is a positive integer (``ConfigError`` otherwise)."""
+    return positive_int(key, OmegaConf.select(cfg, key), fix)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_numbers(cfg: DictConfig) -> None:
+    """Types and ranges of the numbers a run is set up with (Hydra passes ``trainer.max_epochs=two`` on as text)."""
+    if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**32:
+        raise ConfigError("seed", f"must be an integer from 0 to 2**32 - 1, got {cfg.seed!r}.", "e.g. seed=42.")
+    if cfg.trainer.max_epochs != -1:
+        positive_int_at(cfg, "trainer.max_epochs", "train at least one epoch, e.g. trainer.max_epochs=10 (or -1: no "
+                        "epoch limit, for runs that stop at trainer.max_steps or trainer.max_time).")
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps != -1:
+        positive_int_at(cfg, "trainer.max_steps", "stop after N optimizer steps, e.g. trainer.max_steps=10000, or -1 for "
+                        "no step limit.")
+    elif cfg.trainer.max_epochs == -1 and cfg.trainer.get("max_time") is None:
+        raise ConfigError("trainer.max_epochs", "is -1 (no epoch limit) and trainer.max_steps is -1 too: the run would "
+                          "never end.", "set trainer.max_steps=N (optimizer steps), or trainer.max_epochs=N.")
+    positive_int_at(cfg, "trainer.accumulate_grad_batches", "1 steps the optimizer after every batch; N after every N.")
+    log_every = cfg.trainer.log_every_n_steps
+    if not _is_int(log_every) or log_every < 0:
+        raise ConfigError("trainer.log_every_n_steps", f"must be an integer of at least 0, got {log_every!r}.",
+                          "0 logs per epoch only; N adds a step/train_loss row every N optimizer steps.")
+    if cfg.trainer.check_val_every_n_epoch is not None:
+        positive_int_at(cfg, "trainer.check_val_every_n_epoch", "1 validates after every epoch.")
+    sanity_steps = cfg.trainer.num_sanity_val_steps
+    if not _is_int(sanity_steps) or sanity_steps < -1:
+        raise ConfigError("trainer.num_sanity_val_steps", f"must be an integer of at least -1, got {sanity_steps!r}.",
+                          "0 skips the check, N runs N validation batches first, -1 all of them.")
+    for key in ("best_metric.mode", "optimized_metric.mode"):
+        if OmegaConf.select(cfg, key) not in ("max", "min"):
+            raise ConfigError(key, f"is {OmegaConf.select(cfg, key)!r}.", "use max (higher is better) or min.")
+    memory = cfg.get("memory_plan") or {}
+    capacity = memory.get("device_memory_gb")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or capacity <= 0):
+        raise ConfigError("memory_plan.device_memory_gb", f"must be a positive number or null, got {capacity!r}.",
+                          "the memory of one device in GiB, e.g. memory_plan.device_memory_gb=80, or null: the GPU's.")
+    if memory.get("if_over") not in ("error", "warn"):
+        raise ConfigError("memory_plan.if_over", f"is {memory.get('if_over')!r}.", "use error (refuse a run "
+                          "predicted not to fit, before launch) or warn (train anyway).")
+    clip = cfg.trainer.gradient_clip_val
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
+        raise ConfigError("trainer.gradient_clip_val", f"must be a positive number or null, got {clip!r}.",
+                          "e.g. trainer.gradient_clip_val=1.0, or null for no clipping.")
+
+
+def _check_accelerator(cfg: DictConfig) -> None:
+    accelerator = str(cfg.trainer.accelerator)
+    if accelerator in ("auto", "gpu"):
+        return
+    fix = "use trainer.accelerator=auto (GPUs where there are any), cpu or gpu."
+    if accelerator not in AcceleratorRegistry:
+        raise ConfigError("trainer.accelerator", f"is {accelerator!r}, which Lightning does not know.", fix)
+    if not AcceleratorRegistry[accelerator]["accelerator"].is_available():  # a class method: nothing is built
+        raise ConfigError("trainer.accelerator", f"is {accelerator!r}, which this machine does not have.", fix)
+
+
+def _check_process_group(cfg: DictConfig) -> None:
+    """The strategy's process group settings, where it has some (ddp, fsdp, pipeline)."""
+    backend = OmegaConf.select(cfg, "strategy.process_group_backend")
+    if backend is not None:
+        if backend not in dist.Backend.backend_list:
+            raise ConfigError("strategy.process_group_backend", f"is {backend!r}, not a torch.distributed backend.",
+                              "use null (nccl on GPUs, gloo on CPUs), nccl or gloo.")
+        if backend == "nccl" and not uses_cuda(cfg):
+            raise ConfigError("strategy.process_group_backend", "is 'nccl', which needs CUDA GPUs, but this run is on "
+                              "the CPU.", "use strategy.process_group_backend=gloo, or null to choose by device.")
+    if OmegaConf.select(cfg, "strategy.timeout") is not None:
+        try:
+            timeout = instantiate(cfg.strategy.timeout)
+        except InstantiationException as error:
+            raise ConfigError("strategy.timeout", f"cannot be built: {error.__cause__ or error}.",
+                              "e.g. strategy.timeout.minutes=5.") from None
+        if timeout.total_seconds() <= 0:
+            raise ConfigError("strategy.timeout", f"is {timeout}, so every collective would fail at once.",
+                              "e.g. strategy.timeout.minutes=5.")
+
+
+def uses_cuda(cfg: DictConfig) -> bool:
+    """Whether the trainer will run on CUDA devices (accelerator gpu/cuda, or auto with GPUs present)."""
+    accelerator = str(cfg.trainer.accelerator)
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def strategy_shards_model(cfg: DictConfig) -> bool:
+    """Whether the configured Lightning strategy is a ModelParallelStrategy (fsdp, pipeline): it saves and loads
+    sharded checkpoints."""
+    cls = strategy_class(cfg)
+    return cls is not None and issubclass(cls, ModelParallelStrategy)
+
+
+def resolve_ckpt_path(cfg: DictConfig) -> str | None:
+    """``ckpt_path=last`` means this job dir's ``checkpoints/last.ckpt``; ``auto`` the same if it exists, else a
+    fresh start (what a requeued job wants); any other value is a file path."""
+    if cfg.ckpt_path is None:
+        return None
+    if cfg.ckpt_path in ("last", "auto"):
+        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
+        return None if cfg.ckpt_path == "auto" and not last.exists() else str(last)
+    return str(cfg.ckpt_path)
+
+
+def _gpus_support_bf16(devices: int) -> bool:
+    """Whether the first ``devices`` GPUs compute in bfloat16 (compute capability 8.0, Ampere, or newer).
+
+    Asked of the device properties, which opens no CUDA context: ``torch.cuda.is_bf16_supported()`` would put
+    one on GPU 0 in the launcher and in every rank before it has chosen its own GPU.
+    """
+    return all(torch.cuda.get_device_capability(index) >= (8, 0) for index in range(devices))
+
+
+def _check_precision(cfg: DictConfig) -> None:
+    try:  # Lightning's own reading: 32 and "32" are "32-true", 16 is "16-mixed", "bf16" is "bf16-mixed"...
+        precision = _convert_precision_to_unified_args(cfg.trainer.precision)
+    except ValueError as error:
+        raise ConfigError("trainer.precision", f"{error}.", "use 32-true, bf16-mixed or (on GPUs) 16-mixed.") from None
+    if precision.startswith("16") and not uses_cuda(cfg):
+        raise ConfigError(
+            "trainer.precision",
+            f"is {precision!r}, but float16 training needs a CUDA GPU and this run is on the CPU.",
+            "use trainer.precision=bf16-mixed (CPUs support bfloat16) or 32-true.",
+        )
+    if precision.startswith("bf16") and uses_cuda(cfg) and not _gpus_support_bf16(cfg.trainer.devices):
+        raise ConfigError(
+            "trainer.precision",
+            f"is {precision!r}, but this GPU has no bfloat16 support.",
+            "use trainer.precision=16-mixed or 32-true.",
+        )
+
+
+def strategy_class(cfg: DictConfig) -> type | None:
+    """The configured Lightning strategy class (None for ``auto``, where Lightning chooses)."""
+    target = OmegaConf.select(cfg, "strategy._target_")
+    return None if target is None else get_class(target)
+
+
+def data_parallel_size(cfg: DictConfig) -> int:
+    """Replicas that split each global batch: every process, unless the strategy says otherwise (a pipeline's
+    ranks share one replica)."""
+    replicas = getattr(strategy_class(cfg), "data_parallel_replicas", None)
+    return replicas(cfg) if replicas is not None else cfg.strategy.processes * cfg.trainer.num_nodes
+
+
+def _check_checkpoint(cfg: DictConfig, module: nn.Module) -> None:
+    """``ckpt_path`` exists and holds this model: the same parameter names and shapes."""
+    ckpt_path = resolve_ckpt_path(cfg)
+    if ckpt_path is None:
+        return
+    if not Path(ckpt_path).exists():
+        hint = (
+            "ckpt_path=last resumes the run dir given by hydra.run.dir=<that run's dir>; run with that override, "
+            "or pass the checkpoint file itself as ckpt_path=<path>."
+            if cfg.ckpt_path == "last"
+            else "pass an existing checkpoint file (a run's checkpoints/*.ckpt), or ckpt_path=null to start fresh."
+        )
+        raise ConfigError("ckpt_path", f"{ckpt_path} does not exist.", hint)
+    try:
+        saved = checkpoint_shapes(ckpt_path)
+    except (ValueError, RuntimeError, OSError, pickle.UnpicklingError) as error:
+        raise ConfigError("ckpt_path", f"{ckpt_path} {error}.",
+                          "pass a checkpoint a run of this project saved (checkpoints/*.ckpt in its job dir).") from None
+    expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
+    differences = [f"{len(set(expected) - set(saved))} of this model's tensors missing"] if set(expected) - set(saved) else []
+    if set(saved) - set(expected):
+        differences.append(f"{len(set(saved) - set(expected))} tensors this model lacks")
+    differences += [f"{name} is {list(saved[name])} there, {list(shape)} here"
+                    for name, shape in expected.items() if name in saved and saved[name] != shape][:3]
+    if differences:
+        raise ConfigError("ckpt_path", f"{ckpt_path} is a checkpoint of another model: {'; '.join(differences)}.",
+                          "resume with the model settings it was saved with (its job dir's config.yaml), or pass a "
+                          "checkpoint of this model.")
+
+
+def build_strategy(strategy_cfg: DictConfig) -> Any:
+    """The Lightning strategy of the ``strategy`` group: its ``_target_`` built with every option but ``processes``
+    (the launcher's), or Lightning's own ``"auto"`` where the option names no class."""
+    if "_target_" not in strategy_cfg:
+        return "auto"
+    return instantiate(OmegaConf.masked_copy(strategy_cfg, [key for key in strategy_cfg if key != "processes"]))
+
+
+def _build(key: str, build: Callable[[], Any]) -> Any:
+    """``build()`` the object of the config node at ``key`` as the workers will; a ``ConfigError`` it raises comes
+    out as it is, any other error as a ``ConfigError`` naming ``key``."""
+    try:
+        return build()
+    except InstantiationException as error:
+        cause = error.__cause__
+        if isinstance(cause, ConfigError):
+            raise cause from None
+        problem = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
+        raise ConfigError(key, f"cannot be built: {problem}.",
+                          f"check {key}._target_ and its options (python train.py --cfg job prints them).") from None
+
+
+def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
+    """``model.init_from``: a Hugging Face model dir of this model's family and shape, holding every tensor."""
+    path = OmegaConf.select(cfg, "model.init_from")
+    if path is None:
+        return
+    if not Path(path).is_dir():
+        raise ConfigError("model.init_from", f"{path} is not a directory.", "pass a Hugging Face model dir (config.json "
+                          "and *.safetensors, as save_pretrained writes it), or model.init_from=null.")
+    check_matches(path, net, OmegaConf.to_container(cfg.model.net, resolve=True))
+    try:
+        missing = HFWeights(path).missing(net)
+    except (OSError, ValueError, SafetensorError) as error:
+        raise ConfigError("model.init_from", f"{path}: its safetensors cannot be read ({error}).",
+                          "pass a complete model dir (model.safetensors, or its shards and index).") from None
+    if missing:
+        raise ConfigError("model.init_from", f"{path} lacks {len(missing)} of this model's tensors, e.g. {missing[0]}.",
+                          "pass the complete model dir.")
+
+
+def _train_batches(cfg: DictConfig, batches_per_epoch: int) -> int:
+    """Training batches an epoch runs, as Lightning counts them with ``trainer.limit_train_batches`` (N batches or a
+    fraction of the epoch)."""
+    limit = cfg.trainer.get("limit_train_batches")
+    if _is_int(limit):
+        return min(batches_per_epoch, limit)
+    if isinstance(limit, float):
+        return int(batches_per_epoch * limit)
+    return batches_per_epoch
+
+
+def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
+    """``trainer.val_check_interval``: null (each epoch's end), a fraction of an epoch, or every N training batches,
+    which within an epoch (``check_val_every_n_epoch`` set) Lightning refuses past the epoch's length, late.
+
+    With ``trainer.accumulate_grad_batches`` > 1 a validation must fall where an optimizer step ends: one inside an
+    accumulation would save checkpoints holding half a step, which no resumed run can continue exactly.
+    """
+    interval = OmegaConf.select(cfg, "trainer.val_check_interval")
+    fix = ("use N training batches (e.g. trainer.val_check_interval=500), a fraction of an epoch in (0, 1], or null "
+           "for each epoch's end.")
+    every_epoch = cfg.trainer.check_val_every_n_epoch
+    if every_epoch is None and not _is_int(interval):
+        raise ConfigError("trainer.val_check_interval", f"is {interval!r}, but with trainer.check_val_every_n_epoch="
+                          "null validation is counted in training batches only.", "set trainer.val_check_interval=N "
+                          "(batches), or trainer.check_val_every_n_epoch=1.")
+    if interval is None:
+        return
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
+        raise ConfigError("trainer.val_check_interval", f"is {interval!r}.", fix)
+    if isinstance(interval, float) and interval > 1:
+        raise ConfigError("trainer.val_check_interval", f"is {interval}, a fraction of an epoch above 1.", fix)
+    batches = _train_batches(cfg, batches_per_epoch)
+    if _is_int(interval) and every_epoch is not None and interval > batches:
+        raise ConfigError("trainer.val_check_interval", f"is {interval} batches, but an epoch has {batches}.",
+                          f"use at most {batches}, or trainer.check_val_every_n_epoch=null to count batches across "
+                          "epochs (for runs of trainer.max_steps).")
+    accumulate = cfg.trainer.accumulate_grad_batches
+    if accumulate == 1 or (isinstance(interval, float) and interval == 1.0):
+        return
+    every = interval if _is_int(interval) else max(1, int(batches * interval))  # Lightning's val_check_batch
+    if every % accumulate and not (every == batches and every_epoch is not None):  # an epoch's end is a step's
+        multiple = max(accumulate, every - every % accumulate)
+        raise ConfigError("trainer.val_check_interval", f"validates every {every} training batches, inside an "
+                          f"optimizer step of trainer.accumulate_grad_batches={accumulate} batches: its checkpoints "
+                          "would hold half a step.", f"validate every multiple of {accumulate} batches, e.g. "
+                          f"trainer.val_check_interval={multiple}.")
+    if every_epoch is None and batches % accumulate:
+        raise ConfigError("trainer.val_check_interval", f"counts batches across epochs, but an epoch's {batches} "
+                          f"batches are no multiple of trainer.accumulate_grad_batches={accumulate} (each epoch ends "
+                          "with a shorter step), so validations would fall inside steps.",
+                          "set trainer.check_val_every_n_epoch=1, or trainer.limit_train_batches to a multiple of "
+                          f"{accumulate}.")
+
+
+def _check_mode(cfg: DictConfig) -> None:
+    """``mode``: train, or eval of given weights, in a job dir of its own (not the training job's, whose result
+    and config it would overwrite)."""
+    mode = cfg.get("mode", "train")
+    if mode not in ("train", "eval"):
+        raise ConfigError("mode", f"is {mode!r}.", "use mode=train, or mode=eval to validate a checkpoint.")
+    if mode != "eval":
+        return
+    if cfg.ckpt_path in ("last", "auto"):
+        raise ConfigError("ckpt_path", f"is {cfg.ckpt_path!r}, this job dir's own checkpoint, but mode=eval writes a "
+                          "job dir of its own.", "pass the checkpoint's path, e.g. ckpt_path=<run dir>/checkpoints/"
+                          "last.ckpt.")
+    if cfg.ckpt_path is None and OmegaConf.select(cfg, "model.init_from") is None:
+        raise ConfigError("mode", "is eval, but there are no weights to evaluate (ckpt_path and model.init_from are "
+                          "null).", "pass ckpt_path=<a checkpoint> or model.init_from=<a Hugging Face model dir>.")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` for the first setting that cannot work."""
+    _check_mode(cfg)
+    devices = positive_int_at(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
+    positive_int_at(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
+    batch_size = positive_int_at(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
+    positive_int_at(cfg, "strategy.processes", "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.")
+
+    if uses_cuda(cfg):
+        available = torch.cuda.device_count()
+        if available == 0:
+            raise ConfigError(
+                "trainer.accelerator",
+                f"is {cfg.trainer.accelerator!r} but this machine has no CUDA GPU.",
+                "use trainer.accelerator=cpu (or auto), or run on a machine with GPUs.",
+            )
+        if devices > available:
+            raise ConfigError(
+                "trainer.devices",
+                f"asks for {devices} GPUs but this machine has {available}.",
+                f"set trainer.devices={available} or fewer, or trainer.accelerator=cpu for CPU processes.",
+            )
+
+    _check_numbers(cfg)
+    _check_accelerator(cfg)
+    _check_process_group(cfg)
+    _check_precision(cfg)
+    # The data first: the model takes sizes from it (vocabulary, sequence length), so its own keys are to blame.
+    datamodule = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
+    with torch.device("meta"):  # shapes only, nothing allocated
+        net = _build("model.net", lambda: instantiate(cfg.model.net))
+        # The LightningModule checks its own options (optimizer, schedule).
+        module = _build("model", lambda: instantiate(cfg.model, net=net))
+    _build("strategy", lambda: build_strategy(cfg.strategy))  # its own checks of its options, no process group yet
+    _check_checkpoint(cfg, module)
+    _check_init_from(cfg, net)
+    strategy_rules = getattr(strategy_class(cfg), "check_config", None)
+    if strategy_rules is not None:  # each strategy of this project checks what it needs (its own module)
+        strategy_rules(cfg, net)
+    for name, callback in (cfg.callbacks or {}).items():  # and so does each callback, of the data and strategy
+        callback_rules = getattr(get_class(callback._target_), "check_config", None)
+        if callback_rules is not None:
+            callback_rules(cfg, name, datamodule, strategy_class(cfg))
+
+    data_parallel = data_parallel_size(cfg)
+    global_batch = batch_size * data_parallel
+    if global_batch > datamodule.num_train_samples:
+        raise ConfigError(
+            "data.batch_size",
+            f"gives a global batch of {batch_size} x {data_parallel} data-parallel replicas = {global_batch} samples, more than the "
+            f"{datamodule.num_train_samples} training samples, so an epoch would have no full batch.",
+            f"lower data.batch_size to at most {datamodule.num_train_samples // data_parallel}, or use more training data.",
+        )
+
+    _check_val_interval(cfg, datamodule.num_train_samples // global_batch)
+
+    if datamodule.num_val_samples < data_parallel:
+        raise ConfigError(
+            "data.num_val",
+            f"gives {datamodule.num_val_samples} validation samples, fewer than the {data_parallel} data-parallel "
+            "replicas that each need one.",
+            f"use at least {data_parallel} validation samples, or fewer devices.",
+        )

@@ -1,0 +1,55 @@
+"""OmegaConf resolvers that configs use to derive one setting from others. OmegaConf only: ``train.py`` registers
+them before Hydra composes anything, so ``--help`` stays fast."""
+
+import json
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from project.config.errors import ConfigError
+
+
+def optuna_direction(mode: str) -> str:
+    """hparams_search: Optuna's direction from a metric's mode (max or min)."""
+    return {"max": "maximize", "min": "minimize"}[mode]
+
+
+def gpus_per_node(accelerator: str, devices: int) -> int | None:
+    """launcher=slurm: the GPUs a node's task asks for: one per device; none (no GPU request) for CPU training."""
+    return None if accelerator == "cpu" else devices
+
+
+def wandb_x_axis(val_check_interval: int | float | None) -> str:
+    """logger=wandb: chart by optimizer step when validation runs within epochs (every N batches or a fraction of
+    one: several rows an epoch, or runs shorter than one), else by epoch."""
+    at_epoch_end = val_check_interval is None or (isinstance(val_check_interval, float) and val_check_interval == 1.0)
+    return "epoch" if at_epoch_end else "step"
+
+
+def tensor_parallel_tag(size: int) -> str:
+    """logger=wandb: ``-tp<size>`` in a run's name when its strategy splits layers over ``size`` ranks, so that runs
+    of one strategy with and without tensor parallelism are told apart (an empty tag otherwise)."""
+    return f"-tp{size}" if size != 1 else ""
+
+
+def prepared_meta(path: str | Path) -> dict:
+    """The ``meta.json`` of a corpus prepared by ``python -m project.cli.prepare`` (``data.path``)."""
+    meta = Path(path) / "meta.json"
+    if not meta.is_file():
+        raise ConfigError("data.path", f"{path} has no meta.json: it is not a prepared corpus (or its preparation "
+                          "has not finished).", "run python -m project.cli.prepare <corpus> --out DIR, then "
+                          "data.path=DIR.")
+    return json.loads(meta.read_text())
+
+
+def prepared_vocab_size(path: str) -> int:
+    """data=shards: the vocabulary size a prepared corpus records, for the model's embedding."""
+    return prepared_meta(path)["vocab_size"]
+
+
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("optuna_direction", optuna_direction, replace=True)
+    OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node, replace=True)
+    OmegaConf.register_new_resolver("prepared_vocab_size", prepared_vocab_size, replace=True)
+    OmegaConf.register_new_resolver("wandb_x_axis", wandb_x_axis, replace=True)
+    OmegaConf.register_new_resolver("tensor_parallel_tag", tensor_parallel_tag, replace=True)

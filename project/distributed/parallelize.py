@@ -1,0 +1,234 @@
+"""Parallelism as plain functions on a model's ordered block sequence (``model.blocks``), torchtitan style.
+
+Strategies call these; the models know nothing about them.
+"""
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from project.checkpointing.hf import HFWeights
+from project.models.init import initial_value
+
+
+def block_sizes(model: nn.Module) -> list[int]:
+    """Parameters per block: what a balanced stage split balances."""
+    return [sum(p.numel() for p in block.parameters()) for block in model.blocks]
+
+
+def split_blocks(
+    block_sizes: Sequence[int], num_stages: int, blocks_per_stage: Sequence[int] | None = None
+) -> list[range]:
+    """Cut the block sequence into ``num_stages`` contiguous, non-empty stages; returns each stage's block indices.
+
+    ``blocks_per_stage`` gives the split by hand (e.g. ``[2, 1]``); otherwise the split balances parameters:
+    of all contiguous splits, the one whose largest stage holds the fewest parameters (``block_sizes``).
+    Raises ValueError for impossible requests.
+    """
+    num_blocks = len(block_sizes)
+    if blocks_per_stage is not None:
+        if len(blocks_per_stage) != num_stages or sum(blocks_per_stage) != num_blocks or min(blocks_per_stage) < 1:
+            raise ValueError(
+                f"blocks_per_stage {list(blocks_per_stage)} must give each of the {num_stages} stages at least one "
+                f"block and cover all {num_blocks} blocks"
+            )
+        bounds = [0]
+        for count in blocks_per_stage:
+            bounds.append(bounds[-1] + count)
+        return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    if num_stages > num_blocks:
+        raise ValueError(f"{num_stages} stages need at least {num_stages} blocks, the model has {num_blocks}")
+    prefix = [0]
+    for size in block_sizes:
+        prefix.append(prefix[-1] + size)
+    # largest[s][i]: the smallest possible largest stage when the first i blocks form s stages; cut[s][i]: its last cut.
+    inf = float("inf")
+    largest = [[inf] * (num_blocks + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_blocks + 1) for _ in range(num_stages + 1)]
+    largest[0][0] = 0
+    for stages in range(1, num_stages + 1):
+        for end in range(stages, num_blocks + 1):
+            for start in range(stages - 1, end):
+                candidate = max(largest[stages - 1][start], prefix[end] - prefix[start])
+                if candidate < largest[stages][end]:
+                    largest[stages][end], cut[stages][end] = candidate, start
+    ranges, end = [], num_blocks
+    for stages in range(num_stages, 0, -1):
+        start = cut[stages][end]
+        ranges.append(range(start, end))
+        end = start
+    return ranges[::-1]
+
+
+def stage_modules(model: nn.Module, stages: Sequence[range], stage: int) -> list[nn.Module]:
+    """The modules stage ``stage`` runs, in order: its blocks, with the stem first on the first stage and the
+    head last on the last."""
+    modules = [model.blocks[index] for index in stages[stage]]
+    if stage == 0:
+        modules.insert(0, model.stem)
+    if stage == len(stages) - 1:
+        modules.append(model.head)
+    return modules
+
+
+def keep_only(model: nn.Module, kept: list[nn.Module]) -> None:
+    """Drop the stem, blocks and head this rank does not run (before they are ever allocated); ``nn.Identity`` in
+    their place keeps the names of the others (and so the checkpoint keys) unchanged."""
+    kept_ids = {id(module) for module in kept}
+    for index, block in enumerate(model.blocks):
+        if id(block) not in kept_ids:
+            model.blocks[index] = nn.Identity()
+    for name in ("stem", "head"):
+        if id(getattr(model, name)) not in kept_ids:
+            setattr(model, name, nn.Identity())
+
+
+def place_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
+    """Allocate each stage's modules (built on the meta device) on its own device; ``materialize`` fills them."""
+    for stage, device in enumerate(devices):
+        for module in stage_modules(model, stages, stage):
+            module.to_empty(device=device)
+
+
+def connect_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
+    """Make each stage move its incoming activations to its own device (the naive, sequential pipeline)."""
+    for stage, device in enumerate(devices):
+        stage_modules(model, stages, stage)[0].register_forward_pre_hook(_inputs_to(device))
+
+
+def _inputs_to(device: torch.device):
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return tuple(arg.to(device) if isinstance(arg, torch.Tensor) else arg for arg in args)
+
+    return hook
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward instead of keeping them.
+
+    The composable ``checkpoint`` hooks the block in place, so parameter names, and with them checkpoints, stay
+    the same as without it. Asking twice (model option and strategy option) applies it once.
+    """
+    for block in model.blocks:
+        if checkpoint.state(block) is None:
+            checkpoint(block)
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """``torch.compile`` each block's forward, torchtitan's way: the blocks are alike, so the first compiles and the
+    others reuse its code. The hooks a strategy puts on a block (FSDP's parameter gathers, activation checkpointing)
+    run around the compiled forward, not inside it; parameter names, and so checkpoints, stay as without it."""
+    for block in model.blocks:
+        block.forward = torch.compile(block.forward)
+
+
+# Compute dtype of FSDP's gathered parameters for each Trainer precision; None keeps the parameters' own dtype.
+# (16-mixed is refused by the checks: Lightning's ModelParallelStrategy does not support it.)
+_FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16}
+
+
+def fsdp_param_dtype(precision: str) -> torch.dtype | None:
+    """The dtype FSDP gathers and computes parameters in under ``precision`` (the sharded masters stay fp32)."""
+    return _FSDP_PARAM_DTYPES.get(precision)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+) -> None:
+    """Shard ``model`` with FSDP2 over ``mesh``: each block is one unit (gathered just before its own compute),
+    then the root takes whatever parameters remain (embeddings, heads)."""
+    if isinstance(model, FSDPModule):
+        return  # already sharded (Lightning may configure the model again, e.g. for validate after fit)
+    options = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        offload_policy=CPUOffloadPolicy() if cpu_offload else None,
+    )
+    options = {key: value for key, value in options.items() if value is not None}
+    for block in model.blocks:
+        fully_shard(block, **options)
+    fully_shard(model, **options)
+
+
+@torch.no_grad()
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Where each parameter held by more than one module is held: (module, attribute name) pairs."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for attr, parameter in module._parameters.items():
+            if parameter is not None:
+                places.setdefault(id(parameter), []).append((module, attr))
+    return [group for group in places.values() if len(group) > 1]
+
+
+def allocate(model: nn.Module, device: torch.device) -> None:
+    """Give what is still on the meta device uninitialised storage on ``device``, keeping tied weights tied."""
+    if any(parameter.is_meta for parameter in model.parameters()):
+        shared = _shared_parameters(model)
+        model.to_empty(device=device)
+        # to_empty gives each module a new parameter of its own: tied weights (an output layer that is the token
+        # embedding) would come apart, and train as two.
+        for (module, attr), *others in shared:
+            for other, other_attr in others:
+                setattr(other, other_attr, getattr(module, attr))
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int, weights: HFWeights | None = None) -> None:
+    """Allocate what is still on the meta device on ``device`` and give every parameter its initial value: drawn
+    from ``seed``, or read from ``weights`` (a Hugging Face model dir, ``model.init_from``).
+
+    Strategies act on the meta model first, so by now a rank holds only what it keeps: FSDP's shards, its pipeline
+    stages (whatever a strategy placed itself stays where it is). Each parameter's full initial value is computed
+    on the CPU, one parameter at a time (``project.models.init``), and a sharded parameter keeps its own slice, so
+    the weights depend on ``seed`` alone, not on the strategy or the device count. Read weights are read as this
+    rank's slice only.
+    """
+    if any(buffer.is_meta for buffer in model.buffers()):
+        raise NotImplementedError("materialize initialises parameters; this model's buffers would stay empty")
+    allocate(model, device)
+    for name, parameter in model.named_parameters():
+        if weights is not None:
+            value = weights.read(name, parameter).to(parameter.device)
+            if isinstance(parameter, DTensor):
+                parameter = parameter.to_local()
+        else:
+            value = initial_value(model, name, seed).to(parameter.device)
+            if isinstance(parameter, DTensor):
+                # src_data_rank=None: every rank slices its own copy, nothing is sent.
+                value = distribute_tensor(value, parameter.device_mesh, parameter.placements, src_data_rank=None)
+                value, parameter = value.to_local(), parameter.to_local()
+        parameter.copy_(value)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Sequence[torch.Tensor], max_norm: float, pipeline_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Scale the gradients so that the L2 norm of the whole model's gradient is at most ``max_norm``; returns it.
+
+    This rank's ``parameters`` may be a part of the model: sharded (FSDP's DTensors add up over their mesh) and,
+    with ``pipeline_group``, one stage of several, whose squared norms add up over the group (as torchtitan's).
+    """
+    grads = [parameter.grad for parameter in parameters if parameter.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    if pipeline_group is not None:
+        total_norm = total_norm**2
+        dist.all_reduce(total_norm, group=pipeline_group)
+        total_norm = total_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm)
+    return total_norm

@@ -1,0 +1,65 @@
+"""``strategy=fsdp``: FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy, optionally with tensor
+parallelism inside each data-parallel replica (2D).
+
+Lightning's ``FSDPStrategy`` wraps the legacy FSDP1 and refuses CPUs; ``ModelParallelStrategy`` hosts FSDP2, runs on
+CPU (gloo) as on GPU (nccl), and saves distributed checkpoints (each rank writes its own shards, swapped in
+atomically by ``ShardedCheckpointStrategy``). The mesh is (data_parallel x tensor_parallel): with the default
+``tensor_parallel_size=1`` every rank is a data-parallel shard; with T, each group of T ranks splits every layer
+(``TensorParallelStrategy``) and FSDP shards those splits over the groups, torchtitan's order: tensor parallelism,
+activation checkpointing (``strategy.activation_checkpointing``), then FSDP per block (``project.distributed.parallelize``). The
+model's own activation checkpointing and compilation (``model.*``) wrap the blocks before the strategy acts.
+"""
+
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from project.config.checks import uses_cuda
+from project.config.errors import ConfigError
+from project.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
+from project.distributed.strategies.tensor_parallel import TensorParallelStrategy
+
+
+class FSDPStrategy(TensorParallelStrategy):
+    """Fully sharded data parallel: parameters, gradients and optimizer state split across the data-parallel ranks
+    (all of them, or the groups of ``tensor_parallel_size`` ranks that each split every layer)."""
+
+    shards_data_parallel = True
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        reduce_dtype: str = "float32",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.reshard_after_forward = reshard_after_forward
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
+        self.reduce_dtype = getattr(torch, reduce_dtype)
+
+    @classmethod
+    def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
+        super().check_config(cfg, net)
+        if cfg.strategy.cpu_offload and not uses_cuda(cfg):
+            raise ConfigError(
+                "strategy.cpu_offload",
+                "moves parameter shards from GPU to CPU memory, but this run has no GPU.",
+                "set strategy.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
+            )
+
+    def lay_out(self, model: nn.Module, mesh: DeviceMesh, precision: str) -> None:
+        """Tensor parallelism if asked, then activation checkpointing if asked, then FSDP2 per block over the
+        data-parallel dimension, gathering parameters in the precision's compute dtype."""
+        super().lay_out(model, mesh, precision)
+        param_dtype = fsdp_param_dtype(precision)
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        apply_fsdp(model, mesh["data_parallel"], reshard_after_forward=self.reshard_after_forward,
+                   param_dtype=param_dtype, reduce_dtype=self.reduce_dtype if param_dtype is not None else None,
+                   cpu_offload=self.cpu_offload)

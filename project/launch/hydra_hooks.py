@@ -1,0 +1,47 @@
+"""Hydra callbacks of ``train.py``: checks before Hydra makes a job dir, and a sweep's summary. Light imports only."""
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from project.config.errors import ConfigError, exit_with
+from project.launch.results import write_sweep_summary
+
+
+class JobDirCheck(Callback):
+    """A run's (or sweep's) dir must be named and creatable; Hydra would otherwise write into the launch dir, or
+    fail with a traceback, before any of the job's own checks."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_dir(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
+
+
+def _check_dir(path: str | None, key: str) -> None:
+    fix = "name a dir you can write to, or leave the key unset for a new dir under logs/."
+    if path is None or not str(path).strip():
+        exit_with(ConfigError(key, "is empty, so the job would write into the dir it was launched from.", fix))
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)  # what Hydra does next; here a failure gets a clear message
+    except OSError as error:
+        exit_with(ConfigError(key, f"{path} cannot be created: {error.strerror or error}.", fix))
+
+
+class SweepSummary(Callback):
+    """At the end of a multirun: a table of its jobs (overrides, objective, best epoch, final value, runtime, status,
+    the best job marked), printed and written to the sweep dir as ``summary.csv`` and ``summary.md``."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if int(os.environ.get("RANK", "0")) > 0:
+            return  # under torchrun every rank ran the sweep; rank 0 summarises it
+        sweep_dir = Path(config.hydra.sweep.dir)
+        table, failed, jobs = write_sweep_summary(sweep_dir)
+        print(f"\nSweep summary ({sweep_dir}/summary.csv, summary.md):\n{table}", flush=True)
+        if failed:
+            sys.exit(f"{failed} of {jobs} jobs failed; see the summary above and their train.log files.")

@@ -1,0 +1,75 @@
+"""The job's result, for sweeps and for people: ``<job dir>/result.json``, written by rank 0 after every epoch."""
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.trainer.states import TrainerFn
+
+from project.memory.measure import DeviceMemory
+from project.observability.throughput import EpochThroughput
+from project.observability.loggers import EpochWandbLogger
+from project.launch.results import job_result, write_result
+
+
+class JobResult(L.Callback):
+    """Keeps each epoch's metrics and writes ``result.json``: the objective (the best value of ``metric`` over the
+    epochs, ``mode`` max or min), the epoch it came from, the metrics of that epoch and of the last one, every
+    epoch's (``history``), the status (``running`` after each epoch, then ``completed`` or ``failed``), the
+    runtime, and one row per device of the latest epoch (``devices``: memory and throughput, where the
+    ``memory`` and ``throughput`` callbacks run), also sent to W&B as the table ``devices``.
+
+    The epochs travel in checkpoints (``state_dict``), so a resumed job's result covers the whole run. The process
+    Hydra runs reads the file (``project.launch.launcher``) and returns the objective to the sweeper, however the job ran.
+    """
+
+    def __init__(self, path: str | Path, metric: str, mode: str) -> None:
+        if mode not in ("max", "min"):
+            raise ValueError(f"mode must be max or min, got {mode!r}")
+        self.path, self.metric, self.mode = Path(path), metric, mode
+        self.epochs: list[dict[str, float]] = []
+        self.devices: list[dict[str, Any]] = []
+        self.started = time.time()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        self.epochs.append({"epoch": trainer.current_epoch, **metrics})
+        self.devices = per_device_rows(trainer)
+        for logger in trainer.loggers:
+            if isinstance(logger, EpochWandbLogger):
+                logger.log_summary_table("devices", self.devices)
+        self._write(trainer, "running")
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write(trainer, "completed")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:  # mode=eval: the one validation is the result
+            self.epochs = [{"epoch": 0, **{name: float(value) for name, value in trainer.callback_metrics.items()}}]
+            self._write(trainer, "completed")
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._write(trainer, "failed", error=f"{type(exception).__name__}: {exception}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epochs": self.epochs}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.epochs = list(state_dict["epochs"])
+
+    def _write(self, trainer: L.Trainer, status: str, error: str | None = None) -> None:
+        if trainer.is_global_zero:
+            write_result(self.path, job_result(self.epochs, self.metric, self.mode, status, time.time() - self.started,
+                                               error, self.devices))
+
+
+def per_device_rows(trainer: L.Trainer) -> list[dict[str, Any]]:
+    """One row per device of the job: the memory callback's measurements, with the throughput of the device's
+    rank (every stage of a process sees its samples); rows of throughput alone without the memory callback."""
+    memory = next((c.per_device for c in trainer.callbacks if isinstance(c, DeviceMemory)), [])
+    rates = {row["rank"]: row for row in next((c.per_device for c in trainer.callbacks
+                                               if isinstance(c, EpochThroughput)), [])}
+    if not memory:
+        return list(rates.values())
+    return [{**row, **rates.get(row["rank"], {})} for row in memory]

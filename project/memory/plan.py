@@ -1,0 +1,498 @@
+"""Will it fit? The memory each device of a job needs, found before launch by simulating one device's training
+steps on fake tensors, at any world size, in this one process.
+
+How: the model is built on the meta device and each strategy lays it out for a simulated rank as it would for a
+real one (``simulated_devices`` on the strategy class: FSDP shards it over a mesh of the job's world size on
+torch's fake process-group backend, a pipeline keeps one rank's stages, ...). The rank's parameters are then
+allocated as fake tensors (shapes and dtypes, no memory), the optimizer makes its state, and a training step runs
+on them under PyTorch's ``MemTracker``, in Lightning's order (forward, zero_grad, backward, optimizer step), at the
+configured batch, sequence length and precision. The tracker follows every tensor's storage as it is made and
+freed: its peak is the plan's peak; parameters, gradients and optimizer state are counted from the rank's tensors
+after the step, as ``project.memory.DeviceMemory`` counts a real run's.
+
+What a plan does not see: the caching allocator's fragmentation and CUDA's own context (a GPU's real peak is
+higher than its allocated bytes), kernels of another device (the simulation runs the CPU's: its attention keeps
+the score matrix a GPU's flash attention would not), and ``torch.compile``'s fused kernels.
+"""
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from lightning.fabric.connector import _convert_precision_to_unified_args
+from lightning.pytorch.strategies import DDPStrategy
+from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor._redistribute import _gen_transform_infos
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.distributed.tensor.parallel import loss_parallel
+
+from project.memory.measure import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
+from project.config.checks import check_config, strategy_class, uses_cuda
+from project.config.errors import ConfigError
+from project.distributed.parallelize import allocate, apply_activation_checkpointing
+
+log = logging.getLogger(__name__)
+
+GB = 2**30
+# What FSDPMemTracker counts as FSDP's communication: gathered parameters and the buffers of the collectives.
+FSDP_COMMUNICATION = (_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER, _FSDPRefType.REDUCE_SCATTER)
+# The compute dtype of Lightning's mixed precisions (autocast): on the CPU's kernels in the simulation.
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+PLAN_FILE = "memory_plan.json"  # in the job dir: the plan the run was launched with (DeviceMemory logs it)
+
+
+@dataclass
+class DeviceWork:
+    """What one simulated device holds and runs in a training step, as its strategy lays it out.
+
+    ``module`` is the LightningModule whose ``net`` (on the meta device, already sharded or cut to this device's
+    part) the device holds; ``stages`` are the parts of it the device runs, in order. A step runs ``microbatches``
+    micro-batches of ``microbatch_size`` samples, at most ``in_flight`` of them between their forward and backward
+    (a pipeline's schedule: GPipe all, 1F1B the stages still ahead).
+    """
+
+    name: str  # how the plan names the device: "rank 0", "stage 1"
+    module: nn.Module
+    stages: list[nn.Module]
+    microbatch_size: int
+    microbatches: int = 1
+    in_flight: int = 1
+    stage_input: torch.Tensor | None = None  # meta tensor of one micro-batch's input, when it comes from another
+    # device (a later stage) rather than from the data
+    stage_output: torch.Tensor | None = None  # meta tensor of one micro-batch's output, when another device takes it
+    last: bool = True  # holds the head: computes the loss
+    receive_buffers: bool = False  # a pipeline stage: a buffer per micro-batch for its inputs and output gradients
+    keeps_outputs: bool = False  # a pipeline's last stage: every micro-batch's outputs, merged for the metrics
+    forward_in_backward: bool = False  # a pipeline: the schedule runs the forwards after Lightning's zero_grad
+    grads_persist: bool = False  # DDP with gradient_as_bucket_view: gradients live in its buckets throughout
+    extra_buffer_bytes: int = 0  # held throughout besides (DDP's buckets, when gradients are not views of them)
+    loss_parallel: bool = False  # logits split by vocabulary across tensor-parallel ranks: torch's loss_parallel
+
+
+@dataclass
+class DevicePlan:
+    """Bytes one device needs. ``activations``: what autograd saves for backward over the forwards in flight;
+    ``comm_buffers``: held for communication (DDP's buckets, a pipeline's receive buffers; FSDP's gathered
+    parameters and collective buffers at the peak); ``peak``: the most the device holds at once in a step."""
+
+    name: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    peak: int
+    activations_checkpointed: int | None = None  # the same with the other activation checkpointing setting...
+    peak_checkpointed: int | None = None  # ...and its peak (plan=true only)
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+@dataclass
+class MemoryPlan:
+    devices: list[DevicePlan]
+    capacity: int  # bytes of one device
+    capacity_source: str
+    activation_checkpointing: bool
+    world_size: int
+    seconds: float = 0.0
+    suggestion: str | None = None
+    alternatives: dict[str, int] = field(default_factory=dict)  # a tried change -> its peak
+
+    @property
+    def peak(self) -> int:
+        return max(device.peak for device in self.devices)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+    def fullest(self) -> DevicePlan:
+        return max(self.devices, key=lambda device: device.peak)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "peak": self.peak, "fits": self.fits}
+
+
+@contextmanager
+def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
+    """torch's fake backend as the default process group: collectives return at once with outputs of the right
+    shape, so meshes and sharding of any size can be built in this process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a memory plan needs this process free of a process group")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        # DTensor caches its sharding decisions, meshes included, keyed by meshes that compare equal whatever the
+        # rank and process groups (torch 2.13): the next simulated rank would run its collectives in this one's
+        # groups, which are gone.
+        _clear_sharding_prop_cache()
+        _gen_transform_infos.cache_clear()
+
+
+def block_inputs(net: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
+    """The meta tensors entering each block and the head, in order, for ``inputs`` (a meta tensor): the shapes a
+    stage boundary carries."""
+    seen: list[torch.Tensor] = []
+    with torch.no_grad():
+        x = net.stem(inputs)
+        for block in net.blocks:
+            seen.append(x)
+            x = block(x)
+        seen.append(x)
+    return seen
+
+
+def _precision(cfg: DictConfig) -> str:
+    return _convert_precision_to_unified_args(cfg.trainer.precision)
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
+
+
+def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
+    """A training step of ``work`` on fake tensors under ``MemTracker``, the optimizer's state already made (so,
+    a second step, which holds the most): the device's bytes."""
+    precision = _precision(cfg)
+    module, net = work.module, work.module.net
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        allocate(net, torch.device("cpu"))
+        if precision in ("bf16-true", "16-true"):  # Lightning's HalfPrecision converts the module
+            net.to(torch.bfloat16 if precision == "bf16-true" else torch.float16)
+        optimizer = module.optimizer_factory(params=module._optimizer_groups())
+        # As after a first step: the optimizer's state (a step on zero gradients makes it, without a forward) and
+        # the gradients, which Lightning frees only after the next forward.
+        for parameter in net.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()
+        if isinstance(net, FSDPModule):  # the same counts, and which of them are FSDP's gathers and reductions
+            tracker = StepFSDPMemTracker(net, optimizer)
+        else:
+            tracker = StepMemoryTracker()
+            tracker.track_external(net, optimizer)
+        with tracker, _dtensor_shapes_inferred_apart():
+            held: list[torch.Tensor] = []  # for the whole run: communication buffers
+            if work.extra_buffer_bytes:
+                held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
+            # A pipeline stage's receive buffers, one per micro-batch: for its inputs, and for its outputs' gradients.
+            input_buffers, grad_buffers = ([torch.empty_like(meta, device="cpu") for _ in range(work.microbatches)]
+                                           if work.receive_buffers and meta is not None else []
+                                           for meta in (work.stage_input, work.stage_output))
+            # The batch on the device: Lightning moves the whole batch to every rank's device, and on a CPU the data
+            # loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
+            batches = [module.example_batch(cfg.data.batch_size, cfg.data) for _ in range(1 if uses_cuda(cfg) else 2)]
+            microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
+            activations = _step(work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, cfg)
+            comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
+            if work.grads_persist:
+                comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
+        sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
+        at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        peak = held_bytes(tracker, "peak")
+        comm_bytes += sum(at_peak.get(kind, 0) for kind in FSDP_COMMUNICATION)
+    return DevicePlan(work.name, sizes["params"], sizes["grads"], sizes["optimizer"], activations, comm_bytes, peak)
+
+
+@contextmanager
+def _dtensor_shapes_inferred_apart() -> Iterator[None]:
+    """DTensor infers each op's output shape by running the op on fake tensors of the fake mode in force (torch
+    2.13: ``detect_fake_mode() or FakeTensorMode()``): here the simulation's own, where the tracker would count
+    them as the step's memory, at global shapes (for Llama 3 8B split 8 ways: a whole vocabulary's logits, twice).
+    Outside a simulation DTensor makes a fresh mode for it, which no tracker sees; so it does here."""
+    detect_fake_mode = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = detect_fake_mode
+
+
+def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
+          batch: tuple[torch.Tensor, torch.Tensor], input_buffers: list[torch.Tensor],
+          grad_buffers: list[torch.Tensor], tracker: MemTracker, cfg: DictConfig) -> int:
+    """One optimizer step in Lightning's order: forward (``training_step``), ``zero_grad``, backward, step; a
+    pipeline's forwards run inside its backward, after ``zero_grad``, in its schedule's order. Returns the bytes
+    autograd saved for backward in the forwards in flight at once: each storage once, parameters (and views of
+    them) not counted."""
+    data_inputs, target = batch
+    autocast_dtype = AUTOCAST_DTYPES.get(_precision(cfg))
+    autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    # With gradient accumulation, the step that holds the most is a later one of the accumulation: Lightning does
+    # not zero the gradients there, so the previous batches' are held through the forward and backward.
+    accumulating = cfg.trainer.accumulate_grad_batches > 1
+    zero_grad = lambda: accumulating or optimizer.zero_grad(set_to_none=not work.grads_persist)  # noqa: E731
+    if work.forward_in_backward:
+        zero_grad()
+    saved: dict[int, int] = {}  # storage -> bytes, of the tensors saved for backward that are not parameters
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):  # a linear saves W.T
+            # A tensor-parallel activation is a DTensor: its bytes are this rank's part (its local tensor).
+            storage = (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    pending: list[tuple[int, torch.Tensor]] = []  # micro-batches whose backward is still to run, oldest first
+    kept: list[torch.Tensor] = []
+
+    def forward(index: int) -> None:
+        tracker.reset_mod_stats()  # FSDPMemTracker's per-module figures allow one forward each otherwise
+        if work.stage_input is None:
+            x = data_inputs
+        elif input_buffers:
+            x = input_buffers[index].detach().requires_grad_()
+        else:  # arrives from the previous device
+            x = torch.empty_like(work.stage_input, device="cpu").requires_grad_()
+        with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            for stage in work.stages:
+                x = stage(x)
+            if work.keeps_outputs:
+                kept.append(x.detach())
+            pending.append((index, module.criterion(x, target) / work.microbatches if work.last else x))
+
+    def backward() -> None:
+        index, output = pending.pop(0)
+        if work.last:
+            with loss_parallel() if work.loss_parallel else nullcontext():
+                output.backward()
+        else:  # the gradient comes from the next device
+            output.backward(grad_buffers[index] if grad_buffers else torch.empty_like(output))
+
+    for index in range(min(work.in_flight, work.microbatches)):
+        forward(index)
+    activations = sum(saved.values())
+    if not work.forward_in_backward:
+        zero_grad()
+    for index in range(work.in_flight, work.microbatches):
+        backward()
+        forward(index)
+    while pending:
+        backward()
+    if kept:
+        merged = torch.cat(kept)  # the schedule merges the micro-batches' outputs for the metrics
+        del merged, kept[:]
+    optimizer.step()
+    return activations
+
+
+def _new_module_factory(cfg: DictConfig):
+    """Builds the job's LightningModule around a fresh meta-device net, with the model's own activation
+    checkpointing applied as ``configure_model`` applies it (each simulated device cuts or shards its own)."""
+    from project.launch.training import build_net  # imported here: training imports the callbacks, which import this
+
+    def new_module() -> nn.Module:
+        module = instantiate(cfg.model, net=build_net(cfg))
+        if module.activation_checkpointing:
+            apply_activation_checkpointing(module.net)
+        return module
+
+    return new_module
+
+
+def whole_model_devices(cfg: DictConfig, new_module) -> Iterator[DeviceWork]:
+    """One device with the whole model: one device alone, or any rank of DDP (each a replica). DDP's gradients
+    live in its all-reduce buckets for the whole run: as views of them (``gradient_as_bucket_view``), or beside
+    them, in buckets of the gradients' size."""
+    module = new_module()
+    cls = strategy_class(cfg)  # None: auto, which Lightning makes DDP over several devices
+    ddp = (cls is None or issubclass(cls, DDPStrategy)) and cfg.strategy.processes * cfg.trainer.num_nodes > 1
+    views = ddp and bool(OmegaConf.select(cfg, "strategy.gradient_as_bucket_view"))  # DDP's own default: false
+    buckets = 0
+    if ddp and not views:
+        buckets = sum(p.numel() * p.element_size() for p in module.net.parameters() if p.requires_grad)
+    yield DeviceWork("rank 0", module, [module.net], cfg.data.batch_size, grads_persist=views,
+                     extra_buffer_bytes=buckets)
+
+
+def device_works(cfg: DictConfig) -> Iterator[DeviceWork]:
+    """The devices of the job whose memory differs, each as its strategy lays it out (``simulated_devices`` on the
+    strategy class); auto and DDP keep the whole model on each."""
+    simulated = getattr(strategy_class(cfg), "simulated_devices", None)
+    yield from (simulated or whole_model_devices)(cfg, _new_module_factory(cfg))
+
+
+def simulate_devices(cfg: DictConfig) -> list[DevicePlan]:
+    return [simulate(work, cfg) for work in device_works(cfg)]
+
+
+def device_capacity(cfg: DictConfig) -> tuple[int, str]:
+    """Bytes of one device, and where the figure comes from: ``memory_plan.device_memory_gb`` if set, else the
+    GPU's, else on a CPU this machine's memory shared by the node's devices."""
+    gigabytes = cfg.memory_plan.device_memory_gb
+    if gigabytes is not None:
+        return int(gigabytes * GB), "memory_plan.device_memory_gb"
+    if uses_cuda(cfg) and torch.cuda.is_available():
+        properties = torch.cuda.get_device_properties(0)  # no CUDA context is opened for this
+        return properties.total_memory, properties.name
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // cfg.trainer.devices, f"this machine's {total / GB:.0f} GiB over {cfg.trainer.devices} device(s)"
+
+
+def _changed(cfg: DictConfig, changes: dict[str, Any], strategy: str | None = None) -> DictConfig:
+    """``cfg`` (resolved) with ``strategy`` replaced by that option of the ``strategy`` group, as its file in
+    ``conf/strategy`` sets it, and dotted keys set; resolved again."""
+    changed = OmegaConf.create(OmegaConf.to_container(cfg))
+    with open_dict(changed):
+        if strategy is not None:
+            changed.strategy = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "strategy" /
+                                              f"{strategy}.yaml")
+        for key, value in changes.items():
+            OmegaConf.update(changed, key, value, force_add=True)
+    return OmegaConf.create(OmegaConf.to_container(changed, resolve=True))
+
+
+def _checkpointing(cfg: DictConfig) -> bool:
+    return bool(cfg.model.get("activation_checkpointing") or OmegaConf.select(cfg, "strategy.activation_checkpointing"))
+
+
+def candidate_changes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
+    """Changes that lower the memory per device, the smallest first, each as the overrides a user would type and
+    the config they make: activation checkpointing; the strategy's own (``memory_saving_changes`` on its class: a
+    pipeline's more micro-batches or stages); FSDP over the same devices; a smaller batch per step with the same
+    global batch; FSDP over more devices, then more nodes, up to 1024 ranks. (Not tensor parallelism: at the same
+    global batch it holds what FSDP over the same devices holds, and torch's sequence parallelism more.)"""
+    from project.distributed.strategies import FSDPStrategy  # imported here: the strategies import this module
+
+    checkpointing = {} if _checkpointing(cfg) else {"model.activation_checkpointing": True}
+    if checkpointing:
+        yield "model.activation_checkpointing=true", _changed(cfg, checkpointing)
+    cls = strategy_class(cfg)
+    for change, changes in getattr(cls, "memory_saving_changes", lambda cfg: [])(cfg):
+        yield change, _changed(cfg, changes)
+    fsdp = cls is not None and issubclass(cls, FSDPStrategy)
+    devices, nodes = cfg.trainer.devices, cfg.trainer.num_nodes
+    if not fsdp and devices * nodes > 1:
+        yield "strategy=fsdp", _changed(cfg, {}, "fsdp")
+        if checkpointing:
+            yield "strategy=fsdp model.activation_checkpointing=true", _changed(cfg, checkpointing, "fsdp")
+    batch, accumulate = cfg.data.batch_size, cfg.trainer.accumulate_grad_batches
+    while batch > 1:
+        batch, accumulate = batch // 2, accumulate * 2
+        yield (f"data.batch_size={batch} trainer.accumulate_grad_batches={accumulate}",
+               _changed(cfg, {"data.batch_size": batch, "trainer.accumulate_grad_batches": accumulate}))
+    while devices * nodes < 1024:
+        if nodes == 1 and devices < 8:
+            devices *= 2
+        else:
+            nodes *= 2
+        yield (f"strategy=fsdp trainer.devices={devices} trainer.num_nodes={nodes}",
+               _changed(cfg, {"trainer.devices": devices, "trainer.num_nodes": nodes}, "fsdp"))
+
+
+def _valid(cfg: DictConfig) -> bool:
+    """Whether ``cfg`` passes the checks of a run (a smaller batch must still split into micro-batches...)."""
+    try:
+        check_config(cfg)
+    except ConfigError:
+        return False
+    return True
+
+
+def plan_memory(cfg: DictConfig, suggest: bool = True, alternatives: bool = False) -> MemoryPlan:
+    """The job's memory plan: every distinct device simulated; if it does not fit and ``suggest``, the first of
+    ``candidate_changes`` that fits; with ``alternatives``, each device's figures with activation checkpointing
+    switched the other way too."""
+    start = time.perf_counter()
+    capacity, source = device_capacity(cfg)
+    plan = MemoryPlan(simulate_devices(cfg), capacity, source, _checkpointing(cfg),
+                      cfg.strategy.processes * cfg.trainer.num_nodes)
+    if alternatives:
+        switched = {"model.activation_checkpointing": not plan.activation_checkpointing}
+        if OmegaConf.select(cfg, "strategy.activation_checkpointing") is not None:
+            switched["strategy.activation_checkpointing"] = not plan.activation_checkpointing
+        for device, other in zip(plan.devices, simulate_devices(_changed(cfg, switched))):
+            device.activations_checkpointed, device.peak_checkpointed = other.activations, other.peak
+    if suggest and not plan.fits:
+        for change, changed in candidate_changes(cfg):
+            if not _valid(changed):
+                continue
+            peak = max(device.peak for device in simulate_devices(changed))
+            plan.alternatives[change] = peak
+            if peak <= capacity:
+                plan.suggestion = change
+                break
+    plan.seconds = time.perf_counter() - start
+    return plan
+
+
+def _size(size: int | None) -> str:
+    if size is None:
+        return "-"
+    if size >= GB:
+        return f"{size / GB:.2f} GiB"
+    return f"{size / MB:.1f} MiB" if size >= MB else f"{size / 2**10:.1f} KiB"
+
+
+def format_plan(plan: MemoryPlan, cfg: DictConfig) -> str:
+    """The plan as a table, one row per distinct device, and the verdict."""
+    choices = cfg.get("choices") or {}
+    header = (f"Memory plan: model={choices.get('model', '?')} strategy={choices.get('strategy', '?')}, "
+              f"{cfg.trainer.devices} device(s) x {cfg.trainer.num_nodes} node(s) = {plan.world_size} process(es), "
+              f"precision {_precision(cfg)}, data.batch_size={cfg.data.batch_size}, activation checkpointing "
+              f"{'on' if plan.activation_checkpointing else 'off'} (simulated in {plan.seconds:.1f} s)")
+    other = "off" if plan.activation_checkpointing else "on"
+    columns = ["device", "params", "grads", "optimizer", "activations", "comm buffers", "peak"]
+    with_alternative = any(device.peak_checkpointed is not None for device in plan.devices)
+    if with_alternative:
+        columns += [f"activations (AC {other})", f"peak (AC {other})"]
+    rows = []
+    for device in plan.devices:
+        row = [device.name] + [_size(getattr(device, name)) for name in
+                               ("params", "grads", "optimizer", "activations", "comm_buffers", "peak")]
+        if with_alternative:
+            row += [_size(device.activations_checkpointed), _size(device.peak_checkpointed)]
+        rows.append(row)
+    widths = [max(len(str(row[i])) for row in rows + [columns]) for i in range(len(columns))]
+    lines = [header, "  ".join(name.rjust(width) for name, width in zip(columns, widths))]
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    verdict = "fits" if plan.fits else "does NOT fit"
+    lines.append(f"Peak {_size(plan.peak)} per device {verdict} in {_size(plan.capacity)} ({plan.capacity_source}).")
+    for change, peak in plan.alternatives.items():
+        lines.append(f"  tried {change}: peak {_size(peak)}")
+    if not plan.fits:
+        lines.append(f"Smallest change that fits: {plan.suggestion}" if plan.suggestion else
+                     "No change tried fits; more devices, a smaller model or a shorter sequence may.")
+    return "\n".join(lines)
+
+
+def check_fits(plan: MemoryPlan, cfg: DictConfig) -> None:
+    """Refuse a run predicted not to fit (``ConfigError`` naming the change that fits), or with
+    ``memory_plan.if_over=warn`` warn and go on."""
+    if plan.fits:
+        return
+    fix = (f"change {plan.suggestion}, or " if plan.suggestion else "use more devices or a smaller model or batch, or ")
+    problem = (f"predicts a peak of {_size(plan.peak)} on {plan.fullest().name}, more than the "
+               f"{_size(plan.capacity)} of a device ({plan.capacity_source}).")
+    if cfg.memory_plan.if_over == "warn":
+        log.warning(f"The memory plan {problem} Training anyway (memory_plan.if_over=warn).")
+        return
+    raise ConfigError("memory_plan", problem, fix + "set memory_plan.if_over=warn to train anyway (python train.py "
+                      "... plan=true prints the plan).")
+
+
+def write_plan(plan: MemoryPlan, job_dir: Path) -> None:
+    (job_dir / PLAN_FILE).write_text(json.dumps(plan.to_json(), indent=1))
+

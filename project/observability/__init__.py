@@ -1,0 +1,7 @@
+"""What a run shows: per-epoch loggers (W&B, CSV), throughput and MFU, the progress bar, text samples, the console."""
+
+from project.observability.progress import TimedRichProgressBar
+from project.observability.text_sample import TextSample
+from project.observability.throughput import EpochThroughput
+
+__all__ = ["EpochThroughput", "TextSample", "TimedRichProgressBar"]

@@ -1,0 +1,57 @@
+"""What people at a terminal see: the composed config as a tree, Lightning's log lines once each, and where a
+finished job's results went."""
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import rich
+import rich.syntax
+import rich.tree
+from omegaconf import DictConfig, OmegaConf
+
+# Groups first in this order, then any other top-level keys.
+FIRST = ("choices", "overrides", "model", "data", "strategy", "trainer", "logger", "callbacks", "paths")
+
+
+def print_config_tree(cfg: DictConfig) -> None:
+    """Print each top-level section of the (resolved) config as a branch of YAML."""
+    tree = rich.tree.Tree("CONFIG", style="bold", guide_style="dim")
+    keys = [key for key in FIRST if key in cfg] + [key for key in cfg if key not in FIRST]
+    for key in keys:
+        value = cfg[key]
+        text = OmegaConf.to_yaml(value) if isinstance(value, DictConfig) else str(value)
+        tree.add(f"[bold]{key}[/]").add(rich.syntax.Syntax(text, "yaml", theme="ansi_dark", background_color="default"))
+    rich.print(tree)
+
+
+def lightning_logs_through_root() -> None:
+    """``import lightning`` gives its loggers console handlers of their own ("lightning.pytorch" and
+    "lightning.fabric" stop propagating); drop them, so that Lightning's records reach the root logger's handlers
+    (the console and the job's log file) once."""
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+
+
+def print_outputs(job_dir: Path, result: dict[str, Any] | None) -> None:
+    """Where the job's results went: its dir and the files in it that matter, with the objective."""
+    lines = [f"Results in {job_dir}:"]
+    if result and result.get("objective") is not None:
+        lines.append(f"  result.json    {result['metric']} ({result['mode']}) {result['objective']:.6g} at epoch "
+                     f"{result['best_epoch']}, {result['epochs']} epochs, {result['status']}")
+    checkpoints = sorted(path.name for path in (job_dir / "checkpoints").glob("*.ckpt"))
+    if checkpoints:
+        lines.append(f"  checkpoints/   {', '.join(checkpoints)}")
+    lines.append("  train.log      the job's log, every rank's records")
+    for run_dir in sorted((job_dir / "wandb").glob("*run-*"))[-1:]:
+        if run_dir.name.startswith("offline-"):
+            lines.append(f"  W&B (offline)  {run_dir.relative_to(job_dir)}: see it with wandb leet {run_dir.parent}")
+            lines.append(f"                 upload it with wandb sync {run_dir}")
+        else:
+            lines.append(f"  W&B            {run_dir.relative_to(job_dir)}")
+    for metrics in sorted((job_dir / "csv").glob("version_*/metrics.csv"))[-1:]:
+        lines.append(f"  CSV            {metrics}")
+    lines.append(f"  report         python -m project.cli.report {job_dir}")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,68 @@
+"""A sample of the text a language model writes, after each validation."""
+
+from typing import Any
+
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+
+from project.config.errors import ConfigError
+from project.tasks.decoding import check_settings, generate
+from project.observability.loggers import EpochWandbLogger
+
+
+class TextSample(L.Callback):
+    """After each validation (not the sanity check), ``max_new_tokens`` tokens the model writes after ``prompt``
+    (``project.tasks.decoding.generate``: ``temperature``, ``top_k``, ``seed``), printed and kept in the W&B run's
+    table ``samples`` (epoch, step, prompt, text: one row per validation). ``prompt`` null: no sample.
+
+    Every rank generates (an FSDP forward needs them all), drawing the same tokens; rank 0 prints and logs. The
+    context is cut to the data's sequence length, the longest the model trained on.
+    """
+
+    def __init__(self, prompt: str | None, max_new_tokens: int = 64, temperature: float = 0.8,
+                 top_k: int | None = 50, seed: int = 0) -> None:
+        self.prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed = (
+            prompt, max_new_tokens, temperature, top_k, seed)
+        self.rows: list[dict[str, Any]] = []
+
+    @staticmethod
+    def check_config(cfg: DictConfig, name: str, datamodule: L.LightningDataModule, strategy: type | None) -> None:
+        """A prompt (``callbacks.<name>.prompt``) needs text data and a strategy whose ranks run the whole model."""
+        key = f"callbacks.{name}.prompt"
+        prompt = OmegaConf.select(cfg, key)
+        if prompt is None:
+            return
+        if not isinstance(prompt, str) or not prompt:
+            raise ConfigError(key, f"is {prompt!r}.", f"give the text to continue, e.g. {key}='Once upon a time'.")
+        settings = cfg.callbacks[name]
+        problem = check_settings(settings.max_new_tokens, settings.temperature, settings.top_k)
+        if problem is not None:
+            setting, text = problem.split(": ", 1)
+            raise ConfigError(f"callbacks.{name}.{setting}", f"{text}.", f"e.g. callbacks.{name}.{setting}=" +
+                              {"max_new_tokens": "64", "temperature": "0.8", "top_k": "50"}[setting] + ".")
+        if getattr(datamodule, "text_codec", lambda: None)() is None:
+            raise ConfigError(key, f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
+                              f"use data=text or data=shards, or {key}=null.")
+        runs_whole_model = getattr(strategy, "runs_whole_model", None)
+        if runs_whole_model is not None and not runs_whole_model(cfg):
+            raise ConfigError(key, f"is set, but under {strategy.__name__} as configured no rank runs the whole model "
+                              "(pipeline stages, tensor-parallel splits).",
+                              f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.prompt is None or trainer.sanity_checking:
+            return
+        codec, net = trainer.datamodule.text_codec(), pl_module.net
+        training = net.training
+        net.eval()
+        tokens = generate(net, codec.encode(self.prompt), self.max_new_tokens, self.temperature, self.top_k,
+                          self.seed, max_length=trainer.datamodule.seq_length)
+        net.train(training)
+        text = codec.decode(tokens)
+        self.rows.append({"epoch": trainer.current_epoch, "step": trainer.global_step, "prompt": self.prompt,
+                          "text": text})
+        if trainer.is_global_zero:
+            print(f"Sample (epoch {trainer.current_epoch}, step {trainer.global_step}): {self.prompt}{text}")
+            for logger in trainer.loggers:
+                if isinstance(logger, EpochWandbLogger):
+                    logger.log_summary_table("samples", self.rows)

@@ -1,0 +1,252 @@
+"""What every task's LightningModule shares: the steps, the optimizer, and the protocol strategies rely on."""
+
+from collections.abc import Callable, Sequence
+
+import lightning as L
+import torch
+from torch import nn
+from torchmetrics import Metric
+
+from project.config.errors import ConfigError
+from project.checkpointing.hf import HFWeights
+from project.tasks.metrics import SampleMean
+from project.distributed.parallelize import apply_activation_checkpointing, compile_blocks, materialize
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
+
+# Parameter kinds weight decay can spare (``no_weight_decay``): shrinking them towards 0 only hurts.
+NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+NO_DECAY_KINDS = {
+    "bias": lambda name, module: name.endswith("bias"),
+    "norm": lambda name, module: isinstance(module, NORMS),
+    "embedding": lambda name, module: isinstance(module, nn.Embedding),
+}
+
+
+class TrainingModule(L.LightningModule):
+    """Trains ``net`` (a plain model, ``head(blocks(stem(x)))``) on ``(inputs, targets)`` batches.
+
+    ``net`` is normally built on the meta device; ``configure_model`` lets the strategy shard or split it, then
+    materialises what this rank keeps, initialised from ``init_seed`` (``project.distributed.parallelize.materialize``).
+
+    Subclasses set ``criterion`` (loss of a batch or micro-batch), ``train_metrics`` and ``val_metrics``
+    (ModuleDicts of torchmetrics with a ``loss`` SampleMean, reduced across ranks once at epoch end) and may
+    override ``update_task_metrics`` for the metrics beyond the loss. They give ``example_batch`` (a batch of the
+    data's shapes, for the memory plan's simulated step).
+
+    The protocol strategies use: ``configure_model`` hands ``net`` to ``strategy.parallelize`` (FSDP shards it,
+    model/pipeline parallelism split it); a pipeline strategy runs the steps itself with ``criterion`` per
+    micro-batch, feeds ``update_metrics`` where outputs exist and calls ``log_metrics`` on every rank; a strategy
+    with ``clip_grad_norm_`` clips gradients by norm itself.
+    """
+
+    criterion: nn.Module
+    train_metrics: nn.ModuleDict
+    val_metrics: nn.ModuleDict
+
+    def __init__(
+        self,
+        net: nn.Module,
+        optimizer: OptimizerFactory,
+        init_seed: int,
+        scheduler: SchedulerFactory | None = None,
+        no_weight_decay: Sequence[str] = (),
+        activation_checkpointing: bool = False,
+        init_from: str | None = None,
+        compile: bool = False,
+    ) -> None:
+        super().__init__()
+        unknown = set(no_weight_decay) - set(NO_DECAY_KINDS)
+        if unknown:
+            raise ConfigError(
+                "model.no_weight_decay",
+                f"names {sorted(unknown)}, which are not parameter kinds.",
+                f"list kinds among {sorted(NO_DECAY_KINDS)}, or [] to decay every parameter.",
+            )
+        if scheduler is not None:
+            _check_scheduler(scheduler)
+        self.net = net
+        self.optimizer_factory = optimizer
+        self.init_seed = init_seed
+        self.scheduler_factory = scheduler
+        self.no_weight_decay = list(no_weight_decay)
+        self.activation_checkpointing = activation_checkpointing
+        self.init_from = init_from  # a Hugging Face model dir whose weights replace the seeded ones
+        self.compile_each_block = compile  # (not self.compile: that is nn.Module's own method)
+        # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
+        self.interval_loss = SampleMean()
+        self._configured = False
+        self._logged_splits: set[str] = set()  # splits whose metrics Lightning holds for the epoch under way
+        _check_optimizer(optimizer, self._optimizer_groups())  # on the meta-device parameters: nothing allocated
+
+    def configure_model(self) -> None:
+        if self._configured:
+            return  # Lightning calls this again for validate or test after fit
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(self.net)
+        if self.compile_each_block:
+            compile_blocks(self.net)
+        parallelize = getattr(self.trainer.strategy, "parallelize", None)
+        if parallelize is not None:  # DDP and one device keep the whole model
+            parallelize(self.net)
+        weights = HFWeights(self.init_from) if self.init_from else None
+        materialize(self.net, self.trainer.strategy.root_device, self.init_seed, weights)
+        self._configured = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def metrics_for(self, split: str) -> nn.ModuleDict:
+        return self.train_metrics if split == "train" else self.val_metrics
+
+    def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
+        """Add a batch to ``split``'s metrics (train or val)."""
+        metrics = self.metrics_for(split)
+        # Weighted by the targets it averages over, the epoch's loss is the mean over all samples (or tokens),
+        # whatever the batch sizes.
+        metrics["loss"].update(loss.detach(), weight=target.numel())
+        if split == "train" and self.trainer.log_every_n_steps:  # the step rows' loss, only when there are step rows
+            self.interval_loss.update(loss.detach(), weight=target.numel())
+        self.update_task_metrics(metrics, outputs.detach(), target)
+
+    def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
+        """Metrics beyond the loss (none by default)."""
+
+    def log_metrics(self, split: str) -> None:
+        """Log ``split``'s metrics (train or val) for the epoch: hand Lightning the metric objects, once per epoch
+        (or validation). Lightning computes them (reduced over ranks) at its end and resets them; every update in
+        between goes into the objects themselves. Logging them at every step, as usual, costs Lightning's
+        bookkeeping (some 1.7 ms a call here, more than a small model's step) and adds nothing."""
+        if split in self._logged_splits:
+            return
+        self._logged_splits.add(split)
+        metrics = self.metrics_for(split)
+        self.log_dict(
+            {f"{split}/{name}": metric for name, metric in metrics.items()}, on_step=False, on_epoch=True, prog_bar=True
+        )
+
+    def on_train_epoch_end(self) -> None:
+        self._logged_splits.discard("train")
+
+    def on_validation_epoch_end(self) -> None:
+        self._logged_splits.discard("val")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every ``trainer.log_every_n_steps`` optimizer steps (0: never), a row ``step/train_loss``: the mean
+        training loss over those steps, all ranks' samples (or tokens) together, at x = ``step``. For runs measured
+        in steps, and to compare runs step by step; the epoch rows are unchanged. Logged here, once the step's
+        loss is known, rather than after the step, where a checkpoint of this step would be saved first."""
+        every, step = self.trainer.log_every_n_steps, self.trainer.global_step + 1  # the step about to be taken
+        if not every or step % every:
+            return
+        loss = self.interval_loss.compute().item()  # every rank joins the reduction
+        self.interval_loss.reset()
+        for logger in self.loggers:
+            logger.log_metrics({"step/train_loss": loss, "epoch": self.current_epoch}, step=step)
+
+    def _running_metrics(self, mid_epoch: bool = True) -> dict[str, Metric]:
+        """The metrics a resumed run must go on from: the step rows' always, the epoch's while it is under way."""
+        epoch = {f"train/{name}": metric for name, metric in self.train_metrics.items()} if mid_epoch else {}
+        return {**epoch, "interval_loss": self.interval_loss}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """The training metrics so far, summed over ranks, so that an epoch resumed from a mid-epoch checkpoint
+        reports the numbers of the whole epoch. Every rank saves (Lightning builds the checkpoint on each), so all
+        join the reduction. (Under pipeline only the last stage updates them; the other stages add zeros.)"""
+        trainer = self.trainer
+        mid_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed < trainer.num_training_batches
+        checkpoint["running_metrics"] = {}
+        for key, metric in self._running_metrics(mid_epoch).items():
+            with metric.sync_context():  # sums (the states' reductions) over ranks, then back to this rank's own
+                checkpoint["running_metrics"][key] = {name: getattr(metric, name).clone() for name in metric._defaults}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Rank 0 takes the saved sums, the other ranks start from zero: their sum is the saved one."""
+        for key, metric in self._running_metrics().items():
+            metric.reset()
+            saved = checkpoint.get("running_metrics", {}).get(key)
+            if saved is not None and self.global_rank == 0:
+                for name, value in saved.items():
+                    setattr(metric, name, value.to(getattr(metric, name).device))
+                metric._update_count = 1  # it holds updates: compute() without torchmetrics' warning
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, target = batch
+        outputs = self(inputs)
+        loss = self.criterion(outputs, target)
+        self.update_metrics("train", outputs, target, loss)
+        self.log_metrics("train")
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        inputs, target = batch
+        outputs = self(inputs)
+        self.update_metrics("val", outputs, target, self.criterion(outputs, target))
+        self.log_metrics("val")
+
+    def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Lightning's clipping, except that by norm a strategy whose ranks each hold a part of the model (a
+        pipeline stage) clips by the whole model's norm with its ``clip_grad_norm_``."""
+        clip_grad_norm_ = getattr(self.trainer.strategy, "clip_grad_norm_", None)
+        algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
+        if clip_grad_norm_ is None or not gradient_clip_val or algorithm != "norm":
+            return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        clip_grad_norm_([parameter for group in optimizer.param_groups for parameter in group["params"]], gradient_clip_val)
+
+    def parameter_groups(self) -> list[list[str]]:
+        """Names of the parameters in each optimizer group, in order: weight-decayed, then spared (the
+        ``no_weight_decay`` kinds). Every rank has both groups, possibly empty, so their indices always agree."""
+        decayed, spared = [], []
+        for name, _ in self.named_parameters():
+            module = self.get_submodule(name.rpartition(".")[0])
+            spare = any(NO_DECAY_KINDS[kind](name, module) for kind in self.no_weight_decay)
+            (spared if spare else decayed).append(name)
+        return [decayed, spared]
+
+    def _optimizer_groups(self) -> list[dict]:
+        parameters = dict(self.named_parameters())
+        decayed, spared = ([parameters[name] for name in group] for group in self.parameter_groups())
+        return [{"params": decayed}, {"params": spared, "weight_decay": 0.0}]
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(params=self._optimizer_groups())
+        if self.scheduler_factory is None:
+            return optimizer
+        # Per optimizer step, over this run's steps (epochs, devices, accumulation and max_steps included).
+        scheduler = self.scheduler_factory(optimizer, run_steps=self.trainer.estimated_stepping_batches)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+# How torch.optim's own errors name each hyperparameter, to point at the config key.
+OPTIMIZER_ARGUMENTS = {"lr": "learning rate", "eps": "epsilon", "betas": "beta", "weight_decay": "weight_decay",
+                       "momentum": "momentum", "dampening": "dampening"}
+
+
+def _check_optimizer(factory: OptimizerFactory, groups: list[dict]) -> None:
+    """Build the optimizer once, so that torch.optim checks its hyperparameters (a negative learning rate, betas
+    outside [0, 1)...) before any worker starts; its message names the config key."""
+    for name, value in getattr(factory, "keywords", {}).items():
+        values = value if name == "betas" and isinstance(value, Sequence) and not isinstance(value, str) else [value]
+        if name in OPTIMIZER_ARGUMENTS and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            raise ConfigError(f"model.optimizer.{name}", f"must be {'numbers' if name == 'betas' else 'a number'}, "
+                              f"got {value!r}.", f"e.g. model.optimizer.{name}={'[0.9,0.95]' if name == 'betas' else 0.001}.")
+    try:
+        factory(params=groups)
+    except (ValueError, TypeError) as error:
+        key = next((f"model.optimizer.{name}" for name, words in OPTIMIZER_ARGUMENTS.items() if words in str(error)),
+                   "model.optimizer")
+        raise ConfigError(key, f"is refused by the optimizer: {error}.", f"set {key} to a value the optimizer accepts.") from None
+
+
+def _check_scheduler(factory: SchedulerFactory) -> None:
+    """Build the schedule once on a stand-in optimizer, so a bad scheduler config fails before any training starts."""
+    stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        factory(stand_in, run_steps=100)
+    except TypeError as error:
+        raise ConfigError(
+            "model.scheduler",
+            f"cannot be built as factory(optimizer, run_steps=...): {error}.",
+            "use a schedule taking the run's optimizer steps, e.g. project.tasks.schedules.warmup_cosine, or null.",
+        ) from None

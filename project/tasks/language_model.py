@@ -1,0 +1,50 @@
+"""Next-token prediction: token cross-entropy, perplexity, and the data's entropy floor next to the val loss."""
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn import functional as F
+
+from project.tasks.base import TrainingModule
+from project.tasks.metrics import SampleMean
+
+
+class TokenCrossEntropy(nn.Module):
+    """Mean cross-entropy over every token of a (batch, length, vocab) logits tensor.
+
+    Logits split by vocabulary across tensor-parallel ranks (a DTensor) stay split: torch's ``loss_parallel``
+    combines the ranks' partial sums; the loss, the same on every rank, comes back as a plain tensor. Its backward
+    must run inside ``loss_parallel`` too (the tensor-parallel strategies' ``backward``)."""
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, DTensor):
+            with loss_parallel():
+                return F.cross_entropy(logits.flatten(0, 1), target.flatten()).to_local()
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class LanguageModelModule(TrainingModule):
+    """``net`` maps token ids (batch, length) to next-token logits. Logs ``train/loss``, ``val/loss`` and
+    ``val/perplexity`` per epoch, and ``data/entropy_floor`` when the data knows its best achievable loss."""
+
+    def __init__(self, net: nn.Module, **kwargs) -> None:
+        super().__init__(net, **kwargs)
+        self.criterion = TokenCrossEntropy()
+        self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
+        self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
+
+    def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of the shapes and dtypes the data module (``data``, its config) feeds: token ids and targets."""
+        tokens = torch.zeros(batch_size, data.seq_length, dtype=torch.long)
+        return tokens, tokens
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        # Perplexity is exp of the mean token loss, which the loss metric already holds (reduced over all ranks):
+        # no second pass over the logits.
+        self.log("val/perplexity", torch.exp(self.val_metrics["loss"].compute()))
+        floor = getattr(self.trainer.datamodule, "entropy_floor", None)
+        if floor is not None:  # plotted beside val/loss: how far the model is from the best possible
+            self.log("data/entropy_floor", floor)

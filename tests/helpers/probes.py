@@ -1,0 +1,132 @@
+"""Callbacks the tests add to real runs (``+callbacks.<name>._target_=helpers.probes.<Class>``) to see inside the workers;
+each logs what it saw as per-epoch ``probe/*`` metrics, which the tests read back from the W&B run."""
+
+import os
+import statistics
+import time
+import subprocess
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+
+class BackwardHooks(L.Callback):
+    """Counts Lightning's ``on_before_backward`` / ``on_after_backward`` calls of each epoch, and the share of this
+    rank's parameters that have a gradient when ``on_after_backward`` runs (min over ranks)."""
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.before = self.after = 0
+        self.with_grad: list[float] = []
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss) -> None:
+        self.before += 1
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.after += 1
+        parameters = list(pl_module.parameters())
+        self.with_grad.append(sum(p.grad is not None for p in parameters) / len(parameters))
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pl_module.log("probe/before_backward", float(self.before), sync_dist=True, reduce_fx="min")
+        pl_module.log("probe/after_backward", float(self.after), sync_dist=True, reduce_fx="min")
+        pl_module.log("probe/params_with_grad", min(self.with_grad), sync_dist=True, reduce_fx="min")
+
+
+class AllGatherCount(L.Callback):
+    """Counts the all-gathers (FSDP gathering parameters) of each training batch; logs the epoch's median per
+    batch, max over ranks."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.count = 0
+        # FSDP2 gathers through dist.all_gather_single from torch 2.13 on, through all_gather_into_tensor before.
+        name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+        gather = getattr(dist, name)
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return gather(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.per_batch: list[int] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self.at_start = self.count
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self.per_batch.append(self.count - self.at_start)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        median = float(statistics.median(self.per_batch))
+        pl_module.log("probe/all_gathers_per_batch", median, sync_dist=True, reduce_fx="max")
+
+
+class FreezeCheckpointsDir(L.Callback):
+    """Makes the checkpoints dir unwritable when epoch ``epoch`` starts (0-based): immutable for root, whom file
+    modes do not stop, read-only otherwise. The test undoes it (``thaw``)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.current_epoch == self.epoch and trainer.is_global_zero:
+            freeze(Path(trainer.checkpoint_callback.dirpath))
+
+
+def freeze(directory: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(directory)], check=True)
+    else:
+        directory.chmod(0o555)
+
+
+def thaw(directory: Path) -> None:
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(directory)], check=True)
+    else:
+        directory.chmod(0o755)
+
+
+class SlowEpochs(L.Callback):
+    """Sleeps ``seconds`` at the end of every training epoch, so that a test can signal a job between epochs;
+    the numbers do not change."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        time.sleep(self.seconds)
+
+
+class StallAtStep(L.Callback):
+    """Rank 0 stops at optimizer step ``step`` (its peers then wait in their next collective) and creates the file
+    ``marker``, so that the test can kill the run at a known point."""
+
+    def __init__(self, step: int, marker: str) -> None:
+        self.step, self.marker = step, Path(marker)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.is_global_zero:
+            self.marker.touch()
+            time.sleep(600)
+
+
+class FailInFit(L.Callback):
+    """Raises on every rank as training starts: a failure inside the workers, past every check before launch."""
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        raise ValueError(f"a failure in fit, on rank {trainer.global_rank}")
+
+
+class FusedAdamW(L.Callback):
+    """Logs ``probe/fused_adamw_on_cuda``: 1 when every optimizer of the run is an AdamW with ``fused=True`` over
+    parameters on CUDA, the kernel the config asks for on a GPU."""
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        fused = all(isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused")
+                    and all(p.is_cuda for group in optimizer.param_groups for p in group["params"])
+                    for optimizer in trainer.optimizers)
+        pl_module.log("probe/fused_adamw_on_cuda", float(fused))
