@@ -7,7 +7,7 @@ from torch import nn
 
 from conftest import TINY, TINY_GPT, TINY_LLAMA, only_run
 from project.observability.flops import peak_tflops, training_flops_per_sample
-from project.launch.training import build_net
+from project.config.build import build_net
 from test_config import compose_train
 
 

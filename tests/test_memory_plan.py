@@ -10,7 +10,7 @@ from omegaconf import OmegaConf, open_dict
 from conftest import TINY_GPT, only_run, train
 from project.memory.plan import plan_memory
 from project.distributed.parallelize import block_sizes, split_blocks, stage_modules
-from project.launch.training import build_net
+from project.config.build import build_net
 from test_config import compose_train
 
 MODEL_STATE = ("params", "grads", "optimizer", "model_state")

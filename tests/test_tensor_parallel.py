@@ -12,12 +12,12 @@ from conftest import TINY, TINY_GPT, assert_close, assert_matches_reference, onl
 from project.checkpointing.files import is_sharded_checkpoint
 from project.config.errors import ConfigError
 from project.checkpointing.hf import HFWeights, net_options, read_config
-from project.memory.plan import fake_process_group
+from project.memory.simulation import fake_process_group
 from project.models import GPT, Llama
 from project.distributed.plans import apply_tensor_parallel
 from project.distributed.parallelize import apply_fsdp, materialize
 from project.distributed.strategies import FSDPStrategy
-from project.launch.training import build_net
+from project.config.build import build_net
 from test_memory_plan import resolved
 
 # Each layout's run (conftest) and its ranks: data-parallel replicas x tensor-parallel ranks (x pipeline stages).

@@ -141,10 +141,19 @@ def model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     return {key.removeprefix(PREFIX): value for key, value in state.items() if key.startswith(PREFIX)}
 
 
+# Classes that moved since jobs saved their config.yaml, by the path those configs name (``data`` and ``model.net``,
+# which export and generate build, kept their paths but for this one).
+MOVED_TARGETS = {"project.data.prepared.ShardsDataModule": "project.data.shards.ShardsDataModule"}
+
+
 def job_config(checkpoint: str | Path, config: str | Path | None = None) -> DictConfig:
     """The resolved config of the job that saved ``checkpoint``: ``config``, or the job dir's ``config.yaml``
-    beside its ``checkpoints/``."""
+    beside its ``checkpoints/``, with the data and model classes at their current paths."""
     config = Path(config) if config else Path(checkpoint).resolve().parent.parent / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(f"{config} does not exist: pass the job's config with --config <job dir>/config.yaml")
-    return OmegaConf.load(config)
+    cfg = OmegaConf.load(config)
+    for node in (cfg.get("data"), OmegaConf.select(cfg, "model.net")):
+        if node is not None and node.get("_target_") in MOVED_TARGETS:
+            node._target_ = MOVED_TARGETS[node._target_]
+    return cfg

@@ -7,6 +7,7 @@ and the model and data modules check their options when they are built.
 
 import pickle
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from safetensors import SafetensorError
 from torch import nn
 
 from project.checkpointing.files import checkpoint_shapes
+from project.config.build import build_strategy, parallel_dims
 from project.checkpointing.hf import HFWeights, check_matches
 from project.config.errors import ConfigError, positive_int
+from project.distributed.dims import ParallelDims
 
 
 def positive_int_at(cfg: DictConfig, key: str, fix: str) -> int:
@@ -167,16 +170,8 @@ def strategy_class(cfg: DictConfig) -> type | None:
     return None if target is None else get_class(target)
 
 
-def data_parallel_size(cfg: DictConfig) -> int:
-    """Replicas that split each global batch: every process, unless the strategy says otherwise (a pipeline's
-    ranks share one replica)."""
-    replicas = getattr(strategy_class(cfg), "data_parallel_replicas", None)
-    return replicas(cfg) if replicas is not None else cfg.strategy.processes * cfg.trainer.num_nodes
-
-
-def _check_checkpoint(cfg: DictConfig, module: nn.Module) -> None:
-    """``ckpt_path`` exists and holds this model: the same parameter names and shapes."""
-    ckpt_path = resolve_ckpt_path(cfg)
+def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None) -> None:
+    """``ckpt_path`` (resolved) exists and holds this model: the same parameter names and shapes."""
     if ckpt_path is None:
         return
     if not Path(ckpt_path).exists():
@@ -202,14 +197,6 @@ def _check_checkpoint(cfg: DictConfig, module: nn.Module) -> None:
         raise ConfigError("ckpt_path", f"{ckpt_path} is a checkpoint of another model: {'; '.join(differences)}.",
                           "resume with the model settings it was saved with (its job dir's config.yaml), or pass a "
                           "checkpoint of this model.")
-
-
-def build_strategy(strategy_cfg: DictConfig) -> Any:
-    """The Lightning strategy of the ``strategy`` group: its ``_target_`` built with every option but ``processes``
-    (the launcher's), or Lightning's own ``"auto"`` where the option names no class."""
-    if "_target_" not in strategy_cfg:
-        return "auto"
-    return instantiate(OmegaConf.masked_copy(strategy_cfg, [key for key in strategy_cfg if key != "processes"]))
 
 
 def _build(key: str, build: Callable[[], Any]) -> Any:
@@ -317,8 +304,18 @@ def _check_mode(cfg: DictConfig) -> None:
                           "null).", "pass ckpt_path=<a checkpoint> or model.init_from=<a Hugging Face model dir>.")
 
 
-def check_config(cfg: DictConfig) -> None:
-    """Raise ``ConfigError`` for the first setting that cannot work."""
+@dataclass(frozen=True)
+class CheckedConfig:
+    """What checking a config found out, for the stages after it: the strategy class (None for Lightning's
+    ``auto``), how the job's ranks divide, and the checkpoint to load (``ckpt_path`` resolved)."""
+
+    strategy: type | None
+    dims: ParallelDims
+    ckpt_path: str | None
+
+
+def check_config(cfg: DictConfig) -> CheckedConfig:
+    """Raise ``ConfigError`` for the first setting that cannot work; what the checks resolved otherwise."""
     _check_mode(cfg)
     devices = positive_int_at(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
     positive_int_at(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
@@ -350,18 +347,21 @@ def check_config(cfg: DictConfig) -> None:
         net = _build("model.net", lambda: instantiate(cfg.model.net))
         # The LightningModule checks its own options (optimizer, schedule).
         module = _build("model", lambda: instantiate(cfg.model, net=net))
-    _build("strategy", lambda: build_strategy(cfg.strategy))  # its own checks of its options, no process group yet
-    _check_checkpoint(cfg, module)
+    strategy = _build("strategy", lambda: build_strategy(cfg.strategy))  # checks its options; no process group yet
+    ckpt_path = resolve_ckpt_path(cfg)
+    _check_checkpoint(cfg, module, ckpt_path)
     _check_init_from(cfg, net)
-    strategy_rules = getattr(strategy_class(cfg), "check_config", None)
+    cls = strategy_class(cfg)
+    strategy_rules = getattr(cls, "check_config", None)
     if strategy_rules is not None:  # each strategy of this project checks what it needs (its own module)
-        strategy_rules(cfg, net)
-    for name, callback in (cfg.callbacks or {}).items():  # and so does each callback, of the data and strategy
+        strategy_rules(cfg, net, ckpt_path)
+    dims = parallel_dims(strategy, cfg.strategy.processes * cfg.trainer.num_nodes)
+    for name, callback in (cfg.callbacks or {}).items():  # and so does each callback, of the data and layout
         callback_rules = getattr(get_class(callback._target_), "check_config", None)
         if callback_rules is not None:
-            callback_rules(cfg, name, datamodule, strategy_class(cfg))
+            callback_rules(cfg, name, datamodule, cls, dims)
 
-    data_parallel = data_parallel_size(cfg)
+    data_parallel = dims.data_parallel
     global_batch = batch_size * data_parallel
     if global_batch > datamodule.num_train_samples:
         raise ConfigError(
@@ -380,3 +380,4 @@ def check_config(cfg: DictConfig) -> None:
             "replicas that each need one.",
             f"use at least {data_parallel} validation samples, or fewer devices.",
         )
+    return CheckedConfig(cls, dims, ckpt_path)

@@ -26,12 +26,6 @@ def wandb_x_axis(val_check_interval: int | float | None) -> str:
     return "epoch" if at_epoch_end else "step"
 
 
-def tensor_parallel_tag(size: int) -> str:
-    """logger=wandb: ``-tp<size>`` in a run's name when its strategy splits layers over ``size`` ranks, so that runs
-    of one strategy with and without tensor parallelism are told apart (an empty tag otherwise)."""
-    return f"-tp{size}" if size != 1 else ""
-
-
 def prepared_meta(path: str | Path) -> dict:
     """The ``meta.json`` of a corpus prepared by ``python -m project.cli.prepare`` (``data.path``)."""
     meta = Path(path) / "meta.json"
@@ -52,4 +46,3 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node, replace=True)
     OmegaConf.register_new_resolver("prepared_vocab_size", prepared_vocab_size, replace=True)
     OmegaConf.register_new_resolver("wandb_x_axis", wandb_x_axis, replace=True)
-    OmegaConf.register_new_resolver("tensor_parallel_tag", tensor_parallel_tag, replace=True)

@@ -18,6 +18,8 @@ pipeline stage drops the others), block by block in the model's own numbering.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -171,31 +173,47 @@ def parallelize_mlp(net: MLP, mesh: DeviceMesh, sequence_parallel: bool, loss_pa
         parallelize_module(block, mesh, {linear: style} if linear else style)
 
 
-PLANS: dict[type, Callable[[nn.Module, DeviceMesh, bool, bool], None]] = {
-    GPT: parallelize_gpt,
-    Llama: parallelize_llama,
-    MLP: parallelize_mlp,
+def _decoder_split_sizes(net: GPT | Llama) -> list[tuple[str, str, int]]:
+    attention = net.blocks[0].attention
+    sizes = [("num_heads", "attention heads", attention.q.out_features // attention.head_dim)]
+    if isinstance(net, Llama):  # (the GPT's MLP width, 4 x dim, divides whenever its heads do)
+        sizes += [("num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
+                  ("hidden_dim", "SwiGLU hidden units", net.blocks[0].mlp.up.out_features)]
+    return sizes
+
+
+def _mlp_split_sizes(net: MLP) -> list[tuple[str, str, int]]:
+    pairs = len(net.blocks) // 2  # the first layer of each pair, split by its outputs
+    return [("hidden_dims", f"units of hidden layer {index}", net.blocks[index][0].out_features)
+            for index in range(0, 2 * pairs, 2)]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """How a model is split over tensor-parallel ranks: the function that lays it out (``(net, mesh,
+    sequence_parallel, loss_parallel)``), the counts that layout shares out (``split_sizes(net)``: each as the model
+    argument that sets it, what it counts, the count; every one must divide by the tensor-parallel size), and whether
+    its activations have a sequence dimension to split (sequence parallelism)."""
+
+    parallelize: Callable[[Any, DeviceMesh, bool, bool], None]
+    split_sizes: Callable[[Any], list[tuple[str, str, int]]]
+    has_sequence: bool
+
+
+# Every model's parallel plan: the one table to extend when adding a model (docs/architecture.md).
+PLANS: dict[type[nn.Module], ModelPlan] = {
+    GPT: ModelPlan(parallelize_gpt, _decoder_split_sizes, has_sequence=True),
+    Llama: ModelPlan(parallelize_llama, _decoder_split_sizes, has_sequence=True),
+    MLP: ModelPlan(parallelize_mlp, _mlp_split_sizes, has_sequence=False),
 }
+
+
+def model_plan(net: nn.Module) -> ModelPlan | None:
+    """``net``'s plan, or None for a model that has none."""
+    return PLANS.get(type(net))
 
 
 def apply_tensor_parallel(net: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True,
                           loss_parallel: bool = True) -> None:
     """Lay ``net`` (on the meta device) out over the tensor-parallel ``mesh`` with its model's plan."""
-    PLANS[type(net)](net, mesh, sequence_parallel, loss_parallel)
-
-
-def split_sizes(net: nn.Module) -> list[tuple[str, str, int]]:
-    """The counts ``net``'s plan shares out across tensor-parallel ranks, each as (the model's argument that sets
-    it, what it counts, the count): every one must divide by the tensor-parallel size."""
-    if isinstance(net, (GPT, Llama)):
-        attention = net.blocks[0].attention
-        sizes = [("num_heads", "attention heads", attention.q.out_features // attention.head_dim)]
-        if isinstance(net, Llama):  # (the GPT's MLP width, 4 x dim, divides whenever its heads do)
-            sizes += [("num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
-                      ("hidden_dim", "SwiGLU hidden units", net.blocks[0].mlp.up.out_features)]
-        return sizes
-    if isinstance(net, MLP):  # the first layer of each pair, split by its outputs
-        pairs = len(net.blocks) // 2
-        return [("hidden_dims", f"units of hidden layer {index}", net.blocks[index][0].out_features)
-                for index in range(0, 2 * pairs, 2)]
-    return []
+    PLANS[type(net)].parallelize(net, mesh, sequence_parallel, loss_parallel)

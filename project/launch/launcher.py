@@ -1,4 +1,5 @@
-"""From a composed Hydra config to a running job: check it, then train in this process or start one worker per device.
+"""From a composed Hydra config to a running job: resolve it once (``project.config.job``), then train in this
+process or start one worker per device.
 
 Why not Lightning's own launcher: for DDP it re-executes ``sys.argv``, so each worker of a Hydra multirun job
 would start the whole sweep again. Instead the job's resolved config is written to ``<job dir>/config.yaml`` and
@@ -9,13 +10,11 @@ The workers see torchelastic's environment, so Lightning joins them into one pro
 import atexit
 import logging
 import os
-import re
 import shutil
 import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -27,104 +26,34 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from omegaconf import DictConfig, OmegaConf, open_dict
-from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
-from project.launch.results import read_result
-from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
-from project.config.checks import check_config, resolve_ckpt_path, strategy_shards_model, uses_cuda
-from project.observability.console import lightning_logs_through_root, print_config_tree, print_outputs
+from project.config.checks import uses_cuda
 from project.config.errors import ConfigError, JobFailed
+from project.config.job import print_memory_plan, resolve_job
 from project.launch.failures import failure_report
 from project.launch.job_dir import job_dir_lock
-from project.memory.plan import MemoryPlan, check_fits, format_plan, plan_memory, write_plan
 from project.launch.processes import (
     HEARTBEAT_DIR_VARIABLE,
     JOB_LOG_VARIABLE,
     LAUNCHER_PID_VARIABLE,
+    NodeTask,
     die_with_parent,
+    is_rank_zero,
+    launched_by_torchrun,
     stop_on_early_warning,
 )
-from project.launch.training import build_net, result_file, train
+from project.launch.results import read_result
+from project.launch.training import result_file, train
+from project.memory.plan import write_plan
+from project.observability.console import lightning_logs_through_root, print_config_tree, print_outputs
 
 log = logging.getLogger(__name__)
-
-
-def launched_by_torchrun() -> bool:
-    """torchrun (or any torchelastic agent) already started this process as one rank of the job."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-@dataclass(frozen=True)
-class NodeTask:
-    """This process's node in its job: hydra-submitit-launcher (``launcher=slurm``) runs the Hydra job once per
-    node, one task per node, and each task starts its node's ranks; anywhere else the job has one node."""
-
-    rank: int = 0  # this node's rank: its task's
-    count: int = 1  # nodes in the job: its tasks
-    head: str = "localhost"  # host of node 0, where the ranks meet
-    job_id: str = ""  # the cluster's job id (submitit's local executor: its controller's pid)
-
-
-def node_task() -> NodeTask:
-    if "SUBMITIT_EXECUTOR" not in os.environ:
-        return NodeTask()
-    import submitit
-
-    env = submitit.JobEnvironment()
-    return NodeTask(env.global_rank, env.num_tasks, env.hostnames[0], env.raw_job_id)
 
 
 def rendezvous_port(job_id: str) -> int:
     """A port every node of a job computes alike from the job id, as Lightning's SLURM environment does, so that
     the nodes meet without talking first."""
     return 15000 + int(job_id) % 10000
-
-
-def is_rank_zero() -> bool:
-    """This process is rank 0 of its job: always, unless torchrun started several ranks or a cluster launcher
-    several node tasks."""
-    return int(os.environ.get("RANK", "0")) == 0 and node_task().rank == 0
-
-
-def job_config(cfg: DictConfig) -> DictConfig:
-    """The resolved config of this Hydra job, plus what only the Hydra process knows.
-
-    Adds ``choices`` (the option picked in each config group, e.g. ``strategy: ddp``) and ``overrides`` (the
-    job's command-line overrides, a sweep's values included), and sets the W&B run's ``job_type`` (``train``, or
-    ``sweep`` for a multirun job) and, in a multirun, its group: the sweep dir's name, so the runs appear together.
-    """
-    hydra_cfg = HydraConfig.get()
-    multirun = hydra_cfg.mode == RunMode.MULTIRUN
-    cfg = cfg.copy()
-    with open_dict(cfg):
-        cfg.choices = {
-            group: option for group, option in hydra_cfg.runtime.choices.items() if not group.startswith("hydra")
-        }
-        cfg.overrides = list(hydra_cfg.overrides.task)
-        wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
-        if wandb_cfg is not None and wandb_cfg.job_type is None:
-            wandb_cfg.job_type = "sweep" if multirun else "train"
-        if wandb_cfg is not None and wandb_cfg.group is None and multirun:
-            wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
-    try:
-        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
-    except MissingMandatoryValue as error:  # a ??? the command line did not fill (model=language_model: no net)
-        raise ConfigError(str(error.full_key), "is required and has no value (???).",
-                          f"set it on the command line: {error.full_key}=..., or choose an option that sets it.") from None
-    except InterpolationResolutionError as error:
-        raised = re.search(r"ConfigError raised while resolving interpolation: (\S+): (.*?) Fix: (.*?)\n", error.msg)
-        if raised:  # a resolver's own error (data=shards: no meta.json in data.path)
-            raise ConfigError(*raised.groups()) from None
-        missing = re.search(r"Missing mandatory value: (\S+)", error.msg)
-        if missing:
-            raise ConfigError(missing.group(1), "is required and has no value (???).",
-                              f"set it on the command line: {missing.group(1)}=...") from None
-        raise ConfigError(
-            str(error.full_key),
-            f"cannot be resolved: {error.msg}",
-            "choose options that fit together (model=gpt with data=tokens or data=text; model=mlp with "
-            "data=synthetic), or set the key explicitly.",
-        ) from None
 
 
 def concurrent_jobs() -> int:
@@ -241,76 +170,6 @@ def join_torchrun_job(cfg: DictConfig) -> None:
             cfg.paths.output_dir = shared[0]
 
 
-def checkpoint_to_load(cfg: DictConfig) -> str | None:
-    """``ckpt_path`` as a path this job's strategy can load: a sharded checkpoint is consolidated into
-    ``<job dir>/consolidated.ckpt`` (by one process) for strategies that load single files."""
-    path = resolve_ckpt_path(cfg)
-    if path is None or not is_sharded_checkpoint(path) or strategy_shards_model(cfg):
-        return path
-    target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
-    if is_rank_zero():
-        module = instantiate(cfg.model, net=build_net(cfg))  # on the meta device: only its parameter names count
-        consolidate_checkpoint(path, target, module.parameter_groups())
-    if dist.is_initialized():
-        dist.barrier()  # torchrun: the other ranks wait for rank 0's file
-    return str(target)
-
-
-def check_launch(cfg: DictConfig, torchrun: bool) -> None:
-    """Process counts this launcher can honour: torchrun's world size must match the config, and several
-    nodes need a launcher on each (torchrun, or the node tasks of ``launcher=slurm``)."""
-    expected = cfg.strategy.processes * cfg.trainer.num_nodes
-    node = node_task()
-    if torchrun and int(os.environ["WORLD_SIZE"]) != expected:
-        raise ConfigError(
-            "trainer.devices",
-            f"asks for {cfg.strategy.processes} processes per node x {cfg.trainer.num_nodes} nodes, but torchrun "
-            f"started {os.environ['WORLD_SIZE']} in all.",
-            "give both the same counts: torchrun --nnodes N --nproc-per-node D train.py trainer.num_nodes=N "
-            "trainer.devices=D.",
-        )
-    if node.job_id and node.count != cfg.trainer.num_nodes:
-        raise ConfigError(
-            "trainer.num_nodes",
-            f"is {cfg.trainer.num_nodes}, but the cluster launcher started this job on {node.count} nodes: it sizes "
-            "every job of a sweep from the command line's values.",
-            "run each value of trainer.num_nodes (and of trainer.devices) as a sweep of its own.",
-        )
-    if not torchrun and not node.job_id and cfg.trainer.num_nodes > 1:
-        raise ConfigError(
-            "trainer.num_nodes",
-            "is more than 1, which needs a launcher on every machine.",
-            "use launcher=slurm (one task per node starts its ranks), or start train.py on each machine with "
-            "torchrun (on SLURM: srun ... torchrun), as the README shows.",
-        )
-
-
-def continue_wandb_run(cfg: DictConfig) -> None:
-    """A job resuming its own dir (``ckpt_path=last`` or ``auto`` with a checkpoint there) continues its W&B run:
-    the id is the one the previous attempt recorded in the job dir's ``config.yaml``; any other job gets a new one.
-    So a preempted and requeued job is one W&B run with every epoch once."""
-    wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
-    if wandb_cfg is None or wandb_cfg.get("id") is not None:
-        return
-    previous_config = Path(cfg.paths.output_dir) / "config.yaml"
-    previous_id = None
-    if cfg.ckpt_path in ("last", "auto") and resolve_ckpt_path(cfg) is not None and previous_config.is_file():
-        previous_id = OmegaConf.select(OmegaConf.load(previous_config), "logger.wandb.id")
-    with open_dict(wandb_cfg):
-        wandb_cfg.id = previous_id or uuid.uuid4().hex[:12]  # what W&B would pick: a short random id
-
-
-def checked_job_config(cfg: DictConfig, torchrun: bool) -> DictConfig:
-    """The job's resolved config, checked (``ConfigError`` for the first setting that cannot work), with
-    ``ckpt_path`` a checkpoint this strategy can load and the W&B run id this job logs to."""
-    cfg = job_config(cfg)
-    check_config(cfg)
-    check_launch(cfg, torchrun)
-    continue_wandb_run(cfg)
-    cfg.ckpt_path = checkpoint_to_load(cfg)
-    return cfg
-
-
 @contextmanager
 def exclusive_job_dir(cfg: DictConfig, torchrun: bool) -> Iterator[None]:
     """This job's dir for this job alone while it runs (``project.launch.job_dir``); under torchrun rank 0 holds the
@@ -328,28 +187,6 @@ def exclusive_job_dir(cfg: DictConfig, torchrun: bool) -> Iterator[None]:
         if refusal[0] is not None:
             raise refusal[0]
         yield
-
-
-def print_memory_plan(cfg: DictConfig) -> None:
-    """``plan=true``: the config checked and its memory plan printed, with activation checkpointing both ways and,
-    if it does not fit, the smallest change that does; nothing is trained."""
-    cfg = job_config(cfg)
-    check_config(cfg)
-    print(format_plan(plan_memory(cfg, alternatives=True), cfg))
-
-
-def planned_memory(cfg: DictConfig, torchrun: bool) -> MemoryPlan | None:
-    """The job's memory plan, computed before any worker starts; a run predicted not to fit is refused here
-    (``memory_plan.if_over``). Under torchrun the ranks already hold a process group, which the plan's
-    simulation needs to itself: ``plan=true`` on a machine without torchrun checks such a job beforehand. An
-    evaluation (``mode=eval``) trains no step, which is what a plan simulates."""
-    if torchrun or cfg.mode == "eval":
-        return None
-    plan = plan_memory(cfg)
-    if is_rank_zero():
-        log.info(format_plan(plan, cfg))
-    check_fits(plan, cfg)
-    return plan
 
 
 def run(cfg: DictConfig) -> dict[str, Any] | None:
@@ -371,25 +208,19 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
-    cfg = checked_job_config(cfg, torchrun)
-    plan = planned_memory(cfg, torchrun)
-    node = node_task()
-    # The resolved config this job trains with: the job's record, and what launched workers load. Other nodes
-    # keep a copy of their own (the same but for the W&B id, which only rank 0, on node 0, uses).
-    job_dir = Path(cfg.paths.output_dir)
-    workers_dir = job_dir / "workers" if node.rank == 0 else job_dir / "workers" / f"node{node.rank}"
-    config_file = job_dir / "config.yaml" if node.rank == 0 else workers_dir / "config.yaml"
+    job = resolve_job(cfg, torchrun)
+    cfg = job.cfg
     if is_rank_zero() and cfg.print_config:
         print_config_tree(cfg)
     if not torchrun or is_rank_zero():
-        config_file.parent.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, config_file)
-        if plan is not None and node.rank == 0:
-            write_plan(plan, job_dir)  # DeviceMemory logs it next to what it measures
-    if torchrun or (cfg.strategy.processes == 1 and node.count == 1):
+        job.config_file.parent.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, job.config_file)
+        if job.plan is not None and job.node.rank == 0:
+            write_plan(job.plan, Path(cfg.paths.output_dir))  # DeviceMemory logs it next to what it measures
+    if job.in_process:
         if concurrent_jobs() > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(threads_per_process(1))  # this job's share of the cores
         train(cfg)
     else:
-        launch_workers(config_file, cfg.strategy.processes, workers_dir, node)
+        launch_workers(job.config_file, cfg.strategy.processes, job.workers_dir, job.node)
     return read_result(result_file(cfg)) if is_rank_zero() else None

@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 LAUNCHER_PID_VARIABLE = "PROJECT_LAUNCHER_PID"  # set by the launcher for its workers
@@ -65,3 +66,34 @@ def start_heartbeat(rank: int) -> None:
             time.sleep(HEARTBEAT_INTERVAL_S)
 
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (or any torchelastic agent) already started this process as one rank of the job."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+@dataclass(frozen=True)
+class NodeTask:
+    """This process's node in its job: hydra-submitit-launcher (``launcher=slurm``) runs the Hydra job once per
+    node, one task per node, and each task starts its node's ranks; anywhere else the job has one node."""
+
+    rank: int = 0  # this node's rank: its task's
+    count: int = 1  # nodes in the job: its tasks
+    head: str = "localhost"  # host of node 0, where the ranks meet
+    job_id: str = ""  # the cluster's job id (submitit's local executor: its controller's pid)
+
+
+def node_task() -> NodeTask:
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return NodeTask()
+    import submitit
+
+    env = submitit.JobEnvironment()
+    return NodeTask(env.global_rank, env.num_tasks, env.hostnames[0], env.raw_job_id)
+
+
+def is_rank_zero() -> bool:
+    """This process is rank 0 of its job: always, unless torchrun started several ranks or a cluster launcher
+    several node tasks."""
+    return int(os.environ.get("RANK", "0")) == 0 and node_task().rank == 0

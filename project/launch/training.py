@@ -19,17 +19,10 @@ from project.launch.job_result import JobResult
 from project.launch.sigterm import StopTogetherOnSigterm
 from project.checkpointing.files import AtomicCheckpointIO
 from project.launch.results import RESULT_FILE
-from project.config.checks import build_strategy, resolve_ckpt_path
+from project.config.build import build_net, build_strategy
 
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
-
-
-def build_net(cfg: DictConfig) -> torch.nn.Module:
-    """The plain model on the meta device: shapes only, no memory. Each rank materialises only what it keeps,
-    once the strategy has sharded or split it (``TrainingModule.configure_model``)."""
-    with torch.device("meta"):
-        return instantiate(cfg.model.net)
 
 
 def build_loggers(cfg: DictConfig) -> list[Logger]:
@@ -78,9 +71,9 @@ def train(cfg: DictConfig) -> None:
     set_tf32(cfg.tf32, trainer.strategy.root_device)
     try:
         if evaluating:  # Lightning prints the metrics' table; the loggers and result.json get them
-            trainer.validate(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
+            trainer.validate(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         else:
-            trainer.fit(module, datamodule=datamodule, ckpt_path=resolve_ckpt_path(cfg))
+            trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     finally:
         # Close the W&B run in this process, also on failure, so none is left half-open and the next job of
         # an in-process sweep starts a new one.

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from hydra.utils import instantiate
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.strategies import DDPStrategy
@@ -38,13 +37,14 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _sharding_prop
-from torch.distributed.tensor._redistribute import _gen_transform_infos
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import loss_parallel
 
+from project.memory.simulation import DeviceWork
 from project.memory.measure import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
+from project.config.build import build_net
 from project.config.checks import check_config, strategy_class, uses_cuda
 from project.config.errors import ConfigError
+from project.distributed.strategies import FSDPStrategy
 from project.distributed.parallelize import allocate, apply_activation_checkpointing
 
 log = logging.getLogger(__name__)
@@ -55,34 +55,6 @@ FSDP_COMMUNICATION = (_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER, _FS
 # The compute dtype of Lightning's mixed precisions (autocast): on the CPU's kernels in the simulation.
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 PLAN_FILE = "memory_plan.json"  # in the job dir: the plan the run was launched with (DeviceMemory logs it)
-
-
-@dataclass
-class DeviceWork:
-    """What one simulated device holds and runs in a training step, as its strategy lays it out.
-
-    ``module`` is the LightningModule whose ``net`` (on the meta device, already sharded or cut to this device's
-    part) the device holds; ``stages`` are the parts of it the device runs, in order. A step runs ``microbatches``
-    micro-batches of ``microbatch_size`` samples, at most ``in_flight`` of them between their forward and backward
-    (a pipeline's schedule: GPipe all, 1F1B the stages still ahead).
-    """
-
-    name: str  # how the plan names the device: "rank 0", "stage 1"
-    module: nn.Module
-    stages: list[nn.Module]
-    microbatch_size: int
-    microbatches: int = 1
-    in_flight: int = 1
-    stage_input: torch.Tensor | None = None  # meta tensor of one micro-batch's input, when it comes from another
-    # device (a later stage) rather than from the data
-    stage_output: torch.Tensor | None = None  # meta tensor of one micro-batch's output, when another device takes it
-    last: bool = True  # holds the head: computes the loss
-    receive_buffers: bool = False  # a pipeline stage: a buffer per micro-batch for its inputs and output gradients
-    keeps_outputs: bool = False  # a pipeline's last stage: every micro-batch's outputs, merged for the metrics
-    forward_in_backward: bool = False  # a pipeline: the schedule runs the forwards after Lightning's zero_grad
-    grads_persist: bool = False  # DDP with gradient_as_bucket_view: gradients live in its buckets throughout
-    extra_buffer_bytes: int = 0  # held throughout besides (DDP's buckets, when gradients are not views of them)
-    loss_parallel: bool = False  # logits split by vocabulary across tensor-parallel ranks: torch's loss_parallel
 
 
 @dataclass
@@ -130,39 +102,6 @@ class MemoryPlan:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "peak": self.peak, "fits": self.fits}
-
-
-@contextmanager
-def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
-    """torch's fake backend as the default process group: collectives return at once with outputs of the right
-    shape, so meshes and sharding of any size can be built in this process."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a memory plan needs this process free of a process group")
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        # DTensor caches its sharding decisions, meshes included, keyed by meshes that compare equal whatever the
-        # rank and process groups (torch 2.13): the next simulated rank would run its collectives in this one's
-        # groups, which are gone.
-        _clear_sharding_prop_cache()
-        _gen_transform_infos.cache_clear()
-
-
-def block_inputs(net: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
-    """The meta tensors entering each block and the head, in order, for ``inputs`` (a meta tensor): the shapes a
-    stage boundary carries."""
-    seen: list[torch.Tensor] = []
-    with torch.no_grad():
-        x = net.stem(inputs)
-        for block in net.blocks:
-            seen.append(x)
-            x = block(x)
-        seen.append(x)
-    return seen
 
 
 def _precision(cfg: DictConfig) -> str:
@@ -301,7 +240,6 @@ def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
 def _new_module_factory(cfg: DictConfig):
     """Builds the job's LightningModule around a fresh meta-device net, with the model's own activation
     checkpointing applied as ``configure_model`` applies it (each simulated device cuts or shards its own)."""
-    from project.launch.training import build_net  # imported here: training imports the callbacks, which import this
 
     def new_module() -> nn.Module:
         module = instantiate(cfg.model, net=build_net(cfg))
@@ -374,7 +312,6 @@ def candidate_changes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
     pipeline's more micro-batches or stages); FSDP over the same devices; a smaller batch per step with the same
     global batch; FSDP over more devices, then more nodes, up to 1024 ranks. (Not tensor parallelism: at the same
     global batch it holds what FSDP over the same devices holds, and torch's sequence parallelism more.)"""
-    from project.distributed.strategies import FSDPStrategy  # imported here: the strategies import this module
 
     checkpointing = {} if _checkpointing(cfg) else {"model.activation_checkpointing": True}
     if checkpointing:

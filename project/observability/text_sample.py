@@ -6,6 +6,7 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from project.config.errors import ConfigError
+from project.distributed.dims import ParallelDims
 from project.tasks.decoding import check_settings, generate
 from project.observability.loggers import EpochWandbLogger
 
@@ -26,8 +27,9 @@ class TextSample(L.Callback):
         self.rows: list[dict[str, Any]] = []
 
     @staticmethod
-    def check_config(cfg: DictConfig, name: str, datamodule: L.LightningDataModule, strategy: type | None) -> None:
-        """A prompt (``callbacks.<name>.prompt``) needs text data and a strategy whose ranks run the whole model."""
+    def check_config(cfg: DictConfig, name: str, datamodule: L.LightningDataModule, strategy: type | None,
+                     dims: ParallelDims) -> None:
+        """A prompt (``callbacks.<name>.prompt``) needs text data and a layout whose ranks run the whole model."""
         key = f"callbacks.{name}.prompt"
         prompt = OmegaConf.select(cfg, key)
         if prompt is None:
@@ -43,9 +45,8 @@ class TextSample(L.Callback):
         if getattr(datamodule, "text_codec", lambda: None)() is None:
             raise ConfigError(key, f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
                               f"use data=text or data=shards, or {key}=null.")
-        runs_whole_model = getattr(strategy, "runs_whole_model", None)
-        if runs_whole_model is not None and not runs_whole_model(cfg):
-            raise ConfigError(key, f"is set, but under {strategy.__name__} as configured no rank runs the whole model "
+        if not dims.runs_whole_model:
+            raise ConfigError(key, f"is set, but under {getattr(strategy, '__name__', 'auto')} as configured no rank runs the whole model "
                               "(pipeline stages, tensor-parallel splits).",
                               f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.")
 

@@ -5,7 +5,7 @@ Lightning's ``FSDPStrategy`` wraps the legacy FSDP1 and refuses CPUs; ``ModelPar
 CPU (gloo) as on GPU (nccl), and saves distributed checkpoints (each rank writes its own shards, swapped in
 atomically by ``ShardedCheckpointStrategy``). The mesh is (data_parallel x tensor_parallel): with the default
 ``tensor_parallel_size=1`` every rank is a data-parallel shard; with T, each group of T ranks splits every layer
-(``TensorParallelStrategy``) and FSDP shards those splits over the groups, torchtitan's order: tensor parallelism,
+(``TensorParallel``) and FSDP shards those splits over the groups, torchtitan's order: tensor parallelism,
 activation checkpointing (``strategy.activation_checkpointing``), then FSDP per block (``project.distributed.parallelize``). The
 model's own activation checkpointing and compilation (``model.*``) wrap the blocks before the strategy acts.
 """
@@ -20,14 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from project.config.checks import uses_cuda
 from project.config.errors import ConfigError
 from project.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
-from project.distributed.strategies.tensor_parallel import TensorParallelStrategy
+from project.distributed.dims import DATA_PARALLEL, ParallelDims
+from project.distributed.strategies.sharded import ShardedStrategy
 
 
-class FSDPStrategy(TensorParallelStrategy):
+class FSDPStrategy(ShardedStrategy):
     """Fully sharded data parallel: parameters, gradients and optimizer state split across the data-parallel ranks
     (all of them, or the groups of ``tensor_parallel_size`` ranks that each split every layer)."""
-
-    shards_data_parallel = True
 
     def __init__(
         self,
@@ -43,9 +42,12 @@ class FSDPStrategy(TensorParallelStrategy):
         self.cpu_offload = cpu_offload
         self.reduce_dtype = getattr(torch, reduce_dtype)
 
+    def dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(world_size, tensor_parallel=self.tensor_parallel.size, shard=True)
+
     @classmethod
-    def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
-        super().check_config(cfg, net)
+    def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
+        super().check_config(cfg, net, ckpt_path)
         if cfg.strategy.cpu_offload and not uses_cuda(cfg):
             raise ConfigError(
                 "strategy.cpu_offload",
@@ -56,10 +58,10 @@ class FSDPStrategy(TensorParallelStrategy):
     def lay_out(self, model: nn.Module, mesh: DeviceMesh, precision: str) -> None:
         """Tensor parallelism if asked, then activation checkpointing if asked, then FSDP2 per block over the
         data-parallel dimension, gathering parameters in the precision's compute dtype."""
-        super().lay_out(model, mesh, precision)
+        self.tensor_parallel.apply(model, mesh)
         param_dtype = fsdp_param_dtype(precision)
         if self.activation_checkpointing:
             apply_activation_checkpointing(model)
-        apply_fsdp(model, mesh["data_parallel"], reshard_after_forward=self.reshard_after_forward,
+        apply_fsdp(model, mesh[DATA_PARALLEL], reshard_after_forward=self.reshard_after_forward,
                    param_dtype=param_dtype, reduce_dtype=self.reduce_dtype if param_dtype is not None else None,
                    cpu_offload=self.cpu_offload)

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig
 from torch import nn
 
-from project.memory.plan import DeviceWork, block_inputs
+from project.memory.simulation import DeviceWork, block_inputs
 from project.distributed.parallelize import block_sizes, connect_stages, keep_only, place_stages, split_blocks, stage_modules
 from project.distributed.strategies.stages import check_stage_split
 
@@ -36,7 +36,7 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
         self.parameter_stage: dict[int, int] = {}  # id(parameter) -> stage, for per-device memory accounting
 
     @classmethod
-    def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
+    def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
         """Rules checked before launch (``project.config.checks``)."""
         check_stage_split(cfg, net)
 

@@ -29,14 +29,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from project.checkpointing.files import META_FILE, is_sharded_checkpoint
-from project.config.checks import build_strategy, resolve_ckpt_path
+from project.config.build import build_strategy
 from project.config.errors import ConfigError
-from project.memory.plan import DeviceWork, block_inputs, fake_process_group
-from project.distributed.plans import apply_tensor_parallel
+from project.memory.simulation import DeviceWork, block_inputs, fake_process_group
+from project.distributed.dims import DATA_PARALLEL, PIPELINE, ParallelDims
 from project.distributed.parallelize import (
     apply_fsdp,
     block_sizes,
@@ -47,7 +47,7 @@ from project.distributed.parallelize import (
     stage_modules,
 )
 from project.distributed.strategies.stages import check_stage_split
-from project.distributed.strategies.tensor_parallel import TensorParallelStrategy
+from project.distributed.strategies.sharded import ShardedStrategy
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -81,19 +81,9 @@ def _in_flight(schedule: str, microbatches: int, ranks: int, rank: int, stages_p
     return min(microbatches, -(-chunks // stages_per_rank))
 
 
-def pipeline_mesh(device_type: str, world_size: int, pipeline_ranks: int, tensor_parallel: int) -> DeviceMesh:
-    """The (pipeline, data_parallel, tensor_parallel) mesh, torchtitan's order: a stage's tensor-parallel ranks are
-    neighbours (one node, where the links are fastest), then its data-parallel peers (FSDP's collectives), and the
-    stages furthest apart (across nodes, where a pipeline sends only activations from one stage to the next)."""
-    shape = (pipeline_ranks, world_size // (pipeline_ranks * tensor_parallel), tensor_parallel)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("pipeline", "data_parallel", "tensor_parallel"))
-
-
-class PipelineStrategy(TensorParallelStrategy):
+class PipelineStrategy(ShardedStrategy):
     """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline, each stage split over
     ``tensor_parallel_size`` ranks; batches must be ``(inputs, targets)``."""
-
-    shards_data_parallel = True  # pipelines beyond the first shard their stages with FSDP
 
     def __init__(
         self,
@@ -123,21 +113,16 @@ class PipelineStrategy(TensorParallelStrategy):
         """Ranks one pipeline spans: its stages over the stages each rank runs."""
         return cfg.strategy.num_stages // cfg.strategy.stages_per_rank
 
-    @classmethod
-    def data_parallel_replicas(cls, cfg: DictConfig) -> int:
-        """The ranks of one pipeline (each stage's tensor-parallel ranks too) share a replica; the factor beyond
-        them is data parallel."""
-        ranks_per_replica = cls.pipeline_ranks(cfg) * cfg.strategy.tensor_parallel_size
-        return cfg.strategy.processes * cfg.trainer.num_nodes // ranks_per_replica
+    def dims(self, world_size: int) -> ParallelDims:
+        """The (pipeline, data_parallel, tensor_parallel) mesh: the ranks of one pipeline (each stage's
+        tensor-parallel ranks too) share a replica; pipelines beyond the first shard their stages with FSDP."""
+        return ParallelDims(world_size, pipeline=self.pipeline_size, tensor_parallel=self.tensor_parallel.size,
+                            shard=True, pipelined=True)
 
     @classmethod
-    def runs_whole_model(cls, cfg: DictConfig) -> bool:
-        return False  # no rank can run the model's forward alone
-
-    @classmethod
-    def check_config(cls, cfg: DictConfig, net: nn.Module) -> None:
-        """Rules checked before launch (``project.config.checks``): the split, the schedule, the mesh, the micro-batches."""
-        super().check_config(cfg, net)
+    def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
+        """Rules checked before launch (``project.config.job``): the split, the schedule, the mesh, the micro-batches."""
+        super().check_config(cfg, net, ckpt_path)
         check_stage_split(cfg, net)
         strategy, key = cfg.strategy, "strategy."
         stages_per_rank, schedule = strategy.stages_per_rank, strategy.schedule
@@ -186,7 +171,6 @@ class PipelineStrategy(TensorParallelStrategy):
                 f"is {microbatches}; interleaved_1f1b runs micro-batches in rounds of {ranks} (the pipeline ranks).",
                 f"use a multiple of {ranks}.",
             )
-        ckpt_path = resolve_ckpt_path(cfg)
         if ckpt_path is not None and not is_sharded_checkpoint(ckpt_path):
             raise ConfigError(
                 "ckpt_path",
@@ -195,13 +179,6 @@ class PipelineStrategy(TensorParallelStrategy):
                 "resume it with the strategy that wrote it (or auto), or start the pipeline fresh with ckpt_path=null.",
             )
 
-    def setup_environment(self) -> None:
-        # ModelParallelStrategy's setup with the pipeline's mesh instead of (data, tensor) parallel.
-        self._setup_distributed()
-        self._device_mesh = pipeline_mesh(self.root_device.type, self.world_size, self.pipeline_size,
-                                          self.tensor_parallel_size)
-        self.lightning_module._device_mesh = self._device_mesh
-
     def stages_of(self, pipeline_rank: int) -> list[int]:
         """The stages pipeline rank r runs: r, r + P, r + 2P, ... (interleaved when several)."""
         return [pipeline_rank + k * self.pipeline_size for k in range(self.stages_per_rank)]
@@ -209,7 +186,7 @@ class PipelineStrategy(TensorParallelStrategy):
     @property
     def stage_ids(self) -> list[int]:
         """This rank's stages."""
-        return self.stages_of(self.device_mesh["pipeline"].get_local_rank())
+        return self.stages_of(self.device_mesh[PIPELINE].get_local_rank())
 
     @property
     def holds_first_stage(self) -> bool:
@@ -229,15 +206,15 @@ class PipelineStrategy(TensorParallelStrategy):
         split over its tensor-parallel ranks and then sharded over its data-parallel peers when it has them."""
         stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
         kept = [StageModule(stage_modules(model, stages, stage))
-                for stage in self.stages_of(mesh["pipeline"].get_local_rank())]
+                for stage in self.stages_of(mesh[PIPELINE].get_local_rank())]
         keep_only(model, [module for stage in kept for module in stage.blocks])
-        super().lay_out(model, mesh, precision)
-        if mesh["data_parallel"].size() > 1:
+        self.tensor_parallel.apply(model, mesh)
+        if mesh[DATA_PARALLEL].size() > 1:
             param_dtype = fsdp_param_dtype(precision)
             for stage_module in kept:
                 # Gathered once per step, not once per micro-batch (torchtitan does the same under PP): the schedule
                 # runs every micro-batch through the stage, and only its last backward reduces and reshards.
-                apply_fsdp(stage_module, mesh["data_parallel"], reshard_after_forward=False, param_dtype=param_dtype,
+                apply_fsdp(stage_module, mesh[DATA_PARALLEL], reshard_after_forward=False, param_dtype=param_dtype,
                            reduce_dtype=torch.float32 if param_dtype is not None else None)
         return kept
 
@@ -258,7 +235,6 @@ class PipelineStrategy(TensorParallelStrategy):
         same), laid out as in a real run over a fake process group of the job's size, with the micro-batches its
         schedule keeps in flight."""
         strategy, ranks = build_strategy(cfg.strategy), cls.pipeline_ranks(cfg)
-        tensor_parallel = strategy.tensor_parallel_size
         world, microbatches = cfg.strategy.processes * cfg.trainer.num_nodes, strategy.microbatches
         microbatch_size = cfg.data.batch_size // microbatches
         precision = _convert_precision_to_unified_args(cfg.trainer.precision)
@@ -266,11 +242,10 @@ class PipelineStrategy(TensorParallelStrategy):
         for rank in range(ranks):
             # Data-parallel and tensor-parallel index 0: the first global rank of pipeline rank ``rank``.
             with fake_process_group(world, rank * world // ranks):
-                mesh = pipeline_mesh("cpu", world, ranks, tensor_parallel)
+                mesh = strategy.dims(world).build_mesh("cpu")
                 if rank == 0:  # what enters each block, then the head: a tensor-parallel rank's share of it
                     whole = new_module()
-                    if tensor_parallel > 1:
-                        apply_tensor_parallel(whole.net, mesh["tensor_parallel"], strategy.sequence_parallel, False)
+                    strategy.tensor_parallel.apply(whole.net, mesh)
                     example = whole.example_batch(microbatch_size, cfg.data)[0].to("meta")
                     boundaries = block_inputs(whole.net, example)
                 module = new_module()
@@ -313,7 +288,7 @@ class PipelineStrategy(TensorParallelStrategy):
 
     def _make_schedule(self, loss_fn) -> Any:
         stages = [
-            PipelineStage(module, stage, self.num_stages, self.root_device, group=self.device_mesh["pipeline"].get_group())
+            PipelineStage(module, stage, self.num_stages, self.root_device, group=self.device_mesh[PIPELINE].get_group())
             for module, stage in zip(self.stage_modules, self.stage_ids)
         ]
         schedule_class = SCHEDULES[self.schedule_name]
@@ -371,7 +346,7 @@ class PipelineStrategy(TensorParallelStrategy):
 
     def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient: every stage's, every data-parallel shard's."""
-        return clip_grad_norm_(parameters, max_norm, self.device_mesh["pipeline"].get_group())
+        return clip_grad_norm_(parameters, max_norm, self.device_mesh[PIPELINE].get_group())
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Forward only. Stages fix their activation shapes on first use, so every evaluation batch is padded to

@@ -1,0 +1,204 @@
+"""One step from the composed Hydra config to a checked, resolved job description (``resolve_job``), which every
+later stage reads instead of checking or resolving again: the resolved config (the checkpoint to load, the W&B run),
+the strategy class and how the ranks divide (``ParallelDims``), the memory plan, and how the job launches.
+
+Each check and resolution runs once per launch (``tests/test_config.py`` counts them). ``plan=true`` stops after
+the plan (``print_memory_plan``).
+"""
+
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.strategies import ModelParallelStrategy
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+
+from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
+from project.config.build import build_net
+from project.config.checks import CheckedConfig, check_config
+from project.config.errors import ConfigError
+from project.distributed.dims import ParallelDims
+from project.launch.processes import NodeTask, is_rank_zero, node_task
+from project.memory.plan import MemoryPlan, check_fits, format_plan, plan_memory
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A launch's checked and resolved job: ``cfg`` resolved (``ckpt_path`` the file or dir this strategy loads,
+    or None; the W&B run's name and id set), the strategy class (None: Lightning's auto), how the ranks divide,
+    the memory plan it was launched with (None under torchrun and for evaluations), and how it launches."""
+
+    cfg: DictConfig
+    strategy: type | None
+    dims: ParallelDims
+    plan: MemoryPlan | None
+    torchrun: bool
+    node: NodeTask
+
+    @property
+    def in_process(self) -> bool:
+        """Whether this process trains itself (one device, or a rank torchrun started) rather than start a
+        worker per device."""
+        return self.torchrun or (self.cfg.strategy.processes == 1 and self.node.count == 1)
+
+    @property
+    def config_file(self) -> Path:
+        """The resolved config this job trains with: the job's record, and what launched workers load. Other nodes
+        keep a copy of their own (the same but for the W&B id, which only rank 0, on node 0, uses)."""
+        return Path(self.cfg.paths.output_dir) / "config.yaml" if self.node.rank == 0 else \
+            self.workers_dir / "config.yaml"
+
+    @property
+    def workers_dir(self) -> Path:
+        job_dir = Path(self.cfg.paths.output_dir)
+        return job_dir / "workers" if self.node.rank == 0 else job_dir / "workers" / f"node{self.node.rank}"
+
+
+def resolve_job(cfg: DictConfig, torchrun: bool) -> Job:
+    """The composed config resolved, checked (``ConfigError`` for the first setting that cannot work, before any
+    worker or W&B run starts) and planned, once."""
+    cfg = resolved_config(cfg)
+    checked = check_config(cfg)
+    node = node_task()
+    check_launch(cfg, torchrun, node)
+    name_wandb_run(cfg, checked)
+    cfg.ckpt_path = checkpoint_to_load(cfg, checked.ckpt_path, checked.strategy)
+    return Job(cfg, checked.strategy, checked.dims, planned_memory(cfg, torchrun), torchrun, node)
+
+
+def print_memory_plan(cfg: DictConfig) -> None:
+    """``plan=true``: the config checked and its memory plan printed, with activation checkpointing both ways and,
+    if it does not fit, the smallest change that does; nothing is trained."""
+    cfg = resolved_config(cfg)
+    check_config(cfg)
+    print(format_plan(plan_memory(cfg, alternatives=True), cfg))
+
+
+def resolved_config(cfg: DictConfig) -> DictConfig:
+    """The resolved config of this Hydra job, plus what only the Hydra process knows.
+
+    Adds ``choices`` (the option picked in each config group, e.g. ``strategy: ddp``) and ``overrides`` (the
+    job's command-line overrides, a sweep's values included), and sets the W&B run's ``job_type`` (``train``, or
+    ``sweep`` for a multirun job) and, in a multirun, its group: the sweep dir's name, so the runs appear together.
+    """
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.choices = {
+            group: option for group, option in hydra_cfg.runtime.choices.items() if not group.startswith("hydra")
+        }
+        cfg.overrides = list(hydra_cfg.overrides.task)
+        wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
+        if wandb_cfg is not None and wandb_cfg.job_type is None:
+            wandb_cfg.job_type = "sweep" if multirun else "train"
+        if wandb_cfg is not None and wandb_cfg.group is None and multirun:
+            wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
+    try:
+        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+    except MissingMandatoryValue as error:  # a ??? the command line did not fill (model=language_model: no net)
+        raise ConfigError(str(error.full_key), "is required and has no value (???).",
+                          f"set it on the command line: {error.full_key}=..., or choose an option that sets it.") from None
+    except InterpolationResolutionError as error:
+        raised = re.search(r"ConfigError raised while resolving interpolation: (\S+): (.*?) Fix: (.*?)\n", error.msg)
+        if raised:  # a resolver's own error (data=shards: no meta.json in data.path)
+            raise ConfigError(*raised.groups()) from None
+        missing = re.search(r"Missing mandatory value: (\S+)", error.msg)
+        if missing:
+            raise ConfigError(missing.group(1), "is required and has no value (???).",
+                              f"set it on the command line: {missing.group(1)}=...") from None
+        raise ConfigError(
+            str(error.full_key),
+            f"cannot be resolved: {error.msg}",
+            "choose options that fit together (model=gpt with data=tokens or data=text; model=mlp with "
+            "data=synthetic), or set the key explicitly.",
+        ) from None
+
+
+def check_launch(cfg: DictConfig, torchrun: bool, node: NodeTask) -> None:
+    """Process counts this launcher can honour: torchrun's world size must match the config, and several
+    nodes need a launcher on each (torchrun, or the node tasks of ``launcher=slurm``)."""
+    expected = cfg.strategy.processes * cfg.trainer.num_nodes
+    if torchrun and int(os.environ["WORLD_SIZE"]) != expected:
+        raise ConfigError(
+            "trainer.devices",
+            f"asks for {cfg.strategy.processes} processes per node x {cfg.trainer.num_nodes} nodes, but torchrun "
+            f"started {os.environ['WORLD_SIZE']} in all.",
+            "give both the same counts: torchrun --nnodes N --nproc-per-node D train.py trainer.num_nodes=N "
+            "trainer.devices=D.",
+        )
+    if node.job_id and node.count != cfg.trainer.num_nodes:
+        raise ConfigError(
+            "trainer.num_nodes",
+            f"is {cfg.trainer.num_nodes}, but the cluster launcher started this job on {node.count} nodes: it sizes "
+            "every job of a sweep from the command line's values.",
+            "run each value of trainer.num_nodes (and of trainer.devices) as a sweep of its own.",
+        )
+    if not torchrun and not node.job_id and cfg.trainer.num_nodes > 1:
+        raise ConfigError(
+            "trainer.num_nodes",
+            "is more than 1, which needs a launcher on every machine.",
+            "use launcher=slurm (one task per node starts its ranks), or start train.py on each machine with "
+            "torchrun (on SLURM: srun ... torchrun), as docs/launching.md shows.",
+        )
+
+
+def name_wandb_run(cfg: DictConfig, checked: CheckedConfig) -> None:
+    """A job resuming its own dir (``ckpt_path=last`` or ``auto`` with a checkpoint there) continues its W&B run:
+    the id is the one the previous attempt recorded in the job dir's ``config.yaml``; any other job gets a new one.
+    So a preempted and requeued job is one W&B run with every epoch once. A run without a name is named after the
+    model, the strategy and its layout (``ParallelDims.run_name_tag``), the devices and the nodes."""
+    wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
+    if wandb_cfg is None:
+        return
+    if wandb_cfg.get("name") is None:
+        with open_dict(wandb_cfg):
+            wandb_cfg.name = (f"{cfg.choices.model}-{cfg.choices.strategy}{checked.dims.run_name_tag()}-"
+                              f"{cfg.trainer.devices}dev-{cfg.trainer.num_nodes}node")
+    if wandb_cfg.get("id") is not None:
+        return
+    previous_config = Path(cfg.paths.output_dir) / "config.yaml"
+    previous_id = None
+    if cfg.ckpt_path in ("last", "auto") and checked.ckpt_path is not None and previous_config.is_file():
+        previous_id = OmegaConf.select(OmegaConf.load(previous_config), "logger.wandb.id")
+    with open_dict(wandb_cfg):
+        wandb_cfg.id = previous_id or uuid.uuid4().hex[:12]  # what W&B would pick: a short random id
+
+
+def checkpoint_to_load(cfg: DictConfig, path: str | None, strategy: type | None) -> str | None:
+    """The checkpoint ``path`` (resolved) as a path ``strategy`` can load: a sharded checkpoint is consolidated into
+    ``<job dir>/consolidated.ckpt`` (by one process) for strategies that load single files."""
+    if path is None or not is_sharded_checkpoint(path) or (strategy is not None and
+                                                           issubclass(strategy, ModelParallelStrategy)):
+        return path
+    target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
+    if is_rank_zero():
+        module = instantiate(cfg.model, net=build_net(cfg))  # on the meta device: only its parameter names count
+        consolidate_checkpoint(path, target, module.parameter_groups())
+    if dist.is_initialized():
+        dist.barrier()  # torchrun: the other ranks wait for rank 0's file
+    return str(target)
+
+
+def planned_memory(cfg: DictConfig, torchrun: bool) -> MemoryPlan | None:
+    """The job's memory plan, computed before any worker starts; a run predicted not to fit is refused here
+    (``memory_plan.if_over``). Under torchrun the ranks already hold a process group, which the plan's
+    simulation needs to itself: ``plan=true`` on a machine without torchrun checks such a job beforehand. An
+    evaluation (``mode=eval``) trains no step, which is what a plan simulates."""
+    if torchrun or cfg.mode == "eval":
+        return None
+    plan = plan_memory(cfg)
+    if is_rank_zero():
+        log.info(format_plan(plan, cfg))
+    check_fits(plan, cfg)
+    return plan

@@ -1,0 +1,67 @@
+"""How a job's ranks divide: pipeline x data parallel x tensor parallel, torchtitan's order (``ParallelDims``).
+
+One object says it and builds the named device mesh; the strategies, the memory plan, the checks and the W&B run
+name all read it, so the mesh's dimension names live here alone.
+
+The order of the mesh, outermost first: the stages of a pipeline furthest apart (across nodes, where a pipeline
+sends only one stage's activations to the next), then the data-parallel replicas (FSDP's or DDP's collectives),
+and a stage's tensor-parallel ranks neighbours (one node, where the links are fastest: they talk in every layer).
+"""
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+PIPELINE = "pipeline"
+DATA_PARALLEL = "data_parallel"
+TENSOR_PARALLEL = "tensor_parallel"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """``world_size`` ranks as ``pipeline`` x data parallel x ``tensor_parallel``; the data-parallel size is what
+    is left. ``shard``: the data-parallel ranks shard the model (FSDP) rather than each hold all of it (DDP).
+    ``pipelined``: the mesh has a pipeline dimension (strategy=pipeline, even of one rank per pipeline)."""
+
+    world_size: int
+    pipeline: int = 1
+    tensor_parallel: int = 1
+    shard: bool = False
+    pipelined: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.world_size, self.pipeline, self.tensor_parallel) < 1:
+            raise ValueError(f"every size must be positive: {self}")
+        if self.world_size % (self.pipeline * self.tensor_parallel):
+            raise ValueError(f"{self.world_size} ranks do not divide into pipelines of {self.pipeline} ranks x "
+                             f"{self.tensor_parallel} tensor-parallel ranks")
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas that split each global batch: the ranks of one pipeline and of one tensor-parallel group
+        compute one replica's batch together."""
+        return self.world_size // (self.pipeline * self.tensor_parallel)
+
+    @property
+    def runs_whole_model(self) -> bool:
+        """Whether each rank can run the model's forward on its own input (no pipeline stages, no layer split
+        over ranks; FSDP gathers each block whole)."""
+        return not self.pipelined and self.tensor_parallel == 1
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        return (PIPELINE, DATA_PARALLEL, TENSOR_PARALLEL) if self.pipelined else (DATA_PARALLEL, TENSOR_PARALLEL)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        shape = (self.data_parallel, self.tensor_parallel)
+        return (self.pipeline, *shape) if self.pipelined else shape
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The job's device mesh, its dimensions named; needs the job's process group (a real or a fake one)."""
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
+
+    def run_name_tag(self) -> str:
+        """What a W&B run's name says of the layout beyond the strategy: ``-tp<N>`` when N ranks split each layer,
+        so that runs of one strategy with and without tensor parallelism are told apart."""
+        return f"-tp{self.tensor_parallel}" if self.tensor_parallel > 1 else ""
