@@ -22,7 +22,9 @@ class EpochClock(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stamp(trainer, "epoch_start")
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if trainer.global_step == 1 and trainer.current_epoch == 0 and batch_idx == 0:
             self._stamp(trainer, "first_step")
 

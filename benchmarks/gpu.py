@@ -99,15 +99,17 @@ class ProfileSteps(L.Callback):
         self.ops_file, self.start, self.steps, self.trace_file = ops_file, start, steps, trace_file
         self._profiler: profile | None = None
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == self.start and self._profiler is None:
             cuda = pl_module.device.type == "cuda"
             self._profiler = profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])])
             self._profiler.__enter__()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._profiler is None or trainer.global_step != self.start + self.steps:
             return
         cuda = pl_module.device.type == "cuda"
@@ -115,21 +117,34 @@ class ProfileSteps(L.Callback):
             torch.cuda.synchronize(pl_module.device)  # the steps' kernels into the trace
         self._profiler.__exit__(None, None, None)
         averages = self._profiler.key_averages()
-        Path(self.ops_file).write_text(averages.table(sort_by="device_time_total" if cuda else "cpu_time_total",
-                                                      row_limit=20))
+        Path(self.ops_file).write_text(
+            averages.table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=20)
+        )
         if self.trace_file:
             self._profiler.export_chrome_trace(self.trace_file)
 
 
 def case_overrides(model: Model, compile: bool, args: argparse.Namespace, device_args: list[str]) -> list[str]:
     """The Hydra overrides of one case, the same for the framework and the hand loop."""
-    vocab = [] if model.vocab_size is None else [f"data.vocab_size={DATA_VOCAB}",
-                                                 f"model.net.vocab_size={model.vocab_size}"]
-    return [f"model={model.preset}", "data=tokens", *vocab, f"data.seq_length={args.seq_length}",
-            f"data.batch_size={model.batch_size}", f"data.num_train={args.steps * model.batch_size}",
-            f"data.num_val={2 * model.batch_size}",  # two whole batches: no odd last one to compile again
-            f"trainer.max_epochs={args.epochs}", f"model.compile={str(compile).lower()}", *device_args, *QUIET,
-            *NO_CHECKPOINTS]
+    vocab = (
+        []
+        if model.vocab_size is None
+        else [f"data.vocab_size={DATA_VOCAB}", f"model.net.vocab_size={model.vocab_size}"]
+    )
+    return [
+        f"model={model.preset}",
+        "data=tokens",
+        *vocab,
+        f"data.seq_length={args.seq_length}",
+        f"data.batch_size={model.batch_size}",
+        f"data.num_train={args.steps * model.batch_size}",
+        f"data.num_val={2 * model.batch_size}",  # two whole batches: no odd last one to compile again
+        f"trainer.max_epochs={args.epochs}",
+        f"model.compile={str(compile).lower()}",
+        *device_args,
+        *QUIET,
+        *NO_CHECKPOINTS,
+    ]
 
 
 def steady_median(rows: list[dict[str, float]], key: str) -> float | None:
@@ -151,25 +166,36 @@ def measure(name: str, overrides: list[str], pairs: int, first: int, tmp: Path) 
     for pair in range(pairs):
         clocks = {side: tmp / f"{name}-{pair}-{side}.jsonl" for side in runs}
         job_dir = tmp / f"{name}-{pair}"
-        commands = {"framework": framework_command(overrides, clocks["framework"], job_dir),
-                    "hand": [sys.executable, "benchmarks/hand_loop.py", str(clocks["hand"]), "auto", *overrides]}
+        commands = {
+            "framework": framework_command(overrides, clocks["framework"], job_dir),
+            "hand": [sys.executable, "benchmarks/hand_loop.py", str(clocks["hand"]), "auto", *overrides],
+        }
         for side in ["framework", "hand"] if (first + pair) % 2 == 0 else ["hand", "framework"]:
             start = time.perf_counter()
             epoch_s, startup_s = run(commands[side], clocks[side], ENV)
             runs[side].append({"epoch_s": epoch_s, "startup_s": startup_s, "wall_s": time.perf_counter() - start})
-            print(f"  {name} {side}: epochs {', '.join(f'{s:.2f}' for s in epoch_s)} s, "
-                  f"run {runs[side][-1]['wall_s']:.0f} s", flush=True)
+            print(
+                f"  {name} {side}: epochs {', '.join(f'{s:.2f}' for s in epoch_s)} s, "
+                f"run {runs[side][-1]['wall_s']:.0f} s",
+                flush=True,
+            )
         logs.append([row for row in epochs(job_dir) if "perf/tokens_per_sec" in row])  # the training rows
     steady = {side: [statistics.median(r["epoch_s"][1:]) for r in side_runs] for side, side_runs in runs.items()}
     ratios = [hand / framework for framework, hand in zip(steady["framework"], steady["hand"])]
     peaks = [row["memory/peak_allocated_mb"] for rows in logs for row in rows if "memory/peak_allocated_mb" in row]
     return {
-        **{key: median_or_none([steady_median(rows, f"perf/{key}") for rows in logs])
-           for key in ("tokens_per_sec", "tflops_per_device", "mfu")},
+        **{
+            key: median_or_none([steady_median(rows, f"perf/{key}") for rows in logs])
+            for key in ("tokens_per_sec", "tflops_per_device", "mfu")
+        },
         "peak_allocated_mb": max(peaks) if peaks else None,
         "epoch_s": {side: statistics.median(times) for side, times in steady.items()},
-        "throughput_ratio": {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios),
-                             "pairs": ratios},
+        "throughput_ratio": {
+            "min": min(ratios),
+            "median": statistics.median(ratios),
+            "max": max(ratios),
+            "pairs": ratios,
+        },
         "runs": runs,
         "framework_epochs": logs,
     }
@@ -183,8 +209,15 @@ def targets(results: list[dict[str, Any]], mfu_targets: dict[str, float]) -> lis
         wanted = [("perf/mfu", result.get("mfu"), mfu_targets[name])] if name in mfu_targets else []
         wanted.append(("framework / hand throughput", result.get("throughput_ratio", {}).get("median"), RATIO_TARGET))
         for metric, value, threshold in wanted:
-            checks.append({"case": name, "metric": metric, "threshold": threshold, "value": value,
-                           "met": None if value is None else value >= threshold})
+            checks.append(
+                {
+                    "case": name,
+                    "metric": metric,
+                    "threshold": threshold,
+                    "value": value,
+                    "met": None if value is None else value >= threshold,
+                }
+            )
     return checks
 
 
@@ -200,12 +233,27 @@ def markdown(report: dict[str, Any]) -> str:
             rows.append([r["case"], f"{r['batch_size']} x {r['seq_length']}", "failed: see the JSON", *[""] * 6])
             continue
         ratio = r["throughput_ratio"]
-        rows.append([r["case"], f"{r['batch_size']} x {r['seq_length']}", figure(r["tokens_per_sec"], "{:,.0f}"),
-                     figure(r["tflops_per_device"], "{:.1f}"), figure(r["mfu"], "{:.1%}"),
-                     figure(r["peak_allocated_mb"], "{:,.0f}"), f"{r['epoch_s']['framework']:.3f}",
-                     f"{r['epoch_s']['hand']:.3f}", summary([ratio["min"], ratio["median"], ratio["max"]])])
-    checks = [[f"{c['case']}: {c['metric']} >= {c['threshold']}", figure(c["value"], "{:.3f}"),
-               {True: "met", False: "missed", None: "not measured"}[c["met"]]] for c in report["targets"]]
+        rows.append(
+            [
+                r["case"],
+                f"{r['batch_size']} x {r['seq_length']}",
+                figure(r["tokens_per_sec"], "{:,.0f}"),
+                figure(r["tflops_per_device"], "{:.1f}"),
+                figure(r["mfu"], "{:.1%}"),
+                figure(r["peak_allocated_mb"], "{:,.0f}"),
+                f"{r['epoch_s']['framework']:.3f}",
+                f"{r['epoch_s']['hand']:.3f}",
+                summary([ratio["min"], ratio["median"], ratio["max"]]),
+            ]
+        )
+    checks = [
+        [
+            f"{c['case']}: {c['metric']} >= {c['threshold']}",
+            figure(c["value"], "{:.3f}"),
+            {True: "met", False: "missed", None: "not measured"}[c["met"]],
+        ]
+        for c in report["targets"]
+    ]
     lines = [
         f"GPU: {m['gpu'] or 'none (CPU smoke run)'}; torch {m['torch']} (CUDA {m['cuda']}), Lightning "
         f"{m['lightning']}; {m['date']}. Reproduce: `{report['command']}` ({report['wall_s'] / 60:.1f} min).",
@@ -216,14 +264,29 @@ def markdown(report: dict[str, Any]) -> str:
         "clock (validation included); framework / hand throughput = hand epoch time / framework epoch time "
         "(min / median / max over pairs).",
         "",
-        table(["case", "batch x seq", "tokens/s", "TFLOPS / device", "MFU", "peak allocated MiB", "epoch s, framework",
-               "epoch s, hand", "framework / hand throughput"], rows),
+        table(
+            [
+                "case",
+                "batch x seq",
+                "tokens/s",
+                "TFLOPS / device",
+                "MFU",
+                "peak allocated MiB",
+                "epoch s, framework",
+                "epoch s, hand",
+                "framework / hand throughput",
+            ],
+            rows,
+        ),
         "",
         table(["target", "measured", ""], checks),
     ]
     if report["profiles"]:
-        lines += ["", "Profiled (`--profile`): " + ", ".join(report["profiles"]) + "; top-20 ops by device time in "
-                  "`gpu_benchmark_kernels.txt`" + (f", chrome trace `{report['trace']}`." if report["trace"] else ".")]
+        lines += [
+            "",
+            "Profiled (`--profile`): " + ", ".join(report["profiles"]) + "; top-20 ops by device time in "
+            "`gpu_benchmark_kernels.txt`" + (f", chrome trace `{report['trace']}`." if report["trace"] else "."),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -239,10 +302,14 @@ def write(report: dict[str, Any], out: Path | None) -> str:
 def profile_case(name: str, overrides: list[str], tmp: Path, trace: Path | None) -> str:
     """A framework run of the case up to the profiled steps; returns their table."""
     ops_file = tmp / f"{name}-profile.txt"
-    extra = [f"trainer.max_steps={PROFILE_START + PROFILE_STEPS}",
-             "+callbacks.profile._target_=benchmarks.gpu.ProfileSteps", f"+callbacks.profile.ops_file={ops_file}",
-             f"+callbacks.profile.start={PROFILE_START}", f"+callbacks.profile.steps={PROFILE_STEPS}",
-             *([f"+callbacks.profile.trace_file={trace}"] if trace else [])]
+    extra = [
+        f"trainer.max_steps={PROFILE_START + PROFILE_STEPS}",
+        "+callbacks.profile._target_=benchmarks.gpu.ProfileSteps",
+        f"+callbacks.profile.ops_file={ops_file}",
+        f"+callbacks.profile.start={PROFILE_START}",
+        f"+callbacks.profile.steps={PROFILE_STEPS}",
+        *([f"+callbacks.profile.trace_file={trace}"] if trace else []),
+    ]
     job_dir = tmp / f"{name}-profile"
     run(framework_command([*overrides, *extra], job_dir / "clock.jsonl", job_dir), job_dir / "clock.jsonl", ENV)
     return ops_file.read_text()
@@ -254,12 +321,23 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1, help="framework / hand-loop pairs per case")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per run (at least 2: the first is warm-up)")
     parser.add_argument("--steps", type=int, default=None, help="steps per epoch (default 40; 8 with --smoke)")
-    parser.add_argument("--seq-length", type=int, default=None,
-                        help="tokens per sequence (default 1024; 64 with --smoke)")
-    parser.add_argument("--cases", nargs="*", default=None,
-                        help="e.g. gpt_350m-compile llama_1b (default: every model, eager and compiled)")
-    parser.add_argument("--profile", nargs="?", const="missed", choices=["missed", "all"], default=None,
-                        help="trace a few steps of the framework run of each case that missed a target (all: of each)")
+    parser.add_argument(
+        "--seq-length", type=int, default=None, help="tokens per sequence (default 1024; 64 with --smoke)"
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        default=None,
+        help="e.g. gpt_350m-compile llama_1b (default: every model, eager and compiled)",
+    )
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="missed",
+        choices=["missed", "all"],
+        default=None,
+        help="trace a few steps of the framework run of each case that missed a target (all: of each)",
+    )
     parser.add_argument("--smoke", action="store_true", help="the pipeline on the CPU with the tiny presets")
     args = parser.parse_args()
     if args.epochs < 2:
@@ -267,18 +345,23 @@ def main() -> None:
     if args.profile and args.out is None:
         parser.error("--profile writes its tables into --out: name one")
     if not args.smoke and not torch.cuda.is_available():
-        print("benchmarks/gpu.py measures a CUDA GPU, and torch sees none here (torch.cuda.is_available() is False). "
-              "To check its code on the CPU: python benchmarks/gpu.py --smoke", file=sys.stderr)
+        print(
+            "benchmarks/gpu.py measures a CUDA GPU, and torch sees none here (torch.cuda.is_available() is False). "
+            "To check its code on the CPU: python benchmarks/gpu.py --smoke",
+            file=sys.stderr,
+        )
         sys.exit(2)
-    models, mfu_targets, device_args = ((SMOKE_MODELS, SMOKE_MFU_TARGETS, SMOKE_ARGS) if args.smoke
-                                        else (GPU_MODELS, GPU_MFU_TARGETS, GPU_ARGS))
+    models, mfu_targets, device_args = (
+        (SMOKE_MODELS, SMOKE_MFU_TARGETS, SMOKE_ARGS) if args.smoke else (GPU_MODELS, GPU_MFU_TARGETS, GPU_ARGS)
+    )
     if args.steps is None:
         args.steps = 8 if args.smoke else 40
     if args.seq_length is None:
         args.seq_length = 64 if args.smoke else 1024
     compiles = [False] if args.smoke else [False, True]
-    cases = {f"{model.preset}{'-compile' if compile else ''}": (model, compile)
-             for model in models for compile in compiles}
+    cases = {
+        f"{model.preset}{'-compile' if compile else ''}": (model, compile) for model in models for compile in compiles
+    }
     unknown = set(args.cases or []) - set(cases)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; choose among {sorted(cases)}")
@@ -290,19 +373,40 @@ def main() -> None:
     report: dict[str, Any] = {
         "command": shlex.join(["python", "benchmarks/gpu.py", *sys.argv[1:]]),
         "machine": {**machine(), "lightning": L.__version__, "cpus": os.cpu_count()},
-        "settings": {"epochs": args.epochs, "steps": args.steps, "seq_length": args.seq_length, "pairs": args.pairs,
-                     "data_vocab_size": DATA_VOCAB, "ratio_target": RATIO_TARGET, "mfu_targets": mfu_targets},
-        "cases": [], "targets": [], "profiles": [], "trace": None, "wall_s": 0.0,
+        "settings": {
+            "epochs": args.epochs,
+            "steps": args.steps,
+            "seq_length": args.seq_length,
+            "pairs": args.pairs,
+            "data_vocab_size": DATA_VOCAB,
+            "ratio_target": RATIO_TARGET,
+            "mfu_targets": mfu_targets,
+        },
+        "cases": [],
+        "targets": [],
+        "profiles": [],
+        "trace": None,
+        "wall_s": 0.0,
     }
-    print(f"{report['machine']['gpu'] or 'CPU (smoke)'}, torch {torch.__version__}: {len(cases)} cases, "
-          f"{args.pairs} pair(s) each", flush=True)
+    print(
+        f"{report['machine']['gpu'] or 'CPU (smoke)'}, torch {torch.__version__}: {len(cases)} cases, "
+        f"{args.pairs} pair(s) each",
+        flush=True,
+    )
     failed = False
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for index, (name, (model, compile)) in enumerate(cases.items()):
             overrides = case_overrides(model, compile, args, device_args)
-            result = {"case": name, "model": model.preset, "compile": compile, "batch_size": model.batch_size,
-                      "seq_length": args.seq_length, "model_vocab_size": model.vocab_size, "overrides": overrides}
+            result = {
+                "case": name,
+                "model": model.preset,
+                "compile": compile,
+                "batch_size": model.batch_size,
+                "seq_length": args.seq_length,
+                "model_vocab_size": model.vocab_size,
+                "overrides": overrides,
+            }
             try:
                 # Alternating which side goes first from case to case too: with one pair, half the cases each.
                 result.update(measure(name, overrides, args.pairs, index % 2, tmp))

@@ -41,10 +41,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from helpers.reference import decayed_and_spared, epoch_order, lr_factor  # noqa: E402 (the tests' hand-written rules)
 
-from project.models import init_weights  # noqa: E402
 from project.distributed.parallelize import block_sizes, compile_blocks, split_blocks, stage_modules  # noqa: E402
 from project.distributed.strategies.pipeline import StageModule  # noqa: E402
 from project.launch.training import set_tf32  # noqa: E402
+from project.models import init_weights  # noqa: E402
 
 
 def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -96,8 +96,9 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         model = StageModule(stage_modules(net, stages, rank))  # the stage's modules run in order
         microbatches = cfg.strategy.microbatches
         stage = PipelineStage(model, rank, world, device)
-        schedule = Schedule1F1B(stage, microbatches, loss_fn=lambda out, tgt: mean_loss(out, tgt) / microbatches,
-                                scale_grads=False)
+        schedule = Schedule1F1B(
+            stage, microbatches, loss_fn=lambda out, tgt: mean_loss(out, tgt) / microbatches, scale_grads=False
+        )
         eval_schedule = Schedule1F1B(PipelineStage(model, rank, world, device), microbatches)
     last_stage = strategy != "pipeline" or rank == world - 1
     decayed, spared = decayed_and_spared(model)  # the configured optimizer (fused where the config says), two groups
@@ -120,8 +121,9 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
             return outputs, loss
         losses = []
         with autocast():  # the schedule runs the backward itself, as under the framework's pipeline strategy
-            outputs = schedule.step(*([inputs] if rank == 0 else []), target=targets if last_stage else None,
-                                    losses=losses)
+            outputs = schedule.step(
+                *([inputs] if rank == 0 else []), target=targets if last_stage else None, losses=losses
+            )
         return (outputs, torch.stack(losses).sum()) if last_stage else None
 
     def forward(inputs: torch.Tensor) -> torch.Tensor | None:
@@ -136,9 +138,9 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss x targets, correct, targets
         model.train()
         for step in range(steps_per_epoch):
-            rows = order[step * global_batch:(step + 1) * global_batch]
+            rows = order[step * global_batch : (step + 1) * global_batch]
             if strategy != "pipeline":
-                rows = rows[rank * batch:(rank + 1) * batch]
+                rows = rows[rank * batch : (rank + 1) * batch]
             result = forward_backward(x[rows], y[rows])
             optimizer.step()
             schedule_lr.step()
@@ -155,16 +157,18 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         val_sums = torch.zeros(3, dtype=torch.float64, device=device)
         # The framework's evaluation split: every sample once, near-equal slices per replica, batch by batch.
         parts = torch.arange(len(x_val), device=device).tensor_split(
-            min(math.ceil(len(x_val) / global_batch) * replicas, len(x_val)))
+            min(math.ceil(len(x_val) / global_batch) * replicas, len(x_val))
+        )
         with torch.no_grad(), autocast():
-            for rows in parts[(0 if strategy == "pipeline" else rank)::replicas]:
+            for rows in parts[(0 if strategy == "pipeline" else rank) :: replicas]:
                 inputs, targets = x_val[rows], y_val[rows]
                 if strategy == "pipeline" and len(rows) % microbatches:
                     continue  # equal micro-batches only (the framework pads the last; here it is left out)
                 outputs = forward(inputs)
                 if last_stage:
-                    val_sums[0] += F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1),
-                                                   reduction="sum")
+                    val_sums[0] += F.cross_entropy(
+                        outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1), reduction="sum"
+                    )
                     val_sums[2] += targets.numel()
                     if classification:
                         val_sums[1] += (outputs.argmax(-1) == targets).sum()
@@ -175,8 +179,9 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
             model_state, optimizer_state = get_state_dict(model, optimizer)
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=checkpoint_dir / str(epoch))
         elif checkpointing and rank == 0:
-            torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict()},
-                       checkpoint_dir.with_suffix(".pt"))
+            torch.save(
+                {"model": net.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_dir.with_suffix(".pt")
+            )
         if rank == 0:
             print(f"epoch {epoch}: train/loss {totals[0] / totals[2]:.4f} val/loss {totals[3] / totals[5]:.4f}")
     stamp("end")

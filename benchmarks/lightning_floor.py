@@ -78,13 +78,22 @@ class EpochClock(L.Callback):
 
 def lightning_ms() -> float:
     clock = EpochClock()
-    trainer = L.Trainer(max_epochs=ROUNDS, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+    trainer = L.Trainer(
+        max_epochs=ROUNDS,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
     trainer.fit(Module(), torch.utils.data.DataLoader(Batches(), batch_size=None))
     return sum(clock.times[1:]) / len(clock.times[1:])
 
 
 if __name__ == "__main__":
     plain, lightning = plain_loop_ms(), lightning_ms()
-    print(f"plain loop {plain:.2f} ms/step, bare Lightning {lightning:.2f} ms/step, "
-          f"difference {lightning - plain:.2f} ms ({lightning / plain - 1:.0%})")
+    print(
+        f"plain loop {plain:.2f} ms/step, bare Lightning {lightning:.2f} ms/step, "
+        f"difference {lightning - plain:.2f} ms ({lightning / plain - 1:.0%})"
+    )

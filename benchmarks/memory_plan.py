@@ -19,10 +19,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from readme_figures import REPO, epochs, main, run, table  # noqa: E402
 
 GPT = ["model=gpt", "data=tokens"]
-STRATEGIES = {"auto": [], "ddp": ["strategy=ddp", "trainer.devices=2"], "fsdp": ["strategy=fsdp", "trainer.devices=2"],
-              "pipeline": ["strategy=pipeline", "trainer.devices=2"]}
-SHORT = ["trainer.max_epochs=1", "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1",
-         "trainer.num_sanity_val_steps=0", "callbacks.memory.tracked_steps=2"]
+STRATEGIES = {
+    "auto": [],
+    "ddp": ["strategy=ddp", "trainer.devices=2"],
+    "fsdp": ["strategy=fsdp", "trainer.devices=2"],
+    "pipeline": ["strategy=pipeline", "trainer.devices=2"],
+}
+SHORT = [
+    "trainer.max_epochs=1",
+    "+trainer.limit_train_batches=2",
+    "+trainer.limit_val_batches=1",
+    "trainer.num_sanity_val_steps=0",
+    "callbacks.memory.tracked_steps=2",
+]
 MODEL_STATE = ["params", "grads", "optimizer"]
 
 
@@ -35,34 +44,89 @@ def measured(tmp: Path) -> str:
             last = epochs(job_dir)[-1]
             same = all(last[f"memory/{part}_mb"] == last[f"memory/planned_{part}_mb"] for part in MODEL_STATE)
             planned, tracked = last["memory/planned_peak_mb"], last["memory/tracked_peak_mb"]
-            rows.append([model, strategy, f"{last['memory/model_state_mb']:.3f}", "yes" if same else "NO",
-                         f"{planned:.2f}", f"{tracked:.2f}", f"{(planned - tracked) / tracked:+.1%}"])
-    return table(["model", "strategy", "model state MiB (measured)", "plan equal, byte for byte",
-                  "planned peak MiB", "measured peak MiB", "plan vs measured"], rows)
+            rows.append(
+                [
+                    model,
+                    strategy,
+                    f"{last['memory/model_state_mb']:.3f}",
+                    "yes" if same else "NO",
+                    f"{planned:.2f}",
+                    f"{tracked:.2f}",
+                    f"{(planned - tracked) / tracked:+.1%}",
+                ]
+            )
+    return table(
+        [
+            "model",
+            "strategy",
+            "model state MiB (measured)",
+            "plan equal, byte for byte",
+            "planned peak MiB",
+            "measured peak MiB",
+            "plan vs measured",
+        ],
+        rows,
+    )
 
 
-LARGE = ["model=gpt_1_3b", "data=tokens", "data.vocab_size=50257", "data.seq_length=1024", "data.batch_size=8",
-         "data.num_train=100000", "data.num_val=2048", "trainer.devices=8", "trainer.num_nodes=128",
-         "trainer.precision=bf16-mixed", "memory_plan.device_memory_gb=80"]
+LARGE = [
+    "model=gpt_1_3b",
+    "data=tokens",
+    "data.vocab_size=50257",
+    "data.seq_length=1024",
+    "data.batch_size=8",
+    "data.num_train=100000",
+    "data.num_val=2048",
+    "trainer.devices=8",
+    "trainer.num_nodes=128",
+    "trainer.precision=bf16-mixed",
+    "memory_plan.device_memory_gb=80",
+]
 ONE_NODE = ["trainer.num_nodes=1", "model.net.tie_weights=false"]
-LAYOUTS = {"auto (1 device)": ["trainer.devices=1", "trainer.num_nodes=1"],
-           "model_parallel (8 stages, 1 node)": ["strategy=model_parallel", *ONE_NODE],
-           "ddp (1024 ranks)": ["strategy=ddp"], "fsdp (1024 ranks)": ["strategy=fsdp"],
-           "pipeline (8 stages x 128 data-parallel)": ["strategy=pipeline", "strategy.num_stages=8",
-                                                       "strategy.microbatches=8", "model.net.tie_weights=false"],
-           "fsdp (1024 ranks), model=llama_8b, sequence 2048, 2 per device": [
-               "strategy=fsdp", "model=llama_8b", "data.vocab_size=128256", "data.seq_length=2048", "data.batch_size=2"]}
+LAYOUTS = {
+    "auto (1 device)": ["trainer.devices=1", "trainer.num_nodes=1"],
+    "model_parallel (8 stages, 1 node)": ["strategy=model_parallel", *ONE_NODE],
+    "ddp (1024 ranks)": ["strategy=ddp"],
+    "fsdp (1024 ranks)": ["strategy=fsdp"],
+    "pipeline (8 stages x 128 data-parallel)": [
+        "strategy=pipeline",
+        "strategy.num_stages=8",
+        "strategy.microbatches=8",
+        "model.net.tie_weights=false",
+    ],
+    "fsdp (1024 ranks), model=llama_8b, sequence 2048, 2 per device": [
+        "strategy=fsdp",
+        "model=llama_8b",
+        "data.vocab_size=128256",
+        "data.seq_length=2048",
+        "data.batch_size=2",
+    ],
+}
 # Llama 3.1 8B under DDP on one node of 80 GiB GPUs: refused, with the change that fits.
-REFUSED = ["model=llama_8b", "data=tokens", "data.vocab_size=128256", "data.seq_length=2048", "data.batch_size=2",
-           "data.num_train=100000", "trainer.devices=8", "trainer.precision=bf16-mixed", "strategy=ddp",
-           "memory_plan.device_memory_gb=80"]
+REFUSED = [
+    "model=llama_8b",
+    "data=tokens",
+    "data.vocab_size=128256",
+    "data.seq_length=2048",
+    "data.batch_size=2",
+    "data.num_train=100000",
+    "trainer.devices=8",
+    "trainer.precision=bf16-mixed",
+    "strategy=ddp",
+    "memory_plan.device_memory_gb=80",
+]
 
 
 def plan(overrides: list[str], tmp: Path) -> tuple[str, float]:
     """``python train.py plan=true <overrides>``: its output and wall time."""
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "train.py", "plan=true", *overrides, f"hydra.run.dir={tmp / 'plan'}"],
-                            cwd=REPO, check=True, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "train.py", "plan=true", *overrides, f"hydra.run.dir={tmp / 'plan'}"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return result.stdout.strip(), time.perf_counter() - start
 
 
@@ -79,8 +143,15 @@ def at_scale(tmp: Path) -> str:
         if name == "fsdp (1024 ranks)":
             example = output
     refused, seconds = plan(REFUSED, tmp)
-    return (table(["layout", "plan s (simulation)", "plan=true s (whole command)", "peak per device", "80 GiB"], rows)
-            + "\n\n```\n" + example + "\n```\n\n" + f"Refused ({seconds:.0f} s):\n\n```\n" + refused + "\n```")
+    return (
+        table(["layout", "plan s (simulation)", "plan=true s (whole command)", "peak per device", "80 GiB"], rows)
+        + "\n\n```\n"
+        + example
+        + "\n```\n\n"
+        + f"Refused ({seconds:.0f} s):\n\n```\n"
+        + refused
+        + "\n```"
+    )
 
 
 if __name__ == "__main__":

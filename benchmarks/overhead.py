@@ -2,7 +2,8 @@
 
 For each case (model x strategy), runs ``python train.py`` (A) and ``benchmarks/hand_loop.py`` (B: the same model,
 data, batch, optimizer, validation and per-epoch checkpoint, written by hand) in alternating pairs, so that a noisy
-machine slows both alike; ``gpt-compile`` runs the framework with ``model.compile=true`` (A) against eager (B). Both are timed by this benchmark's own clock: wall-clock stamps at each epoch's start
+machine slows both alike; ``gpt-compile`` runs the framework with ``model.compile=true`` (A) against eager (B). Both
+are timed by this benchmark's own clock: wall-clock stamps at each epoch's start
 and at the end of training, written by rank 0 (``benchmarks/clock.py`` inside the framework run). Printed per case:
 
 - steady state: A / B per-epoch time, over the epochs after the first of each run (min, median, max of the
@@ -57,8 +58,15 @@ def run(command: list[str], clock: Path, env: dict[str, str]) -> tuple[list[floa
 
 
 def framework_command(overrides: list[str], clock: Path, job_dir: Path) -> list[str]:
-    return [sys.executable, "train.py", *overrides, "logger=csv", f"hydra.run.dir={job_dir}",
-            "+callbacks.clock._target_=benchmarks.clock.EpochClock", f"+callbacks.clock.path={clock}"]
+    return [
+        sys.executable,
+        "train.py",
+        *overrides,
+        "logger=csv",
+        f"hydra.run.dir={job_dir}",
+        "+callbacks.clock._target_=benchmarks.clock.EpochClock",
+        f"+callbacks.clock.path={clock}",
+    ]
 
 
 def commands(case: str, epochs: int, tmp: Path, pair: int) -> tuple[list[str], list[str], Path, Path]:
@@ -68,11 +76,18 @@ def commands(case: str, epochs: int, tmp: Path, pair: int) -> tuple[list[str], l
     a_clock, b_clock = tmp / f"a{pair}.jsonl", tmp / f"b{pair}.jsonl"
     if strategy == "compile":
         overrides = [*MODELS[model], f"trainer.max_epochs={epochs}"]
-        return (framework_command([*overrides, "model.compile=true"], a_clock, tmp / f"a{pair}"),
-                framework_command(overrides, b_clock, tmp / f"b{pair}"), a_clock, b_clock)
+        return (
+            framework_command([*overrides, "model.compile=true"], a_clock, tmp / f"a{pair}"),
+            framework_command(overrides, b_clock, tmp / f"b{pair}"),
+            a_clock,
+            b_clock,
+        )
     overrides = [*MODELS[model], *STRATEGIES[strategy], f"trainer.max_epochs={epochs}"]
-    launcher = [sys.executable] if strategy == "auto" else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    launcher = (
+        [sys.executable]
+        if strategy == "auto"
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    )
     hand = [*launcher, "benchmarks/hand_loop.py", str(b_clock), strategy, *overrides]
     return framework_command(overrides, a_clock, tmp / f"a{pair}"), hand, a_clock, b_clock
 
@@ -85,13 +100,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2, help="A/B pairs per case")
     parser.add_argument("--epochs", type=int, default=4, help="epochs per run (the first is not steady state)")
-    parser.add_argument("--cases", nargs="*", default=[*(f"{m}-{s}" for m in MODELS for s in STRATEGIES), "gpt-compile"],
-                        help="model-strategy cases, e.g. mlp-auto gpt-fsdp; gpt-compile: compiled against eager")
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        default=[*(f"{m}-{s}" for m in MODELS for s in STRATEGIES), "gpt-compile"],
+        help="model-strategy cases, e.g. mlp-auto gpt-fsdp; gpt-compile: compiled against eager",
+    )
     args = parser.parse_args()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     print(f"load average before: {os.getloadavg()[0]:.2f}, cores: {len(os.sched_getaffinity(0))}")
     print("A is the framework and B the hand-written loop; for gpt-compile A is model.compile=true, B eager.")
-    print("| case | A / B, steady epoch (min / median / max) | epoch s, A | epoch s, B | start-up s, A | start-up s, B |")
+    print(
+        "| case | A / B, steady epoch (min / median / max) | epoch s, A | epoch s, B | start-up s, A | start-up s, B |"
+    )
     print("|---|---|---|---|---|---|")
     for case in args.cases:
         ratios, times, startups = [], {"A": [], "B": []}, {"A": [], "B": []}
@@ -107,8 +128,11 @@ def main() -> None:
                     times[name].append(medians[name])
                     startups[name].append(startup)
                 ratios.append(medians["A"] / medians["B"])
-        print(f"| {case} | {summary(ratios)} | {statistics.median(times['A']):.3f} | {statistics.median(times['B']):.3f} "
-              f"| {statistics.median(startups['A']):.2f} | {statistics.median(startups['B']):.2f} |", flush=True)
+        print(
+            f"| {case} | {summary(ratios)} | {statistics.median(times['A']):.3f} | {statistics.median(times['B']):.3f} "
+            f"| {statistics.median(startups['A']):.2f} | {statistics.median(startups['B']):.2f} |",
+            flush=True,
+        )
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -1,7 +1,9 @@
-"""What the tests save by forking ``python train.py`` from ``tests/helpers/preloaded.py``: ``python benchmarks/preloaded_start.py``.
+"""What the tests save by forking ``python train.py`` from ``tests/helpers/preloaded.py``: ``python
+benchmarks/preloaded_start.py``.
 
 Three figures, each the median of 5 runs, the compared ones in alternating pairs (so that a noisy machine weighs on
-both sides alike): the import of ``project.launch.launcher`` (what train.py imports: torch, Lightning, Hydra) in a fresh interpreter; a fork of
+both sides alike): the import of ``project.launch.launcher`` (what train.py imports: torch, Lightning, Hydra) in a
+fresh interpreter; a fork of
 an interpreter that has imported it, ending with the interpreter's teardown of its modules and without it (as
 ``tests/helpers/preloaded.py`` ends its children); and the tests' tiny MLP on 2 tensor-parallel ranks, from scratch and
 forked from the preloaded server.
@@ -54,16 +56,23 @@ def main() -> None:
     imported = statistics.median(seconds(import_launch) for _ in range(PAIRS))
     print(f"import project.launch.launcher, fresh interpreter: {imported:.2f} s")
     with_teardown, without = medians(lambda: forked_exit(True), lambda: forked_exit(False))
-    print(f"exit of a forked child, with torch and Lightning loaded: {with_teardown:.2f} s with the teardown of "
-          f"its modules, {without:.2f} s without")
+    print(
+        f"exit of a forked child, with torch and Lightning loaded: {with_teardown:.2f} s with the teardown of "
+        f"its modules, {without:.2f} s without"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         home, runs = Path(tmp) / "home", iter(range(2 * PAIRS + 1))
         home.mkdir()
         args = [*TINY, "data.batch_size=64", "strategy=tensor_parallel", "trainer.devices=2", "logger=csv"]
 
         def scratch() -> None:
-            subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={tmp}/{next(runs)}"], cwd=REPO,
-                           env=isolated_env(home), check=True, capture_output=True)
+            subprocess.run(
+                [sys.executable, "train.py", *args, f"hydra.run.dir={tmp}/{next(runs)}"],
+                cwd=REPO,
+                env=isolated_env(home),
+                check=True,
+                capture_output=True,
+            )
 
         def forked() -> None:
             assert run_preloaded([*args, f"hydra.run.dir={tmp}/{next(runs)}"], home, 300).returncode == 0

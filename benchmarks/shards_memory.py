@@ -35,8 +35,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from project.data.shards import ShardsDataModule  # noqa: E402
-from project.data.shards import token_dtype, write_shard  # noqa: E402
+from project.data.shards import (  # noqa: E402
+    ShardsDataModule,  # noqa: E402
+    token_dtype,
+    write_shard,
+)
 
 VOCAB = 8192
 SHARD_TOKENS = 10**8
@@ -60,8 +63,14 @@ def make_token_set(out: Path, train_tokens: int, seed: int) -> Path:
             write_shard(out / name, rng.integers(0, VOCAB, count, dtype=dtype))
             shards.append({"file": name, "tokens": count})
         splits[split] = {"tokens": total, "shards": shards}
-    meta = {"format": "project token shards v1", "tokenizer": "random tokens (benchmark)", "vocab_size": VOCAB,
-            "dtype": dtype.name, "shard_tokens": SHARD_TOKENS, "splits": splits}
+    meta = {
+        "format": "project token shards v1",
+        "tokenizer": "random tokens (benchmark)",
+        "vocab_size": VOCAB,
+        "dtype": dtype.name,
+        "shard_tokens": SHARD_TOKENS,
+        "splits": splits,
+    }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return out
 
@@ -92,8 +101,10 @@ def sample_tree(root: int, peaks: dict[str, dict[int, dict[str, int]]], stop: th
     """Every 0.1 s, the peak of each field for each rank (child of the launcher) and worker (child of a rank)."""
     while not stop.is_set():
         tree = children()
-        for kind, pids in (("rank", tree.get(root, [])),
-                           ("worker", [w for rank in tree.get(root, []) for w in tree.get(rank, [])])):
+        for kind, pids in (
+            ("rank", tree.get(root, [])),
+            ("worker", [w for rank in tree.get(root, []) for w in tree.get(rank, [])]),
+        ):
             for pid in pids:
                 try:
                     fields = status(pid)
@@ -107,15 +118,37 @@ def sample_tree(root: int, peaks: dict[str, dict[int, dict[str, int]]], stop: th
 
 def train(data: Path, job: Path) -> dict:
     """The tiny GPT for STEPS steps under ddp x 2, sampled; the peaks and the run's tokens/s."""
-    command = [sys.executable, "train.py", "model=gpt", "data=shards", f"data.path={data}", f"data.seq_length={SEQ}",
-               f"data.batch_size={BATCH}", f"data.num_workers={WORKERS}", "strategy=ddp", "trainer.devices=2",
-               f"trainer.max_steps={STEPS}", "trainer.max_epochs=-1", "+trainer.limit_val_batches=4",
-               "trainer.num_sanity_val_steps=0", "logger=none", "print_config=false", "~callbacks.progress_bar",
-               "~callbacks.model_checkpoint", f"hydra.run.dir={job}"]
+    command = [
+        sys.executable,
+        "train.py",
+        "model=gpt",
+        "data=shards",
+        f"data.path={data}",
+        f"data.seq_length={SEQ}",
+        f"data.batch_size={BATCH}",
+        f"data.num_workers={WORKERS}",
+        "strategy=ddp",
+        "trainer.devices=2",
+        f"trainer.max_steps={STEPS}",
+        "trainer.max_epochs=-1",
+        "+trainer.limit_val_batches=4",
+        "trainer.num_sanity_val_steps=0",
+        "logger=none",
+        "print_config=false",
+        "~callbacks.progress_bar",
+        "~callbacks.model_checkpoint",
+        f"hydra.run.dir={job}",
+    ]
     peaks: dict[str, dict[int, dict[str, int]]] = {"rank": {}, "worker": {}}
     stop = threading.Event()
-    run = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           env={**os.environ, "WANDB_MODE": "disabled"})
+    run = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "WANDB_MODE": "disabled"},
+    )
     sampler = threading.Thread(target=sample_tree, args=(run.pid, peaks, stop))
     sampler.start()
     _, errors = run.communicate()
@@ -147,9 +180,11 @@ def row(name: str, size_bytes: int, result: dict) -> str:
     def span(values: list[float]) -> str:
         return f"{min(values):,.0f} - {max(values):,.0f}" if values else "-"
 
-    return (f"| {name} | {size_bytes / 1e9:,.2f} | {span([p['VmHWM'] / MB for p in ranks])} | "
-            f"{span([p['RssAnon'] / MB for p in ranks])} | {span([p['VmHWM'] / MB for p in workers])} | "
-            f"{span([p['RssAnon'] / MB for p in workers])} | {result['tokens_per_sec']:,.0f} |")
+    return (
+        f"| {name} | {size_bytes / 1e9:,.2f} | {span([p['VmHWM'] / MB for p in ranks])} | "
+        f"{span([p['RssAnon'] / MB for p in ranks])} | {span([p['VmHWM'] / MB for p in workers])} | "
+        f"{span([p['RssAnon'] / MB for p in workers])} | {result['tokens_per_sec']:,.0f} |"
+    )
 
 
 def main() -> None:
@@ -166,16 +201,22 @@ def main() -> None:
         print(f"token sets ready in {time.perf_counter() - start:.0f} s under {root}\n")
         results = {name: train(path, root / f"job-{name}") for name, (path, _) in sets.items()}
         loader = loader_tokens_per_sec(sets["large"][0])
-        print(f"`python train.py model=gpt data=shards strategy=ddp trainer.devices=2 data.num_workers={WORKERS} "
-              f"data.seq_length={SEQ} data.batch_size={BATCH} trainer.max_steps={STEPS}`, sampled every 0.1 s:\n")
-        print("| token set | size (GB) | rank peak RSS (MiB) | of it anonymous (MiB) | worker peak RSS (MiB) | "
-              "of it anonymous (MiB) | training tokens/s |")
+        print(
+            f"`python train.py model=gpt data=shards strategy=ddp trainer.devices=2 data.num_workers={WORKERS} "
+            f"data.seq_length={SEQ} data.batch_size={BATCH} trainer.max_steps={STEPS}`, sampled every 0.1 s:\n"
+        )
+        print(
+            "| token set | size (GB) | rank peak RSS (MiB) | of it anonymous (MiB) | worker peak RSS (MiB) | "
+            "of it anonymous (MiB) | training tokens/s |"
+        )
         print("|---|---|---|---|---|---|---|")
-        for name, (path, tokens) in sets.items():
+        for name, (_, tokens) in sets.items():
             print(row(name, tokens * 2, results[name]))
         consumed = results["large"]["tokens_per_sec"] / 2  # per rank: each rank's loader feeds its half
-        print(f"\nloader alone (large set, one rank's batches of {BATCH} x {SEQ}, {WORKERS} workers): {loader:,.0f} "
-              f"tokens/s, {loader / consumed:,.0f}x what a training rank consumed ({consumed:,.0f} tokens/s).")
+        print(
+            f"\nloader alone (large set, one rank's batches of {BATCH} x {SEQ}, {WORKERS} workers): {loader:,.0f} "
+            f"tokens/s, {loader / consumed:,.0f}x what a training rank consumed ({consumed:,.0f} tokens/s)."
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,13 @@ import lightning as L
 REPO = Path(__file__).resolve().parents[1]
 # A small batch and one sanity-check batch: start-up memory hardly depends on them, start-up time does (a 1.3 B
 # model's forward on 2 CPU cores).
-MODEL = ["model=gpt_1_3b", "data=tokens", "model.net.tie_weights=false", "data.batch_size=4",
-         "trainer.num_sanity_val_steps=1"]
+MODEL = [
+    "model=gpt_1_3b",
+    "data=tokens",
+    "model.net.tie_weights=false",
+    "data.batch_size=4",
+    "trainer.num_sanity_val_steps=1",
+]
 RUNS = {
     "auto, 1 process": [],
     "fsdp x 4": ["strategy=fsdp", "trainer.devices=4"],
@@ -59,8 +64,9 @@ class StartupMemory(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record["materialised"] = peak_resident_bytes()
-        self.record["parameters"] = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                                        for p in pl_module.parameters())
+        self.record["parameters"] = sum(
+            p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in pl_module.parameters()
+        )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.record["sanity_checked"] = peak_resident_bytes()
@@ -71,15 +77,27 @@ class StartupMemory(L.Callback):
 def measure(overrides: list[str], model: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         command = [
-            sys.executable, "train.py", *model, *overrides, "logger=none", "print_config=false",
-            f"hydra.run.dir={out}/job", "~callbacks.progress_bar", "~callbacks.model_checkpoint",
-            "+callbacks.startup_memory._target_=startup_memory.StartupMemory", f"+callbacks.startup_memory.out={out}",
+            sys.executable,
+            "train.py",
+            *model,
+            *overrides,
+            "logger=none",
+            "print_config=false",
+            f"hydra.run.dir={out}/job",
+            "~callbacks.progress_bar",
+            "~callbacks.model_checkpoint",
+            "+callbacks.startup_memory._target_=startup_memory.StartupMemory",
+            f"+callbacks.startup_memory.out={out}",
         ]
         # A fixed mmap threshold makes glibc return large freed blocks (FSDP's gathered parameters during the
         # sanity-check validation) to the system at once; with its default, growing threshold they stay resident
         # and the peak would show the allocator's cache, not what the rank holds.
-        env = {**os.environ, "PYTHONPATH": str(REPO / "benchmarks"), "WANDB_MODE": "disabled",
-               "MALLOC_MMAP_THRESHOLD_": "131072"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(REPO / "benchmarks"),
+            "WANDB_MODE": "disabled",
+            "MALLOC_MMAP_THRESHOLD_": "131072",
+        }
         subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
         return [json.loads(path.read_text()) for path in sorted(Path(out).glob("rank*.json"))]
 
@@ -87,19 +105,25 @@ def measure(overrides: list[str], model: list[str]) -> list[dict]:
 def main() -> None:
     model = [*MODEL, *sys.argv[1:]]
     print(f"`python train.py {' '.join(model)}` and:\n")
-    print("| run | parameters per rank (M) | resident before the model (MiB) | peak, model materialised (MiB) | "
-          "peak after the sanity check (MiB) | the model's cost: materialised - before (MiB) |")
+    print(
+        "| run | parameters per rank (M) | resident before the model (MiB) | peak, model materialised (MiB) | "
+        "peak after the sanity check (MiB) | the model's cost: materialised - before (MiB) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, overrides in RUNS.items():
         ranks = measure(overrides, model)
 
-        def column(key: str, scale: float = MB) -> str:
+        def column(key: str, scale: float = MB, ranks: list = ranks) -> str:
             values = [rank[key] / scale for rank in ranks]
-            return f"{min(values):,.0f}" if max(values) - min(values) < 1 else f"{min(values):,.0f} - {max(values):,.0f}"
+            return (
+                f"{min(values):,.0f}" if max(values) - min(values) < 1 else f"{min(values):,.0f} - {max(values):,.0f}"
+            )
 
         cost = [(rank["materialised"] - rank["before_model"]) / MB for rank in ranks]
-        print(f"| {name} | {column('parameters', 1e6)} | {column('before_model')} | {column('materialised')} | "
-              f"{column('sanity_checked')} | {min(cost):,.0f} - {max(cost):,.0f} |")
+        print(
+            f"| {name} | {column('parameters', 1e6)} | {column('before_model')} | {column('materialised')} | "
+            f"{column('sanity_checked')} | {min(cost):,.0f} - {max(cost):,.0f} |"
+        )
 
 
 if __name__ == "__main__":

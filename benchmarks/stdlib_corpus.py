@@ -23,8 +23,24 @@ from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ["asyncio", "concurrent", "ctypes", "distutils", "email", "http", "idlelib", "importlib", "json", "lib2to3",
-            "logging", "multiprocessing", "tkinter", "unittest", "urllib", "xml"]
+PACKAGES = [
+    "asyncio",
+    "concurrent",
+    "ctypes",
+    "distutils",
+    "email",
+    "http",
+    "idlelib",
+    "importlib",
+    "json",
+    "lib2to3",
+    "logging",
+    "multiprocessing",
+    "tkinter",
+    "unittest",
+    "urllib",
+    "xml",
+]
 MODEL = ["model=gpt", "data.seq_length=128", "data.batch_size=16", "trainer.max_epochs=1"]
 VOCAB = 1024
 
@@ -51,24 +67,52 @@ def main() -> None:
         prepared, job = root / "prepared", root / "job"
         shutil.rmtree(prepared, ignore_errors=True)
         shutil.rmtree(job, ignore_errors=True)
-        prepare = [sys.executable, "-m", "project.cli.prepare", *sources, "--out", str(prepared), "--vocab-size", str(VOCAB)]
+        prepare = [
+            sys.executable,
+            "-m",
+            "project.cli.prepare",
+            *sources,
+            "--out",
+            str(prepared),
+            "--vocab-size",
+            str(VOCAB),
+        ]
         prepare_s = run(prepare, env)
         meta = json.loads((prepared / "meta.json").read_text())
         strategy = [] if args.devices == 1 else ["strategy=ddp", f"trainer.devices={args.devices}"]
-        train = [sys.executable, "train.py", *MODEL, *strategy, "data=shards", f"data.path={prepared}", "logger=csv",
-                 "print_config=false", "~callbacks.progress_bar", f"hydra.run.dir={job}"]
+        train = [
+            sys.executable,
+            "train.py",
+            *MODEL,
+            *strategy,
+            "data=shards",
+            f"data.path={prepared}",
+            "logger=csv",
+            "print_config=false",
+            "~callbacks.progress_bar",
+            f"hydra.run.dir={job}",
+        ]
         train_s = run(train, env)
         final = json.loads((job / "result.json").read_text())["final"]
         splits = meta["splits"]
-        print(f"python -m project.cli.prepare <the {len(sources)} package dirs under {stdlib}: {' '.join(PACKAGES)}> "
-              f"--out {prepared.name} --vocab-size {VOCAB}   # {prepare_s:.0f} s")
-        print(f"python train.py {' '.join([*MODEL, *strategy])} data=shards data.path={prepared.name}   # {train_s:.0f} s\n")
-        print(f"| tokens (train / val) | vocabulary | val loss after 1 epoch (uniform: ln {meta['vocab_size']} = "
-              f"{math.log(meta['vocab_size']):.2f}) | val perplexity | training tokens/s | wall time of train.py |")
+        print(
+            f"python -m project.cli.prepare <the {len(sources)} package dirs under {stdlib}: {' '.join(PACKAGES)}> "
+            f"--out {prepared.name} --vocab-size {VOCAB}   # {prepare_s:.0f} s"
+        )
+        print(
+            f"python train.py {' '.join([*MODEL, *strategy])} data=shards data.path={prepared.name}"
+            f"   # {train_s:.0f} s\n"
+        )
+        print(
+            f"| tokens (train / val) | vocabulary | val loss after 1 epoch (uniform: ln {meta['vocab_size']} = "
+            f"{math.log(meta['vocab_size']):.2f}) | val perplexity | training tokens/s | wall time of train.py |"
+        )
         print("|---|---|---|---|---|---|")
-        print(f"| {splits['train']['tokens']:,} / {splits['val']['tokens']:,} | {meta['vocab_size']} | "
-              f"{final['val/loss']:.2f} | {final['val/perplexity']:.1f} | {final['perf/tokens_per_sec']:,.0f} | "
-              f"{train_s / 60:.1f} min |")
+        print(
+            f"| {splits['train']['tokens']:,} / {splits['val']['tokens']:,} | {meta['vocab_size']} | "
+            f"{final['val/loss']:.2f} | {final['val/perplexity']:.1f} | {final['perf/tokens_per_sec']:,.0f} | "
+            f"{train_s / 60:.1f} min |"
+        )
 
 
 if __name__ == "__main__":

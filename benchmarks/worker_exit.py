@@ -22,9 +22,19 @@ def main(trials: int = 3) -> None:
         for trial in range(trials):
             job_dir = Path(tmp) / str(trial)
             launcher = subprocess.Popen(
-                [sys.executable, "train.py", *TINY, "logger=csv", "strategy=ddp", "trainer.devices=2",
-                 "trainer.max_epochs=100000", f"hydra.run.dir={job_dir}"],
-                cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    sys.executable,
+                    "train.py",
+                    *TINY,
+                    "logger=csv",
+                    "strategy=ddp",
+                    "trainer.devices=2",
+                    "trainer.max_epochs=100000",
+                    f"hydra.run.dir={job_dir}",
+                ],
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             while not (job_dir / "checkpoints" / "last.ckpt").exists():
                 time.sleep(0.1)

@@ -41,9 +41,16 @@ def canonical(name: str) -> str:
 
 def target_markers(python_version: str) -> dict[str, str]:
     """PEP 508 marker values of CPython ``python_version`` on x86-64 Linux."""
-    return {"python_version": python_version, "python_full_version": f"{python_version}.0", "os_name": "posix",
-            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
-            "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+    return {
+        "python_version": python_version,
+        "python_full_version": f"{python_version}.0",
+        "os_name": "posix",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+    }
 
 
 def closure(roots: list[Requirement], markers: dict[str, str], stop: set[str] = frozenset()) -> dict[str, str]:
@@ -60,7 +67,8 @@ def closure(roots: list[Requirement], markers: dict[str, str], stop: set[str] = 
         for line in metadata.distribution(name).requires or []:
             requirement = Requirement(line)
             wanted = requirement.marker is None or any(
-                requirement.marker.evaluate({**markers, "extra": extra}) for extra in ["", *found[key]])
+                requirement.marker.evaluate({**markers, "extra": extra}) for extra in ["", *found[key]]
+            )
             if wanted:
                 todo.append((requirement.name, set(requirement.extras)))
     return {key: metadata.version(key) for key in found}
@@ -84,14 +92,30 @@ def main() -> None:
     needed = closure(roots, markers, stop=on_box)
     shutil.rmtree(args.out, ignore_errors=True)
     args.out.mkdir(parents=True)
-    platform = [f"--platform={tag}" for tag in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64",
-                                                  "manylinux2014_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64")]
+    platform = [
+        f"--platform={tag}"
+        for tag in (
+            "manylinux_2_28_x86_64",
+            "manylinux_2_17_x86_64",
+            "manylinux2014_x86_64",
+            "manylinux_2_5_x86_64",
+            "manylinux1_x86_64",
+        )
+    ]
     target = ["--only-binary=:all:", f"--python-version={args.python_version}", "--implementation=cp", *platform]
     with tempfile.TemporaryDirectory() as sdists:
         for name, version in sorted(needed.items()):
             try:
-                pip("download", "-q", "--no-deps", *target, "-d", str(args.out), f"{name}=={version}",
-                    quiet_failure=True)
+                pip(
+                    "download",
+                    "-q",
+                    "--no-deps",
+                    *target,
+                    "-d",
+                    str(args.out),
+                    f"{name}=={version}",
+                    quiet_failure=True,
+                )
             except subprocess.CalledProcessError:  # no wheel published (antlr4-python3-runtime): build it
                 pip("download", "-q", "--no-deps", "--no-binary=:all:", "-d", sdists, f"{name}=={version}")
                 pip("wheel", "-q", "--no-deps", "-w", str(args.out), *Path(sdists).glob("*"))
@@ -105,8 +129,10 @@ def main() -> None:
     if cuda:  # the box's own build must stay: a --box-has without torch would bring these in
         sys.exit(f"the bundle would hold torch or CUDA packages ({', '.join(cuda)}): name torch in --box-has")
     size = sum(wheel.stat().st_size for wheel in wheels) / 2**20
-    print(f"{args.out}: {len(wheels)} wheels, {size:.1f} MiB (limit {LIMIT_MIB} MiB); left to the box: "
-          f"{', '.join(sorted(on_box))}")
+    print(
+        f"{args.out}: {len(wheels)} wheels, {size:.1f} MiB (limit {LIMIT_MIB} MiB); left to the box: "
+        f"{', '.join(sorted(on_box))}"
+    )
     for wheel in wheels:
         print(f"  {wheel.stat().st_size / 2**20:6.2f} MiB  {wheel.name}")
     if size > LIMIT_MIB:

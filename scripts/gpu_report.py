@@ -21,8 +21,13 @@ import torch
 
 def machine() -> dict[str, Any]:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
-            "cuda": torch.version.cuda, "python": platform.python_version()}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
 
 
 def test_results(junits: list[Path]) -> list[dict[str, Any]]:
@@ -38,8 +43,15 @@ def test_results(junits: list[Path]) -> list[dict[str, Any]]:
                 outcome = "failed" if tag == "failure" else tag
                 message = (found.get("message") or "").splitlines()[0][:200] if found.get("message") else ""
         figures = {prop.get("name"): prop.get("value") for prop in case.iter("property")}
-        results.append({"test": case.get("name"), "outcome": outcome, "seconds": float(case.get("time", 0)),
-                        "message": message, "figures": figures})
+        results.append(
+            {
+                "test": case.get("name"),
+                "outcome": outcome,
+                "seconds": float(case.get("time", 0)),
+                "message": message,
+                "figures": figures,
+            }
+        )
     return results
 
 
@@ -53,11 +65,17 @@ def figure(value: str) -> str:
 
 def markdown(report: dict[str, Any], benchmark_md: str | None) -> str:
     m = report["machine"]
-    lines = [f"# make gpu-check, {m['date']}", "",
-             f"GPU: {m['gpu'] or 'none (CUDA not available)'}; torch {m['torch']} (CUDA {m['cuda']}); "
-             f"Python {m['python']}. Re-measure: `make gpu-check OUT=<dir>` on the box (README, GPU boxes offline).",
-             "", f"## GPU tests (`pytest -m gpu`, exit code {report['tests_exit']})", "",
-             "| test | outcome | s | figures |", "|---|---|---|---|"]
+    lines = [
+        f"# make gpu-check, {m['date']}",
+        "",
+        f"GPU: {m['gpu'] or 'none (CUDA not available)'}; torch {m['torch']} (CUDA {m['cuda']}); "
+        f"Python {m['python']}. Re-measure: `make gpu-check OUT=<dir>` on the box (README, GPU boxes offline).",
+        "",
+        f"## GPU tests (`pytest -m gpu`, exit code {report['tests_exit']})",
+        "",
+        "| test | outcome | s | figures |",
+        "|---|---|---|---|",
+    ]
     for test in report["tests"]:
         figures = "; ".join(f"{name} {figure(value)}" for name, value in test["figures"].items())
         outcome = test["outcome"] + (f": {test['message']}" if test["message"] else "")
@@ -74,15 +92,21 @@ def main() -> None:
     parser.add_argument("--benchmark-exit", required=True, help="the benchmark's exit code, or not-run")
     args = parser.parse_args()
     benchmark_json, benchmark_md = args.out / "gpu_benchmark.json", args.out / "gpu_benchmark.md"
-    report = {"machine": machine(), "tests_exit": args.tests_exit, "benchmark_exit": args.benchmark_exit,
-              "tests": test_results(sorted(args.out.glob("gpu_tests*.xml"))),
-              "benchmark": json.loads(benchmark_json.read_text()) if benchmark_json.is_file() else None}
+    report = {
+        "machine": machine(),
+        "tests_exit": args.tests_exit,
+        "benchmark_exit": args.benchmark_exit,
+        "tests": test_results(sorted(args.out.glob("gpu_tests*.xml"))),
+        "benchmark": json.loads(benchmark_json.read_text()) if benchmark_json.is_file() else None,
+    }
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     text = markdown(report, benchmark_md.read_text() if benchmark_md.is_file() else None)
     (args.out / "gpu_check.md").write_text(text)
     print(text)
-    counts = {outcome: sum(test["outcome"] == outcome for test in report["tests"])
-              for outcome in ("passed", "failed", "error", "skipped")}
+    counts = {
+        outcome: sum(test["outcome"] == outcome for test in report["tests"])
+        for outcome in ("passed", "failed", "error", "skipped")
+    }
     print(f"{args.out}/gpu_check.md: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items()))
     failed = args.tests_exit not in ("0", "not-run") or args.benchmark_exit not in ("0", "not-run")
     sys.exit(1 if failed else 0)

@@ -1,5 +1,6 @@
 """Shared helpers: run ``python train.py`` (or torchrun) as a user would, in an isolated HOME, and find its outputs."""
 
+import contextlib
 import importlib
 import math
 import os
@@ -12,7 +13,6 @@ from types import ModuleType
 
 import pytest
 import torch
-
 from helpers.preloaded import TrainServer
 from helpers.reference import ReferenceRun, reference_run
 from helpers.wandb_offline import OfflineRun, offline_runs
@@ -90,13 +90,12 @@ def kill_process_tree(root: int, signum: int = signal.SIGKILL) -> None:
         tree += children.get(tree[index], [])
         index += 1
     for pid in tree:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
 
 
-# One per HOME (tests/helpers/preloaded.py), started on first use, the least recently used closed past 3 (each holds torch).
+# One per HOME (tests/helpers/preloaded.py), started on first use, the least recently used closed past 3 (each holds
+# torch).
 TRAIN_SERVERS: dict[Path, TrainServer] = {}
 
 
@@ -126,8 +125,9 @@ def run_preloaded(args: list[str], home: Path, timeout: int) -> subprocess.Compl
             kill_process_tree(pid)
             server.wait(pid, 60)
             raise subprocess.TimeoutExpired(["train.py", *args], timeout, stdout.read_text(), stderr.read_text())
-        return subprocess.CompletedProcess([sys.executable, "train.py", *args], ended[1], stdout.read_text(),
-                                           stderr.read_text())
+        return subprocess.CompletedProcess(
+            [sys.executable, "train.py", *args], ended[1], stdout.read_text(), stderr.read_text()
+        )
 
 
 def run_command(command: list[str], home: Path, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -136,8 +136,9 @@ def run_command(command: list[str], home: Path, timeout: int = 300) -> subproces
     if command[:2] == [sys.executable, "train.py"]:
         result = run_preloaded(command[2:], home, timeout)
     else:
-        result = subprocess.run(command, cwd=REPO, env=isolated_env(home), capture_output=True, text=True,
-                                timeout=timeout)
+        result = subprocess.run(
+            command, cwd=REPO, env=isolated_env(home), capture_output=True, text=True, timeout=timeout
+        )
     result.output = result.stdout + result.stderr
     return result
 
@@ -152,8 +153,10 @@ def train(args: list[str], home: Path, expect_ok: bool = True, timeout: int = 30
 
 def torchrun(nproc: int, args: list[str], home: Path) -> subprocess.CompletedProcess:
     # torch's own module rather than the torchrun script, which sits beside the interpreter that installed torch
-    result = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                          "train.py", *args], home)
+    result = run_command(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "train.py", *args],
+        home,
+    )
     assert result.returncode == 0, result.output[-6000:]
     return result
 
@@ -207,8 +210,9 @@ def reference():
 
     cache: dict[tuple, ReferenceRun] = {}
 
-    def run(overrides: list[str], global_batch: int, device: str = "cpu",
-            autocast: torch.dtype | None = None) -> ReferenceRun:
+    def run(
+        overrides: list[str], global_batch: int, device: str = "cpu", autocast: torch.dtype | None = None
+    ) -> ReferenceRun:
         key = (tuple(overrides), global_batch, device, autocast)
         if key not in cache:
             cache[key] = reference_run(compose_train(overrides), global_batch, device, autocast)
@@ -261,24 +265,41 @@ def single_run(runs_dir, home):
 def ddp_fsdp_sweep(runs_dir, home):
     """`python train.py -m strategy=ddp,fsdp,pipeline trainer.devices=2`, 32 per device: returns job 0 (ddp) and job 1
     (fsdp). Job 2 (pipeline: one replica of two stages, so a global batch of 32) serves the report's test."""
-    result, jobs = two_job_sweep("ddp-fsdp", [*TINY, "trainer.devices=2", "data.batch_size=32",
-                                              "strategy=ddp,fsdp,pipeline", TRACKED], runs_dir, home)
+    result, jobs = two_job_sweep(
+        "ddp-fsdp",
+        [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp,pipeline", TRACKED],
+        runs_dir,
+        home,
+    )
     assert "distributed_backend=gloo" in result.output and "Starting with 2 processes" in result.output
     return jobs
 
 
 @pytest.fixture(scope="session")
 def model_parallel_run(runs_dir, home):
-    return one_run("model-parallel", [*TINY, "data.batch_size=64", "strategy=model_parallel", "trainer.devices=2"],
-                   runs_dir, home)
+    return one_run(
+        "model-parallel", [*TINY, "data.batch_size=64", "strategy=model_parallel", "trainer.devices=2"], runs_dir, home
+    )
 
 
 @pytest.fixture(scope="session")
 def pipeline_sweep(runs_dir, home):
     """`-m strategy=pipeline strategy.schedule=gpipe,1f1b trainer.devices=2`: jobs 0 and 1 (precision given as 32,
     Lightning's other spelling of 32-true)."""
-    return two_job_sweep("pipeline", [*TINY, "data.batch_size=64", "strategy=pipeline", "trainer.devices=2",
-                                      "strategy.schedule=gpipe,1f1b", "trainer.precision=32", TRACKED], runs_dir, home)[1]
+    return two_job_sweep(
+        "pipeline",
+        [
+            *TINY,
+            "data.batch_size=64",
+            "strategy=pipeline",
+            "trainer.devices=2",
+            "strategy.schedule=gpipe,1f1b",
+            "trainer.precision=32",
+            TRACKED,
+        ],
+        runs_dir,
+        home,
+    )[1]
 
 
 @pytest.fixture(scope="session")
@@ -289,15 +310,23 @@ def gpt_auto(runs_dir, home):
 @pytest.fixture(scope="session")
 def gpt_ddp_fsdp_sweep(runs_dir, home):
     """The GPT's ddp and fsdp jobs over 2 devices, 16 per device: jobs 0 and 1."""
-    return two_job_sweep("gpt-ddp-fsdp", [*TINY_GPT, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp",
-                                          TRACKED], runs_dir, home)[1]
+    return two_job_sweep(
+        "gpt-ddp-fsdp",
+        [*TINY_GPT, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp", TRACKED],
+        runs_dir,
+        home,
+    )[1]
 
 
 @pytest.fixture(scope="session")
 def gpt_pipeline_compiled(runs_dir, home):
     """The GPT's blocks compiled (model.compile=true) and split into pipeline stages (1f1b)."""
-    return one_run("gpt-pipeline-compiled", [*TINY_GPT, "trainer.devices=2", "data.batch_size=32", "strategy=pipeline",
-                                             "model.compile=true"], runs_dir, home)
+    return one_run(
+        "gpt-pipeline-compiled",
+        [*TINY_GPT, "trainer.devices=2", "data.batch_size=32", "strategy=pipeline", "model.compile=true"],
+        runs_dir,
+        home,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -307,15 +336,20 @@ def llama_auto(runs_dir, home):
 
 @pytest.fixture(scope="session")
 def llama_fsdp(runs_dir, home):
-    return one_run("llama-fsdp", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp", TRACKED],
-                   runs_dir, home)
+    return one_run(
+        "llama-fsdp", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp", TRACKED], runs_dir, home
+    )
 
 
 @pytest.fixture(scope="session")
 def llama_split_sweep(runs_dir, home):
     """The Llama's model_parallel and pipeline (1f1b) jobs over 2 devices: jobs 0 and 1."""
-    return two_job_sweep("llama-split", [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=32",
-                                         "strategy=model_parallel,pipeline", TRACKED], runs_dir, home)[1]
+    return two_job_sweep(
+        "llama-split",
+        [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=32", "strategy=model_parallel,pipeline", TRACKED],
+        runs_dir,
+        home,
+    )[1]
 
 
 # Tensor parallelism: the tiny GPT in its three layouts, each with the global batch of 32 of gpt_auto.
@@ -324,34 +358,76 @@ def llama_split_sweep(runs_dir, home):
 @pytest.fixture(scope="session")
 def gpt_tensor_parallel(runs_dir, home):
     """strategy=tensor_parallel over 2 devices, every epoch's checkpoint kept (the layouts' resume chain)."""
-    return one_run("gpt-tp2", [*TINY_GPT, "data.batch_size=32", "strategy=tensor_parallel", "trainer.devices=2",
-                               "callbacks.model_checkpoint.save_top_k=-1", TRACKED], runs_dir, home)
+    return one_run(
+        "gpt-tp2",
+        [
+            *TINY_GPT,
+            "data.batch_size=32",
+            "strategy=tensor_parallel",
+            "trainer.devices=2",
+            "callbacks.model_checkpoint.save_top_k=-1",
+            TRACKED,
+        ],
+        runs_dir,
+        home,
+    )
 
 
 @pytest.fixture(scope="session")
 def gpt_fsdp_tensor_parallel(runs_dir, home):
     """FSDP over 2 replicas of 2 tensor-parallel ranks (2D), 16 per replica."""
-    return one_run("gpt-fsdp2-tp2", [*TINY_GPT, "data.batch_size=16", "strategy=fsdp", "trainer.devices=4",
-                                     "strategy.tensor_parallel_size=2", TRACKED], runs_dir, home)
+    return one_run(
+        "gpt-fsdp2-tp2",
+        [
+            *TINY_GPT,
+            "data.batch_size=16",
+            "strategy=fsdp",
+            "trainer.devices=4",
+            "strategy.tensor_parallel_size=2",
+            TRACKED,
+        ],
+        runs_dir,
+        home,
+    )
 
 
 @pytest.fixture(scope="session")
 def gpt_pipeline_tensor_parallel(runs_dir, home):
     """2 pipeline stages, each split over 2 tensor-parallel ranks (pipeline x tensor parallel)."""
-    return one_run("gpt-pp2-tp2", [*TINY_GPT, "data.batch_size=32", "strategy=pipeline", "trainer.devices=4",
-                                   "strategy.num_stages=2", "strategy.tensor_parallel_size=2", TRACKED], runs_dir, home)
+    return one_run(
+        "gpt-pp2-tp2",
+        [
+            *TINY_GPT,
+            "data.batch_size=32",
+            "strategy=pipeline",
+            "trainer.devices=4",
+            "strategy.num_stages=2",
+            "strategy.tensor_parallel_size=2",
+            TRACKED,
+        ],
+        runs_dir,
+        home,
+    )
 
 
 @pytest.fixture(scope="session")
 def llama_tensor_parallel(runs_dir, home):
     """The Llama over 2 tensor-parallel ranks: 2 query heads and 1 key/value head each (fsdp x tensor parallel: the
     GPT's)."""
-    return one_run("llama-tp2", [*TINY_LLAMA_TP, "data.batch_size=32", "strategy=tensor_parallel", "trainer.devices=2",
-                                 TRACKED], runs_dir, home)
+    return one_run(
+        "llama-tp2",
+        [*TINY_LLAMA_TP, "data.batch_size=32", "strategy=tensor_parallel", "trainer.devices=2", TRACKED],
+        runs_dir,
+        home,
+    )
 
 
 @pytest.fixture(scope="session")
 def mlp_tensor_parallel(runs_dir, home):
     """The MLP over 2 tensor-parallel ranks: its first pair of layers split, the classifier whole on each."""
-    return one_run("mlp-tp2", [*TINY, "data.batch_size=64", "strategy=tensor_parallel", "trainer.devices=2", TRACKED],
-                   runs_dir, home)
+    return one_run(
+        "mlp-tp2",
+        [*TINY, "data.batch_size=64", "strategy=tensor_parallel", "trainer.devices=2", TRACKED],
+        runs_dir,
+        home,
+    )

@@ -1,6 +1,7 @@
 """Bad input: a one-paragraph error naming the key and the fix, exit code 1, before any worker or W&B run.
 
-Every case is a real ``python train.py <args>`` process (forked from ``tests/helpers/preloaded.py``, which has imported torch
+Every case is a real ``python train.py <args>`` process (forked from ``tests/helpers/preloaded.py``, which has
+imported torch
 and Lightning once; as many at once as there are cores, so that the whole table costs about a minute).
 """
 
@@ -9,7 +10,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from conftest import TINY, TINY_GPT, only_run, train, train_server
 
 # (overrides, what the message must say). The overrides come after TINY (the MLP) unless they start with
@@ -35,12 +35,18 @@ CASES = [
     (["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch: must be a positive integer, got 0"),
     (["trainer.val_check_interval=1000"], "trainer.val_check_interval: is 1000 batches, but an epoch has"),
     (["trainer.check_val_every_n_epoch=null"], "trainer.val_check_interval: is None, but with trainer.check_val_every"),
-    (["+trainer.limit_train_batches=0.25", "trainer.val_check_interval=8"],  # TINY: 16 batches an epoch
-     "trainer.val_check_interval: is 8 batches, but an epoch has 4"),
-    (["trainer.accumulate_grad_batches=3", "trainer.val_check_interval=0.5"],
-     "trainer.val_check_interval: validates every 8 training batches, inside an optimizer step"),
-    (["trainer.accumulate_grad_batches=3", "trainer.check_val_every_n_epoch=null", "trainer.val_check_interval=6"],
-     "trainer.val_check_interval: counts batches across epochs, but an epoch's 16 batches are no multiple"),
+    (
+        ["+trainer.limit_train_batches=0.25", "trainer.val_check_interval=8"],  # TINY: 16 batches an epoch
+        "trainer.val_check_interval: is 8 batches, but an epoch has 4",
+    ),
+    (
+        ["trainer.accumulate_grad_batches=3", "trainer.val_check_interval=0.5"],
+        "trainer.val_check_interval: validates every 8 training batches, inside an optimizer step",
+    ),
+    (
+        ["trainer.accumulate_grad_batches=3", "trainer.check_val_every_n_epoch=null", "trainer.val_check_interval=6"],
+        "trainer.val_check_interval: counts batches across epochs, but an epoch's 16 batches are no multiple",
+    ),
     (["trainer.log_every_n_steps=-1"], "trainer.log_every_n_steps: must be an integer of at least 0, got -1"),
     (["trainer.num_sanity_val_steps=-5"], "trainer.num_sanity_val_steps: must be an integer of at least -1"),
     (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val: must be a positive number or null, got -1"),
@@ -49,53 +55,115 @@ CASES = [
     (["strategy=ddp", "trainer.devices=4", "data.num_val=3"], "data.num_val: gives 3 validation samples"),
     (["strategy=ddp", "trainer.devices=2", "data.batch_size=600"], "data.batch_size: gives a global batch of 600 x 2"),
     # Devices, nodes, precision, process groups
-    (["trainer.accelerator=gpu", "trainer.devices=2"], "trainer.accelerator: is 'gpu' but this machine has no CUDA GPU"),
+    (
+        ["trainer.accelerator=gpu", "trainer.devices=2"],
+        "trainer.accelerator: is 'gpu' but this machine has no CUDA GPU",
+    ),
     (["trainer.accelerator=tpu"], "trainer.accelerator: is 'tpu', which this machine does not have"),
     (["trainer.accelerator=abacus"], "trainer.accelerator: is 'abacus', which Lightning does not know"),
     (["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], "trainer.num_nodes: is more than 1"),
     (["trainer.precision=16-mixed"], "trainer.precision: is '16-mixed', but float16 training needs a CUDA GPU"),
     (["trainer.precision=17"], "trainer.precision: Precision 17 is invalid"),
-    (["strategy=fsdp", "trainer.devices=2", "trainer.precision=64"], "trainer.precision: is '64-true', which Lightning's"),
-    (["strategy=ddp", "trainer.devices=2", "strategy.process_group_backend=nccl"],
-     "strategy.process_group_backend: is 'nccl', which needs CUDA GPUs, but this run is on the CPU"),
-    (["strategy=ddp", "trainer.devices=2", "strategy.process_group_backend=pigeon"],
-     "strategy.process_group_backend: is 'pigeon', not a torch.distributed backend"),
+    (
+        ["strategy=fsdp", "trainer.devices=2", "trainer.precision=64"],
+        "trainer.precision: is '64-true', which Lightning's",
+    ),
+    (
+        ["strategy=ddp", "trainer.devices=2", "strategy.process_group_backend=nccl"],
+        "strategy.process_group_backend: is 'nccl', which needs CUDA GPUs, but this run is on the CPU",
+    ),
+    (
+        ["strategy=ddp", "trainer.devices=2", "strategy.process_group_backend=pigeon"],
+        "strategy.process_group_backend: is 'pigeon', not a torch.distributed backend",
+    ),
     (["strategy=ddp", "trainer.devices=2", "strategy.timeout.minutes=0"], "strategy.timeout: is 0:00:00"),
     # Strategies' own rules and options
-    (["strategy=fsdp", "trainer.devices=2", "strategy.cpu_offload=true"],
-     "strategy.cpu_offload: moves parameter shards from GPU to CPU memory, but this run has no GPU"),
-    (["strategy=fsdp", "trainer.devices=2", "strategy.reduce_dtype=float99"], "strategy: cannot be built: AttributeError"),
+    (
+        ["strategy=fsdp", "trainer.devices=2", "strategy.cpu_offload=true"],
+        "strategy.cpu_offload: moves parameter shards from GPU to CPU memory, but this run has no GPU",
+    ),
+    (
+        ["strategy=fsdp", "trainer.devices=2", "strategy.reduce_dtype=float99"],
+        "strategy: cannot be built: AttributeError",
+    ),
     (["strategy=model_parallel", "trainer.devices=4"], "strategy.num_stages: cannot split the model: 4 stages"),
-    (["strategy=pipeline", "trainer.devices=2", "strategy.blocks_per_stage=[1,1]"], "strategy.blocks_per_stage: cannot split"),
-    (["strategy=pipeline", "trainer.devices=2", "data.batch_size=30", "strategy.microbatches=4"],
-     "strategy.microbatches: is 4, which does not divide data.batch_size=30"),
-    (["strategy=pipeline", "trainer.devices=2", "strategy.microbatches=1"], "strategy.microbatches: is 1, fewer than the 2"),
-    (["strategy=pipeline", "trainer.devices=3", "strategy.num_stages=2"], "trainer.devices: gives 3 processes, not a multiple"),
+    (
+        ["strategy=pipeline", "trainer.devices=2", "strategy.blocks_per_stage=[1,1]"],
+        "strategy.blocks_per_stage: cannot split",
+    ),
+    (
+        ["strategy=pipeline", "trainer.devices=2", "data.batch_size=30", "strategy.microbatches=4"],
+        "strategy.microbatches: is 4, which does not divide data.batch_size=30",
+    ),
+    (
+        ["strategy=pipeline", "trainer.devices=2", "strategy.microbatches=1"],
+        "strategy.microbatches: is 1, fewer than the 2",
+    ),
+    (
+        ["strategy=pipeline", "trainer.devices=3", "strategy.num_stages=2"],
+        "trainer.devices: gives 3 processes, not a multiple",
+    ),
     (["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"], "strategy.schedule: is 'zigzag'"),
     # Tensor parallelism: the sizes each plan splits, and the mesh (tiny GPT: 2 heads of 16; tiny Llama: 1 kv head)
-    (["model=gpt", "strategy=tensor_parallel", "trainer.devices=4"],
-     "model.net.num_heads: gives the model's attention heads (2), which 4 tensor-parallel ranks"),
-    (["model=llama", "model.net.num_kv_heads=1", "strategy=tensor_parallel", "trainer.devices=2"],
-     "model.net.num_kv_heads: gives the model's key/value heads (1), which 2 tensor-parallel ranks"),
-    (["model=llama", "model.net.num_kv_heads=2", "model.net.hidden_dim=63", "strategy=fsdp", "trainer.devices=2",
-      "strategy.tensor_parallel_size=2"], "model.net.hidden_dim: gives the model's SwiGLU hidden units (63), which 2"),
-    (["model.net.hidden_dims=[63,32]", "strategy=tensor_parallel", "trainer.devices=2"],
-     "model.net.hidden_dims: gives the model's units of hidden layer 0 (63), which 2 tensor-parallel ranks"),
-    (["model=gpt", "data.seq_length=15", "strategy=tensor_parallel", "trainer.devices=2"],
-     "data.seq_length: is 15, which 2 tensor-parallel ranks cannot share evenly under sequence parallelism"),
-    (["strategy=fsdp", "trainer.devices=3", "strategy.tensor_parallel_size=2"],
-     "trainer.devices: gives 3 processes, not a multiple of strategy.tensor_parallel_size=2"),
-    (["strategy=tensor_parallel", "trainer.devices=4", "strategy.tensor_parallel_size=2"],
-     "strategy.tensor_parallel_size: is 2 of the job's 4 processes; strategy=tensor_parallel runs one replica"),
+    (
+        ["model=gpt", "strategy=tensor_parallel", "trainer.devices=4"],
+        "model.net.num_heads: gives the model's attention heads (2), which 4 tensor-parallel ranks",
+    ),
+    (
+        ["model=llama", "model.net.num_kv_heads=1", "strategy=tensor_parallel", "trainer.devices=2"],
+        "model.net.num_kv_heads: gives the model's key/value heads (1), which 2 tensor-parallel ranks",
+    ),
+    (
+        [
+            "model=llama",
+            "model.net.num_kv_heads=2",
+            "model.net.hidden_dim=63",
+            "strategy=fsdp",
+            "trainer.devices=2",
+            "strategy.tensor_parallel_size=2",
+        ],
+        "model.net.hidden_dim: gives the model's SwiGLU hidden units (63), which 2",
+    ),
+    (
+        ["model.net.hidden_dims=[63,32]", "strategy=tensor_parallel", "trainer.devices=2"],
+        "model.net.hidden_dims: gives the model's units of hidden layer 0 (63), which 2 tensor-parallel ranks",
+    ),
+    (
+        ["model=gpt", "data.seq_length=15", "strategy=tensor_parallel", "trainer.devices=2"],
+        "data.seq_length: is 15, which 2 tensor-parallel ranks cannot share evenly under sequence parallelism",
+    ),
+    (
+        ["strategy=fsdp", "trainer.devices=3", "strategy.tensor_parallel_size=2"],
+        "trainer.devices: gives 3 processes, not a multiple of strategy.tensor_parallel_size=2",
+    ),
+    (
+        ["strategy=tensor_parallel", "trainer.devices=4", "strategy.tensor_parallel_size=2"],
+        "strategy.tensor_parallel_size: is 2 of the job's 4 processes; strategy=tensor_parallel runs one replica",
+    ),
     # A tensor-parallel group is one data-parallel replica (TINY: 1024 training samples).
-    (["strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=1025"],
-     "data.batch_size: gives a global batch of 1025 x 1 data-parallel replicas = 1025 samples"),
-    (["strategy=fsdp", "trainer.devices=4", "strategy.tensor_parallel_size=2", "data.batch_size=600"],
-     "data.batch_size: gives a global batch of 600 x 2 data-parallel replicas = 1200 samples"),
-    (["strategy=fsdp", "trainer.devices=2", "strategy.tensor_parallel_size=0"],
-     "strategy.tensor_parallel_size: must be a positive integer, got 0"),
-    (["model=gpt", "strategy=pipeline", "trainer.devices=6", "strategy.num_stages=2",
-      "strategy.tensor_parallel_size=2"], "trainer.devices: gives 6 processes, not a multiple of the 4 ranks one pipeline needs (2 stages / 1 per rank x 2"),
+    (
+        ["strategy=tensor_parallel", "trainer.devices=2", "data.batch_size=1025"],
+        "data.batch_size: gives a global batch of 1025 x 1 data-parallel replicas = 1025 samples",
+    ),
+    (
+        ["strategy=fsdp", "trainer.devices=4", "strategy.tensor_parallel_size=2", "data.batch_size=600"],
+        "data.batch_size: gives a global batch of 600 x 2 data-parallel replicas = 1200 samples",
+    ),
+    (
+        ["strategy=fsdp", "trainer.devices=2", "strategy.tensor_parallel_size=0"],
+        "strategy.tensor_parallel_size: must be a positive integer, got 0",
+    ),
+    (
+        [
+            "model=gpt",
+            "strategy=pipeline",
+            "trainer.devices=6",
+            "strategy.num_stages=2",
+            "strategy.tensor_parallel_size=2",
+        ],
+        "trainer.devices: gives 6 processes, not a multiple of the 4 ranks one pipeline needs (2 stages / 1 per rank "
+        "x 2",
+    ),
     # The model, its optimizer and schedule
     (["model.net.hidden_dims=abc"], "model.net.hidden_dims: must be a list of layer widths, got 'abc'"),
     (["model.net.hidden_dims=[64,0]"], "model.net.hidden_dims: must be a positive integer, got 0"),
@@ -103,55 +171,107 @@ CASES = [
     (["model.no_weight_decay=[bias,layernorm]"], "model.no_weight_decay: names ['layernorm'], which are not parameter"),
     (["model.optimizer.lr=-1"], "model.optimizer.lr: is refused by the optimizer: Invalid learning rate: -1"),
     (["model.optimizer.lr=abc"], "model.optimizer.lr: must be a number, got 'abc'"),
-    (["model.optimizer.momentum=-0.5"], "model.optimizer.momentum: is refused by the optimizer: Invalid momentum value"),
-    (["model=gpt", "model.optimizer.betas=[0.9,1.5]"], "model.optimizer.betas: is refused by the optimizer: Invalid beta"),
+    (
+        ["model.optimizer.momentum=-0.5"],
+        "model.optimizer.momentum: is refused by the optimizer: Invalid momentum value",
+    ),
+    (
+        ["model=gpt", "model.optimizer.betas=[0.9,1.5]"],
+        "model.optimizer.betas: is refused by the optimizer: Invalid beta",
+    ),
     (["model=gpt", "model.optimizer.weight_decay=-0.1"], "model.optimizer.weight_decay: is refused by the optimizer"),
     (["model=gpt", "model.net.num_heads=3"], "model.net.num_heads: is 3, which does not divide model.net.dim=32"),
     (["model=gpt", "data.seq_length=0"], "data.seq_length: must be a positive integer, got 0"),
-    (["model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:10}"],
-     "model.scheduler: cannot be built as factory(optimizer, run_steps=...)"),
-    (["model=gpt", "model.scheduler.warmup_steps=10"], "model.scheduler.warmup_fraction: is 0.08 while model.scheduler.warmup_steps"),
+    (
+        ["model.scheduler={_target_:torch.optim.lr_scheduler.StepLR,_partial_:true,step_size:10}"],
+        "model.scheduler: cannot be built as factory(optimizer, run_steps=...)",
+    ),
+    (
+        ["model=gpt", "model.scheduler.warmup_steps=10"],
+        "model.scheduler.warmup_fraction: is 0.08 while model.scheduler.warmup_steps",
+    ),
     (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: is 'fast'"),
     # Checkpoints
     (["ckpt_path=/nonexistent/model.ckpt"], "ckpt_path: /nonexistent/model.ckpt does not exist"),
-    (["ckpt_path=last"], "ckpt_path: ... does not exist. Fix: ckpt_path=last resumes the run dir given by hydra.run.dir"),
+    (
+        ["ckpt_path=last"],
+        "ckpt_path: ... does not exist. Fix: ckpt_path=last resumes the run dir given by hydra.run.dir",
+    ),
     (["ckpt_path={files}/a_dir"], "ckpt_path: {files}/a_dir is a directory, not a sharded checkpoint"),
     (["ckpt_path={files}/random.ckpt"], "ckpt_path: {files}/random.ckpt is not a checkpoint file"),
     (["ckpt_path={mlp_ckpt}", "model.net.hidden_dims=[128]"], "ckpt_path: {mlp_ckpt} is a checkpoint of another model"),
     (["model=gpt", "ckpt_path={mlp_ckpt}"], "ckpt_path: {mlp_ckpt} is a checkpoint of another model"),
-    (["ckpt_path={fsdp_ckpt}", "model.net.hidden_dims=[64,16]"],
-     "ckpt_path: {fsdp_ckpt} is a checkpoint of another model: net.blocks.1.0.weight is [32, 64] there, [16, 64] here"),
+    (
+        ["ckpt_path={fsdp_ckpt}", "model.net.hidden_dims=[64,16]"],
+        "ckpt_path: {fsdp_ckpt} is a checkpoint of another model: net.blocks.1.0.weight is [32, 64] there, "
+        "[16, 64] here",
+    ),
     # Data files
     (["model=gpt", "data=text", "data.path=corpus.txt"], "data.path: corpus.txt is not a file"),  # README's example
     (["model=gpt", "data=text", "data.path={files}/a_dir"], "data.path: {files}/a_dir is not a file"),
     (["model=gpt", "data=text", "data.path={files}/empty.txt"], "data.path: {files}/empty.txt has 0 bytes, too few"),
     (["model=gpt", "data=text", "data.path={files}/tiny.txt"], "data.path: {files}/tiny.txt has 11 bytes, too few"),
-    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0"],
-     "data.val_fraction: must be a number between 0 and 1 (both excluded), got 0"),
-    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0.0001"],
-     "data.val_fraction: is 0.0001: the last 1 bytes of {files}/corpus.txt hold no validation sequence"),
+    (
+        ["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0"],
+        "data.val_fraction: must be a number between 0 and 1 (both excluded), got 0",
+    ),
+    (
+        ["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0.0001"],
+        "data.val_fraction: is 0.0001: the last 1 bytes of {files}/corpus.txt hold no validation sequence",
+    ),
     (["model=gpt", "data=shards"], "data.path: is required and has no value"),
-    (["model=gpt", "data=shards", "data.path={files}/a_dir"],
-     "data.path: {files}/a_dir has no meta.json: it is not a prepared corpus"),
+    (
+        ["model=gpt", "data=shards", "data.path={files}/a_dir"],
+        "data.path: {files}/a_dir has no meta.json: it is not a prepared corpus",
+    ),
     # Where the job writes
     (["hydra.run.dir="], "hydra.run.dir: is empty, so the job would write into the dir it was launched from"),
     (["hydra.run.dir={files}/a_file/job"], "hydra.run.dir: {files}/a_file/job cannot be created: Not a directory"),
     # Hydra's own: an option or key that does not exist
     (["model=nosuch"], "Could not find 'model/nosuch'"),
     (["nosuchkey=1"], "Could not override 'nosuchkey'"),
-    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "callbacks.text_sample.prompt=hi",
-      "callbacks.text_sample.top_k=0"], "callbacks.text_sample.top_k: must be a positive integer, or null"),
-    (["model=gpt", "callbacks.text_sample.prompt=hi"],
-     "callbacks.text_sample.prompt: is set, but MarkovTokenDataModule has no text to write a prompt in"),
-    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "strategy=pipeline", "trainer.devices=2",
-      "callbacks.text_sample.prompt=hi"], "callbacks.text_sample.prompt: is set, but under PipelineStrategy as "
-     "configured no rank"),
-    (["model=gpt", "data=text", "data.path={files}/corpus.txt", "strategy=tensor_parallel", "trainer.devices=2",
-      "callbacks.text_sample.prompt=hi"], "callbacks.text_sample.prompt: is set, but under TensorParallelStrategy"),
+    (
+        [
+            "model=gpt",
+            "data=text",
+            "data.path={files}/corpus.txt",
+            "callbacks.text_sample.prompt=hi",
+            "callbacks.text_sample.top_k=0",
+        ],
+        "callbacks.text_sample.top_k: must be a positive integer, or null",
+    ),
+    (
+        ["model=gpt", "callbacks.text_sample.prompt=hi"],
+        "callbacks.text_sample.prompt: is set, but MarkovTokenDataModule has no text to write a prompt in",
+    ),
+    (
+        [
+            "model=gpt",
+            "data=text",
+            "data.path={files}/corpus.txt",
+            "strategy=pipeline",
+            "trainer.devices=2",
+            "callbacks.text_sample.prompt=hi",
+        ],
+        "callbacks.text_sample.prompt: is set, but under PipelineStrategy as configured no rank",
+    ),
+    (
+        [
+            "model=gpt",
+            "data=text",
+            "data.path={files}/corpus.txt",
+            "strategy=tensor_parallel",
+            "trainer.devices=2",
+            "callbacks.text_sample.prompt=hi",
+        ],
+        "callbacks.text_sample.prompt: is set, but under TensorParallelStrategy",
+    ),
     # The memory plan: a run predicted not to fit is refused before launch, naming the change that fits
-    (["model=gpt", "strategy=ddp", "trainer.devices=2", "memory_plan.device_memory_gb=0.002"],
-     "memory_plan: predicts a peak of ... on rank 0, more than the 2.0 MiB of a device ... Fix: change "
-     "model.activation_checkpointing=true, or set memory_plan.if_over=warn"),
+    (
+        ["model=gpt", "strategy=ddp", "trainer.devices=2", "memory_plan.device_memory_gb=0.002"],
+        "memory_plan: predicts a peak of ... on rank 0, more than the 2.0 MiB of a device ... Fix: change "
+        "model.activation_checkpointing=true, or set memory_plan.if_over=warn",
+    ),
     (["memory_plan.device_memory_gb=0"], "memory_plan.device_memory_gb: must be a positive number or null, got 0"),
     (["memory_plan.if_over=maybe"], "memory_plan.if_over: is 'maybe'"),
     (["mode=fit"], "mode: is 'fit'"),
@@ -183,8 +303,11 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
     (files / "tiny.txt").write_text("hello world")
     (files / "random.ckpt").write_bytes(random.Random(0).randbytes(5000))
     (files / "corpus.txt").write_text("the cat sat on the mat. " * 800)  # 19200 bytes
-    names = {"files": files, "mlp_ckpt": single_run / "checkpoints" / "last.ckpt",
-             "fsdp_ckpt": ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt"}
+    names = {
+        "files": files,
+        "mlp_ckpt": single_run / "checkpoints" / "last.ckpt",
+        "fsdp_ckpt": ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt",
+    }
     cases, dirs = [], []
     for number, (overrides, _) in enumerate(CASES):
         overrides = [fill(item, names) for item in overrides]
@@ -192,7 +315,10 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
         base = [item for item in TINY_GPT if item != "model=gpt"] if language_model else TINY
         if "data=text" in overrides or "data=shards" in overrides:  # their own data group and sizes
             base = [item for item in base if not item.startswith(("data=", "data.vocab", "data.seq", "data.num"))]
-        job_dir, launch_dir = root / "jobs" / str(number), root / "launch" / str(number)  # nothing may land in the latter
+        job_dir, launch_dir = (
+            root / "jobs" / str(number),
+            root / "launch" / str(number),
+        )  # nothing may land in the latter
         launch_dir.mkdir(parents=True)
         # A case's own hydra.run.dir comes last, so it wins.
         cases.append({"args": [*base, f"hydra.run.dir={job_dir}", *overrides], "cwd": str(launch_dir)})
@@ -216,8 +342,11 @@ def run_all(server, cases: list[dict], output: Path) -> list[dict]:
         ended = server.wait(timeout=300)
         assert ended is not None, f"cases {sorted(running.values())} still running after 300 s"
         number = running.pop(ended[0])
-        results[number] = {"exit_code": ended[1], "stdout": files[number][0].read_text(),
-                           "stderr": files[number][1].read_text()}
+        results[number] = {
+            "exit_code": ended[1],
+            "stdout": files[number][0].read_text(),
+            "stderr": files[number][1].read_text(),
+        }
     return results
 
 
@@ -247,8 +376,13 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
     """A failure inside the workers (past the checks) ends all of them and says which rank failed and how."""
     job_dir = tmp_path / "job"
     result = train(
-        [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2",
-         "+callbacks.fail._target_=helpers.probes.FailInFit"],
+        [
+            *TINY,
+            f"hydra.run.dir={job_dir}",
+            "strategy=ddp",
+            "trainer.devices=2",
+            "+callbacks.fail._target_=helpers.probes.FailInFit",
+        ],
         home,
         expect_ok=False,
         timeout=120,
@@ -263,5 +397,8 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
     log = (job_dir / "train.log").read_text()
     assert "[rank 0][lightning.pytorch.utilities.rank_zero][INFO] - GPU available: False" in log
     for rank in (0, 1):
-        assert f"[rank {rank}][project.launch.worker.file][ERROR] - Rank {rank} failed\nTraceback (most recent call last)" in log
+        assert (
+            f"[rank {rank}][project.launch.worker.file][ERROR] - Rank {rank} failed\nTraceback (most recent call last)"
+            in log
+        )
     assert "[project.launch.launcher][ERROR] - Training failed in the workers:" in log and report in log

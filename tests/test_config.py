@@ -6,11 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import require_extra
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
-from conftest import require_extra
 from project.config.checks import check_config
 from project.config.errors import ConfigError
 from project.config.resolvers import register_resolvers
@@ -39,8 +39,13 @@ def test_every_group_exists_with_options():
 
 
 # Options that need a partner option: a language model needs token data and the other way round.
-PARTNERS = {"model=gpt": ["data=tokens"], "model=llama": ["data=tokens"], "model=language_model": ["data=tokens"],
-            "data=tokens": ["model=gpt"], "data=text": ["model=gpt", "data.path=x.txt"]}
+PARTNERS = {
+    "model=gpt": ["data=tokens"],
+    "model=llama": ["data=tokens"],
+    "model=language_model": ["data=tokens"],
+    "data=tokens": ["model=gpt"],
+    "data=text": ["model=gpt", "data.path=x.txt"],
+}
 OPTIONS = [
     f"{path.parent.name}={path.stem}"
     for path in sorted(CONF.glob("*/*.yaml"))

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, TINY, isolated_env, train
 from helpers.probes import thaw
 
@@ -25,8 +24,16 @@ def saved_epoch(path) -> int:
 def test_last_is_the_latest_epoch_when_the_metric_gets_worse(home, tmp_path):
     """Monitoring the step count with mode=min makes every epoch after the first worse than the best."""
     job_dir = tmp_path / "job"
-    train([*TINY, f"hydra.run.dir={job_dir}", "logger=csv", "callbacks.model_checkpoint.monitor=step",
-           "callbacks.model_checkpoint.mode=min"], home)
+    train(
+        [
+            *TINY,
+            f"hydra.run.dir={job_dir}",
+            "logger=csv",
+            "callbacks.model_checkpoint.monitor=step",
+            "callbacks.model_checkpoint.mode=min",
+        ],
+        home,
+    )
     checkpoints = job_dir / "checkpoints"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["epoch000.ckpt", "last.ckpt"]
     assert saved_epoch(checkpoints / "epoch000.ckpt") == 0  # the best stays the first epoch...
@@ -40,15 +47,25 @@ def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
     job_dir = tmp_path / "job"
     checkpoints = job_dir / "checkpoints"
     try:
-        result = train([*TINY, f"hydra.run.dir={job_dir}", "logger=csv", "callbacks.model_checkpoint.save_top_k=-1",
-                        "+callbacks.freeze._target_=helpers.probes.FreezeCheckpointsDir", "+callbacks.freeze.epoch=1"],
-                       home, expect_ok=False)
+        result = train(
+            [
+                *TINY,
+                f"hydra.run.dir={job_dir}",
+                "logger=csv",
+                "callbacks.model_checkpoint.save_top_k=-1",
+                "+callbacks.freeze._target_=helpers.probes.FreezeCheckpointsDir",
+                "+callbacks.freeze.epoch=1",
+            ],
+            home,
+            expect_ok=False,
+        )
     finally:
         if checkpoints.exists():
             thaw(checkpoints)
     assert result.returncode != 0
     assert f"Could not write checkpoint {checkpoints}/epoch001.ckpt: Operation not permitted" in result.output or (
-        f"Could not write checkpoint {checkpoints}/epoch001.ckpt: Permission denied" in result.output), result.output[-3000:]
+        f"Could not write checkpoint {checkpoints}/epoch001.ckpt: Permission denied" in result.output
+    ), result.output[-3000:]
     # What was saved before is whole: epoch 0, as best and as last.
     assert sorted(path.name for path in checkpoints.iterdir()) == ["epoch000.ckpt", "last.ckpt"]
     assert saved_epoch(checkpoints / "last.ckpt") == 0
@@ -59,8 +76,14 @@ ENDLESS_DDP = [*TINY, "logger=csv", "strategy=ddp", "trainer.devices=2", "traine
 
 
 def start_train(args: list[str], home) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env=isolated_env(home),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=isolated_env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for(condition, timeout: float, what: str) -> None:
@@ -80,8 +103,11 @@ def process_state(pid: int) -> tuple[str, int] | None:
 
 
 def children(pid: int) -> list[int]:
-    return [int(stat.parent.name) for stat in Path("/proc").glob("[0-9]*/stat")
-            if (state := process_state(int(stat.parent.name))) is not None and state[1] == pid]
+    return [
+        int(stat.parent.name)
+        for stat in Path("/proc").glob("[0-9]*/stat")
+        if (state := process_state(int(stat.parent.name))) is not None and state[1] == pid
+    ]
 
 
 def worker_rank(pid: int) -> int:
@@ -141,7 +167,10 @@ def test_killing_the_launcher_mid_training_ends_its_workers_and_frees_the_job_di
         # While the job runs, a second job sent into its dir is refused before it starts anything.
         second = train(args, home, expect_ok=False)
         assert second.returncode == 1 and "Traceback" not in second.stderr
-        assert f"Config error: hydra.run.dir: {job_dir} is in use by a running job (pid {launcher.pid} on " in second.stderr
+        assert (
+            f"Config error: hydra.run.dir: {job_dir} is in use by a running job (pid {launcher.pid} on "
+            in second.stderr
+        )
         launcher.kill()  # SIGKILL: the launcher's own handlers never run
         assert_all_gone(workers, within=10)
     # The killed job's lock is taken over: resuming into its dir works.
@@ -162,8 +191,10 @@ def test_jobs_started_in_the_same_second_get_dirs_of_their_own(home, tmp_path):
     """Pairs of runs with the default run dir, started together, until a pair starts within one second."""
     runs = tmp_path / "logs" / "train" / "runs"
     for attempt in range(5):
-        pair = [start_train([*TINY, "logger=csv", "trainer.max_epochs=1", f"paths.log_dir={tmp_path / 'logs'}"], home)
-                for _ in range(2)]
+        pair = [
+            start_train([*TINY, "logger=csv", "trainer.max_epochs=1", f"paths.log_dir={tmp_path / 'logs'}"], home)
+            for _ in range(2)
+        ]
         for job in pair:
             output, _ = job.communicate(timeout=300)
             assert job.returncode == 0, output[-3000:]

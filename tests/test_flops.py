@@ -3,12 +3,12 @@ logged values of real runs against the arithmetic done here."""
 
 import pytest
 import torch
+from conftest import TINY, TINY_GPT, TINY_LLAMA, only_run
+from test_config import compose_train
 from torch import nn
 
-from conftest import TINY, TINY_GPT, TINY_LLAMA, only_run
-from project.observability.flops import peak_tflops, training_flops_per_sample
 from project.config.build import build_net
-from test_config import compose_train
+from project.observability.flops import peak_tflops, training_flops_per_sample
 
 
 def meta_net(overrides: list[str]) -> nn.Module:
@@ -59,11 +59,14 @@ def test_peaks_are_the_dense_datasheet_figures_for_the_runs_precision():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture, job, overrides, ranks", [
-    ("gpt_auto", None, TINY_GPT, 1),
-    ("gpt_ddp_fsdp_sweep", 0, TINY_GPT, 2),  # two replicas
-    ("llama_split_sweep", 1, TINY_LLAMA, 2),  # one replica of two pipeline stages
-])
+@pytest.mark.parametrize(
+    "fixture, job, overrides, ranks",
+    [
+        ("gpt_auto", None, TINY_GPT, 1),
+        ("gpt_ddp_fsdp_sweep", 0, TINY_GPT, 2),  # two replicas
+        ("llama_split_sweep", 1, TINY_LLAMA, 2),  # one replica of two pipeline stages
+    ],
+)
 def test_logged_tflops_are_the_jobs_model_flops_per_second_per_device(fixture, job, overrides, ranks, request):
     job_dir = request.getfixturevalue(fixture)
     run = only_run(job_dir if job is None else job_dir[job])

@@ -3,9 +3,9 @@
 import shutil
 
 import pytest
+from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, assert_matches_reference, only_run, train
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, assert_matches_reference, only_run, train
 from project.checkpointing.files import is_sharded_checkpoint
 from project.distributed.strategies import FSDPStrategy
 
@@ -40,10 +40,25 @@ def test_fsdp_options_keep_the_numbers(reference, runs_dir, home):
     assert expected.clipped_steps > 0  # the threshold bites
     exact_dir, bf16_dir = runs_dir / "fsdp-zero2-ac", runs_dir / "fsdp-bf16"
     fsdp_args = [*TINY, *TWO_DEVICES, "strategy=fsdp"]
-    train([*fsdp_args, *clipped, f"hydra.run.dir={exact_dir}", "strategy.reshard_after_forward=false",
-           "strategy.activation_checkpointing=true"], home)
-    train([*fsdp_args, f"hydra.run.dir={bf16_dir}", "trainer.precision=bf16-mixed",
-           "strategy.save_distributed_checkpoint=false"], home)
+    train(
+        [
+            *fsdp_args,
+            *clipped,
+            f"hydra.run.dir={exact_dir}",
+            "strategy.reshard_after_forward=false",
+            "strategy.activation_checkpointing=true",
+        ],
+        home,
+    )
+    train(
+        [
+            *fsdp_args,
+            f"hydra.run.dir={bf16_dir}",
+            "trainer.precision=bf16-mixed",
+            "strategy.save_distributed_checkpoint=false",
+        ],
+        home,
+    )
     assert_matches_reference(only_run(exact_dir), expected.history)
     fp32 = [row["val/loss"] for row in reference([*TINY, "data.batch_size=64"], 64).history]
     assert_close(only_run(bf16_dir).series("val/loss"), fp32, rel=3e-2)

@@ -6,22 +6,20 @@ import math
 
 import pytest
 import torch
-from hydra.utils import instantiate
-
 from conftest import only_run
+from hydra.utils import instantiate
+from test_config import compose_train
+
 from project.data.tokens import MarkovTokenDataModule, TextDataModule, entropy_rate, random_markov_chain
+from project.distributed.parallelize import apply_activation_checkpointing
 from project.models import GPT, Llama
 from project.models.gpt import MLP
 from project.tasks.language_model import TokenCrossEntropy
-from project.distributed.parallelize import apply_activation_checkpointing
-from test_config import compose_train
 
 LM_KEYS = ["train/loss", "val/loss", "val/perplexity"]
 
 
-@pytest.mark.parametrize(
-    "preset,expected_millions", [("gpt_125m", 124.4), ("gpt_350m", 354.8), ("gpt_1_3b", 1313.6)]
-)
+@pytest.mark.parametrize("preset,expected_millions", [("gpt_125m", 124.4), ("gpt_350m", 354.8), ("gpt_1_3b", 1313.6)])
 def test_size_presets_on_the_meta_device(preset, expected_millions):
     """GPT-2's vocabulary and context; built on the meta device, so nothing is allocated."""
     cfg = compose_train([f"model={preset}", "data=tokens", "data.vocab_size=50257", "data.seq_length=1024"])
@@ -40,8 +38,10 @@ def test_the_mlp_gelu_is_exact_or_gpt2s_tanh_approximation():
     x = 3 * torch.randn(4, 5, 16, dtype=torch.float64)
     weights = MLP(16, dropout=0.0).double().state_dict()  # the same weights for both variants
     outputs = {}
-    for variant, gelu in (("none", lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))),
-                          ("tanh", lambda h: 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3))))):
+    for variant, gelu in (
+        ("none", lambda h: 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))),
+        ("tanh", lambda h: 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h**3)))),
+    ):
         mlp = MLP(16, dropout=0.0, gelu_approximate=variant).double()
         mlp.load_state_dict(weights)
         expected = mlp.down(gelu(mlp.up(x)))
@@ -62,8 +62,9 @@ def test_entropy_rate_of_a_known_chain():
 
 def test_markov_data_matches_its_floor():
     """The empirical loss of the true transition probabilities on the sampled data is the entropy floor."""
-    dm = MarkovTokenDataModule(vocab_size=32, branching=4, seq_length=64, num_train=2000, num_val=10,
-                               batch_size=8, seed=3)
+    dm = MarkovTokenDataModule(
+        vocab_size=32, branching=4, seq_length=64, num_train=2000, num_val=10, batch_size=8, seed=3
+    )
     dm.setup("fit")
     inputs, targets = dm.train_set.tensors
     empirical = -torch.log(dm.transitions[inputs, targets]).mean().item()
@@ -85,10 +86,14 @@ def test_text_data_is_bytes_split_without_overlap(tmp_path):
     assert int(dm.val_set.tensors[0][0, 0]) == 1536 % 256  # the split starts at the last quarter
 
 
-@pytest.mark.parametrize("build", [
-    lambda: GPT(vocab_size=64, max_length=32, num_layers=4, dim=64, num_heads=4),
-    lambda: Llama(vocab_size=64, max_length=32, num_layers=4, dim=64, num_heads=4, num_kv_heads=2, hidden_dim=128),
-], ids=["gpt", "llama"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: GPT(vocab_size=64, max_length=32, num_layers=4, dim=64, num_heads=4),
+        lambda: Llama(vocab_size=64, max_length=32, num_layers=4, dim=64, num_heads=4, num_kv_heads=2, hidden_dim=128),
+    ],
+    ids=["gpt", "llama"],
+)
 def test_activation_checkpointing_same_loss_less_saved_activation_memory(build):
     torch.manual_seed(0)
     tokens = torch.randint(0, 64, (4, 32))

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import TINY_GPT, run_command, train
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -52,9 +51,12 @@ def gpt_runs(runs_dir, home):
     runs = {}
     for strategy in STRATEGIES:
         for precision, overrides in (("fp32", FP32), ("bf16", BF16)):
-            job_dir, output = gpu_run(f"gpu-{strategy}-{precision}",
-                                      [*TINY_GPT, "data.batch_size=32", f"strategy={strategy}", *overrides],
-                                      runs_dir, home)
+            job_dir, output = gpu_run(
+                f"gpu-{strategy}-{precision}",
+                [*TINY_GPT, "data.batch_size=32", f"strategy={strategy}", *overrides],
+                runs_dir,
+                home,
+            )
             if strategy != "auto":
                 assert "distributed_backend=nccl" in output, output[-3000:]
             runs[strategy, precision] = job_dir
@@ -97,8 +99,18 @@ def test_bf16_runs_stay_near_the_loop_under_the_same_autocast(gpt_runs, referenc
 def test_compiled_blocks_match_eager_and_fused_adamw_steps_on_cuda(gpt_runs, runs_dir, home, record_property):
     """model.compile=true (Triton kernels) against the eager float32 run, both with the language model's AdamW
     (fused: true in its config); the probe confirms the compiled run's ran fused on CUDA parameters."""
-    job_dir, _ = gpu_run("gpu-compiled", [*TINY_GPT, "data.batch_size=32", *FP32, "model.compile=true",
-                                          "+callbacks.fused._target_=helpers.probes.FusedAdamW"], runs_dir, home)
+    job_dir, _ = gpu_run(
+        "gpu-compiled",
+        [
+            *TINY_GPT,
+            "data.batch_size=32",
+            *FP32,
+            "model.compile=true",
+            "+callbacks.fused._target_=helpers.probes.FusedAdamW",
+        ],
+        runs_dir,
+        home,
+    )
     eager = gpt_runs["auto", "fp32"]
     for key in ("train/loss", "val/loss"):
         difference = largest_relative_difference(series(job_dir, key), series(eager, key))
@@ -114,8 +126,18 @@ def peak_allocated_mb(args: list[str], name: str, runs_dir: Path, home: Path) ->
 
 def test_activation_checkpointing_lowers_the_peak_gpu_memory(runs_dir, home, record_property):
     # A GPT whose activations outweigh its weights: 4 blocks of width 256 over 512-token sequences, 16 a batch.
-    model = [*TINY_GPT, "model.net.dim=256", "model.net.num_heads=4", "model.net.num_layers=4", "data.seq_length=512",
-             "data.num_train=64", "data.num_val=16", "data.batch_size=16", "trainer.max_epochs=1", *BF16]
+    model = [
+        *TINY_GPT,
+        "model.net.dim=256",
+        "model.net.num_heads=4",
+        "model.net.num_layers=4",
+        "data.seq_length=512",
+        "data.num_train=64",
+        "data.num_val=16",
+        "data.batch_size=16",
+        "trainer.max_epochs=1",
+        *BF16,
+    ]
     without = peak_allocated_mb(model, "gpu-ac-off", runs_dir, home)
     with_ac = peak_allocated_mb([*model, "model.activation_checkpointing=true"], "gpu-ac-on", runs_dir, home)
     record_property("peak MiB, activation checkpointing off", without)
@@ -127,27 +149,51 @@ def test_a_checkpoint_moves_from_the_gpu_to_the_cpu_and_back(runs_dir, home):
     """Two epochs on one device, keeping each epoch's checkpoint; epoch 1 again from epoch 0's checkpoint on the
     other device: the same numbers (float32, tf32 off; 1e-4 for the devices' different kernels). The resumed run
     has the same two epochs to go, so its learning-rate schedule is the straight run's."""
-    common = [*TINY_GPT, "data.batch_size=32", *FP32, "trainer.max_epochs=2", "logger=csv",
-              "callbacks.model_checkpoint.save_top_k=-1"]
+    common = [
+        *TINY_GPT,
+        "data.batch_size=32",
+        *FP32,
+        "trainer.max_epochs=2",
+        "logger=csv",
+        "callbacks.model_checkpoint.save_top_k=-1",
+    ]
     on = {device: [f"trainer.accelerator={device}", "trainer.devices=1"] for device in ("gpu", "cpu")}
     for first, second in (("gpu", "cpu"), ("cpu", "gpu")):
         straight, resumed = runs_dir / f"move-{first}-straight", runs_dir / f"move-{first}-to-{second}"
         train([*common, *on[first], f"hydra.run.dir={straight}"], home)
-        train([*common, *on[second], f"ckpt_path={straight / 'checkpoints' / 'epoch000.ckpt'}",
-               f"hydra.run.dir={resumed}"], home)
+        train(
+            [
+                *common,
+                *on[second],
+                f"ckpt_path={straight / 'checkpoints' / 'epoch000.ckpt'}",
+                f"hydra.run.dir={resumed}",
+            ],
+            home,
+        )
         for key in ("train/loss", "val/loss"):
             assert series(resumed, key) == pytest.approx(series(straight, key)[1:], rel=1e-4), key
 
 
 def test_eval_generate_and_init_from_run_on_cuda(runs_dir, home, tmp_path):
     """A GPT trained on text on the GPU: mode=eval of its checkpoint on the GPU logs its last val/loss; python -m
-    project.cli.generate on cuda writes what it writes on the CPU (greedy); the checkpoint exported to a Hugging Face dir
+    project.cli.generate on cuda writes what it writes on the CPU (greedy); the checkpoint exported to a Hugging Face
+    dir
     and read back with model.init_from evaluates the same."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the cat sat on the mat. the dog sat on the log. " * 400)
-    common = ["model=gpt", "data=text", f"data.path={corpus}", "data.seq_length=32", "model.net.dim=32",
-              "model.net.num_heads=2", "data.batch_size=16", *FP32, "print_config=false", "~callbacks.progress_bar",
-              "+trainer.enable_progress_bar=false"]
+    common = [
+        "model=gpt",
+        "data=text",
+        f"data.path={corpus}",
+        "data.seq_length=32",
+        "model.net.dim=32",
+        "model.net.num_heads=2",
+        "data.batch_size=16",
+        *FP32,
+        "print_config=false",
+        "~callbacks.progress_bar",
+        "+trainer.enable_progress_bar=false",
+    ]
     job, _ = gpu_run("gpu-text", [*common, "trainer.max_epochs=2"], runs_dir, home)
     checkpoint = job / "checkpoints" / "last.ckpt"
     last = json.loads((job / "result.json").read_text())["final"]["val/loss"]
@@ -155,15 +201,31 @@ def test_eval_generate_and_init_from_run_on_cuda(runs_dir, home, tmp_path):
     assert json.loads((evaluated / "result.json").read_text())["final"]["val/loss"] == pytest.approx(last, rel=1e-5)
     texts = {}
     for device in ("cuda", "cpu"):
-        generated = run_command([sys.executable, "-m", "project.cli.generate", str(checkpoint), "--prompt", "the cat",
-                                 "--max-new-tokens", "16", "--temperature", "0", "--device", device], home)
+        generated = run_command(
+            [
+                sys.executable,
+                "-m",
+                "project.cli.generate",
+                str(checkpoint),
+                "--prompt",
+                "the cat",
+                "--max-new-tokens",
+                "16",
+                "--temperature",
+                "0",
+                "--device",
+                device,
+            ],
+            home,
+        )
         assert generated.returncode == 0, generated.output
         texts[device] = generated.stdout
     assert texts["cuda"] == texts["cpu"] and texts["cuda"].startswith("the cat"), texts
     exported = run_command([sys.executable, "-m", "project.cli.export", str(checkpoint), str(tmp_path / "hf")], home)
     assert exported.returncode == 0, exported.output
-    initialised, _ = gpu_run("gpu-init-from", [*common, "mode=eval", f"model.init_from={tmp_path / 'hf'}"], runs_dir,
-                             home)
+    initialised, _ = gpu_run(
+        "gpu-init-from", [*common, "mode=eval", f"model.init_from={tmp_path / 'hf'}"], runs_dir, home
+    )
     assert json.loads((initialised / "result.json").read_text())["final"]["val/loss"] == pytest.approx(last, rel=1e-5)
 
 
@@ -181,15 +243,30 @@ PLAN_GOAL = 0.10  # planned peak within 10% of max_memory_allocated
 @pytest.mark.parametrize("activation_checkpointing", [False, True], ids=["ac-off", "ac-on"])
 @pytest.mark.parametrize("strategy", ["auto", "fsdp"])
 @pytest.mark.parametrize("model", PLANNED_MODELS)
-def test_the_memory_plan_holds_against_max_memory_allocated(model, strategy, activation_checkpointing, runs_dir, home,
-                                                            record_property):
+def test_the_memory_plan_holds_against_max_memory_allocated(
+    model, strategy, activation_checkpointing, runs_dir, home, record_property
+):
     steps = 3
     overrides, batch = PLANNED_MODELS[model]
-    args = ["data=tokens", "data.vocab_size=256", *overrides, f"data.batch_size={batch}", f"strategy={strategy}", *BF16,
-            "data.seq_length=1024", f"data.num_train={steps * batch}", f"data.num_val={batch}", "trainer.max_epochs=1",
-            "trainer.num_sanity_val_steps=0", f"model.activation_checkpointing={str(activation_checkpointing).lower()}",
-            "~callbacks.model_checkpoint", "+trainer.enable_checkpointing=false",  # no 20 GB of checkpoint writing
-            "print_config=false", "~callbacks.progress_bar", "+trainer.enable_progress_bar=false"]
+    args = [
+        "data=tokens",
+        "data.vocab_size=256",
+        *overrides,
+        f"data.batch_size={batch}",
+        f"strategy={strategy}",
+        *BF16,
+        "data.seq_length=1024",
+        f"data.num_train={steps * batch}",
+        f"data.num_val={batch}",
+        "trainer.max_epochs=1",
+        "trainer.num_sanity_val_steps=0",
+        f"model.activation_checkpointing={str(activation_checkpointing).lower()}",
+        "~callbacks.model_checkpoint",
+        "+trainer.enable_checkpointing=false",  # no 20 GB of checkpoint writing
+        "print_config=false",
+        "~callbacks.progress_bar",
+        "+trainer.enable_progress_bar=false",
+    ]
     name = f"gpu-plan-{model}-{strategy}-{'ac' if activation_checkpointing else 'noac'}"
     job_dir, _ = gpu_run(name, args, runs_dir, home)
     planned, measured = series(job_dir, "memory/planned_peak_mb")[-1], series(job_dir, "memory/peak_allocated_mb")[-1]

@@ -8,26 +8,40 @@ import sys
 
 import pytest
 import torch
+from conftest import TINY_GPT, run_command, train
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
-
-from conftest import TINY_GPT, run_command, train
-from project.config.errors import ConfigError
-from project.checkpointing.hf import HFWeights, check_matches, net_options, read_config, write_hf_dir
-from project.models import GPT, Llama, init_weights
-from project.distributed.parallelize import materialize
 from test_config import compose_train
+
+from project.checkpointing.hf import HFWeights, check_matches, net_options, read_config, write_hf_dir
+from project.config.errors import ConfigError
+from project.distributed.parallelize import materialize
+from project.models import GPT, Llama, init_weights
 
 transformers = pytest.importorskip("transformers")
 
 # Small, but every feature of the families: GPT-2's tanh GELU and tied head; Llama's grouped-query attention, Llama
 # 3's RoPE scaling (the sequence goes past its original context) and both head choices.
 GPT2 = dict(vocab_size=61, n_positions=48, n_embd=32, n_layer=2, n_head=4, activation_function="gelu_new")
-LLAMA = dict(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5,
-             rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+LLAMA = dict(
+    vocab_size=61,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    rope_parameters={
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+)
 TOKENS = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(0))
 
 
@@ -41,8 +55,11 @@ def hf_model(family: str, tied: bool) -> torch.nn.Module:
 def strip_gpt2_prefix(model_dir) -> None:
     """Rewrite a GPT-2 dir as GPT-2 was first published: names without ``transformer.``."""
     tensors = load_file(model_dir / "model.safetensors")
-    save_file({key.removeprefix("transformer."): value for key, value in tensors.items()},
-              model_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {key.removeprefix("transformer."): value for key, value in tensors.items()},
+        model_dir / "model.safetensors",
+        metadata={"format": "pt"},
+    )
 
 
 @pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False), ("llama", True)])
@@ -101,11 +118,14 @@ def test_gpt2_loads_into_a_shorter_context_and_untied_for_split_strategies(tmp_p
         check_matches(tmp_path / "hf", net, {**options, "max_length": 64})
 
 
-@pytest.mark.parametrize("preset, published", [
-    ("llama_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B
-    ("llama_3b", 3_212_749_824),  # meta-llama/Llama-3.2-3B
-    ("llama_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
-])
+@pytest.mark.parametrize(
+    "preset, published",
+    [
+        ("llama_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B
+        ("llama_3b", 3_212_749_824),  # meta-llama/Llama-3.2-3B
+        ("llama_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
+    ],
+)
 def test_llama_presets_have_the_published_parameter_counts(preset, published):
     """With Llama 3's vocabulary, built on the meta device (nothing allocated); a tied weight counts once."""
     cfg = compose_train([f"model={preset}", "data=tokens", "data.vocab_size=128256", "data.seq_length=1024"])
@@ -129,8 +149,9 @@ def test_a_sharded_checkpoint_exported_gives_transformers_its_val_loss(gpt_ddp_f
     """The fsdp GPT's sharded last.ckpt through ``python -m project.cli.export``: transformers' GPT2LMHeadModel on the
     exported dir computes the run's own last val/loss."""
     job = gpt_ddp_fsdp_sweep[1]
-    result = run_command([sys.executable, "-m", "project.cli.export", str(job / "checkpoints" / "last.ckpt"),
-                          str(tmp_path / "hf")], home)
+    result = run_command(
+        [sys.executable, "-m", "project.cli.export", str(job / "checkpoints" / "last.ckpt"), str(tmp_path / "hf")], home
+    )
     assert result.returncode == 0, result.output
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     run_loss = json.loads((job / "result.json").read_text())["final"]["val/loss"]
@@ -139,8 +160,16 @@ def test_a_sharded_checkpoint_exported_gives_transformers_its_val_loss(gpt_ddp_f
 
 
 # model=llama shaped as LLAMA without RoPE scaling, on token data of its vocabulary.
-LLAMA_EVAL = [*TINY_GPT[1:], "model=llama", "data.vocab_size=61", "model.net.dim=48", "model.net.num_heads=4",
-              "model.net.num_kv_heads=2", "model.net.hidden_dim=80", "data.batch_size=8"]
+LLAMA_EVAL = [
+    *TINY_GPT[1:],
+    "model=llama",
+    "data.vocab_size=61",
+    "model.net.dim=48",
+    "model.net.num_heads=4",
+    "model.net.num_kv_heads=2",
+    "model.net.hidden_dim=80",
+    "data.batch_size=8",
+]
 
 
 @pytest.mark.slow
@@ -153,8 +182,18 @@ def test_a_hugging_face_llama_evaluates_to_its_transformers_loss_under_each_stra
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
     reference.save_pretrained(tmp_path / "hf")
     sweep = runs_dir / "llama-eval"
-    train(["-m", *LLAMA_EVAL, "mode=eval", f"model.init_from={tmp_path / 'hf'}", "trainer.devices=2",
-           "strategy=fsdp,pipeline,tensor_parallel", f"hydra.sweep.dir={sweep}"], home)
+    train(
+        [
+            "-m",
+            *LLAMA_EVAL,
+            "mode=eval",
+            f"model.init_from={tmp_path / 'hf'}",
+            "trainer.devices=2",
+            "strategy=fsdp,pipeline,tensor_parallel",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        home,
+    )
     expected = transformers_val_loss(reference, LLAMA_EVAL)
     for job in ("0", "1", "2"):
         result = json.loads((sweep / job / "result.json").read_text())
@@ -169,8 +208,16 @@ def test_evaluating_a_sharded_checkpoint_logs_its_runs_last_val_loss(gpt_ddp_fsd
     job = gpt_ddp_fsdp_sweep[1]
     overrides = list(OmegaConf.load(job / ".hydra" / "overrides.yaml"))  # strategy=fsdp, 2 devices, the tiny GPT
     out = tmp_path / "eval"
-    output = train([*overrides, "mode=eval", f"ckpt_path={job / 'checkpoints' / 'last.ckpt'}", "logger=csv",
-                    f"hydra.run.dir={out}"], home).output
+    output = train(
+        [
+            *overrides,
+            "mode=eval",
+            f"ckpt_path={job / 'checkpoints' / 'last.ckpt'}",
+            "logger=csv",
+            f"hydra.run.dir={out}",
+        ],
+        home,
+    ).output
     run_loss = json.loads((job / "result.json").read_text())["final"]["val/loss"]
     assert "Validate metric" in output and "val/loss" in output
     with open(out / "csv" / "version_0" / "metrics.csv") as file:

@@ -1,4 +1,5 @@
-"""The package's import graph has no cycles, function-level imports included: each module's dependencies sit below it."""
+"""The package's import graph has no cycles, function-level imports included: each module's dependencies sit below
+it."""
 
 import ast
 from pathlib import Path
@@ -21,8 +22,10 @@ def import_graph() -> dict[str, set[str]]:
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 # ``from package import module`` imports the submodule; ``from module import name`` the module.
-                targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
-                           for alias in node.names]
+                targets = [
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module
+                    for alias in node.names
+                ]
             else:
                 continue
             graph[name] |= {target for target in targets if target in modules and target != name}

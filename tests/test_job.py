@@ -10,14 +10,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import REPO, assert_close, isolated_env
 from omegaconf import OmegaConf
 
-from conftest import REPO, assert_close, isolated_env
 from project.checkpointing.files import job_config
 
 OLD = REPO / "tests" / "data" / "old_layout"  # epoch 0 of a 2-epoch run, its config and result, by the old layout
-COUNTED = ["project.config.checks:check_config", "project.config.checks:resolve_ckpt_path",
-           "project.memory.plan:plan_memory"]
+COUNTED = [
+    "project.config.checks:check_config",
+    "project.config.checks:resolve_ckpt_path",
+    "project.memory.plan:plan_memory",
+]
 
 
 def pickled_globals(checkpoint: Path) -> set[str]:
@@ -41,8 +44,16 @@ def resumed_old_checkpoint(tmp_path_factory, home) -> tuple[Path, dict[str, int]
     every call of the counted functions counted."""
     job_dir, counts = tmp_path_factory.mktemp("resumed") / "job", tmp_path_factory.mktemp("counts") / "counts.json"
     overrides = [line for line in yaml.safe_load((OLD / "overrides.yaml").read_text())]
-    command = [sys.executable, "tests/helpers/count_calls.py", str(counts), *COUNTED, "--", *overrides,
-               f"ckpt_path={OLD / 'epoch000.ckpt'}", f"hydra.run.dir={job_dir}"]
+    command = [
+        sys.executable,
+        "tests/helpers/count_calls.py",
+        str(counts),
+        *COUNTED,
+        "--",
+        *overrides,
+        f"ckpt_path={OLD / 'epoch000.ckpt'}",
+        f"hydra.run.dir={job_dir}",
+    ]
     result = subprocess.run(command, cwd=REPO, env=isolated_env(home), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return job_dir, json.loads(counts.read_text())
@@ -72,13 +83,28 @@ def test_checkpoints_pickle_no_classes_of_this_project(resumed_old_checkpoint):
 
 
 def test_the_old_layout_job_dir_exports_and_its_moved_targets_are_rewritten(tmp_path, home):
-    result = subprocess.run([sys.executable, "-m", "project.cli.export", str(OLD / "epoch000.ckpt"),
-                             str(tmp_path / "hf"), "--config", str(OLD / "config.yaml")], cwd=REPO,
-                            env=isolated_env(home), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "project.cli.export",
+            str(OLD / "epoch000.ckpt"),
+            str(tmp_path / "hf"),
+            "--config",
+            str(OLD / "config.yaml"),
+        ],
+        cwd=REPO,
+        env=isolated_env(home),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     old_shards = OmegaConf.load(OLD / "config.yaml")
     old_shards.data = {"_target_": "project.data.prepared.ShardsDataModule", "path": "corpus"}
     OmegaConf.save(old_shards, tmp_path / "config.yaml")
-    assert job_config(OLD / "epoch000.ckpt", tmp_path / "config.yaml").data._target_ == \
-        "project.data.shards.ShardsDataModule"
+    assert (
+        job_config(OLD / "epoch000.ckpt", tmp_path / "config.yaml").data._target_
+        == "project.data.shards.ShardsDataModule"
+    )

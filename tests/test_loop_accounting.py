@@ -7,14 +7,14 @@ import types
 import lightning as L
 import pytest
 import torch
+from helpers.reference import epoch_order
 from torch.utils.data import TensorDataset
 
 import project.observability.throughput as throughput_module
-from project.observability import EpochThroughput
 from project.checkpointing import LatestAndBestCheckpoint
-from project.observability.loggers import EpochCSVLogger
 from project.data.datamodule import GeneratedDataModule
-from helpers.reference import epoch_order
+from project.observability import EpochThroughput
+from project.observability.loggers import EpochCSVLogger
 
 
 class IndexData(GeneratedDataModule):
@@ -50,9 +50,16 @@ class Recorder(L.LightningModule):
 
 def fit(module: L.LightningModule, data: L.LightningDataModule, epochs: int, **trainer_args) -> L.Trainer:
     trainer = L.Trainer(
-        max_epochs=epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        use_distributed_sampler=False, **trainer_args,
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        **trainer_args,
     )
     trainer.fit(module, datamodule=data)
     return trainer
@@ -83,8 +90,9 @@ def fake_clock(monkeypatch) -> list[float]:
 def test_throughput_counts_training_time_only(fake_clock, val_seconds):
     """8 steps of 16 samples at 0.5 s each: 32 samples/s however long validation takes; the epoch time has it all."""
     data = IndexData(num_train=128, num_val=24, batch_size=16, seed=0)
-    trainer = fit(Recorder(fake_clock, step_seconds=0.5, val_seconds=val_seconds), data, epochs=2,
-                  callbacks=[EpochThroughput()])
+    trainer = fit(
+        Recorder(fake_clock, step_seconds=0.5, val_seconds=val_seconds), data, epochs=2, callbacks=[EpochThroughput()]
+    )
     metrics = trainer.logged_metrics
     assert metrics["perf/samples_per_sec"].item() == pytest.approx(32.0)
     assert metrics["perf/samples_per_sec_per_device"].item() == pytest.approx(32.0)
@@ -95,8 +103,13 @@ def test_throughput_counts_training_time_only(fake_clock, val_seconds):
 def test_throughput_keeps_validation_inside_an_epoch_out(fake_clock):
     """Validation twice per epoch (val_check_interval): the clock pauses for each and resumes with training."""
     data = IndexData(num_train=128, num_val=24, batch_size=16, seed=0)
-    trainer = fit(Recorder(fake_clock, step_seconds=0.5, val_seconds=3.0), data, epochs=1, val_check_interval=4,
-                  callbacks=[EpochThroughput()])
+    trainer = fit(
+        Recorder(fake_clock, step_seconds=0.5, val_seconds=3.0),
+        data,
+        epochs=1,
+        val_check_interval=4,
+        callbacks=[EpochThroughput()],
+    )
     assert trainer.logged_metrics["perf/samples_per_sec"].item() == pytest.approx(32.0)
     assert trainer.logged_metrics["perf/epoch_time_s"].item() == pytest.approx(8 * 0.5 + 2 * 2 * 3.0)
 
@@ -113,7 +126,9 @@ class TokenData(GeneratedDataModule):
 def test_tokens_per_second_counts_every_input_token(fake_clock):
     data = TokenData(num_train=64, num_val=16, batch_size=16, seed=0)
     recorder = Recorder(fake_clock, step_seconds=0.25, val_seconds=7.0)
-    recorder.training_step = lambda batch, batch_idx: Recorder.training_step(recorder, (batch[0][:, 0].float(), None), batch_idx)
+    recorder.training_step = lambda batch, batch_idx: Recorder.training_step(
+        recorder, (batch[0][:, 0].float(), None), batch_idx
+    )
     trainer = fit(recorder, data, epochs=1, callbacks=[EpochThroughput()])
     assert trainer.logged_metrics["perf/tokens_per_sec"].item() == pytest.approx(16 * 12 / 0.25)
     assert trainer.logged_metrics["perf/samples_per_sec"].item() == pytest.approx(16 / 0.25)
@@ -137,19 +152,32 @@ class LastCheckpointStep(L.Callback):
             self.seen[trainer.global_step] = torch.load(self.path, weights_only=False)["global_step"]
 
 
-@pytest.mark.parametrize("every_n_train_steps, val_check_interval, saved_at", [
-    (3, 1.0, [3, 6, 8, 9, 12, 15]),  # step saves before the first validation too (Lightning waits for its metric)
-    (None, 3, [3, 6, 8, 11, 14]),  # each validation, and each epoch's end though no validation ends it
-])
+@pytest.mark.parametrize(
+    "every_n_train_steps, val_check_interval, saved_at",
+    [
+        (3, 1.0, [3, 6, 8, 9, 12, 15]),  # step saves before the first validation too (Lightning waits for its metric)
+        (None, 3, [3, 6, 8, 11, 14]),  # each validation, and each epoch's end though no validation ends it
+    ],
+)
 def test_last_checkpoint_is_written_at_every_save_point(tmp_path, every_n_train_steps, val_check_interval, saved_at):
     """2 epochs of 8 steps; last.ckpt, read as each step starts, holds the latest save point's step."""
     last = tmp_path / "last.ckpt"
     probe = LastCheckpointStep(last)
-    checkpoint = LatestAndBestCheckpoint(dirpath=tmp_path, monitor="val/loss", save_last=True,
-                                         every_n_train_steps=every_n_train_steps)
-    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=False, callbacks=[probe, checkpoint],
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        use_distributed_sampler=False, val_check_interval=val_check_interval)
+    checkpoint = LatestAndBestCheckpoint(
+        dirpath=tmp_path, monitor="val/loss", save_last=True, every_n_train_steps=every_n_train_steps
+    )
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        callbacks=[probe, checkpoint],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        val_check_interval=val_check_interval,
+    )
     trainer.fit(ValidatedRecorder(), datamodule=IndexData(num_train=128, num_val=16, batch_size=16, seed=0))
     expected = {step: max((s for s in saved_at if s <= step), default=None) for step in range(16)}
     assert probe.seen == {step: saved for step, saved in expected.items() if saved is not None}
@@ -169,12 +197,26 @@ def test_csv_rows_of_validations_within_epochs_keep_their_steps(tmp_path):
     """Validation every 3 of an epoch's 8 steps: rows at steps 3 and 6, the epoch's training numbers at step 8 on
     their own (no validation ends the epoch), and so on in epoch 1."""
     logger = EpochCSVLogger(save_dir=tmp_path, name="", version=0)
-    trainer = L.Trainer(max_epochs=2, accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        use_distributed_sampler=False, val_check_interval=3)
+    trainer = L.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        use_distributed_sampler=False,
+        val_check_interval=3,
+    )
     trainer.fit(EpochLoggingRecorder(), datamodule=IndexData(num_train=128, num_val=16, batch_size=16, seed=0))
     with open(tmp_path / "version_0" / "metrics.csv") as file:
         rows = [{key for key, value in row.items() if value != ""} | {int(row["step"])} for row in csv.DictReader(file)]
-    assert rows == [{"epoch", "step", "val/loss", 3}, {"epoch", "step", "val/loss", 6}, {"epoch", "step", "train/loss", 8},
-                    {"epoch", "step", "val/loss", 11}, {"epoch", "step", "val/loss", 14},
-                    {"epoch", "step", "train/loss", 16}]
+    assert rows == [
+        {"epoch", "step", "val/loss", 3},
+        {"epoch", "step", "val/loss", 6},
+        {"epoch", "step", "train/loss", 8},
+        {"epoch", "step", "val/loss", 11},
+        {"epoch", "step", "val/loss", 14},
+        {"epoch", "step", "train/loss", 16},
+    ]

@@ -5,29 +5,46 @@ import csv
 import math
 
 import pytest
-from omegaconf import OmegaConf, open_dict
-
 from conftest import TINY_GPT, only_run, train
-from project.memory.plan import plan_memory
-from project.distributed.parallelize import block_sizes, split_blocks, stage_modules
-from project.config.build import build_net
+from omegaconf import OmegaConf, open_dict
 from test_config import compose_train
+
+from project.config.build import build_net
+from project.distributed.parallelize import block_sizes, split_blocks, stage_modules
+from project.memory.plan import plan_memory
 
 MODEL_STATE = ("params", "grads", "optimizer", "model_state")
 
 # Session runs of every strategy (conftest), each launched after its plan: (fixture, job index or None).
 PLANNED_RUNS = [
-    ("single_run", None), ("ddp_fsdp_sweep", 0), ("ddp_fsdp_sweep", 1), ("ddp_fsdp_sweep", 2), ("model_parallel_run", None),
-    ("pipeline_sweep", 0), ("pipeline_sweep", 1), ("gpt_auto", None), ("gpt_ddp_fsdp_sweep", 0),
-    ("gpt_ddp_fsdp_sweep", 1), ("gpt_pipeline_compiled", None), ("llama_auto", None), ("llama_fsdp", None),
-    ("llama_split_sweep", 0), ("llama_split_sweep", 1),
-    ("gpt_tensor_parallel", None), ("gpt_fsdp_tensor_parallel", None), ("gpt_pipeline_tensor_parallel", None),
-    ("llama_tensor_parallel", None), ("mlp_tensor_parallel", None),
+    ("single_run", None),
+    ("ddp_fsdp_sweep", 0),
+    ("ddp_fsdp_sweep", 1),
+    ("ddp_fsdp_sweep", 2),
+    ("model_parallel_run", None),
+    ("pipeline_sweep", 0),
+    ("pipeline_sweep", 1),
+    ("gpt_auto", None),
+    ("gpt_ddp_fsdp_sweep", 0),
+    ("gpt_ddp_fsdp_sweep", 1),
+    ("gpt_pipeline_compiled", None),
+    ("llama_auto", None),
+    ("llama_fsdp", None),
+    ("llama_split_sweep", 0),
+    ("llama_split_sweep", 1),
+    ("gpt_tensor_parallel", None),
+    ("gpt_fsdp_tensor_parallel", None),
+    ("gpt_pipeline_tensor_parallel", None),
+    ("llama_tensor_parallel", None),
+    ("mlp_tensor_parallel", None),
 ]
 # The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
 # model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.
-TRACKED_RUNS = [run for run in PLANNED_RUNS if run[0] not in ("model_parallel_run", "gpt_pipeline_compiled", "llama_auto")
-                and run != ("llama_split_sweep", 0)]
+TRACKED_RUNS = [
+    run
+    for run in PLANNED_RUNS
+    if run[0] not in ("model_parallel_run", "gpt_pipeline_compiled", "llama_auto") and run != ("llama_split_sweep", 0)
+]
 
 
 def job_dir_of(request, fixture: str, index: int | None):
@@ -56,8 +73,18 @@ def test_planned_peak_is_within_15_percent_of_the_tracked_peak(request, fixture,
 
 
 # GPT-3 XL on 8 devices x 128 nodes, with a short sequence so that each simulated step is quick.
-LARGE = ["model=gpt_1_3b", "data=tokens", "data.vocab_size=50257", "data.seq_length=64", "data.batch_size=8",
-         "data.num_train=100000", "data.num_val=2048", "trainer.devices=8", "trainer.num_nodes=128", "logger=none"]
+LARGE = [
+    "model=gpt_1_3b",
+    "data=tokens",
+    "data.vocab_size=50257",
+    "data.seq_length=64",
+    "data.batch_size=8",
+    "data.num_train=100000",
+    "data.num_val=2048",
+    "trainer.devices=8",
+    "trainer.num_nodes=128",
+    "logger=none",
+]
 RANKS = 1024
 
 
@@ -97,8 +124,14 @@ def test_fsdp_and_ddp_plans_of_1024_ranks_hold_what_arithmetic_says():
     assert ddp.peak > rank0.peak + 3 * full  # what sharding saves
 
 
-@pytest.mark.parametrize("model", [["model=llama_1b", "data=tokens", "data.vocab_size=128256", "data.seq_length=64"],
-                                   ["experiment=seed_large_model", "data.batch_size=8"]], ids=["llama_1b", "seed_mlp"])
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["model=llama_1b", "data=tokens", "data.vocab_size=128256", "data.seq_length=64"],
+        ["experiment=seed_large_model", "data.batch_size=8"],
+    ],
+    ids=["llama_1b", "seed_mlp"],
+)
 def test_fsdp_plans_of_1024_ranks_of_the_other_models(model):
     cfg = resolved([*model, "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=128", "logger=none"])
     parameters = list(build_net(cfg).parameters())
@@ -112,9 +145,21 @@ def test_fsdp_x_tensor_parallel_plan_of_1024_ranks_shards_each_split_again():
     split as its plan says (query/key/value, gate and up projections and the vocabulary tables by rows, attention
     output and down projections by columns, norms whole), then FSDP cuts rank 0's split into ceil(rows / 128) rows.
     The tied output layer is the token table, held once."""
-    cfg = resolved(["model=llama_1b", "model.net.num_layers=2", "data=tokens", "data.vocab_size=128256",
-                    "data.seq_length=64", "data.batch_size=8", "strategy=fsdp", "strategy.tensor_parallel_size=8",
-                    "trainer.devices=8", "trainer.num_nodes=128", "logger=none"])
+    cfg = resolved(
+        [
+            "model=llama_1b",
+            "model.net.num_layers=2",
+            "data=tokens",
+            "data.vocab_size=128256",
+            "data.seq_length=64",
+            "data.batch_size=8",
+            "strategy=fsdp",
+            "strategy.tensor_parallel_size=8",
+            "trainer.devices=8",
+            "trainer.num_nodes=128",
+            "logger=none",
+        ]
+    )
     replicas, split = 128, 8
     expected = 0
     for name, parameter in build_net(cfg).named_parameters():  # a tied weight once, under its first name
@@ -133,7 +178,9 @@ def plan_of_stages(overrides: list[str]) -> tuple:
     cfg = resolved(overrides)
     net = build_net(cfg)
     stages = split_blocks(block_sizes(net), 8, None)
-    parameters = [[p for module in stage_modules(net, stages, stage) for p in module.parameters()] for stage in range(8)]
+    parameters = [
+        [p for module in stage_modules(net, stages, stage) for p in module.parameters()] for stage in range(8)
+    ]
     return plan_memory(cfg, suggest=False), parameters
 
 
@@ -141,8 +188,14 @@ def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight
     """8 stages x 128 data-parallel replicas: each pipeline rank holds its stage sharded 128 ways, and under
     1F1B rank r keeps the activations of 8 - r micro-batches at once (GPipe: all 8). GPT-3 XL's width, 8 of its
     24 blocks: one per stage."""
-    overrides = [*LARGE, "strategy=pipeline", "strategy.num_stages=8", "strategy.microbatches=8",
-                 "model.net.tie_weights=false", "model.net.num_layers=8"]
+    overrides = [
+        *LARGE,
+        "strategy=pipeline",
+        "strategy.num_stages=8",
+        "strategy.microbatches=8",
+        "model.net.tie_weights=false",
+        "model.net.num_layers=8",
+    ]
     plan, stage_parameters = plan_of_stages(overrides)
     assert [device.name for device in plan.devices] == [f"rank {r} (stage {r})" for r in range(8)]
     for rank, device in enumerate(plan.devices):
@@ -157,8 +210,9 @@ def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight
 
 
 def test_model_parallel_plan_holds_each_stage_on_its_device():
-    plan, stage_parameters = plan_of_stages([*LARGE, "strategy=model_parallel", "trainer.num_nodes=1",
-                                             "model.net.tie_weights=false"])
+    plan, stage_parameters = plan_of_stages(
+        [*LARGE, "strategy=model_parallel", "trainer.num_nodes=1", "model.net.tie_weights=false"]
+    )
     assert [device.name for device in plan.devices] == [f"stage {s}" for s in range(8)]
     for stage, device in enumerate(plan.devices):
         assert device.params == sum(p.numel() for p in stage_parameters[stage]) * 4
@@ -166,8 +220,14 @@ def test_model_parallel_plan_holds_each_stage_on_its_device():
 
 # The tiny GPT on one device: a peak of 2.7 MiB, 1.7 MiB with activation checkpointing, so that 2 MiB devices
 # hold it only with checkpointing (the refusal itself, under ddp, is a case of test_bad_input).
-SMALL_DEVICE = [*TINY_GPT, "memory_plan.device_memory_gb=0.002", "trainer.max_epochs=1",
-                "+trainer.limit_train_batches=2", "+trainer.limit_val_batches=1", "logger=csv"]
+SMALL_DEVICE = [
+    *TINY_GPT,
+    "memory_plan.device_memory_gb=0.002",
+    "trainer.max_epochs=1",
+    "+trainer.limit_train_batches=2",
+    "+trainer.limit_val_batches=1",
+    "logger=csv",
+]
 
 
 def test_the_suggested_change_fits_and_trains(tmp_path, home):
@@ -178,8 +238,15 @@ def test_the_suggested_change_fits_and_trains(tmp_path, home):
 
 def test_if_over_warn_trains_a_run_predicted_not_to_fit(tmp_path, home):
     # Tracking more steps than the epoch has: the tracker stops with the epoch and logs what it saw.
-    result = train([*SMALL_DEVICE, "memory_plan.if_over=warn", "callbacks.memory.tracked_steps=5",
-                    f"hydra.run.dir={tmp_path / 'job'}"], home)
+    result = train(
+        [
+            *SMALL_DEVICE,
+            "memory_plan.if_over=warn",
+            "callbacks.memory.tracked_steps=5",
+            f"hydra.run.dir={tmp_path / 'job'}",
+        ],
+        home,
+    )
     assert "does NOT fit in 2.0 MiB" in result.output
     assert "Training anyway (memory_plan.if_over=warn)" in result.output
     with open(tmp_path / "job" / "csv" / "version_0" / "metrics.csv") as file:
@@ -189,8 +256,17 @@ def test_if_over_warn_trains_a_run_predicted_not_to_fit(tmp_path, home):
 
 def test_plan_true_prints_the_plan_and_trains_nothing(tmp_path, home):
     job_dir = tmp_path / "job"
-    result = train([*TINY_GPT, "plan=true", "strategy=pipeline", "trainer.devices=2", "memory_plan.device_memory_gb=1",
-                    f"hydra.run.dir={job_dir}"], home)
+    result = train(
+        [
+            *TINY_GPT,
+            "plan=true",
+            "strategy=pipeline",
+            "trainer.devices=2",
+            "memory_plan.device_memory_gb=1",
+            f"hydra.run.dir={job_dir}",
+        ],
+        home,
+    )
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("Memory plan: model=gpt strategy=pipeline"))
     assert "2 device(s) x 1 node(s) = 2 process(es)" in header

@@ -2,8 +2,8 @@
 checkpoints, and clear errors for splits that cannot work."""
 
 import pytest
-
 from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, assert_matches_reference, only_run, train
+
 from project.checkpointing.files import is_sharded_checkpoint
 from project.distributed.parallelize import split_blocks
 
@@ -31,8 +31,16 @@ def test_model_parallel_three_stages_and_its_plain_checkpoint(model_parallel_run
     assert_matches_reference(run, reference([*TINY, *BATCH_64], 64).history)
     # A plain single-file checkpoint: strategy=auto resumes it as it is.
     resumed_dir = runs_dir / "model-parallel-to-auto"
-    train([*TINY, *BATCH_64, f"hydra.run.dir={resumed_dir}", "trainer.max_epochs=4",
-           f"ckpt_path={model_parallel_run}/checkpoints/last.ckpt"], home)
+    train(
+        [
+            *TINY,
+            *BATCH_64,
+            f"hydra.run.dir={resumed_dir}",
+            "trainer.max_epochs=4",
+            f"ckpt_path={model_parallel_run}/checkpoints/last.ckpt",
+        ],
+        home,
+    )
     assert [row["epoch"] for row in only_run(resumed_dir).history if "val/loss" in row] == [3]
 
 
@@ -55,9 +63,18 @@ def test_pipeline_times_data_parallel_accumulates_clips_and_runs_lightning_hooks
     loop's numbers; Lightning's backward hooks run once per batch and see the gradients; FSDP gathers each
     stage's parameters once per batch, not once per micro-batch."""
     job_dir = runs_dir / "pipeline-2x2"
-    result = train([*PIPELINE_2X2, f"hydra.run.dir={job_dir}", "strategy=pipeline", "trainer.devices=4",
-                    "strategy.num_stages=2", "+callbacks.hooks._target_=helpers.probes.BackwardHooks",
-                    "+callbacks.gathers._target_=helpers.probes.AllGatherCount"], home)
+    result = train(
+        [
+            *PIPELINE_2X2,
+            f"hydra.run.dir={job_dir}",
+            "strategy=pipeline",
+            "trainer.devices=4",
+            "strategy.num_stages=2",
+            "+callbacks.hooks._target_=helpers.probes.BackwardHooks",
+            "+callbacks.gathers._target_=helpers.probes.AllGatherCount",
+        ],
+        home,
+    )
     assert "Starting with 4 processes" in result.output
     expected = reference(PIPELINE_2X2, 64)
     assert expected.clipped_steps > 0  # the threshold bites, so clipping is tested
@@ -74,8 +91,17 @@ def test_pipeline_times_data_parallel_accumulates_clips_and_runs_lightning_hooks
 def test_pipeline_in_bf16(reference, runs_dir, home):
     """bf16-mixed: autocast around the schedule; within bf16's tolerance of the float32 loop, but not equal to it."""
     job_dir = runs_dir / "pipeline-bf16"
-    train([*TINY, *BATCH_64, f"hydra.run.dir={job_dir}", "strategy=pipeline", "trainer.devices=2",
-           "trainer.precision=bf16-mixed"], home)
+    train(
+        [
+            *TINY,
+            *BATCH_64,
+            f"hydra.run.dir={job_dir}",
+            "strategy=pipeline",
+            "trainer.devices=2",
+            "trainer.precision=bf16-mixed",
+        ],
+        home,
+    )
     expected = [row["val/loss"] for row in reference([*TINY, *BATCH_64], 64).history]
     got = only_run(job_dir).series("val/loss")
     assert got == pytest.approx(expected, rel=3e-2)
@@ -92,11 +118,29 @@ def test_interleaved_pipeline_and_its_consolidated_checkpoint(reference, runs_di
     carries every momentum buffer to its own parameter: the next epoch on one device is the loop's next epoch."""
     expected = reference([*DEEPER, "trainer.max_epochs=3"], 64).history
     job_dir, continued_dir = runs_dir / "interleaved", runs_dir / "interleaved-to-auto"
-    train([*DEEPER, "trainer.max_epochs=2", f"hydra.run.dir={job_dir}", "strategy=pipeline", "trainer.devices=2",
-           "strategy.schedule=interleaved_1f1b", "strategy.num_stages=4", "strategy.stages_per_rank=2"], home)
+    train(
+        [
+            *DEEPER,
+            "trainer.max_epochs=2",
+            f"hydra.run.dir={job_dir}",
+            "strategy=pipeline",
+            "trainer.devices=2",
+            "strategy.schedule=interleaved_1f1b",
+            "strategy.num_stages=4",
+            "strategy.stages_per_rank=2",
+        ],
+        home,
+    )
     assert_matches_reference(only_run(job_dir), expected[:2])
-    train([*DEEPER, "trainer.max_epochs=3", f"hydra.run.dir={continued_dir}",
-           f"ckpt_path={job_dir}/checkpoints/last.ckpt"], home)
+    train(
+        [
+            *DEEPER,
+            "trainer.max_epochs=3",
+            f"hydra.run.dir={continued_dir}",
+            f"ckpt_path={job_dir}/checkpoints/last.ckpt",
+        ],
+        home,
+    )
     assert (continued_dir / "consolidated.ckpt").is_file()
     assert_matches_reference(only_run(continued_dir), expected[2:])
 

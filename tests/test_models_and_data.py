@@ -10,7 +10,7 @@ def test_mlp_is_the_seed_large_model():
     with torch.device("meta"):  # 55M parameters, no memory allocated
         model = MLP(10000, [5000, 1000], 10)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert [(l.in_features, l.out_features) for l in linears] == [(10000, 5000), (5000, 1000), (1000, 10)]
+    assert [(layer.in_features, layer.out_features) for layer in linears] == [(10000, 5000), (5000, 1000), (1000, 10)]
     assert sum(p.numel() for p in model.parameters()) == 10000 * 5000 + 5000 + 5000 * 1000 + 1000 + 1000 * 10 + 10
     assert len(model.blocks) == 3  # the ordered block sequence strategies act on
     assert sum(isinstance(m, torch.nn.ReLU) for m in model.modules()) == 2
@@ -24,8 +24,16 @@ def test_mlp_depth_and_widths_are_configurable():
 
 def make_datamodule(seed: int) -> SyntheticDataModule:
     dm = SyntheticDataModule(
-        num_features=32, num_classes=4, num_train=2000, num_val=500, latent_dim=8, clusters_per_class=2,
-        cluster_std=0.5, noise_std=0.3, batch_size=32, seed=seed,
+        num_features=32,
+        num_classes=4,
+        num_train=2000,
+        num_val=500,
+        latent_dim=8,
+        clusters_per_class=2,
+        cluster_std=0.5,
+        noise_std=0.3,
+        batch_size=32,
+        seed=seed,
     )
     dm.setup("fit")
     return dm

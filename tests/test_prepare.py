@@ -11,15 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO, isolated_env, kill_process_tree, train
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from conftest import REPO, isolated_env, kill_process_tree, train
 from project.checkpointing.files import META_FILE
 from project.cli.prepare import documents, input_files, is_validation, prepare
-from project.data.shards import ShardsDataModule
-from project.data.sampling import EpochShuffle, GlobalBatchSampler
-from project.data.shards import HEADER_BYTES, read_shard
 from project.config.errors import ConfigError
+from project.data.sampling import EpochShuffle, GlobalBatchSampler
+from project.data.shards import HEADER_BYTES, ShardsDataModule, read_shard
 
 STDLIB_JSON = Path(json.__file__).parent  # a corpus that ships with Python: the json package's sources
 
@@ -85,9 +84,17 @@ def test_a_given_tokenizer_with_a_large_vocabulary_writes_uint32(tmp_path):
     documents_text = [" ".join(rng.choice(words, size=20)) for _ in range(50)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": text}) + "\n" for text in documents_text))
     out = tmp_path / "out"
-    meta = prepare([tmp_path / "docs.jsonl"], out, tokenizer_path=tmp_path / "tokenizer.json", text_key="body",
-                   shard_tokens=400, val_fraction=0.0)
-    assert meta["vocab_size"] == 70_002 and meta["dtype"] == "uint32" and meta["separator"] == {"token": "</s>", "id": 0}
+    meta = prepare(
+        [tmp_path / "docs.jsonl"],
+        out,
+        tokenizer_path=tmp_path / "tokenizer.json",
+        text_key="body",
+        shard_tokens=400,
+        val_fraction=0.0,
+    )
+    assert (
+        meta["vocab_size"] == 70_002 and meta["dtype"] == "uint32" and meta["separator"] == {"token": "</s>", "id": 0}
+    )
     tokens = split_tokens(out, "train")
     assert tokens.dtype == np.dtype("<u4") and tokens.max() > 2**16
     assert len(tokens) == 50 * 21 and meta["splits"]["val"]["tokens"] == 0
@@ -99,14 +106,17 @@ def test_an_interrupted_prepare_continues_without_redoing_finished_shards(corpus
     """SIGKILL after some shards, the same command again: the shards of an uninterrupted run, byte for byte, and
     the finished ones untouched."""
     for copy in range(12):  # a corpus long enough to be killed halfway
-        (corpus / f"copy{copy}.jsonl").write_text((corpus / "notes.jsonl").read_text().replace("Document", f"Copy {copy}"))
+        (corpus / f"copy{copy}.jsonl").write_text(
+            (corpus / "notes.jsonl").read_text().replace("Document", f"Copy {copy}")
+        )
     args = [str(corpus), "--vocab-size", "600", "--shard-tokens", "2000", "--val-fraction", "0.05"]
     straight = tmp_path / "straight"
     prepare([corpus], straight, vocab_size=600, shard_tokens=2000, val_fraction=0.05)
     out = tmp_path / "interrupted"
     command = [sys.executable, "-m", "project.cli.prepare", *args, "--out", str(out)]
-    job = subprocess.Popen(command, cwd=REPO, env=isolated_env(tmp_path), stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(
+        command, cwd=REPO, env=isolated_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     while not (out / "train_000003.bin").exists():
         assert job.poll() is None, "prepare ended before it could be interrupted"
         time.sleep(0.005)
@@ -136,8 +146,8 @@ def test_shard_windows_are_the_token_stream_across_shard_ends_and_batch_alike_on
     indices = torch.randperm(len(data.train_set), generator=torch.Generator().manual_seed(0)).tolist()
     inputs, targets = data.train_set[indices]
     for row, index in enumerate(indices):
-        assert torch.equal(inputs[row], stream[index * 64: index * 64 + 64])
-        assert torch.equal(targets[row], stream[index * 64 + 1: index * 64 + 65])
+        assert torch.equal(inputs[row], stream[index * 64 : index * 64 + 64])
+        assert torch.equal(targets[row], stream[index * 64 + 1 : index * 64 + 65])
     order = EpochShuffle(len(data.train_set), shuffle=True, seed=3)
     one = list(GlobalBatchSampler(order, 16, rank=0, world_size=1, drop_last=True))
     two = [list(GlobalBatchSampler(order, 8, rank=rank, world_size=2, drop_last=True)) for rank in (0, 1)]
@@ -167,13 +177,27 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
     the whole run's step losses, validations and epoch-1 numbers: fsdp to 1e-6, auto to 1e-5."""
     out = tmp_path / "prepared"
     prepare([corpus], out, vocab_size=300, shard_tokens=5000, val_fraction=0.05)
-    common = ["model=gpt", "data=shards", f"data.path={out}", "data.seq_length=32", "model.net.dim=32",
-              "model.net.num_heads=2", "trainer.max_epochs=2", "+trainer.limit_train_batches=12",
-              "trainer.val_check_interval=6", "trainer.log_every_n_steps=1",
-              "callbacks.model_checkpoint.every_n_train_steps=5", "logger=csv", "print_config=false",
-              "~callbacks.progress_bar", "+trainer.enable_progress_bar=false"]
-    runs = {"fsdp": ["strategy=fsdp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1"],
-            "auto": ["data.batch_size=16"]}
+    common = [
+        "model=gpt",
+        "data=shards",
+        f"data.path={out}",
+        "data.seq_length=32",
+        "model.net.dim=32",
+        "model.net.num_heads=2",
+        "trainer.max_epochs=2",
+        "+trainer.limit_train_batches=12",
+        "trainer.val_check_interval=6",
+        "trainer.log_every_n_steps=1",
+        "callbacks.model_checkpoint.every_n_train_steps=5",
+        "logger=csv",
+        "print_config=false",
+        "~callbacks.progress_bar",
+        "+trainer.enable_progress_bar=false",
+    ]
+    runs = {
+        "fsdp": ["strategy=fsdp", "trainer.devices=2", "data.batch_size=8", "data.num_workers=1"],
+        "auto": ["data.batch_size=16"],
+    }
     # fsdp's whole run is the expected numbers of both: fsdp's own resume to 1e-6, auto's (another code path to
     # the same global batches) to 1e-5.
     train([*common, *runs["fsdp"], f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path / "home")
@@ -186,11 +210,22 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         console = tmp_path / f"{name}-killed.out"
         with open(console, "w") as output:
             # PYTHONFAULTHANDLER: a process that never reaches step 17 prints every thread's stack on SIGABRT.
-            run = subprocess.Popen([sys.executable, "train.py", *common, *args, f"hydra.run.dir={job}",
-                                    "+callbacks.stall._target_=helpers.probes.StallAtStep", "+callbacks.stall.step=17",
-                                    f"+callbacks.stall.marker={marker}"],
-                                   cwd=REPO, env={**isolated_env(tmp_path / "home"), "PYTHONFAULTHANDLER": "1"},
-                                   stdout=output, stderr=subprocess.STDOUT)
+            run = subprocess.Popen(
+                [
+                    sys.executable,
+                    "train.py",
+                    *common,
+                    *args,
+                    f"hydra.run.dir={job}",
+                    "+callbacks.stall._target_=helpers.probes.StallAtStep",
+                    "+callbacks.stall.step=17",
+                    f"+callbacks.stall.marker={marker}",
+                ],
+                cwd=REPO,
+                env={**isolated_env(tmp_path / "home"), "PYTHONFAULTHANDLER": "1"},
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
         launched = time.monotonic()
         while not marker.exists():
             if run.poll() is not None:
@@ -220,7 +255,9 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         killed = by_step(before, "step/train_loss")
         # The run up to its kill: the whole run's first steps (those its CSV logger had flushed).
         assert sorted(killed) == list(range(1, len(killed) + 1)) and len(killed) >= 6
-        assert all(killed[step] == pytest.approx(by_step(whole, "step/train_loss")[step], rel=tolerance) for step in killed)
+        assert all(
+            killed[step] == pytest.approx(by_step(whole, "step/train_loss")[step], rel=tolerance) for step in killed
+        )
         last_epoch = [row for row in after if "train/loss" in row]
         assert len(last_epoch) == 1 and last_epoch[0]["epoch"] == 1
         assert 0 < last_epoch[0]["perf/epoch_time_s"] < resumed_for  # the part of epoch 1 the resumed run ran

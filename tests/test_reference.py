@@ -6,7 +6,6 @@ The runs are the session's real ``python train.py`` runs (conftest); the referen
 """
 
 import pytest
-
 from conftest import TINY, TINY_GPT, TINY_LLAMA, TINY_LLAMA_TP, assert_matches_reference, only_run
 
 # (fixture, job index or None) of each strategy's run; every one has the reference's global batch.
@@ -21,7 +20,7 @@ RUNS = {
         "tensor_parallel": ("mlp_tensor_parallel", None),
     },
     "gpt": {  # the pipeline schedules against each other: the MLP's runs. The pipeline compiles the blocks
-              # (model.compile=true): compiled against the eager reference.
+        # (model.compile=true): compiled against the eager reference.
         "auto": ("gpt_auto", None),
         "ddp": ("gpt_ddp_fsdp_sweep", 0),
         "fsdp": ("gpt_ddp_fsdp_sweep", 1),
@@ -40,9 +39,12 @@ RUNS = {
         "tensor_parallel": ("llama_tensor_parallel", None),
     },
 }
-REFERENCE_ARGS = {"mlp": ([*TINY, "data.batch_size=64"], 64), "gpt": ([*TINY_GPT, "data.batch_size=32"], 32),
-                  "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32),
-                  "llama-tp": ([*TINY_LLAMA_TP, "data.batch_size=32"], 32)}
+REFERENCE_ARGS = {
+    "mlp": ([*TINY, "data.batch_size=64"], 64),
+    "gpt": ([*TINY_GPT, "data.batch_size=32"], 32),
+    "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32),
+    "llama-tp": ([*TINY_LLAMA_TP, "data.batch_size=32"], 32),
+}
 
 
 @pytest.mark.slow

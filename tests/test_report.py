@@ -8,14 +8,22 @@ from collections import defaultdict
 from html.parser import HTMLParser
 
 import pytest
-
 from conftest import REPO, isolated_env, require_extra
 
 CHROMIUM = shutil.which("chromium")
 # Flags for a machine without network (Chromium otherwise tries Google's hosts at every start).
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars", "--virtual-time-budget=10000"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--hide-scrollbars",
+    "--virtual-time-budget=10000",
+]
 VOID = {"meta", "link", "br", "img", "input", "hr", "area", "base", "col", "embed", "source", "track", "wbr"}
 
 
@@ -31,8 +39,14 @@ class RenderedCharts(HTMLParser):
         self._text: list[str] | None = None
 
     def chart(self) -> str | None:
-        return next((attrs["id"] for tag, attrs in reversed(self.stack) if tag == "div" and "id" in attrs
-                     and attrs.get("class", "").startswith("plotly-graph-div")), None)
+        return next(
+            (
+                attrs["id"]
+                for tag, attrs in reversed(self.stack)
+                if tag == "div" and "id" in attrs and attrs.get("class", "").startswith("plotly-graph-div")
+            ),
+            None,
+        )
 
     def handle_starttag(self, tag: str, attrs: list) -> None:
         attrs = {key: value or "" for key, value in attrs}
@@ -74,14 +88,23 @@ def rendered_report(ddp_fsdp_sweep, tmp_path_factory, home):
     require_extra("plotly", "report")
     sweep_dir, out = ddp_fsdp_sweep[0].parent, tmp_path_factory.mktemp("report")
     report = out / "report.html"
-    made = subprocess.run([sys.executable, "-m", "project.cli.report", str(sweep_dir), "--by", "strategy", "-o",
-                           str(report)], cwd=REPO, env=isolated_env(home), capture_output=True, text=True, timeout=120)
+    made = subprocess.run(
+        [sys.executable, "-m", "project.cli.report", str(sweep_dir), "--by", "strategy", "-o", str(report)],
+        cwd=REPO,
+        env=isolated_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert made.returncode == 0 and f"Report: {report}" in made.stdout, made.stderr
     browser = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={out / 'chromium'}"]
     dom = subprocess.run([*browser, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
     screenshot = out / "report.png"  # next to the report, for people to look at
-    subprocess.run([*browser, "--window-size=1400,2400", f"--screenshot={screenshot}", report.as_uri()],
-                   capture_output=True, timeout=120)
+    subprocess.run(
+        [*browser, "--window-size=1400,2400", f"--screenshot={screenshot}", report.as_uri()],
+        capture_output=True,
+        timeout=120,
+    )
     assert screenshot.stat().st_size > 50_000
     charts = RenderedCharts()
     charts.feed(dom.stdout)

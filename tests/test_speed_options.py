@@ -3,9 +3,9 @@
 import torch
 from lightning.pytorch.callbacks import RichProgressBar
 
+from project.launch.training import set_tf32
 from project.observability import progress
 from project.observability.progress import TimedRichProgressBar
-from project.launch.training import set_tf32
 
 
 def test_tf32_is_switched_for_gpu_runs_only():
@@ -23,7 +23,9 @@ def test_tf32_is_switched_for_gpu_runs_only():
 
 def test_the_progress_bar_redraws_every_interval_and_at_the_last_batch(monkeypatch):
     drawn = []
-    monkeypatch.setattr(RichProgressBar, "on_train_batch_end", lambda self, trainer, module, out, batch, index: drawn.append(index))
+    monkeypatch.setattr(
+        RichProgressBar, "on_train_batch_end", lambda self, trainer, module, out, batch, index: drawn.append(index)
+    )
     monkeypatch.setattr(TimedRichProgressBar, "total_train_batches", property(lambda self: 10))
     monkeypatch.setattr(TimedRichProgressBar, "is_disabled", property(lambda self: False))
     clock = iter([100.0, 100.0625, 100.125, 100.1875, 100.25, 100.28125, 100.3125, 100.3125, 100.3125, 100.3125])

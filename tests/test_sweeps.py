@@ -12,12 +12,12 @@ import time
 import pytest
 import submitit
 import yaml
+from conftest import REPO, TINY, assert_close, isolated_env, only_run, require_extra, train
+from helpers.wandb_offline import offline_runs
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
-from conftest import REPO, TINY, assert_close, isolated_env, only_run, require_extra, train
 from project.config.resolvers import register_resolvers
-from helpers.wandb_offline import offline_runs
 
 
 def assert_result_matches_run(job_dir) -> dict:
@@ -64,10 +64,23 @@ def test_optuna_search_over_ddp_jobs_records_every_trial_goes_on_past_failed_one
     optuna = require_extra("optuna", "optuna")
     sweep_dir = runs_dir / "optuna"
     searched = [item for item in TINY if not item.startswith("model.optimizer.lr=")]  # a fixed value is not searched
-    command = ["-m", *searched, "hparams_search=mlp_optuna", "strategy=ddp", "trainer.devices=2", "data.num_train=200",
-               "hydra.sweeper.n_trials=4", f"hydra.sweep.dir={sweep_dir}"]
-    search = subprocess.Popen([sys.executable, "train.py", *command], cwd=REPO, env=isolated_env(home),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [
+        "-m",
+        *searched,
+        "hparams_search=mlp_optuna",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "data.num_train=200",
+        "hydra.sweeper.n_trials=4",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    search = subprocess.Popen(
+        [sys.executable, "train.py", *command],
+        cwd=REPO,
+        env=isolated_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while not (training := [n for n in (1, 2, 3) if (sweep_dir / str(n) / "config.yaml").exists()]):
         assert time.monotonic() < deadline and search.poll() is None, "no trial after the first trained"
@@ -116,15 +129,28 @@ def test_joblib_runs_two_ddp_jobs_at_once_with_the_numbers_of_one_at_a_time(ddp_
     """The ddp_fsdp_sweep again, its two jobs (each 2 worker processes) at the same time: same numbers, one W&B run
     and one result per job."""
     sweep_dir = runs_dir / "joblib"
-    result = train(["-m", *TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp", "launcher=joblib",
-                    f"hydra.sweep.dir={sweep_dir}"], home, timeout=600)
+    result = train(
+        [
+            "-m",
+            *TINY,
+            "trainer.devices=2",
+            "data.batch_size=32",
+            "strategy=ddp,fsdp",
+            "launcher=joblib",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        home,
+        timeout=600,
+    )
     assert "Joblib.Parallel(n_jobs=2" in result.output
     jobs = (sweep_dir / "0", sweep_dir / "1")
     (start0, end0), (start1, end1) = (log_span(job) for job in jobs)
     assert max(start0, start1) < min(end0, end1)  # the two jobs overlapped in time
     for parallel, sequential in zip(jobs, ddp_fsdp_sweep):
         ours, theirs = assert_result_matches_run(parallel), json.loads((sequential / "result.json").read_text())
-        assert [ours[key] for key in ("objective", "best_epoch")] == [theirs[key] for key in ("objective", "best_epoch")]
+        assert [ours[key] for key in ("objective", "best_epoch")] == [
+            theirs[key] for key in ("objective", "best_epoch")
+        ]
         for key in ("train/loss", "val/loss", "val/acc"):
             assert only_run(parallel).series(key) == only_run(sequential).series(key)
 
@@ -132,9 +158,20 @@ def test_joblib_runs_two_ddp_jobs_at_once_with_the_numbers_of_one_at_a_time(ddp_
 def preempt(command: list[str], home, signum: int, after_epochs: int, job_dir) -> str:
     """Start ``train.py <command>`` (epochs slowed down), send it ``signum`` once ``after_epochs`` epochs are in its
     result.json, and return its output: the job must stop cleanly, saying how to resume."""
-    job = subprocess.Popen([sys.executable, "train.py", *command, "+callbacks.slow._target_=helpers.probes.SlowEpochs",
-                            "+callbacks.slow.seconds=3"], cwd=REPO, env=isolated_env(home),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            *command,
+            "+callbacks.slow._target_=helpers.probes.SlowEpochs",
+            "+callbacks.slow.seconds=3",
+        ],
+        cwd=REPO,
+        env=isolated_env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline, result = time.monotonic() + 120, job_dir / "result.json"
     while not (result.exists() and json.loads(result.read_text())["epochs"] >= after_epochs):
         assert time.monotonic() < deadline and job.poll() is None, "the job did not get that far"
@@ -154,8 +191,14 @@ def test_a_preempted_job_requeued_with_ckpt_path_auto_is_one_run_with_every_epoc
     (a preemption) after its second, requeued again with the same command (ckpt_path=auto): one W&B run id, every
     epoch once, the numbers of the uninterrupted ddp job of the sweep."""
     job_dir = runs_dir / "preempted"
-    command = [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp", "ckpt_path=auto",
-               f"hydra.run.dir={job_dir}"]
+    command = [
+        *TINY,
+        "trainer.devices=2",
+        "data.batch_size=32",
+        "strategy=ddp",
+        "ckpt_path=auto",
+        f"hydra.run.dir={job_dir}",
+    ]
     output = preempt(command, home, signal.SIGUSR1, after_epochs=1, job_dir=job_dir)
     assert output.count("Received SIGTERM") == 2  # each worker stopped as for SIGTERM: cleanly, by Lightning
     preempt(command, home, signal.SIGTERM, after_epochs=2, job_dir=job_dir)
@@ -176,9 +219,19 @@ def test_the_slurm_launcher_sizes_each_job_from_the_trainer_config(accelerator, 
     submitit writes (nothing is submitted: the executor is captured before it calls sbatch)."""
     register_resolvers()
     with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", return_hydra_config=True, overrides=[
-            "launcher=slurm", "strategy=ddp", "trainer.devices=4", "trainer.num_nodes=2",
-            f"trainer.accelerator={accelerator}", "hydra.launcher.partition=gpu", f"hydra.sweep.dir={tmp_path}"])
+        cfg = compose(
+            "train",
+            return_hydra_config=True,
+            overrides=[
+                "launcher=slurm",
+                "strategy=ddp",
+                "trainer.devices=4",
+                "trainer.num_nodes=2",
+                f"trainer.accelerator={accelerator}",
+                "hydra.launcher.partition=gpu",
+                f"hydra.sweep.dir={tmp_path}",
+            ],
+        )
     assert cfg.ckpt_path == "auto"  # a requeued job resumes
     executors = []
     monkeypatch.setattr(submitit.AutoExecutor, "map_array", lambda executor, *args: executors.append(executor) or [])
@@ -193,25 +246,45 @@ def test_the_slurm_launcher_sizes_each_job_from_the_trainer_config(accelerator, 
     launcher.launch([["strategy=ddp"]], initial_job_idx=0)
     script = executors[0]._executor._make_submission_file_text("python -m submitit.core._submit x", "uid")
     flags = {line for line in script.splitlines() if line.startswith("#SBATCH")}
-    assert {"#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --partition=gpu", "#SBATCH --time=240",
-            "#SBATCH --signal=USR2@120"} <= flags
+    assert {
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --time=240",
+        "#SBATCH --signal=USR2@120",
+    } <= flags
     gpu_flags = {flag for flag in flags if "gpu" in flag and "partition" not in flag}
     assert gpu_flags == ({gpu_flag} if gpu_flag else set())
 
 
 @pytest.mark.slow
-def test_slurm_local_runs_two_ddp_jobs_and_a_preempted_one_is_requeued_into_the_same_run(ddp_fsdp_sweep, runs_dir,
-                                                                                        home):
+def test_slurm_local_runs_two_ddp_jobs_and_a_preempted_one_is_requeued_into_the_same_run(
+    ddp_fsdp_sweep, runs_dir, home
+):
     """The ddp_fsdp_sweep again through launcher=slurm_local (hydra-submitit-launcher, submitit's local executor:
     both jobs at once). Job 0 gets submitit's preemption signal (SIGUSR2) after its first epoch: submitit requeues
     it, and the requeued job resumes from last.ckpt (ckpt_path=auto) into the same W&B run. Each job ends with
     one result and the numbers of the jobs run one at a time."""
     sweep_dir = runs_dir / "slurm-local"
     sweep = subprocess.Popen(
-        [sys.executable, "train.py", "launcher=slurm_local", *TINY, "trainer.devices=2", "data.batch_size=32",
-         "strategy=ddp,fsdp", f"hydra.sweep.dir={sweep_dir}", "+callbacks.slow._target_=helpers.probes.SlowEpochs",
-         "+callbacks.slow.seconds=1.5"], cwd=REPO, env=isolated_env(home), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "train.py",
+            "launcher=slurm_local",
+            *TINY,
+            "trainer.devices=2",
+            "data.batch_size=32",
+            "strategy=ddp,fsdp",
+            f"hydra.sweep.dir={sweep_dir}",
+            "+callbacks.slow._target_=helpers.probes.SlowEpochs",
+            "+callbacks.slow.seconds=1.5",
+        ],
+        cwd=REPO,
+        env=isolated_env(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while not (sweep_dir / "0" / "checkpoints" / "last.ckpt").exists():
         assert time.monotonic() < deadline and sweep.poll() is None, "no first epoch"
@@ -242,8 +315,18 @@ def test_slurm_local_runs_a_two_node_job_with_a_task_per_node(ddp_fsdp_sweep, ru
     """trainer.num_nodes=2 x 1 device: two node tasks, each starting its rank; they meet as a cluster's nodes do
     (static rendezvous at node 0). Same world size and global batch as the ddp x 2 job, so the same numbers."""
     sweep_dir = runs_dir / "slurm-two-nodes"
-    train(["launcher=slurm_local", *TINY, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2",
-           "data.batch_size=32", f"hydra.sweep.dir={sweep_dir}"], home)
+    train(
+        [
+            "launcher=slurm_local",
+            *TINY,
+            "strategy=ddp",
+            "trainer.devices=1",
+            "trainer.num_nodes=2",
+            "data.batch_size=32",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        home,
+    )
     job = sweep_dir / "0"
     assert len(list((sweep_dir / ".submitit").glob("*/*_1_log.out"))) == 1  # a second task
     assert (job / "workers" / "node1" / "config.yaml").is_file()  # ...which started node 1's rank
@@ -260,8 +343,18 @@ def test_a_cluster_sweep_over_node_counts_fails_each_job_before_it_starts(runs_d
     """The launcher sizes every job from the command line's values (here the default, 1 node), so jobs asking for
     2 or 3 nodes must fail at once, each with a config error saying how to sweep node counts."""
     sweep_dir = runs_dir / "slurm-node-sweep"
-    result = train(["launcher=slurm_local", *TINY, "strategy=ddp", "trainer.devices=1", "trainer.num_nodes=2,3",
-                    f"hydra.sweep.dir={sweep_dir}"], home, expect_ok=False)
+    result = train(
+        [
+            "launcher=slurm_local",
+            *TINY,
+            "strategy=ddp",
+            "trainer.devices=1",
+            "trainer.num_nodes=2,3",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        home,
+        expect_ok=False,
+    )
     assert result.returncode == 1 and "2 of 2 jobs failed" in result.output
     for job, nodes in ((0, 2), (1, 3)):
         error = json.loads((sweep_dir / str(job) / "result.json").read_text())["error"]

@@ -5,26 +5,32 @@ launch: test_bad_input; planned against measured memory: test_memory_plan."""
 
 import pytest
 import torch
+from conftest import TINY, TINY_GPT, assert_close, assert_matches_reference, only_run, train
+from test_memory_plan import resolved
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
-from conftest import TINY, TINY_GPT, assert_close, assert_matches_reference, only_run, train
 from project.checkpointing.files import is_sharded_checkpoint
-from project.config.errors import ConfigError
 from project.checkpointing.hf import HFWeights, net_options, read_config
+from project.config.build import build_net
+from project.config.errors import ConfigError
+from project.distributed.parallelize import apply_fsdp, materialize
+from project.distributed.plans import apply_tensor_parallel
+from project.distributed.strategies import FSDPStrategy
 from project.memory.simulation import fake_process_group
 from project.models import GPT, Llama
-from project.distributed.plans import apply_tensor_parallel
-from project.distributed.parallelize import apply_fsdp, materialize
-from project.distributed.strategies import FSDPStrategy
-from project.config.build import build_net
-from test_memory_plan import resolved
 
 # Each layout's run (conftest) and its ranks: data-parallel replicas x tensor-parallel ranks (x pipeline stages).
-LAYOUTS = {"tensor_parallel": "gpt_tensor_parallel", "fsdp x tensor_parallel": "gpt_fsdp_tensor_parallel",
-           "pipeline x tensor_parallel": "gpt_pipeline_tensor_parallel"}
-RUN_NAMES = {"tensor_parallel": "gpt-tensor_parallel-tp2-2dev-1node", "fsdp x tensor_parallel": "gpt-fsdp-tp2-4dev-1node",
-             "pipeline x tensor_parallel": "gpt-pipeline-tp2-4dev-1node"}
+LAYOUTS = {
+    "tensor_parallel": "gpt_tensor_parallel",
+    "fsdp x tensor_parallel": "gpt_fsdp_tensor_parallel",
+    "pipeline x tensor_parallel": "gpt_pipeline_tensor_parallel",
+}
+RUN_NAMES = {
+    "tensor_parallel": "gpt-tensor_parallel-tp2-2dev-1node",
+    "fsdp x tensor_parallel": "gpt-fsdp-tp2-4dev-1node",
+    "pipeline x tensor_parallel": "gpt-pipeline-tp2-4dev-1node",
+}
 GPT_32 = [*TINY_GPT, "data.batch_size=32"]  # gpt_auto's config: one device, the layouts' global batch
 
 
@@ -38,18 +44,23 @@ def test_each_layout_logs_the_numbers_of_one_device(layout, gpt_auto, request):
 
 
 @pytest.mark.slow
-def test_each_device_holds_its_share_of_the_model_state(gpt_auto, gpt_tensor_parallel, gpt_fsdp_tensor_parallel,
-                                                        gpt_pipeline_tensor_parallel, gpt_pipeline_compiled):
+def test_each_device_holds_its_share_of_the_model_state(
+    gpt_auto, gpt_tensor_parallel, gpt_fsdp_tensor_parallel, gpt_pipeline_tensor_parallel, gpt_pipeline_compiled
+):
     """Split over 2 tensor-parallel ranks, a device holds half of one device's parameters, gradients and AdamW
     state; with FSDP over 2 replicas too, a quarter; in a pipeline, half of its stage's. A little more: the norms,
     the position table and the biases added after a row-wise split are whole on every rank (960 of the tiny GPT's
     28,032 parameters)."""
+
     def state(job_dir) -> float:
         return only_run(job_dir).series("memory/model_state_mb")[-1]
 
     whole, stage = state(gpt_auto), state(gpt_pipeline_compiled)  # one device; the fuller of 2 pipeline stages
-    for job_dir, share in ((gpt_tensor_parallel, whole / 2), (gpt_fsdp_tensor_parallel, whole / 4),
-                           (gpt_pipeline_tensor_parallel, stage / 2)):
+    for job_dir, share in (
+        (gpt_tensor_parallel, whole / 2),
+        (gpt_fsdp_tensor_parallel, whole / 4),
+        (gpt_pipeline_tensor_parallel, stage / 2),
+    ):
         assert share <= state(job_dir) <= 1.1 * share, (job_dir.name, state(job_dir), share)
 
 
@@ -64,9 +75,19 @@ def test_a_checkpoint_moves_from_layout_to_layout(gpt_tensor_parallel, reference
     tensor_parallel_epoch_0 = gpt_tensor_parallel / "checkpoints" / "epoch000.ckpt"
     assert is_sharded_checkpoint(tensor_parallel_epoch_0) and len(list(tensor_parallel_epoch_0.glob("*.distcp"))) == 2
     fsdp_dir, auto_dir, pipeline_dir = (runs_dir / f"gpt-tp2-to-{name}" for name in ("fsdp2-tp2", "auto", "pp2-tp2"))
-    train([*TINY_GPT, "data.batch_size=16", "strategy=fsdp", "trainer.devices=4", "strategy.tensor_parallel_size=2",
-           f"hydra.run.dir={fsdp_dir}", f"ckpt_path={tensor_parallel_epoch_0}",
-           "callbacks.model_checkpoint.save_top_k=-1"], home)
+    train(
+        [
+            *TINY_GPT,
+            "data.batch_size=16",
+            "strategy=fsdp",
+            "trainer.devices=4",
+            "strategy.tensor_parallel_size=2",
+            f"hydra.run.dir={fsdp_dir}",
+            f"ckpt_path={tensor_parallel_epoch_0}",
+            "callbacks.model_checkpoint.save_top_k=-1",
+        ],
+        home,
+    )
     fsdp = only_run(fsdp_dir)
     assert [row["epoch"] for row in fsdp.history] == [1, 2]
     assert_matches_reference(fsdp, expected[1:])
@@ -75,34 +96,64 @@ def test_a_checkpoint_moves_from_layout_to_layout(gpt_tensor_parallel, reference
     train([*GPT_32, f"hydra.run.dir={auto_dir}", f"ckpt_path={fsdp_epoch_1}"], home)
     assert (auto_dir / "consolidated.ckpt").is_file()
     assert_matches_reference(only_run(auto_dir), expected[2:])
-    train([*GPT_32, "strategy=pipeline", "trainer.devices=4", "strategy.num_stages=2", "strategy.tensor_parallel_size=2",
-           f"hydra.run.dir={pipeline_dir}", f"ckpt_path={fsdp_epoch_1}"], home)
+    train(
+        [
+            *GPT_32,
+            "strategy=pipeline",
+            "trainer.devices=4",
+            "strategy.num_stages=2",
+            "strategy.tensor_parallel_size=2",
+            f"hydra.run.dir={pipeline_dir}",
+            f"ckpt_path={fsdp_epoch_1}",
+        ],
+        home,
+    )
     assert_matches_reference(only_run(pipeline_dir), expected[2:])
 
 
 @pytest.mark.slow
-def test_a_pipeline_x_tensor_parallel_checkpoint_evaluates_under_tensor_parallel(gpt_pipeline_tensor_parallel,
-                                                                                  runs_dir, home):
+def test_a_pipeline_x_tensor_parallel_checkpoint_evaluates_under_tensor_parallel(
+    gpt_pipeline_tensor_parallel, runs_dir, home
+):
     """The 3D layout's sharded checkpoint (each of 4 ranks a tensor-parallel half of a stage) read by 2 ranks that
     each hold half of every layer: the run's own last val/loss."""
     eval_dir = runs_dir / "gpt-pp2-tp2-eval-tp2"
     last = gpt_pipeline_tensor_parallel / "checkpoints" / "last.ckpt"
     assert len(list(last.glob("*.distcp"))) == 4
-    train([*GPT_32, "mode=eval", "strategy=tensor_parallel", "trainer.devices=2", f"hydra.run.dir={eval_dir}",
-           f"ckpt_path={last}"], home)
+    train(
+        [
+            *GPT_32,
+            "mode=eval",
+            "strategy=tensor_parallel",
+            "trainer.devices=2",
+            f"hydra.run.dir={eval_dir}",
+            f"ckpt_path={last}",
+        ],
+        home,
+    )
     evaluated = only_run(eval_dir).series("val/loss")
     assert_close(evaluated, only_run(gpt_pipeline_tensor_parallel).series("val/loss")[-1:], rel=1e-5)
 
 
-@pytest.mark.parametrize("devices, nodes, size, fits", [(6, 2, 4, False), (6, 2, 3, True), (4, 2, 8, True),
-                                                       (4, 3, 6, False)])
+@pytest.mark.parametrize(
+    "devices, nodes, size, fits", [(6, 2, 4, False), (6, 2, 3, True), (4, 2, 8, True), (4, 3, 6, False)]
+)
 def test_a_tensor_parallel_group_stays_within_a_node_or_takes_whole_ones(devices, nodes, size, fits):
     """A group's ranks are consecutive: T dividing the devices of a node keeps it inside one, a multiple of them
     takes whole nodes; anything else would straddle nodes (checked before launch; the MLP's 96 units split 3, 4, 6
     and 8 ways)."""
-    cfg = resolved([*TINY, "model.net.hidden_dims=[96,32]", "data.num_val=256", "strategy=fsdp",
-                    f"trainer.devices={devices}", f"trainer.num_nodes={nodes}",
-                    f"strategy.tensor_parallel_size={size}", "logger=none"])
+    cfg = resolved(
+        [
+            *TINY,
+            "model.net.hidden_dims=[96,32]",
+            "data.num_val=256",
+            "strategy=fsdp",
+            f"trainer.devices={devices}",
+            f"trainer.num_nodes={nodes}",
+            f"strategy.tensor_parallel_size={size}",
+            "logger=none",
+        ]
+    )
     if fits:
         FSDPStrategy.check_config(cfg, build_net(cfg))
     else:
@@ -134,7 +185,8 @@ def test_each_rank_reads_its_own_part_of_hugging_face_weights(family, tied, tmp_
             apply_fsdp(net, mesh["data_parallel"])
             materialize(net, torch.device("cpu"), seed=0, weights=weights)
             for name, parameter in net.named_parameters():
-                expected = distribute_tensor(whole.get_parameter(name).detach(), parameter.device_mesh,
-                                             parameter.placements, src_data_rank=None).to_local()
+                expected = distribute_tensor(
+                    whole.get_parameter(name).detach(), parameter.device_mesh, parameter.placements, src_data_rank=None
+                ).to_local()
                 assert torch.equal(parameter.to_local(), expected), (rank, name)
             assert (net.head.output.weight is net.stem.tokens.weight) == tied

@@ -7,10 +7,10 @@ import shutil
 import pytest
 import torch
 import yaml
-
 from conftest import EPOCH_KEYS, LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, only_run, torchrun, train
 
 pytestmark = pytest.mark.slow
+
 
 def test_single_device_run_logs_every_epoch_to_wandb(single_run):
     run = only_run(single_run)
@@ -54,14 +54,26 @@ def test_ddp_run_is_named_and_logged_per_epoch(ddp_fsdp_sweep):
     table = json.loads((ddp.path / "files" / ddp.summary["devices"]["path"]).read_text())
     rows = [dict(zip(table["columns"], row)) for row in table["data"]]
     assert [row["rank"] for row in rows] == [0, 1]
-    assert rows[0]["memory/model_state_mb"] == rows[1]["memory/model_state_mb"] == ddp.series("memory/model_state_mb")[-1]
+    assert (
+        rows[0]["memory/model_state_mb"] == rows[1]["memory/model_state_mb"] == ddp.series("memory/model_state_mb")[-1]
+    )
     assert all(row["perf/samples_per_sec_per_device"] > 0 for row in rows)
 
 
 def test_torchrun_launch_matches_the_builtin_launcher(runs_dir, home, ddp_fsdp_sweep):
     job_dir = runs_dir / "torchrun"
-    result = torchrun(2, [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=2",
-                          "data.batch_size=32", "strategy.timeout.minutes=7"], home)
+    result = torchrun(
+        2,
+        [
+            *TINY,
+            f"hydra.run.dir={job_dir}",
+            "strategy=ddp",
+            "trainer.devices=2",
+            "data.batch_size=32",
+            "strategy.timeout.minutes=7",
+        ],
+        home,
+    )
     # The process group is made with the strategy's backend and timeout (read back from the group itself).
     assert "Process group: gloo, timeout 0:07:00, 2 ranks" in result.output
     run = only_run(job_dir)
@@ -72,8 +84,11 @@ def test_torchrun_launch_matches_the_builtin_launcher(runs_dir, home, ddp_fsdp_s
 def test_torchrun_runs_a_sweep(runs_dir, home):
     """`torchrun ... train.py -m ...`: every job of the sweep joins the one process group of the ranks."""
     sweep_dir = runs_dir / "torchrun-sweep"
-    torchrun(2, ["-m", *TINY, f"hydra.sweep.dir={sweep_dir}", "strategy=ddp", "trainer.devices=2",
-                 "trainer.max_epochs=1,2"], home)
+    torchrun(
+        2,
+        ["-m", *TINY, f"hydra.sweep.dir={sweep_dir}", "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=1,2"],
+        home,
+    )
     for job, epochs in [("0", 1), ("1", 2)]:
         run = only_run(sweep_dir / job)
         assert run.exit_code == 0
@@ -105,7 +120,9 @@ def test_multirun_with_ddp_runs_each_job_once(runs_dir, home):
 
 def test_four_cpu_processes(runs_dir, home):
     job_dir = runs_dir / "ddp4"
-    result = train([*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=4", "trainer.max_epochs=1"], home)
+    result = train(
+        [*TINY, f"hydra.run.dir={job_dir}", "strategy=ddp", "trainer.devices=4", "trainer.max_epochs=1"], home
+    )
     assert "Starting with 4 processes" in result.output
     assert_epoch_metrics(only_run(job_dir), epochs=1)
 
@@ -130,7 +147,10 @@ def test_resume_after_interruption_matches_the_uninterrupted_run(runs_dir, home,
 
 def test_resume_from_a_checkpoint_file(runs_dir, home, single_run):
     job_dir = runs_dir / "from-file"
-    train([*TINY, f"hydra.run.dir={job_dir}", "trainer.max_epochs=4", f"ckpt_path={single_run}/checkpoints/last.ckpt"], home)
+    train(
+        [*TINY, f"hydra.run.dir={job_dir}", "trainer.max_epochs=4", f"ckpt_path={single_run}/checkpoints/last.ckpt"],
+        home,
+    )
     assert [row["epoch"] for row in only_run(job_dir).history if "val/loss" in row] == [3]
 
 
@@ -193,8 +213,9 @@ def test_seed_000_experiment(runs_dir, home):
     """experiment=seed_large_model: the 55M-parameter LargeModel, batch 10 per device, DDP on 2 devices (2 of its 3
     epochs, for time: each all-reduces and checkpoints 220 MB of parameters)."""
     job_dir = runs_dir / "seed-000"
-    result = train([f"hydra.run.dir={job_dir}", "experiment=seed_large_model", "print_config=false",
-                    "trainer.max_epochs=2"], home)
+    result = train(
+        [f"hydra.run.dir={job_dir}", "experiment=seed_large_model", "print_config=false", "trainer.max_epochs=2"], home
+    )
     assert "55.0 M" in result.output  # Lightning's parameter count of the seed model
     run = only_run(job_dir)
     assert run.name == "mlp-ddp-2dev-1node" and run.tags == ["seed_large_model"]

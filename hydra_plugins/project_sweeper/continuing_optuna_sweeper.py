@@ -41,8 +41,10 @@ class ContinuingOptunaSweeper(OptunaSweeper):
                     study.tell(trial.number, state=TrialState.FAIL)
                     mark_interrupted(job_dir / str(trial.number))
                     log.warning(f"Trial {trial.number} was running when the sweep stopped: recorded as failed.")
-            ended = sum(trial.state != TrialState.RUNNING and _status(job_dir / str(trial.number)) != "interrupted"
-                        for trial in trials)
+            ended = sum(
+                trial.state != TrialState.RUNNING and _status(job_dir / str(trial.number)) != "interrupted"
+                for trial in trials
+            )
             search.n_trials = max(0, search.n_trials - ended)
             search.job_idx = len(trials)
             log.info(f"Continuing study {study.study_name}: {ended} trials ended, {search.n_trials} to go.")

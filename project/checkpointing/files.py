@@ -17,8 +17,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict_loader import load
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 
@@ -67,7 +67,9 @@ def _optimizer_state_by_position(state: dict, group_names: list[list[str]]) -> d
     """
     saved_groups = state["param_groups"]
     if len(saved_groups) != len(group_names):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this model {len(group_names)}")
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved_groups)} parameter groups, this model {len(group_names)}"
+        )
     positions = {name: position for position, name in enumerate(name for names in group_names for name in names)}
     unknown = set(state["state"]) - set(positions)
     if unknown:
@@ -92,8 +94,12 @@ def consolidate_checkpoint(sharded_dir: str | Path, output_file: str | Path, gro
         dcp_to_torch_save(sharded_dir, gathered_file)
         gathered = torch.load(gathered_file, weights_only=False)
     checkpoint["state_dict"] = gathered.pop("state_dict")
-    optimizer_keys = sorted((key for key in gathered if key.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-    checkpoint["optimizer_states"] = [_optimizer_state_by_position(gathered[key], group_names) for key in optimizer_keys]
+    optimizer_keys = sorted(
+        (key for key in gathered if key.startswith("optimizer_")), key=lambda k: int(k.split("_")[1])
+    )
+    checkpoint["optimizer_states"] = [
+        _optimizer_state_by_position(gathered[key], group_names) for key in optimizer_keys
+    ]
     output_file.parent.mkdir(parents=True, exist_ok=True)
     torch.save(checkpoint, output_file)
     return output_file
@@ -113,7 +119,9 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
         raise ValueError("is not a checkpoint file (torch.save's format)")
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError:  # objects beyond tensors and plain containers: the user's own file, as Lightning reads it
+    except (
+        pickle.UnpicklingError
+    ):  # objects beyond tensors and plain containers: the user's own file, as Lightning reads it
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
         raise ValueError("holds no state_dict: it is not a Lightning checkpoint")
@@ -128,8 +136,11 @@ def model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     checkpoint = Path(checkpoint)
     if is_sharded_checkpoint(checkpoint):
         metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-        wanted = {key: torch.empty(item.size, dtype=item.properties.dtype) for key, item in metadata.items()
-                  if key.startswith(f"state_dict.{PREFIX}")}
+        wanted = {
+            key: torch.empty(item.size, dtype=item.properties.dtype)
+            for key, item in metadata.items()
+            if key.startswith(f"state_dict.{PREFIX}")
+        }
         with warnings.catch_warnings():  # one process reading on purpose, which DCP warns about
             warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
             load(wanted, checkpoint_id=str(checkpoint), no_dist=True)

@@ -78,16 +78,23 @@ def hf_name(family: str, name: str) -> str:
 def read_config(path: str | Path) -> dict[str, Any]:
     config_file = Path(path) / "config.json"
     if not config_file.is_file():
-        raise ConfigError("model.init_from", f"{path} holds no config.json.", "pass a Hugging Face model dir "
-                          "(config.json and *.safetensors, as save_pretrained writes them).")
+        raise ConfigError(
+            "model.init_from",
+            f"{path} holds no config.json.",
+            "pass a Hugging Face model dir (config.json and *.safetensors, as save_pretrained writes them).",
+        )
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
-        raise ConfigError("model.init_from", f"{config_file} is not valid JSON ({error}).",
-                          "pass a complete Hugging Face model dir.") from None
+        raise ConfigError(
+            "model.init_from", f"{config_file} is not valid JSON ({error}).", "pass a complete Hugging Face model dir."
+        ) from None
     if config.get("model_type") not in NAMES:
-        raise ConfigError("model.init_from", f"{path} holds a {config.get('model_type')!r} model.",
-                          f"use a model of the families {sorted(NAMES)} (model=gpt or model=llama).")
+        raise ConfigError(
+            "model.init_from",
+            f"{path} holds a {config.get('model_type')!r} model.",
+            f"use a model of the families {sorted(NAMES)} (model=gpt or model=llama).",
+        )
     return config
 
 
@@ -99,11 +106,17 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict | None]:
     if kind == "default":
         return theta, None
     if kind != "llama3":
-        raise ConfigError("model.init_from", f"uses RoPE scaling {kind!r}.", "use a model with Llama 3's RoPE "
-                          "scaling (rope_type llama3) or none.")
-    return theta, {"factor": parameters["factor"], "low_freq_factor": parameters["low_freq_factor"],
-                   "high_freq_factor": parameters["high_freq_factor"],
-                   "original_max_length": parameters["original_max_position_embeddings"]}
+        raise ConfigError(
+            "model.init_from",
+            f"uses RoPE scaling {kind!r}.",
+            "use a model with Llama 3's RoPE scaling (rope_type llama3) or none.",
+        )
+    return theta, {
+        "factor": parameters["factor"],
+        "low_freq_factor": parameters["low_freq_factor"],
+        "high_freq_factor": parameters["high_freq_factor"],
+        "original_max_length": parameters["original_max_position_embeddings"],
+    }
 
 
 # GPT-2's GELU spellings in transformers: the exact one, and the tanh approximation under two names.
@@ -121,13 +134,17 @@ def net_options(config: dict[str, Any]) -> dict[str, Any]:
     try:
         return _gpt2_options(config) if config["model_type"] == "gpt2" else _llama_options(config)
     except KeyError as error:
-        raise ConfigError("model.init_from", f"its config.json has no {error}.",
-                          "pass a complete Hugging Face model dir.") from None
+        raise ConfigError(
+            "model.init_from", f"its config.json has no {error}.", "pass a complete Hugging Face model dir."
+        ) from None
 
 
 def _variant(description: str) -> ConfigError:
-    return ConfigError("model.init_from", f"is a variant this project's model cannot compute: {description}.",
-                       "use a model of the standard GPT-2 or Llama shape.")
+    return ConfigError(
+        "model.init_from",
+        f"is a variant this project's model cannot compute: {description}.",
+        "use a model of the standard GPT-2 or Llama shape.",
+    )
 
 
 def _gpt2_options(config: dict[str, Any]) -> dict[str, Any]:
@@ -137,9 +154,15 @@ def _gpt2_options(config: dict[str, Any]) -> dict[str, Any]:
         raise _variant(f"activation_function {config['activation_function']!r} (GELU only)")
     if not config.get("scale_attn_weights", True) or config.get("scale_attn_by_inverse_layer_idx"):
         raise _variant("attention scores scaled otherwise than by 1/sqrt(head width)")
-    return {"vocab_size": config["vocab_size"], "max_length": config["n_positions"], "num_layers": config["n_layer"],
-            "dim": config["n_embd"], "num_heads": config["n_head"], "tie_weights": is_tied(config),
-            "gelu_approximate": GPT2_GELU[config.get("activation_function", "gelu_new")]}
+    return {
+        "vocab_size": config["vocab_size"],
+        "max_length": config["n_positions"],
+        "num_layers": config["n_layer"],
+        "dim": config["n_embd"],
+        "num_heads": config["n_head"],
+        "tie_weights": is_tied(config),
+        "gelu_approximate": GPT2_GELU[config.get("activation_function", "gelu_new")],
+    }
 
 
 def _llama_options(config: dict[str, Any]) -> dict[str, Any]:
@@ -151,11 +174,19 @@ def _llama_options(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("hidden_act", "silu") != "silu":
         raise _variant(f"hidden_act {config['hidden_act']!r} (SwiGLU's silu only)")
     theta, scaling = _rope(config)
-    return {"vocab_size": config["vocab_size"], "max_length": config["max_position_embeddings"],
-            "num_layers": config["num_hidden_layers"], "dim": config["hidden_size"], "num_heads": heads,
-            "num_kv_heads": config.get("num_key_value_heads") or heads, "hidden_dim": config["intermediate_size"],
-            "rope_theta": theta, "rope_scaling": scaling, "norm_eps": config.get("rms_norm_eps", 1e-6),
-            "tie_weights": is_tied(config)}
+    return {
+        "vocab_size": config["vocab_size"],
+        "max_length": config["max_position_embeddings"],
+        "num_layers": config["num_hidden_layers"],
+        "dim": config["hidden_size"],
+        "num_heads": heads,
+        "num_kv_heads": config.get("num_key_value_heads") or heads,
+        "hidden_dim": config["intermediate_size"],
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "norm_eps": config.get("rms_norm_eps", 1e-6),
+        "tie_weights": is_tied(config),
+    }
 
 
 def _hydra_value(value: Any) -> str:
@@ -174,20 +205,32 @@ def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> 
     config = read_config(path)
     family = config["model_type"]
     if not isinstance(net, NET_CLASSES[family]):
-        raise ConfigError("model.init_from", f"is a {family} model, but model.net is a {type(net).__name__}.",
-                          f"use model={'gpt' if family == 'gpt2' else 'llama'} (or one of its presets).")
+        raise ConfigError(
+            "model.init_from",
+            f"is a {family} model, but model.net is a {type(net).__name__}.",
+            f"use model={'gpt' if family == 'gpt2' else 'llama'} (or one of its presets).",
+        )
     for key, value in net_options(config).items():
         if key == "max_length":  # the context it was trained for; GPT-2's position table holds only so many
             if family == "gpt2" and net_cfg.get(key, 0) > value:
-                raise ConfigError("data.seq_length", f"is {net_cfg.get(key)}, longer than the {value} positions of "
-                                  f"{path}'s position table.", f"use data.seq_length={value} or less.")
+                raise ConfigError(
+                    "data.seq_length",
+                    f"is {net_cfg.get(key)}, longer than the {value} positions of {path}'s position table.",
+                    f"use data.seq_length={value} or less.",
+                )
         elif key == "tie_weights" and value and not net_cfg.get(key):
             continue  # untied here (model_parallel, pipeline): the output layer starts as a copy of the embedding
         elif net_cfg.get(key) != value:
-            raise ConfigError(f"model.net.{key}", f"is {_hydra_value(net_cfg.get(key))}, but {path}/config.json "
-                              f"gives {_hydra_value(value)}.", f"set model.net.{key}={_hydra_value(value)}" +
-                              (" (the data's vocabulary: prepare it with the model's tokenizer.json)."
-                               if key == "vocab_size" else ", or use the preset of that model's shape."))
+            raise ConfigError(
+                f"model.net.{key}",
+                f"is {_hydra_value(net_cfg.get(key))}, but {path}/config.json gives {_hydra_value(value)}.",
+                f"set model.net.{key}={_hydra_value(value)}"
+                + (
+                    " (the data's vocabulary: prepare it with the model's tokenizer.json)."
+                    if key == "vocab_size"
+                    else ", or use the preset of that model's shape."
+                ),
+            )
 
 
 def _fused_part(family: str, name: str) -> tuple[int, int] | None:
@@ -201,8 +244,9 @@ def _local_slices(parameter: torch.Tensor, part: tuple[int, int] | None) -> tupl
     cut to the sequence length trained here), or its shard of it (a DTensor); within a fused tensor, rows of the
     parameter's own part."""
     if isinstance(parameter, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh,
-                                                              parameter.placements)
+        shape, offset = compute_local_shape_and_global_offset(
+            parameter.shape, parameter.device_mesh, parameter.placements
+        )
     else:
         shape, offset = parameter.shape, [0] * parameter.dim()
     if part is not None:
@@ -222,7 +266,8 @@ class HFWeights:
             self.files = {key: self.path / file for key, file in json.loads(index.read_text())["weight_map"].items()}
         else:
             with safe_open(self.path / "model.safetensors", "pt") as file:
-                self.files = {key: self.path / "model.safetensors" for key in file.keys()}
+                # safe_open's handle is no dict: keys() is its only listing
+                self.files = {key: self.path / "model.safetensors" for key in file.keys()}  # noqa: SIM118
 
     def _key(self, name: str) -> str:
         key = hf_name(self.family, name)
@@ -234,8 +279,11 @@ class HFWeights:
 
     def missing(self, net: nn.Module) -> list[str]:
         """The Hugging Face names of ``net``'s parameters this dir does not hold (or whose file is absent)."""
-        return [hf_name(self.family, name) for name, _ in net.named_parameters()
-                if self._key(name) not in self.files or not self.files[self._key(name)].is_file()]
+        return [
+            hf_name(self.family, name)
+            for name, _ in net.named_parameters()
+            if self._key(name) not in self.files or not self.files[self._key(name)].is_file()
+        ]
 
     def read(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter ``name`` (its local shape), in float32 on the CPU."""
@@ -247,8 +295,13 @@ class HFWeights:
         return (value.T if transposed else value).float().contiguous()
 
 
-def write_hf_dir(state_dict: dict[str, torch.Tensor], net: nn.Module, net_cfg: dict[str, Any], out: str | Path,
-                 dtype: torch.dtype = torch.float32) -> Path:
+def write_hf_dir(
+    state_dict: dict[str, torch.Tensor],
+    net: nn.Module,
+    net_cfg: dict[str, Any],
+    out: str | Path,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """Write ``state_dict`` (of ``net``, built from ``net_cfg``) as a Hugging Face model dir: config.json and
     model.safetensors. A tied output layer is saved once, as transformers expects."""
     family = next(family for family, cls in NET_CLASSES.items() if isinstance(net, cls))
@@ -281,24 +334,54 @@ NO_TOKEN_IDS = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None
 def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     dtype_name = str(dtype).removeprefix("torch.")
     if family == "gpt2":
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": net_cfg["vocab_size"],
-                "n_positions": net_cfg["max_length"], "n_embd": net_cfg["dim"], "n_layer": net_cfg["num_layers"],
-                "n_head": net_cfg["num_heads"], "n_inner": None, "layer_norm_epsilon": 1e-5,
-                "activation_function": "gelu" if net_cfg.get("gelu_approximate", "none") == "none" else "gelu_new",
-                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name, **NO_TOKEN_IDS}
+        return {
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "vocab_size": net_cfg["vocab_size"],
+            "n_positions": net_cfg["max_length"],
+            "n_embd": net_cfg["dim"],
+            "n_layer": net_cfg["num_layers"],
+            "n_head": net_cfg["num_heads"],
+            "n_inner": None,
+            "layer_norm_epsilon": 1e-5,
+            "activation_function": "gelu" if net_cfg.get("gelu_approximate", "none") == "none" else "gelu_new",
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": bool(net_cfg.get("tie_weights")),
+            "torch_dtype": dtype_name,
+            **NO_TOKEN_IDS,
+        }
     scaling = net_cfg.get("rope_scaling")
     rope = {"rope_type": "default", "rope_theta": net_cfg["rope_theta"]}
     if scaling:
-        rope = {"rope_type": "llama3", "rope_theta": net_cfg["rope_theta"], "factor": scaling["factor"],
-                "low_freq_factor": scaling["low_freq_factor"], "high_freq_factor": scaling["high_freq_factor"],
-                "original_max_position_embeddings": scaling["original_max_length"]}
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": net_cfg["vocab_size"],
-            "max_position_embeddings": net_cfg["max_length"], "hidden_size": net_cfg["dim"],
-            "intermediate_size": net_cfg["hidden_dim"], "num_hidden_layers": net_cfg["num_layers"],
-            "num_attention_heads": net_cfg["num_heads"], "num_key_value_heads": net_cfg["num_kv_heads"],
-            "head_dim": net_cfg["dim"] // net_cfg["num_heads"], "hidden_act": "silu",
-            "rms_norm_eps": net_cfg["norm_eps"], "rope_theta": net_cfg["rope_theta"],
-            "rope_scaling": rope if scaling else None, "rope_parameters": rope, "attention_bias": False,
-            "mlp_bias": False, "tie_word_embeddings": bool(net_cfg.get("tie_weights")), "torch_dtype": dtype_name,
-            **NO_TOKEN_IDS}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": net_cfg["rope_theta"],
+            "factor": scaling["factor"],
+            "low_freq_factor": scaling["low_freq_factor"],
+            "high_freq_factor": scaling["high_freq_factor"],
+            "original_max_position_embeddings": scaling["original_max_length"],
+        }
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": net_cfg["vocab_size"],
+        "max_position_embeddings": net_cfg["max_length"],
+        "hidden_size": net_cfg["dim"],
+        "intermediate_size": net_cfg["hidden_dim"],
+        "num_hidden_layers": net_cfg["num_layers"],
+        "num_attention_heads": net_cfg["num_heads"],
+        "num_key_value_heads": net_cfg["num_kv_heads"],
+        "head_dim": net_cfg["dim"] // net_cfg["num_heads"],
+        "hidden_act": "silu",
+        "rms_norm_eps": net_cfg["norm_eps"],
+        "rope_theta": net_cfg["rope_theta"],
+        "rope_scaling": rope if scaling else None,
+        "rope_parameters": rope,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": bool(net_cfg.get("tie_weights")),
+        "torch_dtype": dtype_name,
+        **NO_TOKEN_IDS,
+    }

@@ -14,7 +14,9 @@ class LatestAndBestCheckpoint(ModelCheckpoint):
     a long first epoch, validated at its end, would have no checkpoint until then.
     """
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         deferred_before, self._defer_save_until_validation = self._defer_save_until_validation, False
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         deferred_now = self._defer_save_until_validation
@@ -39,6 +41,9 @@ class LatestAndBestCheckpoint(ModelCheckpoint):
 
     def _save_last_if_missed(self, trainer: L.Trainer) -> None:
         # Lightning sets _last_global_step_saved on every save, so it lags only when this point saved nothing.
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            if self._last_global_step_saved != trainer.global_step:
-                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        if (
+            self.save_last
+            and not self._should_skip_saving_checkpoint(trainer)
+            and self._last_global_step_saved != trainer.global_step
+        ):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))

@@ -18,8 +18,9 @@ from project.checkpointing.files import job_config, model_state
 from project.checkpointing.hf import NET_CLASSES, write_hf_dir
 
 
-def export(checkpoint: str | Path, out: str | Path, config: str | Path | None = None,
-           dtype: torch.dtype = torch.float32) -> Path:
+def export(
+    checkpoint: str | Path, out: str | Path, config: str | Path | None = None, dtype: torch.dtype = torch.float32
+) -> Path:
     net_cfg = OmegaConf.to_container(job_config(checkpoint, config).model.net, resolve=True)
     with torch.device("meta"):
         net = instantiate(net_cfg)
@@ -38,8 +39,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="a checkpoint file or sharded checkpoint dir (checkpoints/last.ckpt)")
     parser.add_argument("out", help="the Hugging Face model dir to write")
     parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                        help="the saved tensors' type (default float32)")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="the saved tensors' type (default float32)",
+    )
     args = parser.parse_args(argv)
     try:
         out = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))

@@ -21,7 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to write (default 64)")
     parser.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely token (default 0.8)")
-    parser.add_argument("--top-k", type=int, default=50, help="draw among the k most likely tokens; 0: all (default 50)")
+    parser.add_argument(
+        "--top-k", type=int, default=50, help="draw among the k most likely tokens; 0: all (default 50)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="the draws' seed (default: the job's seed)")
     parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to run")
@@ -44,8 +46,15 @@ def main(argv: list[str] | None = None) -> None:
         net = instantiate(cfg.model.net)
     net.load_state_dict(state, assign=True)  # tensors as saved, in place of the meta ones
     net.to(args.device).eval()
-    tokens = generate(net, codec.encode(args.prompt), args.max_new_tokens, args.temperature, args.top_k or None,
-                      cfg.seed if args.seed is None else args.seed, max_length=cfg.data.seq_length)
+    tokens = generate(
+        net,
+        codec.encode(args.prompt),
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k or None,
+        cfg.seed if args.seed is None else args.seed,
+        max_length=cfg.data.seq_length,
+    )
     print(args.prompt + codec.decode(tokens))
 
 

@@ -81,8 +81,12 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[SEPARATORS[0]],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[SEPARATORS[0]],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 
@@ -125,20 +129,32 @@ class Split:
                 self.pending.pop(0)
                 self.pending_from.pop(0)
             else:
-                self.pending[0] = tokens[len(piece):]
+                self.pending[0] = tokens[len(piece) :]
                 self.pending_from[0] = (document, first + len(piece))
         self.start = self.pending_from[0] if self.pending else (last + 1, 0)
         return np.concatenate(out)
 
 
-def prepare(inputs: list[Path], out: Path, tokenizer_path: Path | None = None, vocab_size: int = 8192,
-            separator: str | None = None, text_key: str = "text", shard_tokens: int = 100_000_000,
-            val_fraction: float = 0.005) -> dict[str, Any]:
+def prepare(
+    inputs: list[Path],
+    out: Path,
+    tokenizer_path: Path | None = None,
+    vocab_size: int = 8192,
+    separator: str | None = None,
+    text_key: str = "text",
+    shard_tokens: int = 100_000_000,
+    val_fraction: float = 0.005,
+) -> dict[str, Any]:
     """Tokenize ``inputs`` into shards under ``out``; returns the metadata written to ``meta.json``."""
     files = input_files(inputs)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"tokenizer": str(tokenizer_path) if tokenizer_path else f"bpe-{vocab_size}", "text_key": text_key,
-                "shard_tokens": shard_tokens, "val_fraction": val_fraction, "separator": separator}
+    settings = {
+        "tokenizer": str(tokenizer_path) if tokenizer_path else f"bpe-{vocab_size}",
+        "text_key": text_key,
+        "shard_tokens": shard_tokens,
+        "val_fraction": val_fraction,
+        "separator": separator,
+    }
     key = fingerprint(files, settings)
     progress_file = out / "progress.json"
     progress = json.loads(progress_file.read_text()) if progress_file.is_file() else None
@@ -188,8 +204,11 @@ def prepare(inputs: list[Path], out: Path, tokenizer_path: Path | None = None, v
         batch: list[tuple[int, str]] = []
 
         def encode(batch: list[tuple[int, str]]) -> None:
-            todo = [(index, text) for index, text in batch
-                    if index >= splits["val" if is_validation(index, val_fraction) else "train"].start[0]]
+            todo = [
+                (index, text)
+                for index, text in batch
+                if index >= splits["val" if is_validation(index, val_fraction) else "train"].start[0]
+            ]
             encodings = tokenizer.encode_batch([text for _, text in todo], add_special_tokens=False)
             for (index, _), encoding in zip(todo, encodings):
                 split = splits["val" if is_validation(index, val_fraction) else "train"]
@@ -220,8 +239,10 @@ def prepare(inputs: list[Path], out: Path, tokenizer_path: Path | None = None, v
         "separator": {"token": separator, "id": separator_id},
         "shard_tokens": shard_tokens,
         "val_fraction": val_fraction,
-        "splits": {name: {"tokens": sum(s["tokens"] for s in split.shards), "shards": split.shards}
-                   for name, split in splits.items()},
+        "splits": {
+            name: {"tokens": sum(s["tokens"] for s in split.shards), "shards": split.shards}
+            for name, split in splits.items()
+        },
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=2))
     return meta
@@ -238,10 +259,19 @@ def main() -> None:
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
     parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents kept for validation")
     args = parser.parse_args()
-    meta = prepare(args.inputs, args.out, args.tokenizer, args.vocab_size, args.separator, args.text_key,
-                   args.shard_tokens, args.val_fraction)
-    counts = ", ".join(f"{name} {split['tokens']:,} tokens in {len(split['shards'])} shards"
-                       for name, split in meta["splits"].items())
+    meta = prepare(
+        args.inputs,
+        args.out,
+        args.tokenizer,
+        args.vocab_size,
+        args.separator,
+        args.text_key,
+        args.shard_tokens,
+        args.val_fraction,
+    )
+    counts = ", ".join(
+        f"{name} {split['tokens']:,} tokens in {len(split['shards'])} shards" for name, split in meta["splits"].items()
+    )
     print(f"{args.out}: {counts}; vocabulary {meta['vocab_size']:,} ({meta['dtype']}).")
 
 

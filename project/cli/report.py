@@ -78,14 +78,26 @@ def curve_figure(metric: str, jobs: list[Job], colour: dict[str, str]) -> go.Fig
     figure = go.Figure()
     for index, job in enumerate(jobs):
         rows = [row for row in job.result.get("history", []) if metric in row]
-        figure.add_scatter(x=[row["epoch"] for row in rows], y=[row[metric] for row in rows], mode="lines+markers",
-                           name=job.label, legendgroup=job.group,
-                           line={"color": colour[job.group], "dash": DASHES[index % len(DASHES)]})
+        figure.add_scatter(
+            x=[row["epoch"] for row in rows],
+            y=[row[metric] for row in rows],
+            mode="lines+markers",
+            name=job.label,
+            legendgroup=job.group,
+            line={"color": colour[job.group], "dash": DASHES[index % len(DASHES)]},
+        )
     floors = {row[FLOOR] for job in jobs for row in job.result.get("history", []) if FLOOR in row}
     if metric.endswith("/loss") and len(floors) == 1:
         figure.add_hline(y=floors.pop(), line_dash="dash", annotation_text="entropy floor")
-    figure.update_layout(title=metric, xaxis_title="epoch", yaxis_title=metric, height=420, showlegend=True,
-                         legend={"orientation": "h", "y": -0.25}, xaxis={"tickformat": "d"})
+    figure.update_layout(
+        title=metric,
+        xaxis_title="epoch",
+        yaxis_title=metric,
+        height=420,
+        showlegend=True,
+        legend={"orientation": "h", "y": -0.25},
+        xaxis={"tickformat": "d"},
+    )
     return figure
 
 
@@ -117,10 +129,16 @@ def runs_table(jobs: list[Job]) -> str:
         result = job.result
         metric = result.get("metric") or ""
         final = (result.get("final") or {}).get(metric)
-        cells = [job.label, " ".join(job.config.get("overrides", [])), result.get("status"),
-                 f"{metric} ({result.get('mode')}) {result['objective']:.6g}" if result.get("objective") is not None
-                 else "", result.get("best_epoch"), "" if final is None else f"{final:.6g}", result.get("epochs"),
-                 result.get("runtime_s")]
+        cells = [
+            job.label,
+            " ".join(job.config.get("overrides", [])),
+            result.get("status"),
+            f"{metric} ({result.get('mode')}) {result['objective']:.6g}" if result.get("objective") is not None else "",
+            result.get("best_epoch"),
+            "" if final is None else f"{final:.6g}",
+            result.get("epochs"),
+            result.get("runtime_s"),
+        ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str('' if c is None else c))}</td>" for c in cells) + "</tr>")
     head = "".join(f"<th>{html.escape(name)}</th>" for name in header)
     return f'<table id="runs"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
@@ -131,22 +149,28 @@ def write_report(paths: list[Path], output: Path, by: str | None = None) -> Path
     label_jobs(jobs, by)
     colour = colours(jobs)
     logged = {key for job in jobs for row in job.result.get("history", []) for key in row}
-    curves = {f"curve-{metric.replace('/', '-')}": curve_figure(metric, jobs, colour)
-              for metric in CURVES if metric in logged}
+    curves = {
+        f"curve-{metric.replace('/', '-')}": curve_figure(metric, jobs, colour) for metric in CURVES if metric in logged
+    }
     device_keys = {key for job in jobs for device in job.result.get("devices", []) for key in device}
     per_device = {}
     if "memory/model_state_mb" in device_keys:
         per_device["memory"] = device_figure(
-            "memory/model_state_mb", "Model state per device (MB): parameters, gradients, optimizer state", jobs)
-    rate = next((key for key in ("perf/tokens_per_sec_per_device", "perf/samples_per_sec_per_device")
-                 if key in device_keys), None)
+            "memory/model_state_mb", "Model state per device (MB): parameters, gradients, optimizer state", jobs
+        )
+    rate = next(
+        (key for key in ("perf/tokens_per_sec_per_device", "perf/samples_per_sec_per_device") if key in device_keys),
+        None,
+    )
     if rate:
         per_device["throughput"] = device_figure(rate, f"Throughput per device ({rate.split('/')[1]})", jobs)
     first = next(iter([*curves, *per_device]), None)  # the one that carries plotly.js
 
     def charts(figures: dict[str, go.Figure]) -> str:
-        return "".join(figure.to_html(full_html=False, include_plotlyjs=name == first, div_id=name)
-                       for name, figure in figures.items())
+        return "".join(
+            figure.to_html(full_html=False, include_plotlyjs=name == first, div_id=name)
+            for name, figure in figures.items()
+        )
 
     sources = ", ".join(html.escape(str(path)) for path in paths)
     page = f"""<!DOCTYPE html>
@@ -155,7 +179,7 @@ def write_report(paths: list[Path], output: Path, by: str | None = None) -> Path
 td, th {{border: 1px solid #ccc; padding: 4px 8px; text-align: left;}}
 .charts {{display: grid; grid-template-columns: repeat(auto-fill, minmax(600px, 1fr)); gap: 1em;}}</style></head>
 <body><h1>Training report</h1>
-<p>{len(jobs)} jobs from {sources}, {time.strftime('%Y-%m-%d %H:%M')}; colour: {html.escape(by or 'job')}.</p>
+<p>{len(jobs)} jobs from {sources}, {time.strftime("%Y-%m-%d %H:%M")}; colour: {html.escape(by or "job")}.</p>
 <h2>Runs</h2>{runs_table(jobs)}
 <h2>Per epoch</h2><div class="charts">{charts(curves)}</div>
 <h2>Per device (latest epoch)</h2><div class="charts">{charts(per_device)}</div>
@@ -169,8 +193,11 @@ td, th {{border: 1px solid #ccc; padding: 4px 8px; text-align: left;}}
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m project.cli.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="job dirs and sweep dirs")
-    parser.add_argument("--by", help="colour runs by this config key or group (strategy, trainer.devices, "
-                                     "model.optimizer.lr...); default: one colour per run")
+    parser.add_argument(
+        "--by",
+        help="colour runs by this config key or group (strategy, trainer.devices, "
+        "model.optimizer.lr...); default: one colour per run",
+    )
     parser.add_argument("--output", "-o", type=Path, help="the HTML file (default: report.html in the first dir)")
     args = parser.parse_args()
     output = write_report(args.paths, args.output or args.paths[0] / "report.html", args.by)

@@ -23,8 +23,8 @@ from safetensors import SafetensorError
 from torch import nn
 
 from project.checkpointing.files import checkpoint_shapes
-from project.config.build import build_strategy, parallel_dims
 from project.checkpointing.hf import HFWeights, check_matches
+from project.config.build import build_strategy, parallel_dims
 from project.config.errors import ConfigError, positive_int
 from project.distributed.dims import ParallelDims
 
@@ -43,41 +43,66 @@ def _check_numbers(cfg: DictConfig) -> None:
     if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**32:
         raise ConfigError("seed", f"must be an integer from 0 to 2**32 - 1, got {cfg.seed!r}.", "e.g. seed=42.")
     if cfg.trainer.max_epochs != -1:
-        positive_int_at(cfg, "trainer.max_epochs", "train at least one epoch, e.g. trainer.max_epochs=10 (or -1: no "
-                        "epoch limit, for runs that stop at trainer.max_steps or trainer.max_time).")
+        positive_int_at(
+            cfg,
+            "trainer.max_epochs",
+            "train at least one epoch, e.g. trainer.max_epochs=10 (or -1: no "
+            "epoch limit, for runs that stop at trainer.max_steps or trainer.max_time).",
+        )
     max_steps = cfg.trainer.get("max_steps", -1)
     if max_steps != -1:
-        positive_int_at(cfg, "trainer.max_steps", "stop after N optimizer steps, e.g. trainer.max_steps=10000, or -1 for "
-                        "no step limit.")
+        positive_int_at(
+            cfg,
+            "trainer.max_steps",
+            "stop after N optimizer steps, e.g. trainer.max_steps=10000, or -1 for no step limit.",
+        )
     elif cfg.trainer.max_epochs == -1 and cfg.trainer.get("max_time") is None:
-        raise ConfigError("trainer.max_epochs", "is -1 (no epoch limit) and trainer.max_steps is -1 too: the run would "
-                          "never end.", "set trainer.max_steps=N (optimizer steps), or trainer.max_epochs=N.")
+        raise ConfigError(
+            "trainer.max_epochs",
+            "is -1 (no epoch limit) and trainer.max_steps is -1 too: the run would never end.",
+            "set trainer.max_steps=N (optimizer steps), or trainer.max_epochs=N.",
+        )
     positive_int_at(cfg, "trainer.accumulate_grad_batches", "1 steps the optimizer after every batch; N after every N.")
     log_every = cfg.trainer.log_every_n_steps
     if not _is_int(log_every) or log_every < 0:
-        raise ConfigError("trainer.log_every_n_steps", f"must be an integer of at least 0, got {log_every!r}.",
-                          "0 logs per epoch only; N adds a step/train_loss row every N optimizer steps.")
+        raise ConfigError(
+            "trainer.log_every_n_steps",
+            f"must be an integer of at least 0, got {log_every!r}.",
+            "0 logs per epoch only; N adds a step/train_loss row every N optimizer steps.",
+        )
     if cfg.trainer.check_val_every_n_epoch is not None:
         positive_int_at(cfg, "trainer.check_val_every_n_epoch", "1 validates after every epoch.")
     sanity_steps = cfg.trainer.num_sanity_val_steps
     if not _is_int(sanity_steps) or sanity_steps < -1:
-        raise ConfigError("trainer.num_sanity_val_steps", f"must be an integer of at least -1, got {sanity_steps!r}.",
-                          "0 skips the check, N runs N validation batches first, -1 all of them.")
+        raise ConfigError(
+            "trainer.num_sanity_val_steps",
+            f"must be an integer of at least -1, got {sanity_steps!r}.",
+            "0 skips the check, N runs N validation batches first, -1 all of them.",
+        )
     for key in ("best_metric.mode", "optimized_metric.mode"):
         if OmegaConf.select(cfg, key) not in ("max", "min"):
             raise ConfigError(key, f"is {OmegaConf.select(cfg, key)!r}.", "use max (higher is better) or min.")
     memory = cfg.get("memory_plan") or {}
     capacity = memory.get("device_memory_gb")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or capacity <= 0):
-        raise ConfigError("memory_plan.device_memory_gb", f"must be a positive number or null, got {capacity!r}.",
-                          "the memory of one device in GiB, e.g. memory_plan.device_memory_gb=80, or null: the GPU's.")
+        raise ConfigError(
+            "memory_plan.device_memory_gb",
+            f"must be a positive number or null, got {capacity!r}.",
+            "the memory of one device in GiB, e.g. memory_plan.device_memory_gb=80, or null: the GPU's.",
+        )
     if memory.get("if_over") not in ("error", "warn"):
-        raise ConfigError("memory_plan.if_over", f"is {memory.get('if_over')!r}.", "use error (refuse a run "
-                          "predicted not to fit, before launch) or warn (train anyway).")
+        raise ConfigError(
+            "memory_plan.if_over",
+            f"is {memory.get('if_over')!r}.",
+            "use error (refuse a run predicted not to fit, before launch) or warn (train anyway).",
+        )
     clip = cfg.trainer.gradient_clip_val
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
-        raise ConfigError("trainer.gradient_clip_val", f"must be a positive number or null, got {clip!r}.",
-                          "e.g. trainer.gradient_clip_val=1.0, or null for no clipping.")
+        raise ConfigError(
+            "trainer.gradient_clip_val",
+            f"must be a positive number or null, got {clip!r}.",
+            "e.g. trainer.gradient_clip_val=1.0, or null for no clipping.",
+        )
 
 
 def _check_accelerator(cfg: DictConfig) -> None:
@@ -96,20 +121,30 @@ def _check_process_group(cfg: DictConfig) -> None:
     backend = OmegaConf.select(cfg, "strategy.process_group_backend")
     if backend is not None:
         if backend not in dist.Backend.backend_list:
-            raise ConfigError("strategy.process_group_backend", f"is {backend!r}, not a torch.distributed backend.",
-                              "use null (nccl on GPUs, gloo on CPUs), nccl or gloo.")
+            raise ConfigError(
+                "strategy.process_group_backend",
+                f"is {backend!r}, not a torch.distributed backend.",
+                "use null (nccl on GPUs, gloo on CPUs), nccl or gloo.",
+            )
         if backend == "nccl" and not uses_cuda(cfg):
-            raise ConfigError("strategy.process_group_backend", "is 'nccl', which needs CUDA GPUs, but this run is on "
-                              "the CPU.", "use strategy.process_group_backend=gloo, or null to choose by device.")
+            raise ConfigError(
+                "strategy.process_group_backend",
+                "is 'nccl', which needs CUDA GPUs, but this run is on the CPU.",
+                "use strategy.process_group_backend=gloo, or null to choose by device.",
+            )
     if OmegaConf.select(cfg, "strategy.timeout") is not None:
         try:
             timeout = instantiate(cfg.strategy.timeout)
         except InstantiationException as error:
-            raise ConfigError("strategy.timeout", f"cannot be built: {error.__cause__ or error}.",
-                              "e.g. strategy.timeout.minutes=5.") from None
+            raise ConfigError(
+                "strategy.timeout", f"cannot be built: {error.__cause__ or error}.", "e.g. strategy.timeout.minutes=5."
+            ) from None
         if timeout.total_seconds() <= 0:
-            raise ConfigError("strategy.timeout", f"is {timeout}, so every collective would fail at once.",
-                              "e.g. strategy.timeout.minutes=5.")
+            raise ConfigError(
+                "strategy.timeout",
+                f"is {timeout}, so every collective would fail at once.",
+                "e.g. strategy.timeout.minutes=5.",
+            )
 
 
 def uses_cuda(cfg: DictConfig) -> bool:
@@ -185,18 +220,29 @@ def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None)
     try:
         saved = checkpoint_shapes(ckpt_path)
     except (ValueError, RuntimeError, OSError, pickle.UnpicklingError) as error:
-        raise ConfigError("ckpt_path", f"{ckpt_path} {error}.",
-                          "pass a checkpoint a run of this project saved (checkpoints/*.ckpt in its job dir).") from None
+        raise ConfigError(
+            "ckpt_path",
+            f"{ckpt_path} {error}.",
+            "pass a checkpoint a run of this project saved (checkpoints/*.ckpt in its job dir).",
+        ) from None
     expected = {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
-    differences = [f"{len(set(expected) - set(saved))} of this model's tensors missing"] if set(expected) - set(saved) else []
+    differences = (
+        [f"{len(set(expected) - set(saved))} of this model's tensors missing"] if set(expected) - set(saved) else []
+    )
     if set(saved) - set(expected):
         differences.append(f"{len(set(saved) - set(expected))} tensors this model lacks")
-    differences += [f"{name} is {list(saved[name])} there, {list(shape)} here"
-                    for name, shape in expected.items() if name in saved and saved[name] != shape][:3]
+    differences += [
+        f"{name} is {list(saved[name])} there, {list(shape)} here"
+        for name, shape in expected.items()
+        if name in saved and saved[name] != shape
+    ][:3]
     if differences:
-        raise ConfigError("ckpt_path", f"{ckpt_path} is a checkpoint of another model: {'; '.join(differences)}.",
-                          "resume with the model settings it was saved with (its job dir's config.yaml), or pass a "
-                          "checkpoint of this model.")
+        raise ConfigError(
+            "ckpt_path",
+            f"{ckpt_path} is a checkpoint of another model: {'; '.join(differences)}.",
+            "resume with the model settings it was saved with (its job dir's config.yaml), or pass a "
+            "checkpoint of this model.",
+        )
 
 
 def _build(key: str, build: Callable[[], Any]) -> Any:
@@ -209,8 +255,11 @@ def _build(key: str, build: Callable[[], Any]) -> Any:
         if isinstance(cause, ConfigError):
             raise cause from None
         problem = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
-        raise ConfigError(key, f"cannot be built: {problem}.",
-                          f"check {key}._target_ and its options (python train.py --cfg job prints them).") from None
+        raise ConfigError(
+            key,
+            f"cannot be built: {problem}.",
+            f"check {key}._target_ and its options (python train.py --cfg job prints them).",
+        ) from None
 
 
 def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
@@ -219,17 +268,27 @@ def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
     if path is None:
         return
     if not Path(path).is_dir():
-        raise ConfigError("model.init_from", f"{path} is not a directory.", "pass a Hugging Face model dir (config.json "
-                          "and *.safetensors, as save_pretrained writes it), or model.init_from=null.")
+        raise ConfigError(
+            "model.init_from",
+            f"{path} is not a directory.",
+            "pass a Hugging Face model dir (config.json "
+            "and *.safetensors, as save_pretrained writes it), or model.init_from=null.",
+        )
     check_matches(path, net, OmegaConf.to_container(cfg.model.net, resolve=True))
     try:
         missing = HFWeights(path).missing(net)
     except (OSError, ValueError, SafetensorError) as error:
-        raise ConfigError("model.init_from", f"{path}: its safetensors cannot be read ({error}).",
-                          "pass a complete model dir (model.safetensors, or its shards and index).") from None
+        raise ConfigError(
+            "model.init_from",
+            f"{path}: its safetensors cannot be read ({error}).",
+            "pass a complete model dir (model.safetensors, or its shards and index).",
+        ) from None
     if missing:
-        raise ConfigError("model.init_from", f"{path} lacks {len(missing)} of this model's tensors, e.g. {missing[0]}.",
-                          "pass the complete model dir.")
+        raise ConfigError(
+            "model.init_from",
+            f"{path} lacks {len(missing)} of this model's tensors, e.g. {missing[0]}.",
+            "pass the complete model dir.",
+        )
 
 
 def _train_batches(cfg: DictConfig, batches_per_epoch: int) -> int:
@@ -251,13 +310,18 @@ def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
     accumulation would save checkpoints holding half a step, which no resumed run can continue exactly.
     """
     interval = OmegaConf.select(cfg, "trainer.val_check_interval")
-    fix = ("use N training batches (e.g. trainer.val_check_interval=500), a fraction of an epoch in (0, 1], or null "
-           "for each epoch's end.")
+    fix = (
+        "use N training batches (e.g. trainer.val_check_interval=500), a fraction of an epoch in (0, 1], or null "
+        "for each epoch's end."
+    )
     every_epoch = cfg.trainer.check_val_every_n_epoch
     if every_epoch is None and not _is_int(interval):
-        raise ConfigError("trainer.val_check_interval", f"is {interval!r}, but with trainer.check_val_every_n_epoch="
-                          "null validation is counted in training batches only.", "set trainer.val_check_interval=N "
-                          "(batches), or trainer.check_val_every_n_epoch=1.")
+        raise ConfigError(
+            "trainer.val_check_interval",
+            f"is {interval!r}, but with trainer.check_val_every_n_epoch="
+            "null validation is counted in training batches only.",
+            "set trainer.val_check_interval=N (batches), or trainer.check_val_every_n_epoch=1.",
+        )
     if interval is None:
         return
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
@@ -266,25 +330,33 @@ def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
         raise ConfigError("trainer.val_check_interval", f"is {interval}, a fraction of an epoch above 1.", fix)
     batches = _train_batches(cfg, batches_per_epoch)
     if _is_int(interval) and every_epoch is not None and interval > batches:
-        raise ConfigError("trainer.val_check_interval", f"is {interval} batches, but an epoch has {batches}.",
-                          f"use at most {batches}, or trainer.check_val_every_n_epoch=null to count batches across "
-                          "epochs (for runs of trainer.max_steps).")
+        raise ConfigError(
+            "trainer.val_check_interval",
+            f"is {interval} batches, but an epoch has {batches}.",
+            f"use at most {batches}, or trainer.check_val_every_n_epoch=null to count batches across "
+            "epochs (for runs of trainer.max_steps).",
+        )
     accumulate = cfg.trainer.accumulate_grad_batches
     if accumulate == 1 or (isinstance(interval, float) and interval == 1.0):
         return
     every = interval if _is_int(interval) else max(1, int(batches * interval))  # Lightning's val_check_batch
     if every % accumulate and not (every == batches and every_epoch is not None):  # an epoch's end is a step's
         multiple = max(accumulate, every - every % accumulate)
-        raise ConfigError("trainer.val_check_interval", f"validates every {every} training batches, inside an "
-                          f"optimizer step of trainer.accumulate_grad_batches={accumulate} batches: its checkpoints "
-                          "would hold half a step.", f"validate every multiple of {accumulate} batches, e.g. "
-                          f"trainer.val_check_interval={multiple}.")
+        raise ConfigError(
+            "trainer.val_check_interval",
+            f"validates every {every} training batches, inside an "
+            f"optimizer step of trainer.accumulate_grad_batches={accumulate} batches: its checkpoints "
+            "would hold half a step.",
+            f"validate every multiple of {accumulate} batches, e.g. trainer.val_check_interval={multiple}.",
+        )
     if every_epoch is None and batches % accumulate:
-        raise ConfigError("trainer.val_check_interval", f"counts batches across epochs, but an epoch's {batches} "
-                          f"batches are no multiple of trainer.accumulate_grad_batches={accumulate} (each epoch ends "
-                          "with a shorter step), so validations would fall inside steps.",
-                          "set trainer.check_val_every_n_epoch=1, or trainer.limit_train_batches to a multiple of "
-                          f"{accumulate}.")
+        raise ConfigError(
+            "trainer.val_check_interval",
+            f"counts batches across epochs, but an epoch's {batches} "
+            f"batches are no multiple of trainer.accumulate_grad_batches={accumulate} (each epoch ends "
+            "with a shorter step), so validations would fall inside steps.",
+            f"set trainer.check_val_every_n_epoch=1, or trainer.limit_train_batches to a multiple of {accumulate}.",
+        )
 
 
 def _check_mode(cfg: DictConfig) -> None:
@@ -296,12 +368,17 @@ def _check_mode(cfg: DictConfig) -> None:
     if mode != "eval":
         return
     if cfg.ckpt_path in ("last", "auto"):
-        raise ConfigError("ckpt_path", f"is {cfg.ckpt_path!r}, this job dir's own checkpoint, but mode=eval writes a "
-                          "job dir of its own.", "pass the checkpoint's path, e.g. ckpt_path=<run dir>/checkpoints/"
-                          "last.ckpt.")
+        raise ConfigError(
+            "ckpt_path",
+            f"is {cfg.ckpt_path!r}, this job dir's own checkpoint, but mode=eval writes a job dir of its own.",
+            "pass the checkpoint's path, e.g. ckpt_path=<run dir>/checkpoints/last.ckpt.",
+        )
     if cfg.ckpt_path is None and OmegaConf.select(cfg, "model.init_from") is None:
-        raise ConfigError("mode", "is eval, but there are no weights to evaluate (ckpt_path and model.init_from are "
-                          "null).", "pass ckpt_path=<a checkpoint> or model.init_from=<a Hugging Face model dir>.")
+        raise ConfigError(
+            "mode",
+            "is eval, but there are no weights to evaluate (ckpt_path and model.init_from are null).",
+            "pass ckpt_path=<a checkpoint> or model.init_from=<a Hugging Face model dir>.",
+        )
 
 
 @dataclass(frozen=True)
@@ -317,10 +394,18 @@ class CheckedConfig:
 def check_config(cfg: DictConfig) -> CheckedConfig:
     """Raise ``ConfigError`` for the first setting that cannot work; what the checks resolved otherwise."""
     _check_mode(cfg)
-    devices = positive_int_at(cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2.")
+    devices = positive_int_at(
+        cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2."
+    )
     positive_int_at(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
-    batch_size = positive_int_at(cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32.")
-    positive_int_at(cfg, "strategy.processes", "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.")
+    batch_size = positive_int_at(
+        cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32."
+    )
+    positive_int_at(
+        cfg,
+        "strategy.processes",
+        "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.",
+    )
 
     if uses_cuda(cfg):
         available = torch.cuda.device_count()
@@ -366,9 +451,10 @@ def check_config(cfg: DictConfig) -> CheckedConfig:
     if global_batch > datamodule.num_train_samples:
         raise ConfigError(
             "data.batch_size",
-            f"gives a global batch of {batch_size} x {data_parallel} data-parallel replicas = {global_batch} samples, more than the "
-            f"{datamodule.num_train_samples} training samples, so an epoch would have no full batch.",
-            f"lower data.batch_size to at most {datamodule.num_train_samples // data_parallel}, or use more training data.",
+            f"gives a global batch of {batch_size} x {data_parallel} data-parallel replicas = {global_batch} samples, "
+            f"more than the {datamodule.num_train_samples} training samples, so an epoch would have no full batch.",
+            f"lower data.batch_size to at most {datamodule.num_train_samples // data_parallel}, or use more training "
+            "data.",
         )
 
     _check_val_interval(cfg, datamodule.num_train_samples // global_batch)

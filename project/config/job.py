@@ -55,8 +55,9 @@ class Job:
     def config_file(self) -> Path:
         """The resolved config this job trains with: the job's record, and what launched workers load. Other nodes
         keep a copy of their own (the same but for the W&B id, which only rank 0, on node 0, uses)."""
-        return Path(self.cfg.paths.output_dir) / "config.yaml" if self.node.rank == 0 else \
-            self.workers_dir / "config.yaml"
+        return (
+            Path(self.cfg.paths.output_dir) / "config.yaml" if self.node.rank == 0 else self.workers_dir / "config.yaml"
+        )
 
     @property
     def workers_dir(self) -> Path:
@@ -107,16 +108,22 @@ def resolved_config(cfg: DictConfig) -> DictConfig:
     try:
         return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
     except MissingMandatoryValue as error:  # a ??? the command line did not fill (model=language_model: no net)
-        raise ConfigError(str(error.full_key), "is required and has no value (???).",
-                          f"set it on the command line: {error.full_key}=..., or choose an option that sets it.") from None
+        raise ConfigError(
+            str(error.full_key),
+            "is required and has no value (???).",
+            f"set it on the command line: {error.full_key}=..., or choose an option that sets it.",
+        ) from None
     except InterpolationResolutionError as error:
         raised = re.search(r"ConfigError raised while resolving interpolation: (\S+): (.*?) Fix: (.*?)\n", error.msg)
         if raised:  # a resolver's own error (data=shards: no meta.json in data.path)
             raise ConfigError(*raised.groups()) from None
         missing = re.search(r"Missing mandatory value: (\S+)", error.msg)
         if missing:
-            raise ConfigError(missing.group(1), "is required and has no value (???).",
-                              f"set it on the command line: {missing.group(1)}=...") from None
+            raise ConfigError(
+                missing.group(1),
+                "is required and has no value (???).",
+                f"set it on the command line: {missing.group(1)}=...",
+            ) from None
         raise ConfigError(
             str(error.full_key),
             f"cannot be resolved: {error.msg}",
@@ -163,8 +170,10 @@ def name_wandb_run(cfg: DictConfig, checked: CheckedConfig) -> None:
         return
     if wandb_cfg.get("name") is None:
         with open_dict(wandb_cfg):
-            wandb_cfg.name = (f"{cfg.choices.model}-{cfg.choices.strategy}{checked.dims.run_name_tag()}-"
-                              f"{cfg.trainer.devices}dev-{cfg.trainer.num_nodes}node")
+            wandb_cfg.name = (
+                f"{cfg.choices.model}-{cfg.choices.strategy}{checked.dims.run_name_tag()}-"
+                f"{cfg.trainer.devices}dev-{cfg.trainer.num_nodes}node"
+            )
     if wandb_cfg.get("id") is not None:
         return
     previous_config = Path(cfg.paths.output_dir) / "config.yaml"
@@ -178,8 +187,11 @@ def name_wandb_run(cfg: DictConfig, checked: CheckedConfig) -> None:
 def checkpoint_to_load(cfg: DictConfig, path: str | None, strategy: type | None) -> str | None:
     """The checkpoint ``path`` (resolved) as a path ``strategy`` can load: a sharded checkpoint is consolidated into
     ``<job dir>/consolidated.ckpt`` (by one process) for strategies that load single files."""
-    if path is None or not is_sharded_checkpoint(path) or (strategy is not None and
-                                                           issubclass(strategy, ModelParallelStrategy)):
+    if (
+        path is None
+        or not is_sharded_checkpoint(path)
+        or (strategy is not None and issubclass(strategy, ModelParallelStrategy))
+    ):
         return path
     target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
     if is_rank_zero():

@@ -7,10 +7,9 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
-from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
 from project.config.errors import positive_int
+from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
 from project.tasks.decoding import TextCodec
-
 
 # The data module resumes its loader mid-epoch itself (``InMemoryDataModule.state_dict``); Lightning, looking only
 # for a DataLoader with a state_dict, would warn that it cannot.
@@ -51,8 +50,14 @@ class InMemoryDataModule(L.LightningDataModule):
         batches = GlobalBatchSampler(order, self.batch_size, rank=rank, world_size=replicas, drop_last=train)
         # Whole batches read at once (batch_size=None: the sampler yields a batch's indices, the dataset is indexed
         # with them), not sample by sample and then collated: for tensors in memory, one indexing per batch.
-        return DataLoader(dataset, sampler=batches, batch_size=None, pin_memory=torch.cuda.is_available(),
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+        return DataLoader(
+            dataset,
+            sampler=batches,
+            batch_size=None,
+            pin_memory=torch.cuda.is_available(),
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def state_dict(self) -> dict[str, int]:
         """Where training stands in its data, kept in every checkpoint: the epoch under way and the batches of it
@@ -101,8 +106,12 @@ class GeneratedDataModule(InMemoryDataModule):
 
     def __init__(self, num_train: int, num_val: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle)
-        positive_int("data.num_train", num_train, "generate at least one global batch of samples, e.g. data.num_train=1024.")
-        positive_int("data.num_val", num_val, "generate at least one validation sample per device, e.g. data.num_val=256.")
+        positive_int(
+            "data.num_train", num_train, "generate at least one global batch of samples, e.g. data.num_train=1024."
+        )
+        positive_int(
+            "data.num_val", num_val, "generate at least one validation sample per device, e.g. data.num_val=256."
+        )
         self.num_train = num_train
         self.num_val = num_val
 

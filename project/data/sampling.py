@@ -50,7 +50,9 @@ class EpochShuffle(Sampler[int]):
         dtype = torch.int32 if self.num_samples < 2**31 else torch.int64
         if not self.shuffle:
             return torch.arange(self.num_samples, dtype=dtype)
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch), dtype=dtype)
+        return torch.randperm(
+            self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch), dtype=dtype
+        )
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.order().tolist())
@@ -111,4 +113,4 @@ class GlobalBatchSampler(Sampler[list[int]]):
         for batch in range(skip, self.num_global_batches):
             part = batch * self.world_size + self.rank
             start = part * size + min(part, larger)
-            yield used[start: start + size + (part < larger)].tolist()
+            yield used[start : start + size + (part < larger)].tolist()

@@ -81,7 +81,7 @@ class TokenWindows(Dataset):
         shard = int(np.searchsorted(self.offsets, start, side="right")) - 1
         while start < stop:
             end = min(stop, int(self.offsets[shard + 1]))
-            pieces.append(self._maps[shard][start - self.offsets[shard]: end - self.offsets[shard]])
+            pieces.append(self._maps[shard][start - self.offsets[shard] : end - self.offsets[shard]])
             start, shard = end, shard + 1
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
@@ -101,26 +101,41 @@ class ShardsDataModule(InMemoryDataModule):
     def text_codec(self) -> TokenizerCodec:
         return TokenizerCodec(self.path / "tokenizer.json")  # the tokenizer prepare used, saved beside the shards
 
-    def __init__(self, path: str, seq_length: int, batch_size: int, seed: int, shuffle: bool = True,
-                 num_workers: int = 0, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        seq_length: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+        num_workers: int = 0,
+        vocab_size: int | None = None,
+    ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, num_workers=num_workers)
         self.path = Path(path)
         self.meta = prepared_meta(self.path)
         self.seq_length = positive_int("data.seq_length", seq_length, "set it to the tokens per sequence, e.g. 256.")
         self.vocab_size = self.meta["vocab_size"]
         if vocab_size not in (None, self.vocab_size):
-            raise ConfigError("data.vocab_size", f"is {vocab_size}, but {self.path} was tokenized with a vocabulary "
-                              f"of {self.vocab_size}.", "leave data.vocab_size unset: it comes from meta.json.")
+            raise ConfigError(
+                "data.vocab_size",
+                f"is {vocab_size}, but {self.path} was tokenized with a vocabulary of {self.vocab_size}.",
+                "leave data.vocab_size unset: it comes from meta.json.",
+            )
         for split in ("train", "val"):
             if len(self._windows(split)) < 1:
-                raise ConfigError("data.path", f"{self.path}'s {split} split has {self.meta['splits'][split]['tokens']} "
-                                  f"tokens, too few for one window of data.seq_length + 1 = {seq_length + 1}.",
-                                  "prepare a larger corpus (or a larger --val-fraction), or shorten data.seq_length.")
+                raise ConfigError(
+                    "data.path",
+                    f"{self.path}'s {split} split has {self.meta['splits'][split]['tokens']} "
+                    f"tokens, too few for one window of data.seq_length + 1 = {seq_length + 1}.",
+                    "prepare a larger corpus (or a larger --val-fraction), or shorten data.seq_length.",
+                )
 
     def _windows(self, split: str) -> TokenWindows:
         shards = self.meta["splits"][split]["shards"]
-        return TokenWindows([self.path / shard["file"] for shard in shards], [shard["tokens"] for shard in shards],
-                            self.seq_length)
+        return TokenWindows(
+            [self.path / shard["file"] for shard in shards], [shard["tokens"] for shard in shards], self.seq_length
+        )
 
     @property
     def num_train_samples(self) -> int:
@@ -133,4 +148,3 @@ class ShardsDataModule(InMemoryDataModule):
     def setup(self, stage: str) -> None:
         if self.train_set is None:
             self.train_set, self.val_set = self._windows("train"), self._windows("val")
-

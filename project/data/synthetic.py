@@ -9,8 +9,8 @@ clusters, not random draws, so validation accuracy measures learning. Everything
 import torch
 from torch.utils.data import TensorDataset
 
-from project.data.datamodule import GeneratedDataModule
 from project.config.errors import positive_int
+from project.data.datamodule import GeneratedDataModule
 
 
 def make_cluster_data(
@@ -50,8 +50,12 @@ class SyntheticDataModule(GeneratedDataModule):
         shuffle: bool = True,
     ) -> None:
         super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed, shuffle=shuffle)
-        for name, value in (("num_features", num_features), ("num_classes", num_classes), ("latent_dim", latent_dim),
-                            ("clusters_per_class", clusters_per_class)):
+        for name, value in (
+            ("num_features", num_features),
+            ("num_classes", num_classes),
+            ("latent_dim", latent_dim),
+            ("clusters_per_class", clusters_per_class),
+        ):
             positive_int(f"data.{name}", value, f"set data.{name} to a positive integer.")
         self.task = dict(
             num_features=num_features,

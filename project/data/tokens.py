@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
 from project.config.errors import ConfigError, number_in, positive_int
+from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
 from project.tasks.decoding import BytesCodec
 
 
@@ -50,7 +50,9 @@ def sample_sequences(
 ) -> torch.Tensor:
     """``num_sequences`` walks of ``length`` tokens, each started from the stationary distribution."""
     tokens = torch.empty(num_sequences, length, dtype=torch.long)
-    tokens[:, 0] = torch.multinomial(stationary_distribution(transitions).float(), num_sequences, replacement=True, generator=generator)
+    tokens[:, 0] = torch.multinomial(
+        stationary_distribution(transitions).float(), num_sequences, replacement=True, generator=generator
+    )
     for position in range(1, length):
         tokens[:, position] = torch.multinomial(transitions[tokens[:, position - 1]], 1, generator=generator).squeeze(1)
     return tokens
@@ -120,8 +122,12 @@ class TextDataModule(InMemoryDataModule):
         self.path = Path(path)
         if not self.path.is_file():
             raise ConfigError("data.path", f"{self.path} is not a file.", "give an existing text file: data.path=FILE.")
-        self.seq_length = positive_int("data.seq_length", seq_length, "set data.seq_length to the tokens per sequence, e.g. 256.")
-        self.val_fraction = number_in("data.val_fraction", val_fraction, 0, 1, "e.g. data.val_fraction=0.1: the last 10% validates.")
+        self.seq_length = positive_int(
+            "data.seq_length", seq_length, "set data.seq_length to the tokens per sequence, e.g. 256."
+        )
+        self.val_fraction = number_in(
+            "data.val_fraction", val_fraction, 0, 1, "e.g. data.val_fraction=0.1: the last 10% validates."
+        )
         num_train, num_val = self._split_sizes()
         if num_train < 1 or num_val < 1:
             size = self.path.stat().st_size

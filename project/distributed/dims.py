@@ -33,8 +33,10 @@ class ParallelDims:
         if min(self.world_size, self.pipeline, self.tensor_parallel) < 1:
             raise ValueError(f"every size must be positive: {self}")
         if self.world_size % (self.pipeline * self.tensor_parallel):
-            raise ValueError(f"{self.world_size} ranks do not divide into pipelines of {self.pipeline} ranks x "
-                             f"{self.tensor_parallel} tensor-parallel ranks")
+            raise ValueError(
+                f"{self.world_size} ranks do not divide into pipelines of {self.pipeline} ranks x "
+                f"{self.tensor_parallel} tensor-parallel ranks"
+            )
 
     @property
     def data_parallel(self) -> int:

@@ -50,13 +50,18 @@ class ReplicateParallel(ParallelStyle):
 
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
     for parameter_name, parameter in list(module.named_parameters(recurse=False)):
-        module.register_parameter(parameter_name, nn.Parameter(DTensor.from_local(parameter, mesh, [Replicate()],
-                                                                                  run_check=False)))
+        module.register_parameter(
+            parameter_name, nn.Parameter(DTensor.from_local(parameter, mesh, [Replicate()], run_check=False))
+        )
 
 
 def _inputs_replicated(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
 
 
 def _output_local(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -85,8 +90,9 @@ def _gradient_split_like_weight(embedding: nn.Embedding) -> None:
     embedding.register_forward_pre_hook(hook_weight)
 
 
-def _transformer_block_plan(attention: tuple[str, str, str, str], mlp_in: tuple[str, ...], mlp_out: str,
-                            sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _transformer_block_plan(
+    attention: tuple[str, str, str, str], mlp_in: tuple[str, ...], mlp_out: str, sequence_parallel: bool
+) -> dict[str, ParallelStyle]:
     """A pre-norm block ``x + attention(norm1(x))``, ``x + mlp(norm2(x))``: ``attention`` names the query, key,
     value and output projections; ``mlp_in`` the MLP's first layers, ``mlp_out`` its last."""
     between_blocks = Shard(1) if sequence_parallel else Replicate()  # the residual stream
@@ -107,14 +113,22 @@ def _head_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Parall
     (a DTensor sharded on the vocabulary)."""
     return {
         "norm": _norm(sequence_parallel),
-        "output": ColwiseParallel(input_layouts=Shard(1) if sequence_parallel else Replicate(),
-                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
+        "output": ColwiseParallel(
+            input_layouts=Shard(1) if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
     }
 
 
-def _parallelize_decoder(net: GPT | Llama, mesh: DeviceMesh, stem_plan: dict[str, ParallelStyle],
-                         block_plan: dict[str, ParallelStyle], sequence_parallel: bool, loss_parallel: bool) -> None:
+def _parallelize_decoder(
+    net: GPT | Llama,
+    mesh: DeviceMesh,
+    stem_plan: dict[str, ParallelStyle],
+    block_plan: dict[str, ParallelStyle],
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> None:
     """Apply the plans to the parts this rank holds (``nn.Identity`` marks a dropped one), keeping a tied output
     layer tied to the embedding (both split by vocabulary alike)."""
     holds = {part: not isinstance(getattr(net, part), nn.Identity) for part in ("stem", "head")}
@@ -142,15 +156,19 @@ def parallelize_gpt(net: GPT, mesh: DeviceMesh, sequence_parallel: bool, loss_pa
     if not isinstance(net.stem, nn.Identity):
         _gradient_split_like_weight(net.stem.tokens)
         if sequence_parallel:  # the sum of the two, cut to each rank's share
-            parallelize_module(net.stem, mesh, PrepareModuleOutput(output_layouts=Replicate(),
-                                                                   desired_output_layouts=Shard(1)))
+            parallelize_module(
+                net.stem, mesh, PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+            )
 
 
 def parallelize_llama(net: Llama, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """torchtitan's Llama plan: the token table split by vocabulary, its lookups reduce-scattered straight into
     each rank's share of the sequence under sequence parallelism."""
-    stem_plan = {"tokens": RowwiseParallel(input_layouts=Replicate(),
-                                           output_layouts=Shard(1) if sequence_parallel else Replicate())}
+    stem_plan = {
+        "tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate()
+        )
+    }
     block_plan = _transformer_block_plan(("q", "k", "v", "o"), ("gate", "up"), "down", sequence_parallel)
     _parallelize_decoder(net, mesh, stem_plan, block_plan, sequence_parallel, loss_parallel)
 
@@ -177,15 +195,19 @@ def _decoder_split_sizes(net: GPT | Llama) -> list[tuple[str, str, int]]:
     attention = net.blocks[0].attention
     sizes = [("num_heads", "attention heads", attention.q.out_features // attention.head_dim)]
     if isinstance(net, Llama):  # (the GPT's MLP width, 4 x dim, divides whenever its heads do)
-        sizes += [("num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
-                  ("hidden_dim", "SwiGLU hidden units", net.blocks[0].mlp.up.out_features)]
+        sizes += [
+            ("num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
+            ("hidden_dim", "SwiGLU hidden units", net.blocks[0].mlp.up.out_features),
+        ]
     return sizes
 
 
 def _mlp_split_sizes(net: MLP) -> list[tuple[str, str, int]]:
     pairs = len(net.blocks) // 2  # the first layer of each pair, split by its outputs
-    return [("hidden_dims", f"units of hidden layer {index}", net.blocks[index][0].out_features)
-            for index in range(0, 2 * pairs, 2)]
+    return [
+        ("hidden_dims", f"units of hidden layer {index}", net.blocks[index][0].out_features)
+        for index in range(0, 2 * pairs, 2)
+    ]
 
 
 @dataclass(frozen=True)
@@ -213,7 +235,8 @@ def model_plan(net: nn.Module) -> ModelPlan | None:
     return PLANS.get(type(net))
 
 
-def apply_tensor_parallel(net: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True,
-                          loss_parallel: bool = True) -> None:
+def apply_tensor_parallel(
+    net: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> None:
     """Lay ``net`` (on the meta device) out over the tensor-parallel ``mesh`` with its model's plan."""
     PLANS[type(net)].parallelize(net, mesh, sequence_parallel, loss_parallel)

@@ -34,9 +34,14 @@ def failure_report(error: ChildFailedError, num_workers: int, log_dir: Path, hea
         beat = heartbeat_file(heartbeat_dir, rank)
         last_beat = beat.stat().st_mtime if beat.exists() else None
         if last_beat is not None and first_failure - last_beat > STALE_AFTER_S:
-            lines.append((0, f"rank {rank} stopped responding at {time.strftime('%H:%M:%S', time.localtime(last_beat))}, "
-                             f"{first_failure - last_beat:.0f} s before the first failure (a stopped process, or one "
-                             "stuck outside Python), so the others timed out waiting for it; it was then killed."))
+            lines.append(
+                (
+                    0,
+                    f"rank {rank} stopped responding at {time.strftime('%H:%M:%S', time.localtime(last_beat))}, "
+                    f"{first_failure - last_beat:.0f} s before the first failure (a stopped process, or one "
+                    "stuck outside Python), so the others timed out waiting for it; it was then killed.",
+                )
+            )
         elif raised[rank]:
             lines.append((2, f"rank {rank} raised {raised[rank]} (its traceback is above)."))
         elif failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
@@ -45,4 +50,6 @@ def failure_report(error: ChildFailedError, num_workers: int, log_dir: Path, hea
             lines.append((2, f"rank {rank} exited with code {failure.exitcode}."))
     lines.sort(key=lambda line: line[0])  # stable: time order within each kind
     body = "\n".join(f"- {line}" for _, line in lines) or "- no rank says why (each was stopped by a signal)."
-    return f"Training failed in the workers:\n{body}\nAll {num_workers} workers were stopped; their logs are in {log_dir}."
+    return (
+        f"Training failed in the workers:\n{body}\nAll {num_workers} workers were stopped; their logs are in {log_dir}."
+    )

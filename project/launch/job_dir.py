@@ -29,9 +29,12 @@ def job_dir_lock(job_dir: str | Path, key: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError(key, f"{job_dir} is in use by a running job ({_holder(path)}).",
-                              "wait for that job to end or stop it, or run in another dir (leave the key unset for "
-                              "a new dir of its own).") from None
+            raise ConfigError(
+                key,
+                f"{job_dir} is in use by a running job ({_holder(path)}).",
+                "wait for that job to end or stop it, or run in another dir (leave the key unset for "
+                "a new dir of its own).",
+            ) from None
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
         yield

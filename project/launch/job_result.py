@@ -7,10 +7,10 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.trainer.states import TrainerFn
 
-from project.memory.measure import DeviceMemory
-from project.observability.throughput import EpochThroughput
-from project.observability.loggers import EpochWandbLogger
 from project.launch.results import job_result, write_result
+from project.memory.measure import DeviceMemory
+from project.observability.loggers import EpochWandbLogger
+from project.observability.throughput import EpochThroughput
 
 
 class JobResult(L.Callback):
@@ -21,7 +21,8 @@ class JobResult(L.Callback):
     ``memory`` and ``throughput`` callbacks run), also sent to W&B as the table ``devices``.
 
     The epochs travel in checkpoints (``state_dict``), so a resumed job's result covers the whole run. The process
-    Hydra runs reads the file (``project.launch.launcher``) and returns the objective to the sweeper, however the job ran.
+    Hydra runs reads the file (``project.launch.launcher``) and returns the objective to the sweeper, however the job
+    ran.
     """
 
     def __init__(self, path: str | Path, metric: str, mode: str) -> None:
@@ -60,16 +61,22 @@ class JobResult(L.Callback):
 
     def _write(self, trainer: L.Trainer, status: str, error: str | None = None) -> None:
         if trainer.is_global_zero:
-            write_result(self.path, job_result(self.epochs, self.metric, self.mode, status, time.time() - self.started,
-                                               error, self.devices))
+            write_result(
+                self.path,
+                job_result(
+                    self.epochs, self.metric, self.mode, status, time.time() - self.started, error, self.devices
+                ),
+            )
 
 
 def per_device_rows(trainer: L.Trainer) -> list[dict[str, Any]]:
     """One row per device of the job: the memory callback's measurements, with the throughput of the device's
     rank (every stage of a process sees its samples); rows of throughput alone without the memory callback."""
     memory = next((c.per_device for c in trainer.callbacks if isinstance(c, DeviceMemory)), [])
-    rates = {row["rank"]: row for row in next((c.per_device for c in trainer.callbacks
-                                               if isinstance(c, EpochThroughput)), [])}
+    rates = {
+        row["rank"]: row
+        for row in next((c.per_device for c in trainer.callbacks if isinstance(c, EpochThroughput)), [])
+    }
     if not memory:
         return list(rates.values())
     return [{**row, **rates.get(row["rank"], {})} for row in memory]

@@ -3,7 +3,8 @@ process or start one worker per device.
 
 Why not Lightning's own launcher: for DDP it re-executes ``sys.argv``, so each worker of a Hydra multirun job
 would start the whole sweep again. Instead the job's resolved config is written to ``<job dir>/config.yaml`` and
-torch's elastic launcher (what ``torchrun`` uses) starts ``python -m project.launch.worker <that file>`` once per device.
+torch's elastic launcher (what ``torchrun`` uses) starts ``python -m project.launch.worker <that file>`` once per
+device.
 The workers see torchelastic's environment, so Lightning joins them into one process group without relaunching.
 """
 
@@ -76,8 +77,11 @@ def _worker_environment(num_workers: int, heartbeat_dir: Path) -> Iterator[None]
     """What the workers inherit besides torchelastic's variables: this process's pid (they die with it), where
     their heartbeats and log records go, and this machine's cores split between CPU workers unless the user set
     OMP_NUM_THREADS (torchrun sets 1)."""
-    added = {LAUNCHER_PID_VARIABLE: str(os.getpid()), HEARTBEAT_DIR_VARIABLE: str(heartbeat_dir),
-             JOB_LOG_VARIABLE: str(job_log_file())}
+    added = {
+        LAUNCHER_PID_VARIABLE: str(os.getpid()),
+        HEARTBEAT_DIR_VARIABLE: str(heartbeat_dir),
+        JOB_LOG_VARIABLE: str(job_log_file()),
+    }
     if "OMP_NUM_THREADS" not in os.environ:
         added["OMP_NUM_THREADS"] = str(threads_per_process(num_workers))
     os.environ.update(added)
@@ -105,8 +109,12 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path, node: Nod
     if node.count == 1:  # a free port, as `torchrun --standalone`
         rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))
     else:  # node ranks fixed to the tasks' (torchrun --node-rank), so global rank 0 is on node 0 with the job's records
-        rendezvous = dict(rdzv_backend="static", rdzv_endpoint=f"{node.head}:{rendezvous_port(node.job_id)}",
-                          run_id=node.job_id, rdzv_configs={"rank": node.rank})
+        rendezvous = dict(
+            rdzv_backend="static",
+            rdzv_endpoint=f"{node.head}:{rendezvous_port(node.job_id)}",
+            run_id=node.job_id,
+            rdzv_configs={"rank": node.rank},
+        )
     launch_config = LaunchConfig(
         min_nodes=node.count,
         max_nodes=node.count,
@@ -127,8 +135,10 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path, node: Nod
         log.error(report)  # on the console and in the job's log
         raise JobFailed(report) from None
     except SignalException as error:  # SIGTERM or SIGUSR1 (a cluster preempting the job), SIGINT...: torchelastic's
-        report = (f"Stopped by {error.sigval.name}: all {num_workers} workers were stopped. checkpoints/last.ckpt holds "
-                  "the last finished epoch; run the same command with ckpt_path=auto to resume it.")
+        report = (
+            f"Stopped by {error.sigval.name}: all {num_workers} workers were stopped. checkpoints/last.ckpt holds "
+            "the last finished epoch; run the same command with ckpt_path=auto to resume it."
+        )
         log.warning(report)
         raise JobFailed(report) from None
 

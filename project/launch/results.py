@@ -11,8 +11,15 @@ from typing import Any
 RESULT_FILE = "result.json"
 
 
-def job_result(epochs: list[dict[str, float]], metric: str, mode: str, status: str, runtime_s: float,
-               error: str | None = None, devices: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def job_result(
+    epochs: list[dict[str, float]],
+    metric: str,
+    mode: str,
+    status: str,
+    runtime_s: float,
+    error: str | None = None,
+    devices: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """What ``result.json`` holds; the objective is None until an epoch has logged ``metric``. ``history`` is every
     epoch's metrics, ``devices`` the latest epoch's per-device memory and throughput."""
     scored = [epoch for epoch in epochs if not math.isnan(epoch.get(metric, math.nan))]
@@ -84,18 +91,20 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
         result = read_result(job / RESULT_FILE) or {}
         metric = result.get("metric")
         final = result.get("final") or {}
-        rows.append({
-            "job": job.name,
-            "overrides": " ".join(item for item in overrides[job] if item not in shared),
-            "status": result.get("status", "no result"),
-            "metric": metric,
-            "mode": result.get("mode"),
-            "objective": result.get("objective"),
-            "best_epoch": result.get("best_epoch"),
-            "final": final.get(metric) if metric else None,
-            "runtime_s": result.get("runtime_s"),
-            "best": False,
-        })
+        rows.append(
+            {
+                "job": job.name,
+                "overrides": " ".join(item for item in overrides[job] if item not in shared),
+                "status": result.get("status", "no result"),
+                "metric": metric,
+                "mode": result.get("mode"),
+                "objective": result.get("objective"),
+                "best_epoch": result.get("best_epoch"),
+                "final": final.get(metric) if metric else None,
+                "runtime_s": result.get("runtime_s"),
+                "best": False,
+            }
+        )
     scored = [row for row in rows if row["objective"] is not None]
     if scored:
         pick = max if scored[0]["mode"] == "max" else min

@@ -17,7 +17,8 @@ class StopTogetherOnSigterm(L.Callback):
     reduction, a barrier) and can hang them all until the launcher's timeout. And its loops stop a rank on its own
     flag, at points the ranks reach at different times, so a rank signalled a moment later trains on alone into a
     collective nobody joins. Here the handler only notes the signal; after each training or validation batch and at
-    each epoch's end, with every rank at the same point, the ranks agree (an all-reduce of the notes) and set Lightning's flag
+    each epoch's end, with every rank at the same point, the ranks agree (an all-reduce of the notes) and set
+    Lightning's flag
     together, so its loops stop all of them at once.
     """
 
@@ -42,12 +43,15 @@ class StopTogetherOnSigterm(L.Callback):
         if signalled:
             trainer._signal_connector.received_sigterm = True
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         self._agree(trainer)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._agree(trainer)
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         self._agree(trainer)  # every rank runs as many validation batches (GlobalBatchSampler), so all are here

@@ -15,11 +15,11 @@ from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerStatus
 from omegaconf import DictConfig, OmegaConf
 
-from project.launch.job_result import JobResult
-from project.launch.sigterm import StopTogetherOnSigterm
 from project.checkpointing.files import AtomicCheckpointIO
-from project.launch.results import RESULT_FILE
 from project.config.build import build_net, build_strategy
+from project.launch.job_result import JobResult
+from project.launch.results import RESULT_FILE
+from project.launch.sigterm import StopTogetherOnSigterm
 
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")

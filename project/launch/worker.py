@@ -1,6 +1,7 @@
 """A worker process of a multi-device job: ``python -m project.launch.worker <job dir>/config.yaml``.
 
-Started by ``project.launch.launcher.launch_workers`` with torchelastic's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+Started by ``project.launch.launcher.launch_workers`` with torchelastic's environment (RANK, WORLD_SIZE,
+MASTER_ADDR...).
 """
 
 import logging
@@ -19,8 +20,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E40
 from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
-from project.observability.console import lightning_logs_through_root  # noqa: E402
 from project.launch.training import train  # noqa: E402
+from project.observability.console import lightning_logs_through_root  # noqa: E402
 
 
 def log_to_job(log_file: Path, rank: int) -> logging.Logger:

@@ -111,8 +111,9 @@ class StepMemoryTracker(ShapeInferenceUntracked, MemTracker):
 def held_bytes(tracker: MemTracker, snapshot: str = "current") -> int:
     """Bytes a ``MemTracker`` counts as held, now or at its peak (``snapshot="peak"``), over the devices it saw
     (shape-only meta tensors, e.g. a FLOP count's model copy, hold none)."""
-    return sum(sizes["Total"] for device, sizes in tracker.get_tracker_snapshot(snapshot).items()
-               if device.type != "meta")
+    return sum(
+        sizes["Total"] for device, sizes in tracker.get_tracker_snapshot(snapshot).items() if device.type != "meta"
+    )
 
 
 class DeviceMemory(L.Callback):
@@ -144,14 +145,17 @@ class DeviceMemory(L.Callback):
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step == 0 and self.tracked_steps and self._tracker is None and self._tracked_peak is None:
             self._tracker = StepMemoryTracker()
             self._tracker.track_external(pl_module, *trainer.optimizers)
             self._tracker.__enter__()
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._tracker is not None and trainer.global_step >= self.tracked_steps:
             self._stop_tracking()
 
@@ -181,8 +185,13 @@ class DeviceMemory(L.Callback):
             if pl_module.device.type == "cuda":
                 sizes["peak_allocated"] = torch.cuda.max_memory_allocated(pl_module.device)
                 sizes["peak_reserved"] = torch.cuda.max_memory_reserved(pl_module.device)
-            rows.append({"rank": trainer.global_rank, "stage": stage,
-                         **{f"memory/{name}_mb": size / MB for name, size in sizes.items()}})
+            rows.append(
+                {
+                    "rank": trainer.global_rank,
+                    "stage": stage,
+                    **{f"memory/{name}_mb": size / MB for name, size in sizes.items()},
+                }
+            )
         if self._tracked_peak is not None:
             for row in rows:
                 row["memory/tracked_peak_mb"] = self._tracked_peak / MB
@@ -196,6 +205,7 @@ class DeviceMemory(L.Callback):
             planned = max(plan["devices"], key=lambda device: device["params"] + device["grads"] + device["optimizer"])
             for name in ("params", "grads", "optimizer"):
                 pl_module.log(f"memory/planned_{name}_mb", planned[name] / MB)
-            pl_module.log("memory/planned_model_state_mb",
-                          (planned["params"] + planned["grads"] + planned["optimizer"]) / MB)
+            pl_module.log(
+                "memory/planned_model_state_mb", (planned["params"] + planned["grads"] + planned["optimizer"]) / MB
+            )
             pl_module.log("memory/planned_peak_mb", plan["peak"] / MB)

@@ -35,17 +35,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import _sharding_prop
+from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.distributed.tensor.parallel import loss_parallel
 
-from project.memory.simulation import DeviceWork
-from project.memory.measure import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
 from project.config.build import build_net
 from project.config.checks import check_config, strategy_class, uses_cuda
 from project.config.errors import ConfigError
-from project.distributed.strategies import FSDPStrategy
 from project.distributed.parallelize import allocate, apply_activation_checkpointing
+from project.distributed.strategies import FSDPStrategy
+from project.memory.measure import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
+from project.memory.simulation import DeviceWork
 
 log = logging.getLogger(__name__)
 
@@ -137,9 +136,12 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
             if work.extra_buffer_bytes:
                 held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
             # A pipeline stage's receive buffers, one per micro-batch: for its inputs, and for its outputs' gradients.
-            input_buffers, grad_buffers = ([torch.empty_like(meta, device="cpu") for _ in range(work.microbatches)]
-                                           if work.receive_buffers and meta is not None else []
-                                           for meta in (work.stage_input, work.stage_output))
+            input_buffers, grad_buffers = (
+                [torch.empty_like(meta, device="cpu") for _ in range(work.microbatches)]
+                if work.receive_buffers and meta is not None
+                else []
+                for meta in (work.stage_input, work.stage_output)
+            )
             # The batch on the device: Lightning moves the whole batch to every rank's device, and on a CPU the data
             # loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
             batches = [module.example_batch(cfg.data.batch_size, cfg.data) for _ in range(1 if uses_cuda(cfg) else 2)]
@@ -169,9 +171,16 @@ def _dtensor_shapes_inferred_apart() -> Iterator[None]:
         _sharding_prop.detect_fake_mode = detect_fake_mode
 
 
-def _step(work: DeviceWork, module: nn.Module, optimizer: torch.optim.Optimizer,
-          batch: tuple[torch.Tensor, torch.Tensor], input_buffers: list[torch.Tensor],
-          grad_buffers: list[torch.Tensor], tracker: MemTracker, cfg: DictConfig) -> int:
+def _step(
+    work: DeviceWork,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    input_buffers: list[torch.Tensor],
+    grad_buffers: list[torch.Tensor],
+    tracker: MemTracker,
+    cfg: DictConfig,
+) -> int:
     """One optimizer step in Lightning's order: forward (``training_step``), ``zero_grad``, backward, step; a
     pipeline's forwards run inside its backward, after ``zero_grad``, in its schedule's order. Returns the bytes
     autograd saved for backward in the forwards in flight at once: each storage once, parameters (and views of
@@ -261,8 +270,9 @@ def whole_model_devices(cfg: DictConfig, new_module) -> Iterator[DeviceWork]:
     buckets = 0
     if ddp and not views:
         buckets = sum(p.numel() * p.element_size() for p in module.net.parameters() if p.requires_grad)
-    yield DeviceWork("rank 0", module, [module.net], cfg.data.batch_size, grads_persist=views,
-                     extra_buffer_bytes=buckets)
+    yield DeviceWork(
+        "rank 0", module, [module.net], cfg.data.batch_size, grads_persist=views, extra_buffer_bytes=buckets
+    )
 
 
 def device_works(cfg: DictConfig) -> Iterator[DeviceWork]:
@@ -295,8 +305,9 @@ def _changed(cfg: DictConfig, changes: dict[str, Any], strategy: str | None = No
     changed = OmegaConf.create(OmegaConf.to_container(cfg))
     with open_dict(changed):
         if strategy is not None:
-            changed.strategy = OmegaConf.load(Path(__file__).resolve().parent.parent / "conf" / "strategy" /
-                                              f"{strategy}.yaml")
+            changed.strategy = OmegaConf.load(
+                Path(__file__).resolve().parent.parent / "conf" / "strategy" / f"{strategy}.yaml"
+            )
         for key, value in changes.items():
             OmegaConf.update(changed, key, value, force_add=True)
     return OmegaConf.create(OmegaConf.to_container(changed, resolve=True))
@@ -328,15 +339,19 @@ def candidate_changes(cfg: DictConfig) -> Iterator[tuple[str, DictConfig]]:
     batch, accumulate = cfg.data.batch_size, cfg.trainer.accumulate_grad_batches
     while batch > 1:
         batch, accumulate = batch // 2, accumulate * 2
-        yield (f"data.batch_size={batch} trainer.accumulate_grad_batches={accumulate}",
-               _changed(cfg, {"data.batch_size": batch, "trainer.accumulate_grad_batches": accumulate}))
+        yield (
+            f"data.batch_size={batch} trainer.accumulate_grad_batches={accumulate}",
+            _changed(cfg, {"data.batch_size": batch, "trainer.accumulate_grad_batches": accumulate}),
+        )
     while devices * nodes < 1024:
         if nodes == 1 and devices < 8:
             devices *= 2
         else:
             nodes *= 2
-        yield (f"strategy=fsdp trainer.devices={devices} trainer.num_nodes={nodes}",
-               _changed(cfg, {"trainer.devices": devices, "trainer.num_nodes": nodes}, "fsdp"))
+        yield (
+            f"strategy=fsdp trainer.devices={devices} trainer.num_nodes={nodes}",
+            _changed(cfg, {"trainer.devices": devices, "trainer.num_nodes": nodes}, "fsdp"),
+        )
 
 
 def _valid(cfg: DictConfig) -> bool:
@@ -354,8 +369,9 @@ def plan_memory(cfg: DictConfig, suggest: bool = True, alternatives: bool = Fals
     switched the other way too."""
     start = time.perf_counter()
     capacity, source = device_capacity(cfg)
-    plan = MemoryPlan(simulate_devices(cfg), capacity, source, _checkpointing(cfg),
-                      cfg.strategy.processes * cfg.trainer.num_nodes)
+    plan = MemoryPlan(
+        simulate_devices(cfg), capacity, source, _checkpointing(cfg), cfg.strategy.processes * cfg.trainer.num_nodes
+    )
     if alternatives:
         switched = {"model.activation_checkpointing": not plan.activation_checkpointing}
         if OmegaConf.select(cfg, "strategy.activation_checkpointing") is not None:
@@ -386,10 +402,12 @@ def _size(size: int | None) -> str:
 def format_plan(plan: MemoryPlan, cfg: DictConfig) -> str:
     """The plan as a table, one row per distinct device, and the verdict."""
     choices = cfg.get("choices") or {}
-    header = (f"Memory plan: model={choices.get('model', '?')} strategy={choices.get('strategy', '?')}, "
-              f"{cfg.trainer.devices} device(s) x {cfg.trainer.num_nodes} node(s) = {plan.world_size} process(es), "
-              f"precision {_precision(cfg)}, data.batch_size={cfg.data.batch_size}, activation checkpointing "
-              f"{'on' if plan.activation_checkpointing else 'off'} (simulated in {plan.seconds:.1f} s)")
+    header = (
+        f"Memory plan: model={choices.get('model', '?')} strategy={choices.get('strategy', '?')}, "
+        f"{cfg.trainer.devices} device(s) x {cfg.trainer.num_nodes} node(s) = {plan.world_size} process(es), "
+        f"precision {_precision(cfg)}, data.batch_size={cfg.data.batch_size}, activation checkpointing "
+        f"{'on' if plan.activation_checkpointing else 'off'} (simulated in {plan.seconds:.1f} s)"
+    )
     other = "off" if plan.activation_checkpointing else "on"
     columns = ["device", "params", "grads", "optimizer", "activations", "comm buffers", "peak"]
     with_alternative = any(device.peak_checkpointed is not None for device in plan.devices)
@@ -397,8 +415,10 @@ def format_plan(plan: MemoryPlan, cfg: DictConfig) -> str:
         columns += [f"activations (AC {other})", f"peak (AC {other})"]
     rows = []
     for device in plan.devices:
-        row = [device.name] + [_size(getattr(device, name)) for name in
-                               ("params", "grads", "optimizer", "activations", "comm_buffers", "peak")]
+        row = [device.name] + [
+            _size(getattr(device, name))
+            for name in ("params", "grads", "optimizer", "activations", "comm_buffers", "peak")
+        ]
         if with_alternative:
             row += [_size(device.activations_checkpointed), _size(device.peak_checkpointed)]
         rows.append(row)
@@ -410,8 +430,11 @@ def format_plan(plan: MemoryPlan, cfg: DictConfig) -> str:
     for change, peak in plan.alternatives.items():
         lines.append(f"  tried {change}: peak {_size(peak)}")
     if not plan.fits:
-        lines.append(f"Smallest change that fits: {plan.suggestion}" if plan.suggestion else
-                     "No change tried fits; more devices, a smaller model or a shorter sequence may.")
+        lines.append(
+            f"Smallest change that fits: {plan.suggestion}"
+            if plan.suggestion
+            else "No change tried fits; more devices, a smaller model or a shorter sequence may."
+        )
     return "\n".join(lines)
 
 
@@ -420,16 +443,20 @@ def check_fits(plan: MemoryPlan, cfg: DictConfig) -> None:
     ``memory_plan.if_over=warn`` warn and go on."""
     if plan.fits:
         return
-    fix = (f"change {plan.suggestion}, or " if plan.suggestion else "use more devices or a smaller model or batch, or ")
-    problem = (f"predicts a peak of {_size(plan.peak)} on {plan.fullest().name}, more than the "
-               f"{_size(plan.capacity)} of a device ({plan.capacity_source}).")
+    fix = f"change {plan.suggestion}, or " if plan.suggestion else "use more devices or a smaller model or batch, or "
+    problem = (
+        f"predicts a peak of {_size(plan.peak)} on {plan.fullest().name}, more than the "
+        f"{_size(plan.capacity)} of a device ({plan.capacity_source})."
+    )
     if cfg.memory_plan.if_over == "warn":
         log.warning(f"The memory plan {problem} Training anyway (memory_plan.if_over=warn).")
         return
-    raise ConfigError("memory_plan", problem, fix + "set memory_plan.if_over=warn to train anyway (python train.py "
-                      "... plan=true prints the plan).")
+    raise ConfigError(
+        "memory_plan",
+        problem,
+        fix + "set memory_plan.if_over=warn to train anyway (python train.py ... plan=true prints the plan).",
+    )
 
 
 def write_plan(plan: MemoryPlan, job_dir: Path) -> None:
     (job_dir / PLAN_FILE).write_text(json.dumps(plan.to_json(), indent=1))
-

@@ -1,4 +1,5 @@
-"""Plain PyTorch models, each ``head(blocks(stem(x)))`` (``BlockSequence``): ``blocks`` is the ordered block sequence strategies shard
+"""Plain PyTorch models, each ``head(blocks(stem(x)))`` (``BlockSequence``): ``blocks`` is the ordered block sequence
+strategies shard
 or split; ``stem`` goes with the first stage, ``head`` with the last. Each model says how a parameter starts
 (``init_parameter``); ``project.models.init`` draws every parameter from the seed, so models can be built on the
 meta device and materialised piece by piece."""

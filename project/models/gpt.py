@@ -30,8 +30,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
-        q, k, v = (projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-                   for projection in (self.q, self.k, self.v))
+        q, k, v = (
+            projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            for projection in (self.q, self.k, self.v)
+        )
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
@@ -107,15 +109,26 @@ class GPT(BlockSequence):
         gelu_approximate: str = "none",
     ) -> None:
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("max_length", max_length), ("num_layers", num_layers),
-                            ("dim", dim), ("num_heads", num_heads)):
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("max_length", max_length),
+            ("num_layers", num_layers),
+            ("dim", dim),
+            ("num_heads", num_heads),
+        ):
             positive_int(f"model.net.{name}", value, f"set model.net.{name} to a positive integer.")
         if dim % num_heads:
-            raise ConfigError("model.net.num_heads", f"is {num_heads}, which does not divide model.net.dim={dim}.",
-                              "choose a head count that divides the width (each head gets dim / num_heads).")
+            raise ConfigError(
+                "model.net.num_heads",
+                f"is {num_heads}, which does not divide model.net.dim={dim}.",
+                "choose a head count that divides the width (each head gets dim / num_heads).",
+            )
         if gelu_approximate not in ("none", "tanh"):
-            raise ConfigError("model.net.gelu_approximate", f"is {gelu_approximate!r}.",
-                              "use none (the exact GELU) or tanh (GPT-2's approximation, for GPT-2 weights).")
+            raise ConfigError(
+                "model.net.gelu_approximate",
+                f"is {gelu_approximate!r}.",
+                "use none (the exact GELU) or tanh (GPT-2's approximation, for GPT-2 weights).",
+            )
         self.stem = Embedding(vocab_size, max_length, dim, dropout)
         self.blocks = nn.ModuleList(Block(dim, num_heads, dropout, gelu_approximate) for _ in range(num_layers))
         self.head = LMHead(dim, vocab_size)

@@ -19,8 +19,9 @@ from project.models.gpt import LMHead
 from project.models.sequence import BlockSequence
 
 
-def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None, device: torch.device | None = None
-                     ) -> torch.Tensor:
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: dict | None = None, device: torch.device | None = None
+) -> torch.Tensor:
     """The rotation frequency of each pair of a head's dimensions, (head_dim / 2,) in float32, on ``device``.
 
     ``scaling``: Llama 3.1's long-context rule (``factor``, ``low_freq_factor``, ``high_freq_factor``,
@@ -66,8 +67,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         # -1: the heads the projections computed (all of them, or a tensor-parallel rank's share, in proportion).
-        q, k, v = (projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-                   for projection in (self.q, self.k, self.v))
+        q, k, v = (
+            projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
+            for projection in (self.q, self.k, self.v)
+        )
         # Computed for each call, on the input's device: a buffer would need initialising after meta-device
         # construction in every strategy, and these few small kernels cost next to attention nothing.
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
@@ -92,8 +95,15 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, hidden_dim: int, norm_eps: float,
-                 rope: tuple[float, dict | None]) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        hidden_dim: int,
+        norm_eps: float,
+        rope: tuple[float, dict | None],
+    ) -> None:
         super().__init__()
         self.norm1 = nn.RMSNorm(dim, eps=norm_eps)
         self.attention = Attention(dim, num_heads, num_kv_heads, rope)
@@ -139,22 +149,33 @@ class Llama(BlockSequence):
         tie_weights: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("max_length", max_length), ("num_layers", num_layers),
-                            ("dim", dim), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
-                            ("hidden_dim", hidden_dim)):
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("max_length", max_length),
+            ("num_layers", num_layers),
+            ("dim", dim),
+            ("num_heads", num_heads),
+            ("num_kv_heads", num_kv_heads),
+            ("hidden_dim", hidden_dim),
+        ):
             positive_int(f"model.net.{name}", value, f"set model.net.{name} to a positive integer.")
         if dim % num_heads or (dim // num_heads) % 2:
-            raise ConfigError("model.net.num_heads", f"is {num_heads}, which does not divide model.net.dim={dim} "
-                              "into heads of an even width.", "choose a head count that gives each head an even "
-                              "number of dimensions (RoPE rotates them in pairs).")
+            raise ConfigError(
+                "model.net.num_heads",
+                f"is {num_heads}, which does not divide model.net.dim={dim} into heads of an even width.",
+                "choose a head count that gives each head an even number of dimensions (RoPE rotates them in pairs).",
+            )
         if num_heads % num_kv_heads:
-            raise ConfigError("model.net.num_kv_heads", f"is {num_kv_heads}, which does not divide "
-                              f"model.net.num_heads={num_heads}.", "choose a divisor of num_heads: each key/value "
-                              "head serves an equal group of query heads.")
+            raise ConfigError(
+                "model.net.num_kv_heads",
+                f"is {num_kv_heads}, which does not divide model.net.num_heads={num_heads}.",
+                "choose a divisor of num_heads: each key/value head serves an equal group of query heads.",
+            )
         rope = (rope_theta, dict(rope_scaling) if rope_scaling else None)
         self.stem = TokenEmbedding(vocab_size, dim)
-        self.blocks = nn.ModuleList(Block(dim, num_heads, num_kv_heads, hidden_dim, norm_eps, rope)
-                                    for _ in range(num_layers))
+        self.blocks = nn.ModuleList(
+            Block(dim, num_heads, num_kv_heads, hidden_dim, norm_eps, rope) for _ in range(num_layers)
+        )
         self.head = LMHead(dim, vocab_size, nn.RMSNorm(dim, eps=norm_eps))
         if tie_weights:  # Llama 3.2's small models: the output projection reuses the token embedding
             self.head.output.weight = self.stem.tokens.weight

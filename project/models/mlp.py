@@ -22,10 +22,15 @@ class MLP(BlockSequence):
     def __init__(self, input_dim: int, hidden_dims: Sequence[int], num_classes: int) -> None:
         super().__init__()
         if isinstance(hidden_dims, (str, bytes)) or not isinstance(hidden_dims, Sequence):
-            raise ConfigError("model.net.hidden_dims", f"must be a list of layer widths, got {hidden_dims!r}.",
-                              "give positive integers, e.g. model.net.hidden_dims=[1024,512].")
+            raise ConfigError(
+                "model.net.hidden_dims",
+                f"must be a list of layer widths, got {hidden_dims!r}.",
+                "give positive integers, e.g. model.net.hidden_dims=[1024,512].",
+            )
         for width in hidden_dims:
-            positive_int("model.net.hidden_dims", width, "give positive integers, e.g. model.net.hidden_dims=[1024,512].")
+            positive_int(
+                "model.net.hidden_dims", width, "give positive integers, e.g. model.net.hidden_dims=[1024,512]."
+            )
         widths = [input_dim, *hidden_dims]
         hidden = [nn.Sequential(nn.Linear(w_in, w_out), nn.ReLU()) for w_in, w_out in zip(widths, widths[1:])]
         self.stem = nn.Identity()

@@ -39,8 +39,10 @@ def print_outputs(job_dir: Path, result: dict[str, Any] | None) -> None:
     """Where the job's results went: its dir and the files in it that matter, with the objective."""
     lines = [f"Results in {job_dir}:"]
     if result and result.get("objective") is not None:
-        lines.append(f"  result.json    {result['metric']} ({result['mode']}) {result['objective']:.6g} at epoch "
-                     f"{result['best_epoch']}, {result['epochs']} epochs, {result['status']}")
+        lines.append(
+            f"  result.json    {result['metric']} ({result['mode']}) {result['objective']:.6g} at epoch "
+            f"{result['best_epoch']}, {result['epochs']} epochs, {result['status']}"
+        )
     checkpoints = sorted(path.name for path in (job_dir / "checkpoints").glob("*.ckpt"))
     if checkpoints:
         lines.append(f"  checkpoints/   {', '.join(checkpoints)}")

@@ -185,7 +185,8 @@ class EpochWandbLogger(WandbLogger):
         if rows:
             columns = list(rows[0])
             self.experiment.summary[key] = wandb.Table(
-                columns=columns, data=[[row.get(column) for column in columns] for row in rows])
+                columns=columns, data=[[row.get(column) for column in columns] for row in rows]
+            )
 
     def _send_row(self, row: dict[str, float]) -> None:
         self.experiment.log(row)

@@ -7,8 +7,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.config.errors import ConfigError
 from project.distributed.dims import ParallelDims
-from project.tasks.decoding import check_settings, generate
 from project.observability.loggers import EpochWandbLogger
+from project.tasks.decoding import check_settings, generate
 
 
 class TextSample(L.Callback):
@@ -20,15 +20,27 @@ class TextSample(L.Callback):
     context is cut to the data's sequence length, the longest the model trained on.
     """
 
-    def __init__(self, prompt: str | None, max_new_tokens: int = 64, temperature: float = 0.8,
-                 top_k: int | None = 50, seed: int = 0) -> None:
+    def __init__(
+        self,
+        prompt: str | None,
+        max_new_tokens: int = 64,
+        temperature: float = 0.8,
+        top_k: int | None = 50,
+        seed: int = 0,
+    ) -> None:
         self.prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed = (
-            prompt, max_new_tokens, temperature, top_k, seed)
+            prompt,
+            max_new_tokens,
+            temperature,
+            top_k,
+            seed,
+        )
         self.rows: list[dict[str, Any]] = []
 
     @staticmethod
-    def check_config(cfg: DictConfig, name: str, datamodule: L.LightningDataModule, strategy: type | None,
-                     dims: ParallelDims) -> None:
+    def check_config(
+        cfg: DictConfig, name: str, datamodule: L.LightningDataModule, strategy: type | None, dims: ParallelDims
+    ) -> None:
         """A prompt (``callbacks.<name>.prompt``) needs text data and a layout whose ranks run the whole model."""
         key = f"callbacks.{name}.prompt"
         prompt = OmegaConf.select(cfg, key)
@@ -40,15 +52,26 @@ class TextSample(L.Callback):
         problem = check_settings(settings.max_new_tokens, settings.temperature, settings.top_k)
         if problem is not None:
             setting, text = problem.split(": ", 1)
-            raise ConfigError(f"callbacks.{name}.{setting}", f"{text}.", f"e.g. callbacks.{name}.{setting}=" +
-                              {"max_new_tokens": "64", "temperature": "0.8", "top_k": "50"}[setting] + ".")
+            raise ConfigError(
+                f"callbacks.{name}.{setting}",
+                f"{text}.",
+                f"e.g. callbacks.{name}.{setting}="
+                + {"max_new_tokens": "64", "temperature": "0.8", "top_k": "50"}[setting]
+                + ".",
+            )
         if getattr(datamodule, "text_codec", lambda: None)() is None:
-            raise ConfigError(key, f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
-                              f"use data=text or data=shards, or {key}=null.")
+            raise ConfigError(
+                key,
+                f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
+                f"use data=text or data=shards, or {key}=null.",
+            )
         if not dims.runs_whole_model:
-            raise ConfigError(key, f"is set, but under {getattr(strategy, '__name__', 'auto')} as configured no rank runs the whole model "
-                              "(pipeline stages, tensor-parallel splits).",
-                              f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.")
+            raise ConfigError(
+                key,
+                f"is set, but under {getattr(strategy, '__name__', 'auto')} as configured no rank runs the whole model "
+                "(pipeline stages, tensor-parallel splits).",
+                f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.",
+            )
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.prompt is None or trainer.sanity_checking:
@@ -56,12 +79,20 @@ class TextSample(L.Callback):
         codec, net = trainer.datamodule.text_codec(), pl_module.net
         training = net.training
         net.eval()
-        tokens = generate(net, codec.encode(self.prompt), self.max_new_tokens, self.temperature, self.top_k,
-                          self.seed, max_length=trainer.datamodule.seq_length)
+        tokens = generate(
+            net,
+            codec.encode(self.prompt),
+            self.max_new_tokens,
+            self.temperature,
+            self.top_k,
+            self.seed,
+            max_length=trainer.datamodule.seq_length,
+        )
         net.train(training)
         text = codec.decode(tokens)
-        self.rows.append({"epoch": trainer.current_epoch, "step": trainer.global_step, "prompt": self.prompt,
-                          "text": text})
+        self.rows.append(
+            {"epoch": trainer.current_epoch, "step": trainer.global_step, "prompt": self.prompt, "text": text}
+        )
         if trainer.is_global_zero:
             print(f"Sample (epoch {trainer.current_epoch}, step {trainer.global_step}): {self.prompt}{text}")
             for logger in trainer.loggers:

@@ -7,8 +7,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from project.memory.measure import gather_from_ranks
 from project.data.sampling import data_parallel_rank_and_size
+from project.memory.measure import gather_from_ranks
 from project.observability.flops import peak_tflops, training_flops_per_sample
 
 
@@ -16,13 +16,15 @@ class EpochThroughput(L.Callback):
     """Logs ``perf/samples_per_sec`` (the job), ``perf/samples_per_sec_per_device``, ``perf/epoch_time_s``, when
     the inputs are token ids ``perf/tokens_per_sec`` (the job), and ``perf/tflops_per_device``: the model FLOPs of
     training (``project.observability.flops``) the job did per second, per device; on a GPU whose peak is known
-    (``project.observability.flops.PEAK_TFLOPS``) also ``perf/mfu``, that as a fraction of the device's peak at the run's
+    (``project.observability.flops.PEAK_TFLOPS``) also ``perf/mfu``, that as a fraction of the device's peak at the
+    run's
     precision (model FLOPs utilisation).
 
     The rates count training time only: the train clock runs from the epoch start and stops while the epoch
     validates (and during what follows validation, such as checkpointing, until the next training batch starts).
     It is read with the device synchronised. ``perf/epoch_time_s`` is the whole epoch as a user waits for it,
-    validation included (of a run resumed mid-epoch: the part it ran). ``per_device`` holds each rank's rates of the epoch (``rank`` and the per-device
+    validation included (of a run resumed mid-epoch: the part it ran). ``per_device`` holds each rank's rates of the
+    epoch (``rank`` and the per-device
     ``perf/*`` keys), on every rank.
     """
 
@@ -67,7 +69,9 @@ class EpochThroughput(L.Callback):
         if self._segment_start is None:  # the first batch after a validation
             self._segment_start = self._now(pl_module)
 
-    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         self._samples += extract_batch_size(batch)
         inputs = batch[0]
         if self._flops_per_sample is None and self._meta_net is not None:
@@ -90,7 +94,9 @@ class EpochThroughput(L.Callback):
         share = replicas / trainer.world_size
         pl_module.log("perf/samples_per_sec", rate * share, sync_dist=True, reduce_fx="sum")
         if self._tokens:
-            pl_module.log("perf/tokens_per_sec", self._tokens / self._train_time * share, sync_dist=True, reduce_fx="sum")
+            pl_module.log(
+                "perf/tokens_per_sec", self._tokens / self._train_time * share, sync_dist=True, reduce_fx="sum"
+            )
         pl_module.log("perf/samples_per_sec_per_device", rate, sync_dist=True, reduce_fx="mean")
         if self._flops_per_sample is not None:
             # The mean over ranks of their shares of the job's rate: the job's model FLOPs per second per device.

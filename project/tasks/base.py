@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from torchmetrics import Metric
 
-from project.config.errors import ConfigError
 from project.checkpointing.hf import HFWeights
-from project.tasks.metrics import SampleMean
+from project.config.errors import ConfigError
 from project.distributed.parallelize import apply_activation_checkpointing, compile_blocks, materialize
+from project.tasks.metrics import SampleMean
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -192,7 +192,9 @@ class TrainingModule(L.LightningModule):
         algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
         if clip_grad_norm_ is None or not gradient_clip_val or algorithm != "norm":
             return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        clip_grad_norm_([parameter for group in optimizer.param_groups for parameter in group["params"]], gradient_clip_val)
+        clip_grad_norm_(
+            [parameter for group in optimizer.param_groups for parameter in group["params"]], gradient_clip_val
+        )
 
     def parameter_groups(self) -> list[list[str]]:
         """Names of the parameters in each optimizer group, in order: weight-decayed, then spared (the
@@ -219,8 +221,14 @@ class TrainingModule(L.LightningModule):
 
 
 # How torch.optim's own errors name each hyperparameter, to point at the config key.
-OPTIMIZER_ARGUMENTS = {"lr": "learning rate", "eps": "epsilon", "betas": "beta", "weight_decay": "weight_decay",
-                       "momentum": "momentum", "dampening": "dampening"}
+OPTIMIZER_ARGUMENTS = {
+    "lr": "learning rate",
+    "eps": "epsilon",
+    "betas": "beta",
+    "weight_decay": "weight_decay",
+    "momentum": "momentum",
+    "dampening": "dampening",
+}
 
 
 def _check_optimizer(factory: OptimizerFactory, groups: list[dict]) -> None:
@@ -228,15 +236,24 @@ def _check_optimizer(factory: OptimizerFactory, groups: list[dict]) -> None:
     outside [0, 1)...) before any worker starts; its message names the config key."""
     for name, value in getattr(factory, "keywords", {}).items():
         values = value if name == "betas" and isinstance(value, Sequence) and not isinstance(value, str) else [value]
-        if name in OPTIMIZER_ARGUMENTS and not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-            raise ConfigError(f"model.optimizer.{name}", f"must be {'numbers' if name == 'betas' else 'a number'}, "
-                              f"got {value!r}.", f"e.g. model.optimizer.{name}={'[0.9,0.95]' if name == 'betas' else 0.001}.")
+        if name in OPTIMIZER_ARGUMENTS and not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in values
+        ):
+            raise ConfigError(
+                f"model.optimizer.{name}",
+                f"must be {'numbers' if name == 'betas' else 'a number'}, got {value!r}.",
+                f"e.g. model.optimizer.{name}={'[0.9,0.95]' if name == 'betas' else 0.001}.",
+            )
     try:
         factory(params=groups)
     except (ValueError, TypeError) as error:
-        key = next((f"model.optimizer.{name}" for name, words in OPTIMIZER_ARGUMENTS.items() if words in str(error)),
-                   "model.optimizer")
-        raise ConfigError(key, f"is refused by the optimizer: {error}.", f"set {key} to a value the optimizer accepts.") from None
+        key = next(
+            (f"model.optimizer.{name}" for name, words in OPTIMIZER_ARGUMENTS.items() if words in str(error)),
+            "model.optimizer",
+        )
+        raise ConfigError(
+            key, f"is refused by the optimizer: {error}.", f"set {key} to a value the optimizer accepts."
+        ) from None
 
 
 def _check_scheduler(factory: SchedulerFactory) -> None:

@@ -48,8 +48,15 @@ def check_settings(max_new_tokens: int, temperature: float, top_k: int | None) -
 
 
 @torch.no_grad()
-def generate(net: nn.Module, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, seed: int = 0, max_length: int | None = None) -> list[int]:
+def generate(
+    net: nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int = 0,
+    max_length: int | None = None,
+) -> list[int]:
     """``max_new_tokens`` tokens continuing ``prompt``, each drawn from the model's next-token distribution divided
     by ``temperature`` (0: the most likely token) and cut to the ``top_k`` most likely (None: all).
 
@@ -73,4 +80,4 @@ def generate(net: nn.Module, prompt: list[int], max_new_tokens: int, temperature
                 logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
             token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
         tokens = torch.cat([tokens, token.view(1, 1).to(device)], dim=1)
-    return tokens[0, len(prompt):].tolist()
+    return tokens[0, len(prompt) :].tolist()

@@ -18,7 +18,8 @@ def warmup_steps_of(run_steps: int, warmup_steps: int | None, warmup_fraction: f
     if warmup_steps is not None and warmup_fraction is not None:
         raise ConfigError(
             "model.scheduler.warmup_fraction",
-            f"is {warmup_fraction} while model.scheduler.warmup_steps is {warmup_steps}: the warmup is one or the other.",
+            f"is {warmup_fraction} while model.scheduler.warmup_steps is {warmup_steps}: the warmup is one or the "
+            "other.",
             "set one of them to null.",
         )
     if warmup_fraction is not None:

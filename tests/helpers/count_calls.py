@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 def main() -> None:
     out, rest = sys.argv[1], sys.argv[2:]
     split = rest.index("--")
-    wanted, args = rest[:split], rest[split + 1:]
+    wanted, args = rest[:split], rest[split + 1 :]
     # A code object is named by its file and qualified name: project.config.checks:check_config ->
     # (<repo>/project/config/checks.py, check_config).
     targets = {}

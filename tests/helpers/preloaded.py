@@ -1,7 +1,8 @@
 """``python train.py <args>`` without paying its imports each time: a server that has imported what train.py imports
 (torch, Lightning, Hydra: most of a tiny run's start-up; ``benchmarks/preloaded_start.py``) forks a child per run.
 
-``python tests/helpers/preloaded.py``, started with the environment its runs are to have, reads one JSON request per line on
+``python tests/helpers/preloaded.py``, started with the environment its runs are to have, reads one JSON request per
+line on
 stdin, ``{"args": [...], "cwd": dir, "stdout": file, "stderr": file}``, forks a child for it at once and answers
 ``{"pid": pid}``; when a child ends it answers ``{"exited": pid, "exit_code": code}``. The child runs ``train.py`` as
 ``__main__`` with that ``sys.argv`` and working dir, at module level (no frame of the server left to unwind), and
@@ -70,7 +71,7 @@ def become_train(request: dict) -> None:
     """In the child: the working dir, standard streams and argv of ``python train.py <args>`` launched there."""
     os.chdir(request["cwd"])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    sys.stdin = open(0, closefd=False)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (train.py's stdin for the rest of the child's life)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     sys.argv = [str(REPO / "train.py"), *request["args"]]
@@ -100,8 +101,9 @@ class TrainServer:
     """The test's side: a running server for one environment (``env``: the runs' HOME and variables)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.process = subprocess.Popen([sys.executable, __file__], cwd=REPO, env=env, stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__], cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         self.pending = b""
         self.exit_codes: dict[int, int] = {}  # children that ended and were not waited for yet
 

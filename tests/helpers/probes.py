@@ -1,10 +1,11 @@
-"""Callbacks the tests add to real runs (``+callbacks.<name>._target_=helpers.probes.<Class>``) to see inside the workers;
+"""Callbacks the tests add to real runs (``+callbacks.<name>._target_=helpers.probes.<Class>``) to see inside the
+workers;
 each logs what it saw as per-epoch ``probe/*`` metrics, which the tests read back from the W&B run."""
 
 import os
 import statistics
-import time
 import subprocess
+import time
 from pathlib import Path
 
 import lightning as L
@@ -126,7 +127,10 @@ class FusedAdamW(L.Callback):
     parameters on CUDA, the kernel the config asks for on a GPU."""
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        fused = all(isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults.get("fused")
-                    and all(p.is_cuda for group in optimizer.param_groups for p in group["params"])
-                    for optimizer in trainer.optimizers)
+        fused = all(
+            isinstance(optimizer, torch.optim.AdamW)
+            and optimizer.defaults.get("fused")
+            and all(p.is_cuda for group in optimizer.param_groups for p in group["params"])
+            for optimizer in trainer.optimizers
+        )
         pl_module.log("probe/fused_adamw_on_cuda", float(fused))

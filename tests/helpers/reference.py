@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 from hydra.utils import instantiate
+from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
 
@@ -61,7 +61,9 @@ def lr_factor(cfg: DictConfig, total_steps: int) -> Callable[[int], float]:
     if scheduler is None:
         return lambda step: 1.0
     assert scheduler._target_.endswith("warmup_cosine") and scheduler.total_steps is None
-    warmup = scheduler.warmup_steps if scheduler.warmup_steps is not None else round(scheduler.warmup_fraction * total_steps)
+    warmup = (
+        scheduler.warmup_steps if scheduler.warmup_steps is not None else round(scheduler.warmup_fraction * total_steps)
+    )
     return lambda step: warmup_cosine_factor(step, warmup, total_steps, scheduler.min_lr_ratio)
 
 
@@ -73,8 +75,9 @@ class ReferenceRun:
     clipped_steps: int  # optimizer steps whose gradient norm was above the clipping threshold
 
 
-def reference_run(cfg: DictConfig, global_batch: int, device: str = "cpu",
-                  autocast: torch.dtype | None = None) -> ReferenceRun:
+def reference_run(
+    cfg: DictConfig, global_batch: int, device: str = "cpu", autocast: torch.dtype | None = None
+) -> ReferenceRun:
     """Train the configured model on the configured data for ``trainer.max_epochs`` epochs, ``global_batch``
     samples per batch, with the config's gradient accumulation and gradient-norm clipping, on ``device``; with
     ``autocast`` (torch.bfloat16), forward and loss under ``torch.autocast`` in that dtype, the weights and the
@@ -82,8 +85,9 @@ def reference_run(cfg: DictConfig, global_batch: int, device: str = "cpu",
     torch.manual_seed(0)  # only so that nothing below depends on the test order; the weights come from cfg.seed
     data = instantiate(cfg.data)
     data.setup("fit")
-    (x, y), (x_val, y_val) = ([tensor.to(device) for tensor in split.tensors]
-                              for split in (data.train_set, data.val_set))
+    (x, y), (x_val, y_val) = (
+        [tensor.to(device) for tensor in split.tensors] for split in (data.train_set, data.val_set)
+    )
     net = init_weights(instantiate(cfg.model.net), cfg.seed).to(device)
     mixed = torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None)
     batches_per_epoch = len(x) // global_batch

@@ -35,8 +35,9 @@ class OfflineRun:
 @cache
 def _read(log_file: Path, size: int, mtime_ns: int) -> OfflineRun:
     """Cached by the file's size and time: the tests read the same finished runs many times."""
-    records = subprocess.run([WANDB, "leet", "inspect", "--json", str(log_file)], capture_output=True, text=True,
-                             check=True, timeout=60).stdout.splitlines()
+    records = subprocess.run(
+        [WANDB, "leet", "inspect", "--json", str(log_file)], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.splitlines()
     run = OfflineRun(path=log_file.parent)
     for line in records:
         record = json.loads(line)

@@ -6,7 +6,8 @@ CPU (gloo) as on GPU (nccl), and saves distributed checkpoints (each rank writes
 atomically by ``ShardedCheckpointStrategy``). The mesh is (data_parallel x tensor_parallel): with the default
 ``tensor_parallel_size=1`` every rank is a data-parallel shard; with T, each group of T ranks splits every layer
 (``TensorParallel``) and FSDP shards those splits over the groups, torchtitan's order: tensor parallelism,
-activation checkpointing (``strategy.activation_checkpointing``), then FSDP per block (``project.distributed.parallelize``). The
+activation checkpointing (``strategy.activation_checkpointing``), then FSDP per block
+(``project.distributed.parallelize``). The
 model's own activation checkpointing and compilation (``model.*``) wrap the blocks before the strategy acts.
 """
 
@@ -19,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from project.config.checks import uses_cuda
 from project.config.errors import ConfigError
-from project.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
 from project.distributed.dims import DATA_PARALLEL, ParallelDims
+from project.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
 from project.distributed.strategies.sharded import ShardedStrategy
 
 
@@ -62,6 +63,11 @@ class FSDPStrategy(ShardedStrategy):
         param_dtype = fsdp_param_dtype(precision)
         if self.activation_checkpointing:
             apply_activation_checkpointing(model)
-        apply_fsdp(model, mesh[DATA_PARALLEL], reshard_after_forward=self.reshard_after_forward,
-                   param_dtype=param_dtype, reduce_dtype=self.reduce_dtype if param_dtype is not None else None,
-                   cpu_offload=self.cpu_offload)
+        apply_fsdp(
+            model,
+            mesh[DATA_PARALLEL],
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=self.reduce_dtype if param_dtype is not None else None,
+            cpu_offload=self.cpu_offload,
+        )

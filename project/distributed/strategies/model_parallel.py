@@ -15,9 +15,16 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig
 from torch import nn
 
-from project.memory.simulation import DeviceWork, block_inputs
-from project.distributed.parallelize import block_sizes, connect_stages, keep_only, place_stages, split_blocks, stage_modules
+from project.distributed.parallelize import (
+    block_sizes,
+    connect_stages,
+    keep_only,
+    place_stages,
+    split_blocks,
+    stage_modules,
+)
 from project.distributed.strategies.stages import check_stage_split
+from project.memory.simulation import DeviceWork, block_inputs
 
 
 class ManualModelParallelStrategy(SingleDeviceStrategy):
@@ -53,9 +60,14 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
             module = new_module()
             kept = stage_modules(module.net, stages, stage)
             keep_only(module.net, kept)
-            yield DeviceWork(f"stage {stage}", module, kept, cfg.data.batch_size,
-                             stage_input=boundaries[stages[stage].start] if stage else None,
-                             last=stage == strategy.num_stages - 1)
+            yield DeviceWork(
+                f"stage {stage}",
+                module,
+                kept,
+                cfg.data.batch_size,
+                stage_input=boundaries[stages[stage].start] if stage else None,
+                last=stage == strategy.num_stages - 1,
+            )
 
     def stage_device(self, stage: int) -> torch.device:
         if isinstance(self.accelerator, CUDAAccelerator):

@@ -1,6 +1,8 @@
-"""``strategy=pipeline``: one process per pipeline stage, micro-batches flowing through them (torch.distributed.pipelining).
+"""``strategy=pipeline``: one process per pipeline stage, micro-batches flowing through them
+(torch.distributed.pipelining).
 
-The model's blocks are split into stages (``project.distributed.parallelize.split_blocks``); rank r of a pipeline keeps only the
+The model's blocks are split into stages (``project.distributed.parallelize.split_blocks``); rank r of a pipeline
+keeps only the
 blocks of its stages. A batch is cut into ``microbatches`` and a schedule (GPipe, 1F1B, interleaved 1F1B) overlaps
 their forward and backward passes across the stages, so fewer devices sit idle than in ``model_parallel``: the idle
 fraction (bubble) is (S - 1) / (M + S - 1) for S stages and M micro-batches. When there are more ranks than one
@@ -35,7 +37,6 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from project.checkpointing.files import META_FILE, is_sharded_checkpoint
 from project.config.build import build_strategy
 from project.config.errors import ConfigError
-from project.memory.simulation import DeviceWork, block_inputs, fake_process_group
 from project.distributed.dims import DATA_PARALLEL, PIPELINE, ParallelDims
 from project.distributed.parallelize import (
     apply_fsdp,
@@ -46,8 +47,9 @@ from project.distributed.parallelize import (
     split_blocks,
     stage_modules,
 )
-from project.distributed.strategies.stages import check_stage_split
 from project.distributed.strategies.sharded import ShardedStrategy
+from project.distributed.strategies.stages import check_stage_split
+from project.memory.simulation import DeviceWork, block_inputs, fake_process_group
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -116,12 +118,18 @@ class PipelineStrategy(ShardedStrategy):
     def dims(self, world_size: int) -> ParallelDims:
         """The (pipeline, data_parallel, tensor_parallel) mesh: the ranks of one pipeline (each stage's
         tensor-parallel ranks too) share a replica; pipelines beyond the first shard their stages with FSDP."""
-        return ParallelDims(world_size, pipeline=self.pipeline_size, tensor_parallel=self.tensor_parallel.size,
-                            shard=True, pipelined=True)
+        return ParallelDims(
+            world_size,
+            pipeline=self.pipeline_size,
+            tensor_parallel=self.tensor_parallel.size,
+            shard=True,
+            pipelined=True,
+        )
 
     @classmethod
     def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
-        """Rules checked before launch (``project.config.job``): the split, the schedule, the mesh, the micro-batches."""
+        """Rules checked before launch (``project.config.job``): the split, the schedule, the mesh, the
+        micro-batches."""
         super().check_config(cfg, net, ckpt_path)
         check_stage_split(cfg, net)
         strategy, key = cfg.strategy, "strategy."
@@ -205,8 +213,10 @@ class PipelineStrategy(ShardedStrategy):
         """This rank's part of ``model`` (on the meta device): the modules of its stages, the others dropped, each
         split over its tensor-parallel ranks and then sharded over its data-parallel peers when it has them."""
         stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
-        kept = [StageModule(stage_modules(model, stages, stage))
-                for stage in self.stages_of(mesh[PIPELINE].get_local_rank())]
+        kept = [
+            StageModule(stage_modules(model, stages, stage))
+            for stage in self.stages_of(mesh[PIPELINE].get_local_rank())
+        ]
         keep_only(model, [module for stage in kept for module in stage.blocks])
         self.tensor_parallel.apply(model, mesh)
         if mesh[DATA_PARALLEL].size() > 1:
@@ -214,8 +224,13 @@ class PipelineStrategy(ShardedStrategy):
             for stage_module in kept:
                 # Gathered once per step, not once per micro-batch (torchtitan does the same under PP): the schedule
                 # runs every micro-batch through the stage, and only its last backward reduces and reshards.
-                apply_fsdp(stage_module, mesh[DATA_PARALLEL], reshard_after_forward=False, param_dtype=param_dtype,
-                           reduce_dtype=torch.float32 if param_dtype is not None else None)
+                apply_fsdp(
+                    stage_module,
+                    mesh[DATA_PARALLEL],
+                    reshard_after_forward=False,
+                    param_dtype=param_dtype,
+                    reduce_dtype=torch.float32 if param_dtype is not None else None,
+                )
         return kept
 
     @classmethod
@@ -223,11 +238,18 @@ class PipelineStrategy(ShardedStrategy):
         """For the memory plan's suggestions: smaller micro-batches (fewer activations each, and 1F1B keeps no more
         of them in flight), then twice the stages over twice the devices (each holds half the blocks)."""
         strategy, devices = cfg.strategy, cfg.trainer.devices
-        yield (f"strategy.microbatches={2 * strategy.microbatches}",
-               {"strategy.microbatches": 2 * strategy.microbatches})
-        yield (f"strategy.num_stages={2 * strategy.num_stages} trainer.devices={2 * devices}",
-               {"strategy.num_stages": 2 * strategy.num_stages, "trainer.devices": 2 * devices,
-                "strategy.processes": 2 * devices})
+        yield (
+            f"strategy.microbatches={2 * strategy.microbatches}",
+            {"strategy.microbatches": 2 * strategy.microbatches},
+        )
+        yield (
+            f"strategy.num_stages={2 * strategy.num_stages} trainer.devices={2 * devices}",
+            {
+                "strategy.num_stages": 2 * strategy.num_stages,
+                "trainer.devices": 2 * devices,
+                "strategy.processes": 2 * devices,
+            },
+        )
 
     @classmethod
     def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], nn.Module]) -> Iterator[DeviceWork]:
@@ -253,12 +275,18 @@ class PipelineStrategy(ShardedStrategy):
                 stage_ids = strategy.stages_of(rank)
                 first, last = 0 in stage_ids, strategy.num_stages - 1 in stage_ids
                 yield DeviceWork(
-                    f"rank {rank} (stage {', '.join(map(str, stage_ids))})", module, kept, microbatch_size,
-                    microbatches=microbatches, in_flight=_in_flight(strategy.schedule_name, microbatches, ranks, rank,
-                                                                    strategy.stages_per_rank),
+                    f"rank {rank} (stage {', '.join(map(str, stage_ids))})",
+                    module,
+                    kept,
+                    microbatch_size,
+                    microbatches=microbatches,
+                    in_flight=_in_flight(strategy.schedule_name, microbatches, ranks, rank, strategy.stages_per_rank),
                     stage_input=None if first else boundaries[stages[stage_ids[0]].start],
                     stage_output=None if last else boundaries[stages[stage_ids[-1]].stop],
-                    last=last, receive_buffers=True, keeps_outputs=last, forward_in_backward=True,
+                    last=last,
+                    receive_buffers=True,
+                    keeps_outputs=last,
+                    forward_in_backward=True,
                 )
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -288,7 +316,9 @@ class PipelineStrategy(ShardedStrategy):
 
     def _make_schedule(self, loss_fn) -> Any:
         stages = [
-            PipelineStage(module, stage, self.num_stages, self.root_device, group=self.device_mesh[PIPELINE].get_group())
+            PipelineStage(
+                module, stage, self.num_stages, self.root_device, group=self.device_mesh[PIPELINE].get_group()
+            )
             for module, stage in zip(self.stage_modules, self.stage_ids)
         ]
         schedule_class = SCHEDULES[self.schedule_name]

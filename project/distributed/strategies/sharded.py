@@ -63,35 +63,49 @@ class TensorParallel:
     def check_config(cfg: DictConfig, net: nn.Module) -> int:
         """Rules of ``strategy.tensor_parallel_size`` for this model (``net`` on the meta device) and the job's
         ranks; returns the size."""
-        size = positive_int_at(cfg, "strategy.tensor_parallel_size",
-                               "set strategy.tensor_parallel_size to the ranks that split each layer (1: none).")
+        size = positive_int_at(
+            cfg,
+            "strategy.tensor_parallel_size",
+            "set strategy.tensor_parallel_size to the ranks that split each layer (1: none).",
+        )
         per_node = cfg.strategy.processes
         ranks = per_node * cfg.trainer.num_nodes
         if size > 1:
             plan = model_plan(net)
             if plan is None:
-                raise ConfigError("strategy.tensor_parallel_size", f"is {size}, but {type(net).__name__} has no "
-                                  "tensor-parallel plan (project/distributed/plans.py).",
-                                  "set strategy.tensor_parallel_size=1.")
+                raise ConfigError(
+                    "strategy.tensor_parallel_size",
+                    f"is {size}, but {type(net).__name__} has no tensor-parallel plan (project/distributed/plans.py).",
+                    "set strategy.tensor_parallel_size=1.",
+                )
             for argument, what, value in plan.split_sizes(net):
                 if value % size:
-                    raise ConfigError(f"model.net.{argument}", f"gives the model's {what} ({value}), which {size} "
-                                      "tensor-parallel ranks (strategy.tensor_parallel_size) cannot share evenly.",
-                                      f"use a multiple of {size}, or a strategy.tensor_parallel_size that divides "
-                                      f"{value}.")
+                    raise ConfigError(
+                        f"model.net.{argument}",
+                        f"gives the model's {what} ({value}), which {size} "
+                        "tensor-parallel ranks (strategy.tensor_parallel_size) cannot share evenly.",
+                        f"use a multiple of {size}, or a strategy.tensor_parallel_size that divides {value}.",
+                    )
             if plan.has_sequence and cfg.strategy.sequence_parallel and cfg.data.seq_length % size:
-                raise ConfigError("data.seq_length", f"is {cfg.data.seq_length}, which {size} tensor-parallel ranks "
-                                  "cannot share evenly under sequence parallelism (strategy.sequence_parallel).",
-                                  f"use a multiple of {size}, or strategy.sequence_parallel=false.")
+                raise ConfigError(
+                    "data.seq_length",
+                    f"is {cfg.data.seq_length}, which {size} tensor-parallel ranks "
+                    "cannot share evenly under sequence parallelism (strategy.sequence_parallel).",
+                    f"use a multiple of {size}, or strategy.sequence_parallel=false.",
+                )
         if ranks % size:
-            raise ConfigError("trainer.devices", f"gives {ranks} processes, not a multiple of "
-                              f"strategy.tensor_parallel_size={size}.",
-                              f"use a multiple of {size} devices, or a tensor_parallel_size that divides {ranks}.")
+            raise ConfigError(
+                "trainer.devices",
+                f"gives {ranks} processes, not a multiple of strategy.tensor_parallel_size={size}.",
+                f"use a multiple of {size} devices, or a tensor_parallel_size that divides {ranks}.",
+            )
         if per_node % size and size % per_node:  # a group's ranks are consecutive: whole nodes, or within one
-            raise ConfigError("strategy.tensor_parallel_size", f"is {size}: groups of {size} consecutive ranks would "
-                              f"straddle nodes of {per_node} devices (trainer.devices).",
-                              f"use a divisor of {per_node} (within a node, where the links are fastest) or a "
-                              f"multiple of it.")
+            raise ConfigError(
+                "strategy.tensor_parallel_size",
+                f"is {size}: groups of {size} consecutive ranks would "
+                f"straddle nodes of {per_node} devices (trainer.devices).",
+                f"use a divisor of {per_node} (within a node, where the links are fastest) or a multiple of it.",
+            )
         return size
 
 
@@ -99,8 +113,9 @@ class ShardedStrategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy on the device mesh of this strategy's ``dims``, each rank laying out its
     part of the plain (meta) model in ``lay_out``; tensor parallelism (``self.tensor_parallel``) inside."""
 
-    def __init__(self, tensor_parallel_size: int = 1, sequence_parallel: bool = True, loss_parallel: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, tensor_parallel_size: int = 1, sequence_parallel: bool = True, loss_parallel: bool = True, **kwargs: Any
+    ) -> None:
         super().__init__(tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.tensor_parallel = TensorParallel(tensor_parallel_size, sequence_parallel, loss_parallel)
 
@@ -153,8 +168,13 @@ class ShardedStrategy(ModelParallelStrategy):
             mesh = strategy.dims(world).build_mesh("cpu")
             module = new_module()
             strategy.lay_out(module.net, mesh, _convert_precision_to_unified_args(cfg.trainer.precision))
-            yield DeviceWork("rank 0", module, [module.net], cfg.data.batch_size,
-                             loss_parallel=strategy.tensor_parallel.vocab_parallel)
+            yield DeviceWork(
+                "rank 0",
+                module,
+                [module.net],
+                cfg.data.batch_size,
+                loss_parallel=strategy.tensor_parallel.vocab_parallel,
+            )
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         """Write into ``<name>.partial`` and swap it in only once every rank has finished.

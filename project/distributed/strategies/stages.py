@@ -10,7 +10,9 @@ from project.distributed.parallelize import block_sizes, split_blocks
 
 def check_stage_split(cfg: DictConfig, net: nn.Module) -> None:
     """The configured split must exist for this model (``net`` on the meta device), and stages cannot share weights."""
-    num_stages = positive_int_at(cfg, "strategy.num_stages", "set strategy.num_stages to the stages to split the model into.")
+    num_stages = positive_int_at(
+        cfg, "strategy.num_stages", "set strategy.num_stages to the stages to split the model into."
+    )
     if OmegaConf.select(cfg, "model.net.tie_weights"):
         raise ConfigError(
             "model.net.tie_weights",

@@ -30,11 +30,14 @@ class TensorParallelStrategy(ShardedStrategy):
         super().check_config(cfg, net, ckpt_path)
         size, ranks = cfg.strategy.tensor_parallel_size, cfg.strategy.processes * cfg.trainer.num_nodes
         if ranks > size:
-            raise ConfigError("strategy.tensor_parallel_size", f"is {size} of the job's {ranks} processes; "
-                              "strategy=tensor_parallel runs one replica, which spans them all.",
-                              f"use strategy=fsdp strategy.tensor_parallel_size={size} to shard the {ranks // size} "
-                              f"replicas with FSDP, or strategy.tensor_parallel_size={ranks} to split every layer "
-                              "over all of them.")
+            raise ConfigError(
+                "strategy.tensor_parallel_size",
+                f"is {size} of the job's {ranks} processes; "
+                "strategy=tensor_parallel runs one replica, which spans them all.",
+                f"use strategy=fsdp strategy.tensor_parallel_size={size} to shard the {ranks // size} "
+                f"replicas with FSDP, or strategy.tensor_parallel_size={ranks} to split every layer "
+                "over all of them.",
+            )
 
     def lay_out(self, model: nn.Module, mesh: DeviceMesh, precision: str) -> Any:
         """Each layer split over the tensor-parallel dimension."""
