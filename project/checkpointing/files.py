@@ -11,13 +11,14 @@ import tempfile
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
@@ -114,7 +115,8 @@ def checkpoint_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
             raise ValueError(f"is a directory, not a sharded checkpoint (one holds {META_FILE} and .metadata)")
         metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         prefix = "state_dict."
-        return {key.removeprefix(prefix): tuple(item.size) for key, item in metadata.items() if key.startswith(prefix)}
+        tensors = cast(dict[str, TensorStorageMetadata], metadata)  # the state_dict's entries are tensors'
+        return {key.removeprefix(prefix): tuple(item.size) for key, item in tensors.items() if key.startswith(prefix)}
     if not zipfile.is_zipfile(path):
         raise ValueError("is not a checkpoint file (torch.save's format)")
     try:
@@ -136,9 +138,10 @@ def model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     checkpoint = Path(checkpoint)
     if is_sharded_checkpoint(checkpoint):
         metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+        tensors = cast(dict[str, TensorStorageMetadata], metadata)  # the model's entries are tensors'
         wanted = {
             key: torch.empty(item.size, dtype=item.properties.dtype)
-            for key, item in metadata.items()
+            for key, item in tensors.items()
             if key.startswith(f"state_dict.{PREFIX}")
         }
         with warnings.catch_warnings():  # one process reading on purpose, which DCP warns about
@@ -163,7 +166,7 @@ def job_config(checkpoint: str | Path, config: str | Path | None = None) -> Dict
     config = Path(config) if config else Path(checkpoint).resolve().parent.parent / "config.yaml"
     if not config.is_file():
         raise FileNotFoundError(f"{config} does not exist: pass the job's config with --config <job dir>/config.yaml")
-    cfg = OmegaConf.load(config)
+    cfg = cast(DictConfig, OmegaConf.load(config))  # a job's config: a mapping
     for node in (cfg.get("data"), OmegaConf.select(cfg, "model.net")):
         if node is not None and node.get("_target_") in MOVED_TARGETS:
             node._target_ = MOVED_TARGETS[node._target_]

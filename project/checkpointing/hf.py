@@ -14,8 +14,9 @@ this project's ``q``, ``k`` and ``v`` are thirds (``FUSED``).
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -58,7 +59,7 @@ TRANSPOSED = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_pr
 # is [query; key; value]). Separate here, so that tensor parallelism shards each by heads.
 FUSED = {"q": (0, 3), "k": (1, 3), "v": (2, 3)}
 FUSED_NAME = re.compile(r"\.attention\.([qkv])\.(weight|bias)$")
-NET_CLASSES = {"gpt2": GPT, "llama": Llama}
+NET_CLASSES: dict[str, type[GPT] | type[Llama]] = {"gpt2": GPT, "llama": Llama}
 TIED_INPUT = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}  # lm_head's source when tied
 
 
@@ -243,6 +244,8 @@ def _local_slices(parameter: torch.Tensor, part: tuple[int, int] | None) -> tupl
     """The part of the saved tensor this rank holds: the parameter's shape from the start (a GPT-2 position table
     cut to the sequence length trained here), or its shard of it (a DTensor); within a fused tensor, rows of the
     parameter's own part."""
+    shape: Sequence[int]
+    offset: Sequence[int]
     if isinstance(parameter, DTensor):
         shape, offset = compute_local_shape_and_global_offset(
             parameter.shape, parameter.device_mesh, parameter.placements
@@ -316,7 +319,7 @@ def write_hf_dir(
         parts.setdefault(key, [None] * count)[index] = value
     tensors = {}
     for key, values in parts.items():
-        value = torch.cat(values)
+        value = torch.cat(cast(list[torch.Tensor], values))  # a whole state dict holds every part
         value = value.T if TRANSPOSED.search(key) else value
         tensors[key] = value.to(dtype).contiguous()
     out = Path(out)

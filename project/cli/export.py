@@ -9,10 +9,12 @@ read, not the optimizer state. The dir holds ``config.json`` and ``model.safeten
 import argparse
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from torch import nn
 
 from project.checkpointing.files import job_config, model_state
 from project.checkpointing.hf import NET_CLASSES, write_hf_dir
@@ -21,9 +23,9 @@ from project.checkpointing.hf import NET_CLASSES, write_hf_dir
 def export(
     checkpoint: str | Path, out: str | Path, config: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> Path:
-    net_cfg = OmegaConf.to_container(job_config(checkpoint, config).model.net, resolve=True)
+    net_cfg = cast(dict[str, Any], OmegaConf.to_container(job_config(checkpoint, config).model.net, resolve=True))
     with torch.device("meta"):
-        net = instantiate(net_cfg)
+        net: nn.Module = instantiate(net_cfg)
     if not isinstance(net, tuple(NET_CLASSES.values())):
         raise ValueError(f"the job's model is a {type(net).__name__}; Hugging Face dirs hold GPT and Llama models")
     state = model_state(checkpoint)

@@ -1,7 +1,7 @@
 """The objects a config names, built as the workers build them: the plain model on the meta device and the
 Lightning strategy."""
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hydra.utils import instantiate
@@ -22,7 +22,8 @@ def build_strategy(strategy_cfg: DictConfig) -> Any:
     (the launcher's), or Lightning's own ``"auto"`` where the option names no class."""
     if "_target_" not in strategy_cfg:
         return "auto"
-    return instantiate(OmegaConf.masked_copy(strategy_cfg, [key for key in strategy_cfg if key != "processes"]))
+    keys = cast(list[str], [key for key in strategy_cfg if key != "processes"])  # a config group's keys are strings
+    return instantiate(OmegaConf.masked_copy(strategy_cfg, keys))
 
 
 def parallel_dims(strategy: Any, world_size: int) -> ParallelDims:

@@ -9,7 +9,7 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -185,13 +185,14 @@ def _check_precision(cfg: DictConfig) -> None:
         precision = _convert_precision_to_unified_args(cfg.trainer.precision)
     except ValueError as error:
         raise ConfigError("trainer.precision", f"{error}.", "use 32-true, bf16-mixed or (on GPUs) 16-mixed.") from None
-    if precision.startswith("16") and not uses_cuda(cfg):
+    # (precision is None for trainer.precision=null, which is not handled here.)
+    if precision.startswith("16") and not uses_cuda(cfg):  # type: ignore[union-attr]
         raise ConfigError(
             "trainer.precision",
             f"is {precision!r}, but float16 training needs a CUDA GPU and this run is on the CPU.",
             "use trainer.precision=bf16-mixed (CPUs support bfloat16) or 32-true.",
         )
-    if precision.startswith("bf16") and uses_cuda(cfg) and not _gpus_support_bf16(cfg.trainer.devices):
+    if precision.startswith("bf16") and uses_cuda(cfg) and not _gpus_support_bf16(cfg.trainer.devices):  # type: ignore[union-attr]
         raise ConfigError(
             "trainer.precision",
             f"is {precision!r}, but this GPU has no bfloat16 support.",
@@ -274,7 +275,7 @@ def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
             "pass a Hugging Face model dir (config.json "
             "and *.safetensors, as save_pretrained writes it), or model.init_from=null.",
         )
-    check_matches(path, net, OmegaConf.to_container(cfg.model.net, resolve=True))
+    check_matches(path, net, cast(dict[str, Any], OmegaConf.to_container(cfg.model.net, resolve=True)))
     try:
         missing = HFWeights(path).missing(net)
     except (OSError, ValueError, SafetensorError) as error:

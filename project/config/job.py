@@ -12,6 +12,7 @@ import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
@@ -106,7 +107,7 @@ def resolved_config(cfg: DictConfig) -> DictConfig:
         if wandb_cfg is not None and wandb_cfg.group is None and multirun:
             wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
     try:
-        return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True))
+        return cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)))
     except MissingMandatoryValue as error:  # a ??? the command line did not fill (model=language_model: no net)
         raise ConfigError(
             str(error.full_key),
@@ -114,10 +115,11 @@ def resolved_config(cfg: DictConfig) -> DictConfig:
             f"set it on the command line: {error.full_key}=..., or choose an option that sets it.",
         ) from None
     except InterpolationResolutionError as error:
-        raised = re.search(r"ConfigError raised while resolving interpolation: (\S+): (.*?) Fix: (.*?)\n", error.msg)
+        message = cast(str, error.msg)  # set when omegaconf raises it (format_and_raise)
+        raised = re.search(r"ConfigError raised while resolving interpolation: (\S+): (.*?) Fix: (.*?)\n", message)
         if raised:  # a resolver's own error (data=shards: no meta.json in data.path)
             raise ConfigError(*raised.groups()) from None
-        missing = re.search(r"Missing mandatory value: (\S+)", error.msg)
+        missing = re.search(r"Missing mandatory value: (\S+)", message)
         if missing:
             raise ConfigError(
                 missing.group(1),

@@ -1,6 +1,8 @@
 """A LightningDataModule for in-memory datasets, batched by ``GlobalBatchSampler``."""
 
 import warnings
+from collections.abc import Sized
+from typing import cast
 
 import lightning as L
 import torch
@@ -45,8 +47,9 @@ class InMemoryDataModule(L.LightningDataModule):
         raise NotImplementedError
 
     def _loader(self, dataset: Dataset, train: bool) -> DataLoader:
+        assert self.trainer is not None  # loaders are built for the trainer this module is attached to
         rank, replicas = data_parallel_rank_and_size(self.trainer)
-        order = EpochShuffle(len(dataset), shuffle=train and self.shuffle, seed=self.seed)
+        order = EpochShuffle(len(cast(Sized, dataset)), shuffle=train and self.shuffle, seed=self.seed)
         batches = GlobalBatchSampler(order, self.batch_size, rank=rank, world_size=replicas, drop_last=train)
         # Whole batches read at once (batch_size=None: the sampler yields a batch's indices, the dataset is indexed
         # with them), not sample by sample and then collated: for tensors in memory, one indexing per batch.
@@ -72,7 +75,9 @@ class InMemoryDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return {}
-        epoch, done = trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        # The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.
+        epoch = trainer.current_epoch
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         if done >= trainer.num_training_batches:
             return {"epoch": epoch + 1, "batches": 0}
         return {"epoch": epoch, "batches": done}
@@ -87,13 +92,17 @@ class InMemoryDataModule(L.LightningDataModule):
             self.trainer.fit_loop._combined_loader = None
 
     def train_dataloader(self) -> DataLoader:
+        assert self.train_set is not None  # built in setup
         loader = self._loader(self.train_set, train=True)
         if self._resume_position is not None:
-            loader.sampler.resume_at(self._resume_position["epoch"], self._resume_position["batches"])
+            cast(GlobalBatchSampler, loader.sampler).resume_at(
+                self._resume_position["epoch"], self._resume_position["batches"]
+            )
             self._resume_position = None
         return loader
 
     def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None  # built in setup
         return self._loader(self.val_set, train=False)
 
     def text_codec(self) -> TextCodec | None:

@@ -49,7 +49,8 @@ def read_shard(path: Path) -> np.ndarray:
         raise ValueError(f"{path} is not a token shard (no magic number {MAGIC} in its header).")
     if header[1] != VERSION:
         raise ValueError(f"{path} has shard format version {header[1]}; this code reads version {VERSION}.")
-    dtype = {2: np.dtype("<u2"), 4: np.dtype("<u4")}[int(header[3])]
+    dtypes: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # by the header's bytes per token
+    dtype = dtypes[int(header[3])]
     tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(int(header[2]),))
     expected = HEADER_BYTES + int(header[2]) * dtype.itemsize
     if path.stat().st_size != expected:
@@ -88,8 +89,9 @@ class TokenWindows(Dataset):
     def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch of windows at ``indices``: inputs and next-token targets, each (len(indices), seq_length)."""
         length = self.seq_length
-        windows = np.stack([self._tokens(index * length, index * length + length + 1) for index in indices])
-        windows = torch.from_numpy(windows.astype(np.int64))
+        windows = torch.from_numpy(
+            np.stack([self._tokens(index * length, index * length + length + 1) for index in indices]).astype(np.int64)
+        )
         return windows[:, :-1], windows[:, 1:]
 
 

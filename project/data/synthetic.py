@@ -6,6 +6,8 @@ something to learn; ``cluster_std`` sets how much the clusters overlap (harder a
 clusters, not random draws, so validation accuracy measures learning. Everything is drawn from ``seed``.
 """
 
+from typing import Any
+
 import torch
 from torch.utils.data import TensorDataset
 
@@ -57,7 +59,7 @@ class SyntheticDataModule(GeneratedDataModule):
             ("clusters_per_class", clusters_per_class),
         ):
             positive_int(f"data.{name}", value, f"set data.{name} to a positive integer.")
-        self.task = dict(
+        self.task: dict[str, Any] = dict(
             num_features=num_features,
             num_classes=num_classes,
             latent_dim=latent_dim,

@@ -4,6 +4,7 @@ Strategies call these; the models know nothing about them.
 """
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -15,9 +16,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from project.checkpointing.hf import HFWeights
 from project.models.init import initial_value
+from project.models.sequence import BlockSequence
 
 
-def block_sizes(model: nn.Module) -> list[int]:
+def block_sizes(model: BlockSequence) -> list[int]:
     """Parameters per block: what a balanced stage split balances."""
     return [sum(p.numel() for p in block.parameters()) for block in model.blocks]
 
@@ -66,7 +68,7 @@ def split_blocks(
     return ranges[::-1]
 
 
-def stage_modules(model: nn.Module, stages: Sequence[range], stage: int) -> list[nn.Module]:
+def stage_modules(model: BlockSequence, stages: Sequence[range], stage: int) -> list[nn.Module]:
     """The modules stage ``stage`` runs, in order: its blocks, with the stem first on the first stage and the
     head last on the last."""
     modules = [model.blocks[index] for index in stages[stage]]
@@ -77,7 +79,7 @@ def stage_modules(model: nn.Module, stages: Sequence[range], stage: int) -> list
     return modules
 
 
-def keep_only(model: nn.Module, kept: list[nn.Module]) -> None:
+def keep_only(model: BlockSequence, kept: list[nn.Module]) -> None:
     """Drop the stem, blocks and head this rank does not run (before they are ever allocated); ``nn.Identity`` in
     their place keeps the names of the others (and so the checkpoint keys) unchanged."""
     kept_ids = {id(module) for module in kept}
@@ -89,14 +91,14 @@ def keep_only(model: nn.Module, kept: list[nn.Module]) -> None:
             setattr(model, name, nn.Identity())
 
 
-def place_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
+def place_stages(model: BlockSequence, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
     """Allocate each stage's modules (built on the meta device) on its own device; ``materialize`` fills them."""
     for stage, device in enumerate(devices):
         for module in stage_modules(model, stages, stage):
             module.to_empty(device=device)
 
 
-def connect_stages(model: nn.Module, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
+def connect_stages(model: BlockSequence, stages: Sequence[range], devices: Sequence[torch.device]) -> None:
     """Make each stage move its incoming activations to its own device (the naive, sequential pipeline)."""
     for stage, device in enumerate(devices):
         stage_modules(model, stages, stage)[0].register_forward_pre_hook(_inputs_to(device))
@@ -109,7 +111,7 @@ def _inputs_to(device: torch.device):
     return hook
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: BlockSequence) -> None:
     """Recompute each block's activations in backward instead of keeping them.
 
     The composable ``checkpoint`` hooks the block in place, so parameter names, and with them checkpoints, stay
@@ -120,7 +122,7 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
             checkpoint(block)
 
 
-def compile_blocks(model: nn.Module) -> None:
+def compile_blocks(model: BlockSequence) -> None:
     """``torch.compile`` each block's forward, torchtitan's way: the blocks are alike, so the first compiles and the
     others reuse its code. The hooks a strategy puts on a block (FSDP's parameter gathers, activation checkpointing)
     run around the compiled forward, not inside it; parameter names, and so checkpoints, stay as without it."""
@@ -150,14 +152,14 @@ def apply_fsdp(
     then the root takes whatever parameters remain (embeddings, heads)."""
     if isinstance(model, FSDPModule):
         return  # already sharded (Lightning may configure the model again, e.g. for validate after fit)
-    options = dict(
+    options: dict[str, Any] = dict(
         mesh=mesh,
         reshard_after_forward=reshard_after_forward,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         offload_policy=CPUOffloadPolicy() if cpu_offload else None,
     )
     options = {key: value for key, value in options.items() if value is not None}
-    for block in model.blocks:
+    for block in cast(nn.ModuleList, model.blocks):  # a BlockSequence's, or a pipeline StageModule's
         fully_shard(block, **options)
     fully_shard(model, **options)
 
@@ -186,7 +188,7 @@ def allocate(model: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, weights: HFWeights | None = None) -> None:
+def materialize(model: BlockSequence, device: torch.device, seed: int, weights: HFWeights | None = None) -> None:
     """Allocate what is still on the meta device on ``device`` and give every parameter its initial value: drawn
     from ``seed``, or read from ``weights`` (a Hugging Face model dir, ``model.init_from``).
 
@@ -199,6 +201,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, weights: HFWe
     if any(buffer.is_meta for buffer in model.buffers()):
         raise NotImplementedError("materialize initialises parameters; this model's buffers would stay empty")
     allocate(model, device)
+    parameter: torch.Tensor  # a Parameter, or (sharded) its local DTensor piece
     for name, parameter in model.named_parameters():
         if weights is not None:
             value = weights.read(name, parameter).to(parameter.device)

@@ -19,7 +19,7 @@ pipeline stage drops the others), block by block in the model's own numbering.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -35,7 +35,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from project.models.gpt import GPT
+from project.models import gpt, llama
+from project.models.gpt import GPT, LMHead
 from project.models.llama import Llama
 from project.models.mlp import MLP
 
@@ -45,7 +46,15 @@ class ReplicateParallel(ParallelStyle):
     and go out. torch has no such style; torchtitan's ``NoParallel`` is the same idea."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, _replicate_parameters, _inputs_replicated, _output_local)
+        # torch types input_fn and output_fn as returning None, but uses what they return as the module's inputs
+        # and output.
+        return distribute_module(
+            module,
+            device_mesh,
+            _replicate_parameters,
+            _inputs_replicated,  # type: ignore[arg-type]
+            _output_local,  # type: ignore[arg-type]
+        )
 
 
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -80,12 +89,14 @@ def _gradient_split_like_weight(embedding: nn.Embedding) -> None:
     gathering) replaces the parameter, and a parameter's hooks go with it."""
 
     def keep_own_rows(weight: nn.Parameter) -> None:
-        weight.grad = weight.grad.redistribute(placements=weight.placements)
+        # A vocabulary-split weight: a DTensor, as is its gradient.
+        weight.grad = cast(DTensor, weight.grad).redistribute(placements=cast(DTensor, weight).placements)
 
     def hook_weight(module: nn.Module, args: tuple) -> None:
-        if not getattr(module.weight, "keeps_own_rows", False):
-            module.weight.register_post_accumulate_grad_hook(keep_own_rows)
-            module.weight.keeps_own_rows = True
+        weight = cast(nn.Parameter, module.weight)  # the embedding's table
+        if not getattr(weight, "keeps_own_rows", False):
+            weight.register_post_accumulate_grad_hook(keep_own_rows)
+            weight.keeps_own_rows = True  # type: ignore[attr-defined]  # a mark of our own on the parameter
 
     embedding.register_forward_pre_hook(hook_weight)
 
@@ -132,7 +143,9 @@ def _parallelize_decoder(
     """Apply the plans to the parts this rank holds (``nn.Identity`` marks a dropped one), keeping a tied output
     layer tied to the embedding (both split by vocabulary alike)."""
     holds = {part: not isinstance(getattr(net, part), nn.Identity) for part in ("stem", "head")}
-    tied = holds["stem"] and holds["head"] and net.head.output.weight is net.stem.tokens.weight
+    # Where held, the stem and head are the decoder's own (both models' stems keep the token table as ``tokens``).
+    head, stem = cast(LMHead, net.head), cast(gpt.Embedding | llama.TokenEmbedding, net.stem)
+    tied = holds["stem"] and holds["head"] and head.output.weight is stem.tokens.weight
     if holds["stem"]:
         parallelize_module(net.stem, mesh, stem_plan)
     for block in net.blocks:
@@ -141,7 +154,7 @@ def _parallelize_decoder(
     if holds["head"]:
         parallelize_module(net.head, mesh, _head_plan(sequence_parallel, loss_parallel))
     if tied:
-        net.head.output.weight = net.stem.tokens.weight
+        head.output.weight = stem.tokens.weight
 
 
 def parallelize_gpt(net: GPT, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
@@ -154,7 +167,7 @@ def parallelize_gpt(net: GPT, mesh: DeviceMesh, sequence_parallel: bool, loss_pa
     block_plan = _transformer_block_plan(("q", "k", "v", "proj"), ("up",), "down", sequence_parallel)
     _parallelize_decoder(net, mesh, stem_plan, block_plan, sequence_parallel, loss_parallel)
     if not isinstance(net.stem, nn.Identity):
-        _gradient_split_like_weight(net.stem.tokens)
+        _gradient_split_like_weight(cast(gpt.Embedding, net.stem).tokens)
         if sequence_parallel:  # the sum of the two, cut to each rank's share
             parallelize_module(
                 net.stem, mesh, PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
@@ -164,7 +177,7 @@ def parallelize_gpt(net: GPT, mesh: DeviceMesh, sequence_parallel: bool, loss_pa
 def parallelize_llama(net: Llama, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """torchtitan's Llama plan: the token table split by vocabulary, its lookups reduce-scattered straight into
     each rank's share of the sequence under sequence parallelism."""
-    stem_plan = {
+    stem_plan: dict[str, ParallelStyle] = {
         "tokens": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate()
         )
@@ -192,12 +205,13 @@ def parallelize_mlp(net: MLP, mesh: DeviceMesh, sequence_parallel: bool, loss_pa
 
 
 def _decoder_split_sizes(net: GPT | Llama) -> list[tuple[str, str, int]]:
-    attention = net.blocks[0].attention
+    block = cast(gpt.Block | llama.Block, net.blocks[0])
+    attention = block.attention
     sizes = [("num_heads", "attention heads", attention.q.out_features // attention.head_dim)]
     if isinstance(net, Llama):  # (the GPT's MLP width, 4 x dim, divides whenever its heads do)
         sizes += [
             ("num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
-            ("hidden_dim", "SwiGLU hidden units", net.blocks[0].mlp.up.out_features),
+            ("hidden_dim", "SwiGLU hidden units", cast(llama.Block, block).mlp.up.out_features),
         ]
     return sizes
 
@@ -205,7 +219,12 @@ def _decoder_split_sizes(net: GPT | Llama) -> list[tuple[str, str, int]]:
 def _mlp_split_sizes(net: MLP) -> list[tuple[str, str, int]]:
     pairs = len(net.blocks) // 2  # the first layer of each pair, split by its outputs
     return [
-        ("hidden_dims", f"units of hidden layer {index}", net.blocks[index][0].out_features)
+        # Each hidden block is Sequential(Linear, ReLU).
+        (
+            "hidden_dims",
+            f"units of hidden layer {index}",
+            cast(nn.Linear, cast(nn.Sequential, net.blocks[index])[0]).out_features,
+        )
         for index in range(0, 2 * pairs, 2)
     ]
 

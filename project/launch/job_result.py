@@ -72,11 +72,10 @@ class JobResult(L.Callback):
 def per_device_rows(trainer: L.Trainer) -> list[dict[str, Any]]:
     """One row per device of the job: the memory callback's measurements, with the throughput of the device's
     rank (every stage of a process sees its samples); rows of throughput alone without the memory callback."""
-    memory = next((c.per_device for c in trainer.callbacks if isinstance(c, DeviceMemory)), [])
-    rates = {
-        row["rank"]: row
-        for row in next((c.per_device for c in trainer.callbacks if isinstance(c, EpochThroughput)), [])
-    }
+    # (callbacks: set on the Trainer by Lightning's callback connector, not declared by its class.)
+    callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    memory = next((c.per_device for c in callbacks if isinstance(c, DeviceMemory)), [])
+    rates = {row["rank"]: row for row in next((c.per_device for c in callbacks if isinstance(c, EpochThroughput)), [])}
     if not memory:
         return list(rates.values())
     return [{**row, **rates.get(row["rank"], {})} for row in memory]

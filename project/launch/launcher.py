@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -60,7 +60,8 @@ def rendezvous_port(job_id: str) -> int:
 def concurrent_jobs() -> int:
     """Jobs of this sweep that run at the same time on this machine: Hydra's parallel launchers (joblib) say so in
     ``hydra.launcher.n_jobs`` (-1: one per core); the basic launcher runs one at a time."""
-    n_jobs = OmegaConf.select(HydraConfig.get(), "launcher.n_jobs")
+    hydra_cfg = cast(DictConfig, HydraConfig.get())  # a DictConfig, typed by Hydra as its schema
+    n_jobs = OmegaConf.select(hydra_cfg, "launcher.n_jobs")
     if not isinstance(n_jobs, int) or HydraConfig.get().mode != RunMode.MULTIRUN:
         return 1
     return len(os.sched_getaffinity(0)) if n_jobs < 0 else max(1, n_jobs)
@@ -107,7 +108,7 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path, node: Nod
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if node.count == 1:  # a free port, as `torchrun --standalone`
-        rendezvous = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))
+        rendezvous: dict[str, Any] = dict(rdzv_backend="c10d", rdzv_endpoint="localhost:0", run_id=str(uuid.uuid4()))
     else:  # node ranks fixed to the tasks' (torchrun --node-rank), so global rank 0 is on node 0 with the job's records
         rendezvous = dict(
             rdzv_backend="static",

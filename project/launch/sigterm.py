@@ -32,7 +32,8 @@ class StopTogetherOnSigterm(L.Callback):
                 trainer.strategy.launcher.kill(signum)  # processes Lightning itself started, as Lightning does
             self._signalled = True
 
-        trainer._signal_connector._sigterm_notifier_fn = note  # read when fit registers its handlers, after setup
+        # Read when fit registers its handlers, after setup. (Lightning's private method, replaced on the instance.)
+        trainer._signal_connector._sigterm_notifier_fn = note  # type: ignore[method-assign,assignment]
 
     def _agree(self, trainer: L.Trainer) -> None:
         signalled = self._signalled

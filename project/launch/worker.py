@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import cast
 
 from project.launch.processes import JOB_LOG_VARIABLE, die_with_parent, start_heartbeat, stop_on_early_warning
 
@@ -17,7 +18,7 @@ start_heartbeat(int(os.environ["RANK"]))
 stop_on_early_warning()
 
 from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402 (after die_with_parent)
-from omegaconf import OmegaConf  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from project.launch.training import train  # noqa: E402
@@ -46,7 +47,7 @@ def main(config_file: str) -> None:
     rank = int(os.environ["RANK"])
     file_log = log_to_job(Path(os.environ[JOB_LOG_VARIABLE]), rank)
     try:
-        train(OmegaConf.load(config_file))
+        train(cast(DictConfig, OmegaConf.load(config_file)))  # the job's config: a mapping
     except SIGTERMException:  # stopped on request (a preemption): the launcher says so, no traceback needed
         sys.exit(128 + signal.SIGTERM)
     except BaseException:

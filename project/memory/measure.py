@@ -36,6 +36,7 @@ def model_state_bytes_per_device(
         sizes = per_device.setdefault(placement.get(id(parameter), 0), {"params": 0, "grads": 0, "optimizer": 0})
         sizes[part] += local_bytes(tensor)
 
+    parameter: torch.Tensor  # the module's parameters, then the optimizers' state keys
     for parameter in module.parameters():
         add(parameter, "params", parameter)
         if parameter.grad is not None:
@@ -105,7 +106,8 @@ class StepMemoryTracker(ShapeInferenceUntracked, MemTracker):
 
     def __init__(self) -> None:
         super().__init__()
-        self._mod_tracker = _NoModuleHooks()
+        # A stand-in with the part of ModTracker's interface MemTracker uses.
+        self._mod_tracker = _NoModuleHooks()  # type: ignore[assignment]
 
 
 def held_bytes(tracker: MemTracker, snapshot: str = "current") -> int:
@@ -160,6 +162,7 @@ class DeviceMemory(L.Callback):
             self._stop_tracking()
 
     def _stop_tracking(self) -> None:
+        assert self._tracker is not None  # called only while tracking
         self._tracker.__exit__(None, None, None)
         self._tracked_peak = held_bytes(self._tracker, "peak")
         self._tracker = None

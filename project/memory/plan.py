@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hydra.utils import instantiate
@@ -44,7 +44,7 @@ from project.config.errors import ConfigError
 from project.distributed.parallelize import allocate, apply_activation_checkpointing
 from project.distributed.strategies import FSDPStrategy
 from project.memory.measure import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
-from project.memory.simulation import DeviceWork
+from project.memory.simulation import DeviceWork, TaskModule
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class MemoryPlan:
 
 
 def _precision(cfg: DictConfig) -> str:
-    return _convert_precision_to_unified_args(cfg.trainer.precision)
+    # None only for trainer.precision=null, which the config checks have met first.
+    return cast(str, _convert_precision_to_unified_args(cfg.trainer.precision))
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -126,6 +127,7 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
         for parameter in net.parameters():
             parameter.grad = torch.zeros_like(parameter)
         optimizer.step()
+        tracker: MemTracker
         if isinstance(net, FSDPModule):  # the same counts, and which of them are FSDP's gathers and reductions
             tracker = StepFSDPMemTracker(net, optimizer)
         else:
@@ -164,7 +166,7 @@ def _dtensor_shapes_inferred_apart() -> Iterator[None]:
     them as the step's memory, at global shapes (for Llama 3 8B split 8 ways: a whole vocabulary's logits, twice).
     Outside a simulation DTensor makes a fresh mode for it, which no tracker sees; so it does here."""
     detect_fake_mode = _sharding_prop.detect_fake_mode
-    _sharding_prop.detect_fake_mode = lambda: None
+    _sharding_prop.detect_fake_mode = lambda: None  # type: ignore[assignment,misc]  # torch calls it without arguments
     try:
         yield
     finally:
@@ -173,9 +175,9 @@ def _dtensor_shapes_inferred_apart() -> Iterator[None]:
 
 def _step(
     work: DeviceWork,
-    module: nn.Module,
+    module: TaskModule,
     optimizer: torch.optim.Optimizer,
-    batch: tuple[torch.Tensor, torch.Tensor],
+    batch: tuple[torch.Tensor, ...],  # (inputs, targets)
     input_buffers: list[torch.Tensor],
     grad_buffers: list[torch.Tensor],
     tracker: MemTracker,
@@ -250,7 +252,7 @@ def _new_module_factory(cfg: DictConfig):
     """Builds the job's LightningModule around a fresh meta-device net, with the model's own activation
     checkpointing applied as ``configure_model`` applies it (each simulated device cuts or shards its own)."""
 
-    def new_module() -> nn.Module:
+    def new_module() -> TaskModule:
         module = instantiate(cfg.model, net=build_net(cfg))
         if module.activation_checkpointing:
             apply_activation_checkpointing(module.net)
@@ -306,11 +308,11 @@ def _changed(cfg: DictConfig, changes: dict[str, Any], strategy: str | None = No
     with open_dict(changed):
         if strategy is not None:
             changed.strategy = OmegaConf.load(
-                Path(__file__).resolve().parent.parent / "conf" / "strategy" / f"{strategy}.yaml"
+                Path(__file__).resolve().parents[2] / "conf" / "strategy" / f"{strategy}.yaml"
             )
         for key, value in changes.items():
             OmegaConf.update(changed, key, value, force_add=True)
-    return OmegaConf.create(OmegaConf.to_container(changed, resolve=True))
+    return cast(DictConfig, OmegaConf.create(OmegaConf.to_container(changed, resolve=True)))  # from a dict
 
 
 def _checkpointing(cfg: DictConfig) -> bool:

@@ -2,15 +2,40 @@
 (``DeviceWork``, which each strategy's ``simulated_devices`` yields), torch's fake process group (meshes of any size
 in this one process), and the shapes that cross stage boundaries. Below both the strategies and the plan."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any, Protocol
 
+import lightning as L
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor._redistribute import _gen_transform_infos
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+from project.models.sequence import BlockSequence
+
+
+class TaskModule(Protocol):
+    """What the strategies and the memory plan use of a task's LightningModule (``project.tasks.base.TrainingModule``,
+    which sits above them), for type checking."""
+
+    net: BlockSequence
+    criterion: nn.Module
+    optimizer_factory: Callable[..., torch.optim.Optimizer]
+
+    @property
+    def trainer(self) -> L.Trainer: ...
+
+    def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def _optimizer_groups(self) -> list[dict[str, Any]]: ...
+
+    def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None: ...
+
+    def log_metrics(self, split: str) -> None: ...
 
 
 @dataclass
@@ -24,7 +49,7 @@ class DeviceWork:
     """
 
     name: str  # how the plan names the device: "rank 0", "stage 1"
-    module: nn.Module
+    module: TaskModule
     stages: list[nn.Module]
     microbatch_size: int
     microbatches: int = 1
@@ -61,7 +86,7 @@ def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
         _gen_transform_infos.cache_clear()
 
 
-def block_inputs(net: nn.Module, inputs: torch.Tensor) -> list[torch.Tensor]:
+def block_inputs(net: BlockSequence, inputs: torch.Tensor) -> list[torch.Tensor]:
     """The meta tensors entering each block and the head, in order, for ``inputs`` (a meta tensor): the shapes a
     stage boundary carries."""
     seen: list[torch.Tensor] = []

@@ -9,7 +9,8 @@ the values a single device would hold there, without ever building the whole mod
 import hashlib
 
 import torch
-from torch import nn
+
+from project.models.sequence import BlockSequence
 
 
 def parameter_generator(seed: int, name: str) -> torch.Generator:
@@ -18,7 +19,7 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def initial_value(model: nn.Module, name: str, seed: int) -> torch.Tensor:
+def initial_value(model: BlockSequence, name: str, seed: int) -> torch.Tensor:
     """The full-size initial value of ``model``'s parameter ``name``, in float32 on the CPU.
 
     ``model.init_parameter(name, tensor, generator)`` fills it; the model's own parameter may be on the meta
@@ -30,7 +31,7 @@ def initial_value(model: nn.Module, name: str, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> nn.Module:
+def init_weights(model: BlockSequence, seed: int) -> BlockSequence:
     """Give every parameter of a plain (unsharded, materialised) model its initial value; returns the model."""
     for name, parameter in model.named_parameters():
         parameter.copy_(initial_value(model, name, seed))

@@ -5,6 +5,7 @@
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -39,6 +40,6 @@ class MLP(BlockSequence):
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """PyTorch's default for a Linear layer: weight and bias uniform in ±1/sqrt(fan_in)."""
-        layer = self.get_submodule(name.rpartition(".")[0])
+        layer = cast(nn.Linear, self.get_submodule(name.rpartition(".")[0]))  # every parameter is a Linear's
         bound = 1 / math.sqrt(layer.in_features)
         tensor.uniform_(-bound, bound, generator=generator)

@@ -3,7 +3,7 @@ finished job's results went."""
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import rich
 import rich.syntax
@@ -17,7 +17,7 @@ FIRST = ("choices", "overrides", "model", "data", "strategy", "trainer", "logger
 def print_config_tree(cfg: DictConfig) -> None:
     """Print each top-level section of the (resolved) config as a branch of YAML."""
     tree = rich.tree.Tree("CONFIG", style="bold", guide_style="dim")
-    keys = [key for key in FIRST if key in cfg] + [key for key in cfg if key not in FIRST]
+    keys = [key for key in FIRST if key in cfg] + cast(list[str], [key for key in cfg if key not in FIRST])  # str keys
     for key in keys:
         value = cfg[key]
         text = OmegaConf.to_yaml(value) if isinstance(value, DictConfig) else str(value)

@@ -4,7 +4,7 @@ import netrc
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlparse
 
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
@@ -64,7 +64,8 @@ class EpochRows:
         if any(key.startswith("step/") for key in metrics):  # ours, stamped with the steps taken
             # Training went on after a validation within the epoch: its row is complete.
             ready = self.flush() if _has_split(self._row, "val") else []
-            return [*ready, {**metrics, "step": step}]
+            # (Step rows come with their step: TrainingModule.on_before_optimizer_step passes it.)
+            return [*ready, {**metrics, "step": step}]  # type: ignore[dict-item]
         # Lightning stamps its rows in training with the 0-based index of the last step taken; rows here say how
         # many steps were taken, as the step rows do.
         stamp = {} if step is None else {"step": step + 1}
@@ -98,14 +99,16 @@ class EpochCSVLogger(CSVLogger):
         super().__init__(*args, **kwargs)
         self._rows = EpochRows()
 
+    # Lightning hands its loggers floats (its logger connector converts tensors), as the rows here hold.
     @rank_zero_only
-    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:  # type: ignore[override]
         for row in self._rows.add(metrics, step):
             self._write(row)
 
     def _write(self, row: dict[str, float]) -> None:
         # The CSV's `step` column is Lightning's own, from the step argument.
-        super().log_metrics({key: value for key, value in row.items() if key != "step"}, row.get("step"))
+        step = cast(int | None, row.get("step"))  # a count of steps
+        super().log_metrics({key: value for key, value in row.items() if key != "step"}, step)
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
@@ -184,19 +187,24 @@ class EpochWandbLogger(WandbLogger):
 
         if rows:
             columns = list(rows[0])
-            self.experiment.summary[key] = wandb.Table(
-                columns=columns, data=[[row.get(column) for column in columns] for row in rows]
+            table = wandb.Table(
+                columns=cast(list[str | int], columns), data=[[row.get(column) for column in columns] for row in rows]
             )
+            experiment = self.experiment
+            assert experiment is not None  # rank 0's (rank_zero_only): this runs on rank 0 only
+            experiment.summary[key] = table
 
     def _send_row(self, row: dict[str, float]) -> None:
-        self.experiment.log(row)
+        experiment = self.experiment
+        assert experiment is not None  # rank 0's (rank_zero_only): this runs on rank 0 only
+        experiment.log(row)
         if any(key.startswith("step/") for key in row):
             return  # step rows are not epochs: they do not move best/<key>
         value = row.get(self.summary_metric)
         if value is not None and (self._best is None or self._is_better(value, self._best[self.summary_metric])):
             self._best = row
         if self._best is not None:
-            self.experiment.summary.update({f"best/{key}": value for key, value in self._best.items()})
+            experiment.summary.update({f"best/{key}": value for key, value in self._best.items()})
 
     def _is_better(self, value: float, best: float) -> bool:
         return value > best if self.summary_mode == "max" else value < best

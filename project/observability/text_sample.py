@@ -1,6 +1,6 @@
 """A sample of the text a language model writes, after each validation."""
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
@@ -9,6 +9,9 @@ from project.config.errors import ConfigError
 from project.distributed.dims import ParallelDims
 from project.observability.loggers import EpochWandbLogger
 from project.tasks.decoding import check_settings, generate
+
+if TYPE_CHECKING:
+    from project.tasks.base import TrainingModule
 
 
 class TextSample(L.Callback):
@@ -76,7 +79,9 @@ class TextSample(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.prompt is None or trainer.sanity_checking:
             return
-        codec, net = trainer.datamodule.text_codec(), pl_module.net
+        # (datamodule: set on the Trainer by Lightning's data connector, not declared by its class.)
+        datamodule = trainer.datamodule  # type: ignore[attr-defined]
+        codec, net = datamodule.text_codec(), cast("TrainingModule", pl_module).net
         training = net.training
         net.eval()
         tokens = generate(
@@ -86,7 +91,7 @@ class TextSample(L.Callback):
             self.temperature,
             self.top_k,
             self.seed,
-            max_length=trainer.datamodule.seq_length,
+            max_length=datamodule.seq_length,
         )
         net.train(training)
         text = codec.decode(tokens)

@@ -1,15 +1,18 @@
 """What every task's LightningModule shares: the steps, the optimizer, and the protocol strategies rely on."""
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import lightning as L
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights
 from project.config.errors import ConfigError
 from project.distributed.parallelize import apply_activation_checkpointing, compile_blocks, materialize
+from project.models.sequence import BlockSequence
 from project.tasks.metrics import SampleMean
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -44,10 +47,11 @@ class TrainingModule(L.LightningModule):
     criterion: nn.Module
     train_metrics: nn.ModuleDict
     val_metrics: nn.ModuleDict
+    example_batch: Callable[[int, DictConfig], tuple[torch.Tensor, torch.Tensor]]  # (batch_size, data config)
 
     def __init__(
         self,
-        net: nn.Module,
+        net: BlockSequence,
         optimizer: OptimizerFactory,
         init_seed: int,
         scheduler: SchedulerFactory | None = None,
@@ -105,8 +109,10 @@ class TrainingModule(L.LightningModule):
         metrics = self.metrics_for(split)
         # Weighted by the targets it averages over, the epoch's loss is the mean over all samples (or tokens),
         # whatever the batch sizes.
-        metrics["loss"].update(loss.detach(), weight=target.numel())
-        if split == "train" and self.trainer.log_every_n_steps:  # the step rows' loss, only when there are step rows
+        cast(SampleMean, metrics["loss"]).update(loss.detach(), weight=target.numel())
+        # The step rows' loss, only when there are step rows. (Lightning's connectors set log_every_n_steps on the
+        # Trainer; its class does not declare it.)
+        if split == "train" and self.trainer.log_every_n_steps:  # type: ignore[attr-defined]
             self.interval_loss.update(loss.detach(), weight=target.numel())
         self.update_task_metrics(metrics, outputs.detach(), target)
 
@@ -123,7 +129,10 @@ class TrainingModule(L.LightningModule):
         self._logged_splits.add(split)
         metrics = self.metrics_for(split)
         self.log_dict(
-            {f"{split}/{name}": metric for name, metric in metrics.items()}, on_step=False, on_epoch=True, prog_bar=True
+            {f"{split}/{name}": cast(Metric, metric) for name, metric in metrics.items()},
+            on_step=False,
+            on_epoch=True,
+            prog_bar=True,
         )
 
     def on_train_epoch_end(self) -> None:
@@ -137,7 +146,9 @@ class TrainingModule(L.LightningModule):
         training loss over those steps, all ranks' samples (or tokens) together, at x = ``step``. For runs measured
         in steps, and to compare runs step by step; the epoch rows are unchanged. Logged here, once the step's
         loss is known, rather than after the step, where a checkpoint of this step would be saved first."""
-        every, step = self.trainer.log_every_n_steps, self.trainer.global_step + 1  # the step about to be taken
+        # (log_every_n_steps: set on the Trainer by Lightning's logger connector, not declared by its class.)
+        every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]
+        step = self.trainer.global_step + 1  # the step about to be taken
         if not every or step % every:
             return
         loss = self.interval_loss.compute().item()  # every rank joins the reduction
@@ -147,7 +158,9 @@ class TrainingModule(L.LightningModule):
 
     def _running_metrics(self, mid_epoch: bool = True) -> dict[str, Metric]:
         """The metrics a resumed run must go on from: the step rows' always, the epoch's while it is under way."""
-        epoch = {f"train/{name}": metric for name, metric in self.train_metrics.items()} if mid_epoch else {}
+        epoch = (
+            {f"train/{name}": cast(Metric, metric) for name, metric in self.train_metrics.items()} if mid_epoch else {}
+        )
         return {**epoch, "interval_loss": self.interval_loss}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -155,7 +168,9 @@ class TrainingModule(L.LightningModule):
         reports the numbers of the whole epoch. Every rank saves (Lightning builds the checkpoint on each), so all
         join the reduction. (Under pipeline only the last stage updates them; the other stages add zeros.)"""
         trainer = self.trainer
-        mid_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.processed < trainer.num_training_batches
+        # The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+        mid_epoch = processed < trainer.num_training_batches
         checkpoint["running_metrics"] = {}
         for key, metric in self._running_metrics(mid_epoch).items():
             with metric.sync_context():  # sums (the states' reductions) over ranks, then back to this rank's own
@@ -199,7 +214,8 @@ class TrainingModule(L.LightningModule):
     def parameter_groups(self) -> list[list[str]]:
         """Names of the parameters in each optimizer group, in order: weight-decayed, then spared (the
         ``no_weight_decay`` kinds). Every rank has both groups, possibly empty, so their indices always agree."""
-        decayed, spared = [], []
+        decayed: list[str] = []
+        spared: list[str] = []
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rpartition(".")[0])
             spare = any(NO_DECAY_KINDS[kind](name, module) for kind in self.no_weight_decay)

@@ -1,9 +1,12 @@
 """Classification: cross-entropy, accuracy and mean loss, logged once per epoch."""
 
+from typing import cast
+
 import torch
 from omegaconf import DictConfig
 from torch import nn
 
+from project.models.sequence import BlockSequence
 from project.tasks.base import TrainingModule
 from project.tasks.metrics import SampleAccuracy, SampleMean
 
@@ -16,14 +19,14 @@ class ClassificationModule(TrainingModule):
     """``net`` maps inputs to class logits. ``val/loss`` and ``val/acc`` are exact full-set values for any device
     count: the metrics accumulate per-sample sums on each rank and are reduced once at epoch end."""
 
-    def __init__(self, net: nn.Module, **kwargs) -> None:
+    def __init__(self, net: BlockSequence, **kwargs) -> None:
         super().__init__(net, **kwargs)
         self.criterion = nn.CrossEntropyLoss()
         self.train_metrics = _classification_metrics()
         self.val_metrics = _classification_metrics()
 
     def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
-        metrics["acc"].update(outputs, target)
+        cast(SampleAccuracy, metrics["acc"]).update(outputs, target)
 
     def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of the shapes and dtypes the data module (``data``, its config) feeds: features and labels."""

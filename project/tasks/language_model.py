@@ -1,5 +1,7 @@
 """Next-token prediction: token cross-entropy, perplexity, and the data's entropy floor next to the val loss."""
 
+from typing import cast
+
 import torch
 from omegaconf import DictConfig
 from torch import nn
@@ -7,6 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn import functional as F
 
+from project.models.sequence import BlockSequence
 from project.tasks.base import TrainingModule
 from project.tasks.metrics import SampleMean
 
@@ -21,7 +24,8 @@ class TokenCrossEntropy(nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if isinstance(logits, DTensor):
             with loss_parallel():
-                return F.cross_entropy(logits.flatten(0, 1), target.flatten()).to_local()
+                # A DTensor's loss is a DTensor (typed as a plain Tensor by torch).
+                return cast(DTensor, F.cross_entropy(logits.flatten(0, 1), target.flatten())).to_local()
         return F.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
@@ -29,7 +33,7 @@ class LanguageModelModule(TrainingModule):
     """``net`` maps token ids (batch, length) to next-token logits. Logs ``train/loss``, ``val/loss`` and
     ``val/perplexity`` per epoch, and ``data/entropy_floor`` when the data knows its best achievable loss."""
 
-    def __init__(self, net: nn.Module, **kwargs) -> None:
+    def __init__(self, net: BlockSequence, **kwargs) -> None:
         super().__init__(net, **kwargs)
         self.criterion = TokenCrossEntropy()
         self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
@@ -44,7 +48,8 @@ class LanguageModelModule(TrainingModule):
         super().on_validation_epoch_end()
         # Perplexity is exp of the mean token loss, which the loss metric already holds (reduced over all ranks):
         # no second pass over the logits.
-        self.log("val/perplexity", torch.exp(self.val_metrics["loss"].compute()))
-        floor = getattr(self.trainer.datamodule, "entropy_floor", None)
+        self.log("val/perplexity", torch.exp(cast(SampleMean, self.val_metrics["loss"]).compute()))
+        # (datamodule: set on the Trainer by Lightning's data connector, not declared by its class.)
+        floor = getattr(self.trainer.datamodule, "entropy_floor", None)  # type: ignore[attr-defined]
         if floor is not None:  # plotted beside val/loss: how far the model is from the best possible
             self.log("data/entropy_floor", floor)

@@ -13,6 +13,8 @@ class SampleMean(Metric):
     """
 
     full_state_update = False
+    total: torch.Tensor  # states, made by add_state
+    weight: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,5 +37,6 @@ class SampleMean(Metric):
 class SampleAccuracy(SampleMean):
     """The fraction of samples whose most likely class is the target."""
 
-    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:
+    # Its own update arguments (logits and targets), as torchmetrics' metrics each have.
+    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:  # type: ignore[override]
         super().update(logits.argmax(-1) == target)

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from project.config.checks import uses_cuda
@@ -23,6 +22,7 @@ from project.config.errors import ConfigError
 from project.distributed.dims import DATA_PARALLEL, ParallelDims
 from project.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
 from project.distributed.strategies.sharded import ShardedStrategy
+from project.models.sequence import BlockSequence
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -47,7 +47,7 @@ class FSDPStrategy(ShardedStrategy):
         return ParallelDims(world_size, tensor_parallel=self.tensor_parallel.size, shard=True)
 
     @classmethod
-    def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
+    def check_config(cls, cfg: DictConfig, net: BlockSequence, ckpt_path: str | None) -> None:
         super().check_config(cfg, net, ckpt_path)
         if cfg.strategy.cpu_offload and not uses_cuda(cfg):
             raise ConfigError(
@@ -56,7 +56,7 @@ class FSDPStrategy(ShardedStrategy):
                 "set strategy.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
             )
 
-    def lay_out(self, model: nn.Module, mesh: DeviceMesh, precision: str) -> None:
+    def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> None:
         """Tensor parallelism if asked, then activation checkpointing if asked, then FSDP2 per block over the
         data-parallel dimension, gathering parameters in the precision's compute dtype."""
         self.tensor_parallel.apply(model, mesh)

@@ -13,7 +13,6 @@ import torch
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig
-from torch import nn
 
 from project.distributed.parallelize import (
     block_sizes,
@@ -24,7 +23,8 @@ from project.distributed.parallelize import (
     stage_modules,
 )
 from project.distributed.strategies.stages import check_stage_split
-from project.memory.simulation import DeviceWork, block_inputs
+from project.memory.simulation import DeviceWork, TaskModule, block_inputs
+from project.models.sequence import BlockSequence
 
 
 class ManualModelParallelStrategy(SingleDeviceStrategy):
@@ -43,12 +43,12 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
         self.parameter_stage: dict[int, int] = {}  # id(parameter) -> stage, for per-device memory accounting
 
     @classmethod
-    def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
+    def check_config(cls, cfg: DictConfig, net: BlockSequence, ckpt_path: str | None) -> None:
         """Rules checked before launch (``project.config.checks``)."""
         check_stage_split(cfg, net)
 
     @classmethod
-    def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], nn.Module]) -> Iterator[DeviceWork]:
+    def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], TaskModule]) -> Iterator[DeviceWork]:
         """For the memory plan: each stage, holding its blocks, the activations of the whole batch through them
         and, after the first, the input that arrives from the stage before."""
         strategy = cfg.strategy
@@ -82,7 +82,7 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
     def root_device(self) -> torch.device:
         return self.stage_device(self.num_stages - 1)
 
-    def parallelize(self, model: nn.Module) -> None:
+    def parallelize(self, model: BlockSequence) -> None:
         """Called from the LightningModule's ``configure_model`` with its plain (meta) model: each stage is
         allocated on its own device, never the whole model on one."""
         if self.stages:
@@ -100,6 +100,7 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
 
     def model_to_device(self) -> None:
         # The stages are on their devices already; everything else (metrics, buffers) goes to the root device.
+        assert self.model is not None  # (as in Lightning's own model_to_device)
         for child in self.model.children():
             if child is not self._staged_model:
                 child.to(self.root_device)

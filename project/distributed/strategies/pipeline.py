@@ -19,7 +19,7 @@ a rank allocates only its own stages.
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -49,7 +49,11 @@ from project.distributed.parallelize import (
 )
 from project.distributed.strategies.sharded import ShardedStrategy
 from project.distributed.strategies.stages import check_stage_split
-from project.memory.simulation import DeviceWork, block_inputs, fake_process_group
+from project.memory.simulation import DeviceWork, TaskModule, block_inputs, fake_process_group
+from project.models.sequence import BlockSequence
+
+if TYPE_CHECKING:  # torch's private base class of the schedules, for annotations
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -105,8 +109,8 @@ class PipelineStrategy(ShardedStrategy):
         self.blocks_per_stage = list(blocks_per_stage) if blocks_per_stage is not None else None
         self.pipeline_size = num_stages // stages_per_rank
         self.stage_modules: list[StageModule] = []
-        self._train_schedule = None
-        self._eval_schedule = None
+        self._train_schedule: _PipelineSchedule | None = None
+        self._eval_schedule: _PipelineSchedule | None = None
         self._eval_batch_size = 0
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -127,7 +131,7 @@ class PipelineStrategy(ShardedStrategy):
         )
 
     @classmethod
-    def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
+    def check_config(cls, cfg: DictConfig, net: BlockSequence, ckpt_path: str | None) -> None:
         """Rules checked before launch (``project.config.job``): the split, the schedule, the mesh, the
         micro-batches."""
         super().check_config(cfg, net, ckpt_path)
@@ -204,12 +208,12 @@ class PipelineStrategy(ShardedStrategy):
     def holds_last_stage(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def parallelize(self, model: nn.Module) -> None:
+    def parallelize(self, model: BlockSequence) -> None:
         """Called from the LightningModule's ``configure_model`` with its plain (meta) model."""
         if not self.stage_modules:
             self.stage_modules = self.lay_out(model, self.device_mesh, self.precision_plugin.precision)
 
-    def lay_out(self, model: nn.Module, mesh: DeviceMesh, precision: str) -> list["StageModule"]:
+    def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> list["StageModule"]:
         """This rank's part of ``model`` (on the meta device): the modules of its stages, the others dropped, each
         split over its tensor-parallel ranks and then sharded over its data-parallel peers when it has them."""
         stages = split_blocks(block_sizes(model), self.num_stages, self.blocks_per_stage)
@@ -252,7 +256,7 @@ class PipelineStrategy(ShardedStrategy):
         )
 
     @classmethod
-    def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], nn.Module]) -> Iterator[DeviceWork]:
+    def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], TaskModule]) -> Iterator[DeviceWork]:
         """For the memory plan: each rank of one pipeline (their data-parallel and tensor-parallel peers hold the
         same), laid out as in a real run over a fake process group of the job's size, with the micro-batches its
         schedule keeps in flight."""
@@ -299,6 +303,7 @@ class PipelineStrategy(ShardedStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if not is_sharded_checkpoint(path):
             raise ValueError(f"strategy=pipeline resumes from the sharded checkpoints it saves; {path} is not one")
+        assert self.model is not None  # (as in Lightning's own load_checkpoint)
         model_state = get_model_state_dict(self.model)
         dcp.load({"state_dict": model_state}, checkpoint_id=path)
         self.model.load_state_dict(model_state)
@@ -314,7 +319,7 @@ class PipelineStrategy(ShardedStrategy):
                 group["lr"] = rate
         return checkpoint
 
-    def _make_schedule(self, loss_fn) -> Any:
+    def _make_schedule(self, loss_fn) -> "_PipelineSchedule":
         stages = [
             PipelineStage(
                 module, stage, self.num_stages, self.root_device, group=self.device_mesh[PIPELINE].get_group()
@@ -331,10 +336,10 @@ class PipelineStrategy(ShardedStrategy):
     def _loss_divisor(self) -> int:
         """What each micro-batch's mean loss is divided by, so that the gradients add up to those Lightning takes
         from one batch: the micro-batches of the batch, times the batches accumulated per optimizer step."""
-        return self.microbatches * self.lightning_module.trainer.accumulate_grad_batches
+        return self.microbatches * cast(TaskModule, self.lightning_module).trainer.accumulate_grad_batches
 
     def _microbatch_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.lightning_module.criterion(outputs, target) / self._loss_divisor
+        return cast(TaskModule, self.lightning_module).criterion(outputs, target) / self._loss_divisor
 
     def _run_schedule(self, schedule, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
         """Feed the inputs on the first stage; the last stage returns the merged outputs, other ranks None."""
@@ -345,7 +350,7 @@ class PipelineStrategy(ShardedStrategy):
         """Only registers the metrics: Lightning zeroes gradients between ``training_step`` and ``backward``, so
         the schedule (forward and backward of every micro-batch) runs in ``backward``."""
         self._batch = batch
-        self.lightning_module.log_metrics("train")
+        cast(TaskModule, self.lightning_module).log_metrics("train")
         return torch.zeros((), device=self.root_device)
 
     def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -353,6 +358,7 @@ class PipelineStrategy(ShardedStrategy):
         with the pipeline schedule where the precision plugin would call ``loss.backward()``."""
         module = self.lightning_module
         self.pre_backward(closure_loss)
+        assert module is not None  # (as in Lightning's own backward)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._train_schedule_step()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
@@ -360,9 +366,10 @@ class PipelineStrategy(ShardedStrategy):
         return closure_loss
 
     def _train_schedule_step(self) -> None:
-        module = self.lightning_module
+        module = cast(TaskModule, self.lightning_module)
         if self._train_schedule is None:
             self._train_schedule = self._make_schedule(loss_fn=self._microbatch_loss)
+        assert self._batch is not None  # set by training_step
         (inputs, target), self._batch = self._batch, None
         losses: list[torch.Tensor] = []
         with self.precision_plugin.train_step_context():  # autocast under bf16-mixed, as Lightning's training_step
@@ -372,6 +379,7 @@ class PipelineStrategy(ShardedStrategy):
         if self.holds_last_stage:
             # Equal micro-batches: their scaled losses add up to the batch's mean loss over the accumulation.
             batch_loss = torch.stack(losses).sum() * module.trainer.accumulate_grad_batches
+            assert logits is not None  # the last stage's merged outputs
             module.update_metrics("train", logits, target, batch_loss)
 
     def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
@@ -382,7 +390,7 @@ class PipelineStrategy(ShardedStrategy):
         """Forward only. Stages fix their activation shapes on first use, so every evaluation batch is padded to
         one size (the first, largest batch, rounded up to equal micro-batches) and the padding's outputs are dropped
         before the metrics see them."""
-        module = self.lightning_module
+        module = cast(TaskModule, self.lightning_module)
         inputs, target = batch
         if self._eval_schedule is None:
             self._eval_schedule = self._make_schedule(loss_fn=None)
@@ -394,6 +402,7 @@ class PipelineStrategy(ShardedStrategy):
         with self.precision_plugin.val_step_context():
             logits = self._run_schedule(self._eval_schedule.eval, inputs)
         if self.holds_last_stage:
+            assert logits is not None  # the last stage's merged outputs
             logits = logits[:size]
             module.update_metrics("val", logits, target, module.criterion(logits, target))
         module.log_metrics("val")

@@ -19,7 +19,6 @@ import torch
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -28,7 +27,8 @@ from project.config.checks import positive_int_at
 from project.config.errors import ConfigError
 from project.distributed.dims import TENSOR_PARALLEL, ParallelDims
 from project.distributed.plans import apply_tensor_parallel, model_plan
-from project.memory.simulation import DeviceWork, fake_process_group
+from project.memory.simulation import DeviceWork, TaskModule, fake_process_group
+from project.models.sequence import BlockSequence
 
 # What Lightning's ModelParallelStrategy accepts (it refuses 16-mixed, whose gradient scaler it does not drive).
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-true")
@@ -50,7 +50,7 @@ class TensorParallel:
         """Whether a language model's logits stay split by vocabulary into the loss."""
         return self.loss_parallel and self.size > 1
 
-    def apply(self, model: nn.Module, mesh: DeviceMesh) -> None:
+    def apply(self, model: BlockSequence, mesh: DeviceMesh) -> None:
         """Split each layer of ``model`` (on the meta device) over the mesh's tensor-parallel dimension."""
         if self.size > 1:
             apply_tensor_parallel(model, mesh[TENSOR_PARALLEL], self.sequence_parallel, self.vocab_parallel)
@@ -60,7 +60,7 @@ class TensorParallel:
         return loss_parallel() if self.vocab_parallel else nullcontext()
 
     @staticmethod
-    def check_config(cfg: DictConfig, net: nn.Module) -> int:
+    def check_config(cfg: DictConfig, net: BlockSequence) -> int:
         """Rules of ``strategy.tensor_parallel_size`` for this model (``net`` on the meta device) and the job's
         ranks; returns the size."""
         size = positive_int_at(
@@ -124,7 +124,7 @@ class ShardedStrategy(ModelParallelStrategy):
         raise NotImplementedError
 
     @classmethod
-    def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
+    def check_config(cls, cfg: DictConfig, net: BlockSequence, ckpt_path: str | None) -> None:
         """Rules checked before launch (``project.config.job``); each strategy adds its own."""
         precision = _convert_precision_to_unified_args(cfg.trainer.precision)
         if precision not in SUPPORTED_PRECISIONS:
@@ -143,13 +143,14 @@ class ShardedStrategy(ModelParallelStrategy):
         super(ModelParallelStrategy, self).setup_environment()
         self._setup_distributed()
         self._device_mesh = self.dims(self.world_size).build_mesh(self.root_device.type)
+        assert self.lightning_module is not None  # (as in Lightning's own setup_environment)
         self.lightning_module._device_mesh = self._device_mesh
 
-    def parallelize(self, model: nn.Module) -> None:
+    def parallelize(self, model: BlockSequence) -> None:
         """Called from the LightningModule's ``configure_model`` with its plain (meta) model."""
         self.lay_out(model, self.device_mesh, self.precision_plugin.precision)
 
-    def lay_out(self, model: nn.Module, mesh: DeviceMesh, precision: str) -> Any:
+    def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> Any:
         """``model`` (on the meta device) as this strategy lays it out over ``mesh``. Real runs and the memory
         plan's simulated devices both come here."""
         raise NotImplementedError
@@ -160,7 +161,7 @@ class ShardedStrategy(ModelParallelStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @classmethod
-    def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], nn.Module]) -> Iterator[DeviceWork]:
+    def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], TaskModule]) -> Iterator[DeviceWork]:
         """For the memory plan: rank 0, whose shards are the largest (FSDP and an uneven vocabulary leave the last
         ranks' shorter), laid out as in a real run over a fake process group of the job's size."""
         strategy, world = build_strategy(cfg.strategy), cfg.strategy.processes * cfg.trainer.num_nodes

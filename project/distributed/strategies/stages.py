@@ -1,14 +1,14 @@
 """Rules of the strategies that split the model's block sequence into stages (model_parallel, pipeline)."""
 
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
 
 from project.config.checks import positive_int_at
 from project.config.errors import ConfigError
 from project.distributed.parallelize import block_sizes, split_blocks
+from project.models.sequence import BlockSequence
 
 
-def check_stage_split(cfg: DictConfig, net: nn.Module) -> None:
+def check_stage_split(cfg: DictConfig, net: BlockSequence) -> None:
     """The configured split must exist for this model (``net`` on the meta device), and stages cannot share weights."""
     num_stages = positive_int_at(
         cfg, "strategy.num_stages", "set strategy.num_stages to the stages to split the model into."

@@ -11,12 +11,12 @@ same way (3D).
 from typing import Any
 
 from omegaconf import DictConfig
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from project.config.errors import ConfigError
 from project.distributed.dims import ParallelDims
 from project.distributed.strategies.sharded import ShardedStrategy
+from project.models.sequence import BlockSequence
 
 
 class TensorParallelStrategy(ShardedStrategy):
@@ -26,7 +26,7 @@ class TensorParallelStrategy(ShardedStrategy):
         return ParallelDims(world_size, tensor_parallel=self.tensor_parallel.size)
 
     @classmethod
-    def check_config(cls, cfg: DictConfig, net: nn.Module, ckpt_path: str | None) -> None:
+    def check_config(cls, cfg: DictConfig, net: BlockSequence, ckpt_path: str | None) -> None:
         super().check_config(cfg, net, ckpt_path)
         size, ranks = cfg.strategy.tensor_parallel_size, cfg.strategy.processes * cfg.trainer.num_nodes
         if ranks > size:
@@ -39,6 +39,6 @@ class TensorParallelStrategy(ShardedStrategy):
                 "over all of them.",
             )
 
-    def lay_out(self, model: nn.Module, mesh: DeviceMesh, precision: str) -> Any:
+    def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> Any:
         """Each layer split over the tensor-parallel dimension."""
         self.tensor_parallel.apply(model, mesh)
