@@ -18,7 +18,7 @@ BUNDLE_PYTHON ?= 3.12
 LOCAL_PYTHON = $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 OUT ?= gpu-check-results
 
-.PHONY: help install train test test-fast lock clean gpu-bundle gpu-check offline-check
+.PHONY: help install train test test-fast lint lock clean gpu-bundle gpu-check offline-check
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -46,6 +46,11 @@ test: install  ## the whole test suite (what CI runs)
 
 test-fast: install  ## the suite without the slow end-to-end runs
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: install  ## ruff (lint, import order, format) on the repo, mypy on project/ (CI runs it before the tests)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 lock: install  ## rewrite constraints.txt from the current .venv (torch and its CUDA packages left out)
 	( head -n 3 constraints.txt; $(BIN)/pip freeze --exclude-editable --exclude torch \
