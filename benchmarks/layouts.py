@@ -1,5 +1,5 @@
 """Memory per device of each way to lay a model out over devices, and the losses of options the suite does not run
-under tensor parallelism: the figures of README.md's "Tensor parallelism and 2D / 3D layouts".
+under tensor parallelism: the figures of docs/tensor-parallel.md.
 
     python benchmarks/layouts.py            # every table, about 12 minutes on 2 CPU cores
     python benchmarks/layouts.py measured   # real runs of a small GPT in every layout

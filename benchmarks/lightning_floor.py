@@ -1,4 +1,4 @@
-"""Lightning's own cost per training step (README, Speed): ``python benchmarks/lightning_floor.py``.
+"""Lightning's own cost per training step (docs/speed.md): ``python benchmarks/lightning_floor.py``.
 
 In one process, the default run's MLP (256 -> 1024 -> 512 -> 10, SGD momentum, batches of 64 drawn from tensors in
 memory) trains 128 steps a round: by a plain loop, then by a bare ``lightning.Trainer`` (no logger, callbacks,

@@ -1,5 +1,5 @@
 """The memory plan against what runs measure, and plans of a large model on a simulated cluster: the figures of
-README.md's "Will it fit?" section.
+docs/memory-plan.md.
 
     python benchmarks/memory_plan.py            # both tables, about 3 minutes on 2 CPU cores
     python benchmarks/memory_plan.py measured   # predicted against measured only

@@ -1,5 +1,6 @@
-"""Re-measure the run figures README.md quotes: each table comes from the README's own commands, read back from the
-CSV logger (``<job dir>/csv/version_0/metrics.csv``; W&B runs hold the same values).
+"""Re-measure the run figures of docs/usage.md (default, batch), docs/fsdp.md (fsdp), docs/model-parallel.md (split)
+and docs/models.md (gpt): each table comes from the commands those pages give, read back from the CSV logger
+(``<job dir>/csv/version_0/metrics.csv``; W&B runs hold the same values).
 
     python benchmarks/readme_figures.py             # all tables, a few minutes on 2 CPU cores
     python benchmarks/readme_figures.py gpt fsdp    # some of them: default, batch, fsdp, split, gpt

@@ -1,7 +1,7 @@
 """A real text corpus that ships with every Python: prepare the sources of sixteen standard-library packages (6.5 MB
 of Python) with a trained 1024-token BPE, then train the tiny GPT (model=gpt) on them for one epoch, on this
 machine, nothing downloaded. Prints the commands and what they gave (tokens, validation loss, tokens/s, times),
-the figures README quotes.
+the figures docs/data.md quotes (Preparing a corpus).
 
     python benchmarks/stdlib_corpus.py                  # in a temporary dir, removed afterwards
     python benchmarks/stdlib_corpus.py --dir data/stdlib --devices 2   # keep the corpus; ddp x 2

@@ -1,4 +1,4 @@
-"""How long a launcher's workers outlive it after SIGKILL (README, Faults): ``python benchmarks/worker_exit.py``.
+"""How long a launcher's workers outlive it after SIGKILL (docs/faults.md): ``python benchmarks/worker_exit.py``.
 
 Three times: a ddp x 2 job (the tests' tiny MLP) is killed with SIGKILL once its first epoch is saved; the workers'
 ``/proc`` entries are polled every 5 ms until both are gone (a zombie counts as gone).

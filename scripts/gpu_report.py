@@ -69,7 +69,7 @@ def markdown(report: dict[str, Any], benchmark_md: str | None) -> str:
         f"# make gpu-check, {m['date']}",
         "",
         f"GPU: {m['gpu'] or 'none (CUDA not available)'}; torch {m['torch']} (CUDA {m['cuda']}); "
-        f"Python {m['python']}. Re-measure: `make gpu-check OUT=<dir>` on the box (README, GPU boxes offline).",
+        f"Python {m['python']}. Re-measure: `make gpu-check OUT=<dir>` on the box (docs/gpu-offline.md).",
         "",
         f"## GPU tests (`pytest -m gpu`, exit code {report['tests_exit']})",
         "",

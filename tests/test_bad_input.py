@@ -207,7 +207,10 @@ CASES = [
         "[16, 64] here",
     ),
     # Data files
-    (["model=gpt", "data=text", "data.path=corpus.txt"], "data.path: corpus.txt is not a file"),  # README's example
+    (
+        ["model=gpt", "data=text", "data.path=corpus.txt"],
+        "data.path: corpus.txt is not a file",
+    ),  # docs/models.md's example
     (["model=gpt", "data=text", "data.path={files}/a_dir"], "data.path: {files}/a_dir is not a file"),
     (["model=gpt", "data=text", "data.path={files}/empty.txt"], "data.path: {files}/empty.txt has 0 bytes, too few"),
     (["model=gpt", "data=text", "data.path={files}/tiny.txt"], "data.path: {files}/tiny.txt has 11 bytes, too few"),

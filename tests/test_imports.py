@@ -6,6 +6,32 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# docs/architecture.md's "Import layers", top to bottom: a module may import from its own layer and those below.
+# A module belongs to the layer of the longest prefix that names it.
+LAYERS = [
+    ("entry points", ["project.cli"]),
+    ("job", ["project.launch", "project.config.job"]),
+    ("plan", ["project.memory.plan"]),
+    (
+        "Lightning parts",
+        ["project.tasks", "project.observability", "project.memory.measure", "project.checkpointing.latest_and_best"],
+    ),
+    ("parallelism", ["project.distributed"]),
+    (
+        "foundations",
+        [
+            "project.config.checks",
+            "project.config.build",
+            "project.memory.simulation",
+            "project.checkpointing.files",
+            "project.checkpointing.hf",
+            "project.distributed.dims",
+        ],
+    ),
+    ("plain PyTorch", ["project.models", "project.data", "project.tasks.decoding", "project.config.resolvers"]),
+    ("errors", ["project.config.errors"]),
+]
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
@@ -72,3 +98,38 @@ def test_project_has_no_import_cycles():
     graph = import_graph()
     assert len(graph) > 50 and graph["project.launch.launcher"], "the graph must see the package's imports"
     assert cycles(graph) == []
+
+
+def layer_of(module: str) -> int:
+    """The index in ``LAYERS`` (0 the top) of the longest prefix naming ``module``."""
+    matches = [
+        (len(prefix), index)
+        for index, (_, prefixes) in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert matches, f"{module} is in no layer of LAYERS (and of docs/architecture.md)"
+    return max(matches)[1]
+
+
+def test_no_import_climbs_a_layer():
+    graph = import_graph()
+    packages = {name for name in graph if (REPO / name.replace(".", "/") / "__init__.py").is_file()}
+    climbs = [
+        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
+        for module, targets in graph.items()
+        if module not in packages  # a package only gathers its modules
+        for target in targets
+        if layer_of(target) < layer_of(module)
+    ]
+    assert climbs == []
+
+
+def test_the_layer_check_sees_a_climb():
+    assert layer_of("project.models.gpt") > layer_of("project.distributed.plans") > layer_of("project.launch.worker")
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name alone says which one it is (no two ``tensor_parallel.py`` in different folders)."""
+    names = [path.name for path in (REPO / "project").rglob("*.py") if path.name != "__init__.py"]
+    assert len(names) > 50 and sorted({name for name in names if names.count(name) > 1}) == []

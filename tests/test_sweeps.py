@@ -58,7 +58,7 @@ def test_each_job_of_a_multi_process_sweep_writes_its_result_and_the_sweep_a_sum
 
 @pytest.mark.slow
 def test_optuna_search_over_ddp_jobs_records_every_trial_goes_on_past_failed_ones_and_continues(runs_dir, home):
-    """README's search with 4 trials of ddp x 2 jobs. With 200 training samples a batch size of 128 per device
+    """docs/sweeps.md's search with 4 trials of ddp x 2 jobs. With 200 training samples a batch size of 128 per device
     (global 256) is a config error: those trials must fail in Optuna's records while the search goes on. The
     search is killed while a trial trains, then the same command continues it to 4 trials that ended."""
     optuna = require_extra("optuna", "optuna")
