@@ -22,9 +22,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]

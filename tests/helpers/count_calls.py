@@ -1,5 +1,5 @@
 """``python tests/helpers/count_calls.py <out.json> <function>... -- <train.py args>``: run ``train.py`` in this
-process and write how many times each named function (``module:qualname``) was called, counted by a profile hook
+process and write how many times each named function (``module:function``) was called, counted by a profile hook
 on the function's code, whatever name it was imported under."""
 
 import json
@@ -15,17 +15,17 @@ def main() -> None:
     out, rest = sys.argv[1], sys.argv[2:]
     split = rest.index("--")
     wanted, args = rest[:split], rest[split + 1 :]
-    # A code object is named by its file and qualified name: project.config.checks:check_config ->
+    # A module-level function's code is named by its file and name: project.config.checks:check_config ->
     # (<repo>/project/config/checks.py, check_config).
     targets = {}
     for name in wanted:
-        module, qualname = name.split(":")
-        targets[(str(REPO / (module.replace(".", "/") + ".py")), qualname)] = name
+        module, function = name.split(":")
+        targets[(str(REPO / (module.replace(".", "/") + ".py")), function)] = name
     counts: Counter[str] = Counter({name: 0 for name in wanted})
 
     def profile(frame, event, arg) -> None:
         if event == "call":
-            name = targets.get((frame.f_code.co_filename, frame.f_code.co_qualname))
+            name = targets.get((frame.f_code.co_filename, frame.f_code.co_name))
             if name is not None:
                 counts[name] += 1
 
