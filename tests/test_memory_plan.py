@@ -5,13 +5,13 @@ import csv
 import math
 
 import pytest
-from conftest import TINY_GPT, only_run, train
+from conftest import TINY, TINY_GPT, only_run, train
 from omegaconf import OmegaConf, open_dict
 from test_config import compose_train
 
 from project.config.build import build_net
 from project.distributed.parallelize import block_sizes, split_blocks, stage_modules
-from project.memory.plan import plan_memory
+from project.memory.plan import candidate_changes, plan_memory
 
 MODEL_STATE = ("params", "grads", "optimizer", "model_state")
 
@@ -228,6 +228,14 @@ SMALL_DEVICE = [
     "+trainer.limit_val_batches=1",
     "logger=csv",
 ]
+
+
+def test_a_suggested_strategy_is_set_as_its_config_file_sets_it():
+    """A DDP run's suggestions include FSDP over the same devices, its options read from conf/strategy/fsdp.yaml."""
+    changes = dict(candidate_changes(resolved([*TINY, "strategy=ddp", "trainer.devices=2", "logger=none"])))
+    fsdp = changes["strategy=fsdp"].strategy
+    assert fsdp._target_ == "project.distributed.strategies.FSDPStrategy" and fsdp.processes == 2
+    assert fsdp.reshard_after_forward is True
 
 
 def test_the_suggested_change_fits_and_trains(tmp_path, home):
