@@ -42,6 +42,32 @@ def test_last_is_the_latest_epoch_when_the_metric_gets_worse(home, tmp_path):
     assert "[lightning.fabric.utilities.seed][INFO] - Seed set to 42" in log and "`max_epochs=3` reached" in log
 
 
+def test_a_damaged_last_checkpoint_resumes_from_the_newest_intact_one(home, tmp_path):
+    """A truncated last.ckpt (epoch 1) is passed over for epoch000.ckpt, the best and only intact one, and the run
+    goes on from there; with that one emptied too, ckpt_path=last is refused before launch."""
+    job_dir = tmp_path / "job"
+    run = [
+        *TINY,
+        f"hydra.run.dir={job_dir}",
+        "logger=csv",
+        "callbacks.model_checkpoint.monitor=step",
+        "callbacks.model_checkpoint.mode=min",
+    ]
+    train([*run, "trainer.max_epochs=2"], home)
+    checkpoints = job_dir / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    result = train([*run, "trainer.max_epochs=3", "ckpt_path=last"], home)
+    assert f"{last} is not a checkpoint file" in result.output
+    assert f"resuming from {checkpoints / 'epoch000.ckpt'}, the newest intact checkpoint" in result.output
+    assert saved_epoch(last) == 2  # epochs 1 and 2 trained again from epoch 0's end
+    last.write_bytes(b"")
+    (checkpoints / "epoch000.ckpt").write_bytes(b"")
+    refused = train([*run, "trainer.max_epochs=4", "ckpt_path=last"], home, expect_ok=False)
+    assert refused.returncode == 1
+    assert "holds no intact checkpoint" in refused.output and "Traceback" not in refused.output
+
+
 def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
     """The dir turns unwritable when epoch 1 starts; saving epoch 1 must fail the run, naming the path and cause."""
     job_dir = tmp_path / "job"

@@ -5,6 +5,7 @@ checks here hold for every run; each strategy of this project adds its own rules
 and the model and data modules check their options when they are built.
 """
 
+import logging
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from project.checkpointing.hf import HFWeights, check_matches
 from project.config.build import build_strategy, parallel_dims
 from project.config.errors import ConfigError, positive_int
 from project.distributed.dims import ParallelDims
+
+log = logging.getLogger(__name__)
 
 
 def positive_int_at(cfg: DictConfig, key: str, fix: str) -> int:
@@ -162,13 +165,43 @@ def strategy_shards_model(cfg: DictConfig) -> bool:
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     """``ckpt_path=last`` means this job dir's ``checkpoints/last.ckpt``; ``auto`` the same if it exists, else a
-    fresh start (what a requeued job wants); any other value is a file path."""
+    fresh start (what a requeued job wants); any other value is a file path.
+
+    A damaged ``last.ckpt`` (truncated, empty: a disk that filled, a copy cut short) is passed over for the newest
+    intact checkpoint beside it, with a warning; with none intact, the run is refused."""
     if cfg.ckpt_path is None:
         return None
-    if cfg.ckpt_path in ("last", "auto"):
-        last = Path(cfg.paths.output_dir) / "checkpoints" / "last.ckpt"
-        return None if cfg.ckpt_path == "auto" and not last.exists() else str(last)
-    return str(cfg.ckpt_path)
+    if cfg.ckpt_path not in ("last", "auto"):
+        return str(cfg.ckpt_path)
+    checkpoints = Path(cfg.paths.output_dir) / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    if not last.exists():
+        return None if cfg.ckpt_path == "auto" else str(last)
+    damage = _damage(last)
+    if damage is None:
+        return str(last)
+    others = sorted(
+        (path for path in checkpoints.glob("*.ckpt") if path != last), key=lambda path: path.stat().st_mtime
+    )
+    intact = next((path for path in reversed(others) if _damage(path) is None), None)
+    if intact is None:
+        raise ConfigError(
+            "ckpt_path",
+            f"is {cfg.ckpt_path!r}, but {last} {damage}, and {checkpoints} holds no intact checkpoint.",
+            "start afresh with ckpt_path=null (in another dir), or pass a checkpoint you "
+            "have elsewhere as ckpt_path=<path>.",
+        )
+    log.warning(f"{last} {damage}: resuming from {intact}, the newest intact checkpoint of the job instead.")
+    return str(intact)
+
+
+def _damage(checkpoint: Path) -> str | None:
+    """What is wrong with ``checkpoint`` if its index cannot be read, else None."""
+    try:
+        checkpoint_shapes(checkpoint)
+    except (ValueError, RuntimeError, OSError, EOFError, pickle.UnpicklingError) as error:
+        return str(error)
+    return None
 
 
 def _gpus_support_bf16(devices: int) -> bool:
