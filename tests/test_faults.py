@@ -190,13 +190,17 @@ def test_killing_the_launcher_mid_training_ends_its_workers_and_frees_the_job_di
         wait_for(last.exists, 120, "a first epoch")
         workers = children(launcher.pid)
         assert len(workers) == 2
-        # While the job runs, a second job sent into its dir is refused before it starts anything.
-        second = train(args, home, expect_ok=False)
+        # While the job runs, a second job sent into its dir is refused before it starts anything, or writes
+        # anything there: the job's .hydra record (what a resume reads its overrides from) and log stay its own.
+        record = {path: path.read_bytes() for path in [*(job_dir / ".hydra").iterdir(), job_dir / "train.log"]}
+        second = train([*args, "seed=7"], home, expect_ok=False)
         assert second.returncode == 1 and "Traceback" not in second.stderr
         assert (
             f"Config error: hydra.run.dir: {job_dir} is in use by a running job (pid {launcher.pid} on "
             in second.stderr
         )
+        assert len(record) == 4 and all(path.read_bytes().startswith(old) for path, old in record.items())
+        assert "seed=7" not in (job_dir / ".hydra" / "overrides.yaml").read_text()
         launcher.kill()  # SIGKILL: the launcher's own handlers never run
         assert_all_gone(workers, within=10)
     # The killed job's lock is taken over: resuming into its dir works.

@@ -9,12 +9,15 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from project.config.errors import ConfigError, exit_with
+from project.launch.job_dir import hold_job_dir
 from project.launch.results import write_sweep_summary
 
 
 class JobDirCheck(Callback):
-    """A run's (or sweep's) dir must be named and creatable; Hydra would otherwise write into the launch dir, or
-    fail with a traceback, before any of the job's own checks."""
+    """A run's (or sweep's) dir must be named and creatable, and free: Hydra would otherwise write into the launch
+    dir, fail with a traceback, or rewrite a running job's ``.hydra/`` record and log, before any of the job's own
+    checks. The dir's lock (``project.launch.job_dir``) is taken here, before Hydra writes into it, and held until
+    the process ends; under torchrun by rank 0 alone."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_dir(config.hydra.run.dir, "hydra.run.dir")
@@ -31,6 +34,11 @@ def _check_dir(path: str | None, key: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)  # what Hydra does next; here a failure gets a clear message
     except OSError as error:
         exit_with(ConfigError(key, f"{path} cannot be created: {error.strerror or error}.", fix))
+    if int(os.environ.get("RANK", "0")) == 0:
+        try:
+            hold_job_dir(path, key)
+        except ConfigError as error:
+            exit_with(error)
 
 
 class SweepSummary(Callback):

@@ -14,32 +14,55 @@ from project.config.errors import ConfigError
 LOCK_FILE = ".job.lock"
 
 
+# Dirs whose lock this process holds until it exits (``hold_job_dir``): the lock file's descriptor, by resolved path.
+_HELD: dict[Path, int] = {}
+
+
+def hold_job_dir(job_dir: str | Path, key: str) -> None:
+    """Take ``job_dir``'s lock for the rest of this process's life, before anything is written into the dir
+    (``JobDirCheck``, as Hydra starts a run or sweep); ``ConfigError`` naming ``key`` if a live job holds it."""
+    path = Path(job_dir).resolve()
+    if path not in _HELD:
+        _HELD[path] = _take_lock(path, key)
+
+
 @contextmanager
 def job_dir_lock(job_dir: str | Path, key: str) -> Iterator[None]:
     """Hold ``<job_dir>/.job.lock`` while the job runs; ``ConfigError`` (naming ``key``, the config key that
-    chose the dir) if a live job holds it.
+    chose the dir) if a live job holds it. A dir this process already holds (``hold_job_dir``) stays held.
 
     The lock is the kernel's (``flock``): it goes with the process that holds it, however that process ends, so
     the lock of a killed job is simply taken over. The file says who holds it, for the error message.
     """
-    path = Path(job_dir) / LOCK_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the workers: the launcher holds it
+    path = Path(job_dir).resolve()
+    if path in _HELD:
+        yield
+        return
+    fd = _take_lock(path, key)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ConfigError(
-                key,
-                f"{job_dir} is in use by a running job ({_holder(path)}).",
-                "wait for that job to end or stop it, or run in another dir (leave the key unset for "
-                "a new dir of its own).",
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _take_lock(job_dir: Path, key: str) -> int:
+    """The descriptor of ``job_dir``'s lock file, locked by this process (closing it releases the lock)."""
+    path = job_dir / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the workers: the launcher holds it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            key,
+            f"{job_dir} is in use by a running job ({_holder(path)}).",
+            "wait for that job to end or stop it, or run in another dir (leave the key unset for a new dir of its "
+            "own).",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+    return fd
 
 
 def _holder(path: Path) -> str:
