@@ -156,11 +156,10 @@ def uses_cuda(cfg: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
-def strategy_shards_model(cfg: DictConfig) -> bool:
-    """Whether the configured Lightning strategy is a ModelParallelStrategy (fsdp, pipeline): it saves and loads
-    sharded checkpoints."""
-    cls = strategy_class(cfg)
-    return cls is not None and issubclass(cls, ModelParallelStrategy)
+def shards_model(strategy: type | None) -> bool:
+    """Whether ``strategy`` (a class; None: auto) is a ModelParallelStrategy (fsdp, pipeline, tensor_parallel): it
+    saves and loads sharded checkpoints."""
+    return strategy is not None and issubclass(strategy, ModelParallelStrategy)
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:

@@ -18,13 +18,12 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.strategies import ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
 from project.config.build import build_net
-from project.config.checks import CheckedConfig, check_config
+from project.config.checks import CheckedConfig, check_config, shards_model
 from project.config.errors import ConfigError
 from project.distributed.dims import ParallelDims
 from project.launch.processes import NodeTask, is_rank_zero, node_task
@@ -189,11 +188,7 @@ def name_wandb_run(cfg: DictConfig, checked: CheckedConfig) -> None:
 def checkpoint_to_load(cfg: DictConfig, path: str | None, strategy: type | None) -> str | None:
     """The checkpoint ``path`` (resolved) as a path ``strategy`` can load: a sharded checkpoint is consolidated into
     ``<job dir>/consolidated.ckpt`` (by one process) for strategies that load single files."""
-    if (
-        path is None
-        or not is_sharded_checkpoint(path)
-        or (strategy is not None and issubclass(strategy, ModelParallelStrategy))
-    ):
+    if path is None or not is_sharded_checkpoint(path) or shards_model(strategy):
         return path
     target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
     if is_rank_zero():
