@@ -373,9 +373,16 @@ def gpt_tensor_parallel(runs_dir, home):
     )
 
 
+# The two 4-device layouts go on from the previous layout's checkpoint rather than train from scratch: each is one
+# run fewer for the suite, and their resumes are the test that a checkpoint moves between layouts. The first epoch
+# each trains:
+FIRST_EPOCH = {"gpt_fsdp_tensor_parallel": 1, "gpt_pipeline_tensor_parallel": 2}
+
+
 @pytest.fixture(scope="session")
-def gpt_fsdp_tensor_parallel(runs_dir, home):
-    """FSDP over 2 replicas of 2 tensor-parallel ranks (2D), 16 per replica."""
+def gpt_fsdp_tensor_parallel(gpt_tensor_parallel, runs_dir, home):
+    """FSDP over 2 replicas of 2 tensor-parallel ranks (2D), 16 per replica: resumes gpt_tensor_parallel's epoch 0
+    (each rank reads its shard of its slices) and trains epochs 1 and 2, each one's checkpoint kept."""
     return one_run(
         "gpt-fsdp2-tp2",
         [
@@ -384,6 +391,8 @@ def gpt_fsdp_tensor_parallel(runs_dir, home):
             "strategy=fsdp",
             "trainer.devices=4",
             "strategy.tensor_parallel_size=2",
+            f"ckpt_path={gpt_tensor_parallel / 'checkpoints' / 'epoch000.ckpt'}",
+            "callbacks.model_checkpoint.save_top_k=-1",
             TRACKED,
         ],
         runs_dir,
@@ -392,8 +401,9 @@ def gpt_fsdp_tensor_parallel(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
-def gpt_pipeline_tensor_parallel(runs_dir, home):
-    """2 pipeline stages, each split over 2 tensor-parallel ranks (pipeline x tensor parallel)."""
+def gpt_pipeline_tensor_parallel(gpt_fsdp_tensor_parallel, runs_dir, home):
+    """2 pipeline stages, each split over 2 tensor-parallel ranks (pipeline x tensor parallel): resumes
+    gpt_fsdp_tensor_parallel's epoch 1 and trains epoch 2."""
     return one_run(
         "gpt-pp2-tp2",
         [
@@ -403,6 +413,7 @@ def gpt_pipeline_tensor_parallel(runs_dir, home):
             "trainer.devices=4",
             "strategy.num_stages=2",
             "strategy.tensor_parallel_size=2",
+            f"ckpt_path={gpt_fsdp_tensor_parallel / 'checkpoints' / 'epoch001.ckpt'}",
             TRACKED,
         ],
         runs_dir,

@@ -129,7 +129,8 @@ class DeviceMemory(L.Callback):
     ``per_device`` holds the epoch's values of every device of the job (``rank``, ``stage`` and the ``memory/*``
     keys), on every rank.
 
-    ``tracked_steps`` > 0 also measures the peak of the first that many training steps by tracking every tensor
+    ``tracked_steps`` > 0 also measures the peak of the run's first that many training steps (a resumed run's
+    too) by tracking every tensor
     (PyTorch's ``MemTracker``; it slows those steps), as ``memory/tracked_peak_mb``: the CPU has no allocator
     statistics. Stages of ``strategy=model_parallel`` on one CPU add up in it.
     """
@@ -141,6 +142,7 @@ class DeviceMemory(L.Callback):
         self.plan_file = Path(plan_file) if plan_file else None
         self.tracked_steps = tracked_steps
         self._tracker: StepMemoryTracker | None = None
+        self._tracked_until = 0  # the global step at which tracking stops
         self._tracked_peak: int | None = None
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -150,7 +152,8 @@ class DeviceMemory(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step == 0 and self.tracked_steps and self._tracker is None and self._tracked_peak is None:
+        if self.tracked_steps and self._tracker is None and self._tracked_peak is None:
+            self._tracked_until = trainer.global_step + self.tracked_steps
             self._tracker = StepMemoryTracker()
             self._tracker.track_external(pl_module, *trainer.optimizers)
             self._tracker.__enter__()
@@ -158,7 +161,7 @@ class DeviceMemory(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._tracker is not None and trainer.global_step >= self.tracked_steps:
+        if self._tracker is not None and trainer.global_step >= self._tracked_until:
             self._stop_tracking()
 
     def _stop_tracking(self) -> None:
