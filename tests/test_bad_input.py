@@ -77,6 +77,14 @@ CASES = [
         "strategy.process_group_backend: is 'pigeon', not a torch.distributed backend",
     ),
     (["strategy=ddp", "trainer.devices=2", "strategy.timeout.minutes=0"], "strategy.timeout: is 0:00:00"),
+    (
+        ["strategy=ddp", "trainer.devices=2", "strategy.heartbeat_timeout=0"],
+        "strategy.heartbeat_timeout: must be a positive number of seconds or null, got 0",
+    ),
+    (
+        ["strategy=fsdp", "trainer.devices=2", "strategy.heartbeat_timeout=inf"],
+        "strategy.heartbeat_timeout: must be a positive number of seconds or null, got inf",
+    ),
     # Strategies' own rules and options
     (
         ["strategy=fsdp", "trainer.devices=2", "strategy.cpu_offload=true"],

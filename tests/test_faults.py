@@ -1,5 +1,6 @@
 """Faults: what happens to checkpoints, workers and job dirs when something goes wrong."""
 
+import json
 import os
 import re
 import signal
@@ -154,27 +155,31 @@ def endless_job(args: list[str], home):
         launcher.communicate()
 
 
-def signal_rank_1(sig: signal.Signals, args: list[str], home, tmp_path) -> tuple[int, str, list[int]]:
+def signal_rank_1(sig: signal.Signals, home, tmp_path) -> tuple[int, str, list[int], float]:
     """Send ``sig`` to rank 1 of an endless ddp job once it has trained an epoch; wait (at most 2 minutes) for the
-    job to end. Returns its exit code, its output and the workers' pids."""
+    job to end. Returns its exit code, its output, the workers' pids and the seconds from the signal to the end."""
     job_dir = tmp_path / "job"
-    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={job_dir}", *args], home) as launcher:
+    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={job_dir}"], home) as launcher:
         wait_for(lambda: (job_dir / "checkpoints" / "last.ckpt").exists(), 120, "a first epoch")
         workers = {worker_rank(pid): pid for pid in children(launcher.pid)}
         os.kill(workers[1], sig)
+        signalled = time.monotonic()
         output, _ = launcher.communicate(timeout=120)
-    return launcher.returncode, output, list(workers.values())
+    return launcher.returncode, output, list(workers.values()), time.monotonic() - signalled
 
 
-def test_a_stopped_worker_fails_the_job_after_the_collective_timeout(home, tmp_path):
-    """SIGSTOP on rank 1: rank 0 times out in its next collective (6 s here), the launcher stops everything
-    (SIGTERM, then SIGKILL after torchelastic's 30 s for the stopped rank) and names rank 1."""
-    exit_code, output, workers = signal_rank_1(signal.SIGSTOP, ["strategy.timeout.minutes=0.1"], home, tmp_path)
-    assert exit_code == 1
-    assert "Training failed in the workers:\n- rank 1 stopped responding at " in output, output[-3000:]
-    # gloo words its timeout by where rank 0 waited: "Timed out waiting 6000ms for recv operation to complete",
-    # or "Application timeout caused pair closure".
-    assert re.search(r"- rank 0 raised RuntimeError: [^\n]*(Timed out|timeout)", output), output[-3000:]
+def test_a_stopped_worker_fails_the_job_within_the_heartbeat_timeout_with_every_stack_in_the_log(home, tmp_path):
+    """SIGSTOP on rank 1, a hung rank: with the defaults (strategy.heartbeat_timeout 60 s, collectives 5 minutes)
+    the launcher's watchdog fails the job in under 90 s, names rank 1 on the console, and leaves every rank's
+    Python stack in train.log, rank 1's included (it is continued to write it, then killed)."""
+    exit_code, output, workers, seconds = signal_rank_1(signal.SIGSTOP, home, tmp_path)
+    assert exit_code == 1 and 60 < seconds < 90, (exit_code, seconds, output[-3000:])
+    assert re.search(r"Rank 1 \(pid \d+\) has sent no heartbeat for 6\d s \(strategy.heartbeat_timeout=60\)", output)
+    assert re.search(r"Training failed in the workers:\n- rank 1 sent no heartbeat for 6\d s", output), output[-3000:]
+    log = (tmp_path / "job" / "train.log").read_text()
+    for rank in (0, 1):
+        stacks = log.split(f"--- Python stacks of rank {rank} ")[1].split("\n--- ")[0]
+        assert "(most recent call first):" in stacks and 'File "' in stacks, stacks
     assert all(process_state(pid) is None for pid in workers)
 
 
@@ -240,7 +245,40 @@ def test_jobs_started_in_the_same_second_get_dirs_of_their_own(home, tmp_path):
         assert sorted(path.name for path in (job_dir / "checkpoints").iterdir()) == ["epoch000.ckpt", "last.ckpt"]
 
 
+def test_a_diverging_ddp_job_stops_every_rank_after_the_same_step_and_its_sweep_records_why(home, tmp_path):
+    """NaN put into rank 1's weights before global step 21 (16 steps an epoch: epoch 1, batch 4): its loss of that
+    batch is NaN, rank 0's finite. Both ranks stop after that step and name it; the job fails, naming epoch 0's
+    last.ckpt, which stays epoch 0's (nothing of the diverged epoch is saved); the sweep records the trial as failed
+    with the reason, and exits 1."""
+    sweep_dir = tmp_path / "sweep"
+    result = train(
+        [
+            "-m",
+            *TINY,
+            "logger=csv",
+            "strategy=ddp",
+            "trainer.devices=2",
+            "data.batch_size=32",
+            "+callbacks.poison._target_=helpers.probes.PoisonWeights",
+            "+callbacks.poison.step=20",
+            "+callbacks.poison.rank=1",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        home,
+        expect_ok=False,
+    )
+    assert result.returncode == 1, result.output[-3000:]
+    last = sweep_dir / "0" / "checkpoints" / "last.ckpt"
+    diverged = "raised TrainingDiverged: Training diverged at global step 21 (epoch 1, batch 4): the training loss"
+    assert f"- rank 1 {diverged} was not finite (rank 1's was nan)." in result.output, result.output[-3000:]
+    assert f"- rank 0 {diverged} was not finite (on another rank)." in result.output, result.output[-3000:]
+    assert f"The last checkpoint, saved before it: {last}" in result.output
+    assert saved_epoch(last) == 0
+    job = json.loads((sweep_dir / "0" / "result.json").read_text())
+    assert job["status"] == "failed" and "Training diverged at global step 21 (epoch 1, batch 4)" in job["error"]
+
+
 def test_a_killed_worker_is_named_with_its_signal(home, tmp_path):
-    exit_code, output, _ = signal_rank_1(signal.SIGKILL, [], home, tmp_path)
+    exit_code, output, *_ = signal_rank_1(signal.SIGKILL, home, tmp_path)
     assert exit_code == 1
     assert "Training failed in the workers:\n- rank 1 was killed by SIGKILL." in output, output[-3000:]

@@ -17,12 +17,16 @@ def build_net(cfg: DictConfig) -> torch.nn.Module:
         return instantiate(cfg.model.net)
 
 
+# The strategy group's options that the launcher reads, not the strategy class.
+LAUNCHER_KEYS = ("processes", "heartbeat_timeout")
+
+
 def build_strategy(strategy_cfg: DictConfig) -> Any:
-    """The Lightning strategy of the ``strategy`` group: its ``_target_`` built with every option but ``processes``
-    (the launcher's), or Lightning's own ``"auto"`` where the option names no class."""
+    """The Lightning strategy of the ``strategy`` group: its ``_target_`` built with every option but the
+    launcher's, or Lightning's own ``"auto"`` where the option names no class."""
     if "_target_" not in strategy_cfg:
         return "auto"
-    keys = cast(list[str], [key for key in strategy_cfg if key != "processes"])  # a config group's keys are strings
+    keys = cast(list[str], [key for key in strategy_cfg if key not in LAUNCHER_KEYS])  # a group's keys are strings
     return instantiate(OmegaConf.masked_copy(strategy_cfg, keys))
 
 

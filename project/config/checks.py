@@ -6,6 +6,7 @@ and the model and data modules check their options when they are built.
 """
 
 import logging
+import math
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,7 +121,7 @@ def _check_accelerator(cfg: DictConfig) -> None:
 
 
 def _check_process_group(cfg: DictConfig) -> None:
-    """The strategy's process group settings, where it has some (ddp, fsdp, pipeline)."""
+    """The strategy's process group and hang watchdog settings, where it has some (ddp, fsdp, pipeline...)."""
     backend = OmegaConf.select(cfg, "strategy.process_group_backend")
     if backend is not None:
         if backend not in dist.Backend.backend_list:
@@ -135,6 +136,18 @@ def _check_process_group(cfg: DictConfig) -> None:
                 "is 'nccl', which needs CUDA GPUs, but this run is on the CPU.",
                 "use strategy.process_group_backend=gloo, or null to choose by device.",
             )
+    heartbeat_timeout = OmegaConf.select(cfg, "strategy.heartbeat_timeout")
+    if heartbeat_timeout is not None and (
+        isinstance(heartbeat_timeout, bool)
+        or not isinstance(heartbeat_timeout, (int, float))
+        or not 0 < heartbeat_timeout < math.inf
+    ):
+        raise ConfigError(
+            "strategy.heartbeat_timeout",
+            f"must be a positive number of seconds or null, got {heartbeat_timeout!r}.",
+            "e.g. strategy.heartbeat_timeout=60 (long enough for the slowest checkpoint or compile), or null for no "
+            "hang watchdog.",
+        )
     if OmegaConf.select(cfg, "strategy.timeout") is not None:
         try:
             timeout = instantiate(cfg.strategy.timeout)

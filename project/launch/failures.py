@@ -21,11 +21,19 @@ def _raised(failure: ProcessFailure) -> str | None:
     return " ".join(message.split())
 
 
-def failure_report(error: ChildFailedError, num_workers: int, log_dir: Path, heartbeat_dir: Path) -> str:
-    """One line per failed rank, the likely cause first: a rank that had stopped responding (its heartbeat went
-    stale before anything failed: stopped, or stuck), then a rank killed by a signal from outside, then ranks that
-    raised, in time order (a rank that loses its peer raises in its next collective); ranks that were still
-    running are not listed, the launcher stopped them."""
+def failure_report(
+    error: ChildFailedError,
+    num_workers: int,
+    log_dir: Path,
+    heartbeat_dir: Path,
+    silent: tuple[int, float] | None = None,
+    job_log: Path | None = None,
+) -> str:
+    """One line per failed rank, the likely cause first: the rank the hang watchdog killed (``silent``: its rank
+    and how long it sent no heartbeat; the stacks are in ``job_log``), or a rank that had stopped responding (its
+    heartbeat went stale before anything failed: stopped, or stuck), then a rank killed by a signal from outside,
+    then ranks that raised, in time order (a rank that loses its peer raises in its next collective); ranks that
+    were still running are not listed, the launcher stopped them."""
     failures = error.failures
     raised = {rank: _raised(failure) for rank, failure in failures.items()}
     first_failure = min((f.timestamp for rank, f in failures.items() if raised[rank]), default=time.time())
@@ -33,7 +41,15 @@ def failure_report(error: ChildFailedError, num_workers: int, log_dir: Path, hea
     for rank, failure in sorted(failures.items(), key=lambda item: item[1].timestamp):
         beat = heartbeat_file(heartbeat_dir, rank)
         last_beat = beat.stat().st_mtime if beat.exists() else None
-        if last_beat is not None and first_failure - last_beat > STALE_AFTER_S:
+        if silent is not None and rank == silent[0]:
+            lines.append(
+                (
+                    0,
+                    f"rank {rank} sent no heartbeat for {silent[1]:.0f} s (a stopped process, or one stuck holding "
+                    f"the interpreter), so the launcher killed it; every rank's Python stack is in {job_log}.",
+                )
+            )
+        elif last_beat is not None and first_failure - last_beat > STALE_AFTER_S:
             lines.append(
                 (
                     0,

@@ -45,6 +45,7 @@ from project.launch.processes import (
 )
 from project.launch.results import read_result
 from project.launch.training import result_file, train
+from project.launch.watchdog import HeartbeatWatchdog
 from project.memory.plan import write_plan
 from project.observability.console import lightning_logs_through_root, print_config_tree, print_outputs
 
@@ -99,9 +100,12 @@ def job_log_file() -> Path:
     return Path(hydra_cfg.runtime.output_dir) / f"{hydra_cfg.job.name}.log"
 
 
-def launch_workers(config_file: Path, num_workers: int, log_dir: Path, node: NodeTask) -> None:
+def launch_workers(
+    config_file: Path, num_workers: int, log_dir: Path, node: NodeTask, heartbeat_timeout: float | None
+) -> None:
     """Start ``num_workers`` processes of ``python -m project.launch.worker config_file`` on this node; wait for all
-    (on every node, for a job of several)."""
+    (on every node, for a job of several). A worker silent for ``heartbeat_timeout`` seconds (None: never) fails
+    the job (``project.launch.watchdog``)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -128,11 +132,13 @@ def launch_workers(config_file: Path, num_workers: int, log_dir: Path, node: Nod
     )
     heartbeat_dir = log_dir / "heartbeats"
     shutil.rmtree(heartbeat_dir, ignore_errors=True)  # a previous run's would look like ranks that stopped
+    job_log = job_log_file()
+    watchdog = HeartbeatWatchdog(heartbeat_dir, heartbeat_timeout, job_log)
     try:
-        with _worker_environment(num_workers, heartbeat_dir):
+        with _worker_environment(num_workers, heartbeat_dir), watchdog:
             elastic_launch(launch_config, sys.executable)("-m", "project.launch.worker", str(config_file))
     except ChildFailedError as error:
-        report = failure_report(error, num_workers, log_dir, heartbeat_dir)
+        report = failure_report(error, num_workers, log_dir, heartbeat_dir, watchdog.silent, job_log)
         log.error(report)  # on the console and in the job's log
         raise JobFailed(report) from None
     except SignalException as error:  # SIGTERM or SIGUSR1 (a cluster preempting the job), SIGINT...: torchelastic's
@@ -233,5 +239,6 @@ def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
             torch.set_num_threads(threads_per_process(1))  # this job's share of the cores
         train(cfg)
     else:
-        launch_workers(job.config_file, cfg.strategy.processes, job.workers_dir, job.node)
+        heartbeat_timeout = cfg.strategy.get("heartbeat_timeout")
+        launch_workers(job.config_file, cfg.strategy.processes, job.workers_dir, job.node, heartbeat_timeout)
     return read_result(result_file(cfg)) if is_rank_zero() else None

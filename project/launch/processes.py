@@ -2,6 +2,7 @@
 only: workers call it first thing."""
 
 import ctypes
+import faulthandler
 import os
 import signal
 import sys
@@ -44,21 +45,40 @@ HEARTBEAT_DIR_VARIABLE = "PROJECT_HEARTBEAT_DIR"  # set by the launcher: where e
 HEARTBEAT_INTERVAL_S = 1.0
 
 
+# The signal that makes a worker write every thread's Python stack (faulthandler) to its stack file and go on, as
+# the JVM's thread dump: the launcher's hang watchdog sends it, and so can a user (kill -QUIT <worker pid>).
+STACK_DUMP_SIGNAL = signal.SIGQUIT
+
+
 def heartbeat_file(heartbeat_dir: str | Path, rank: int) -> Path:
+    """Rank ``rank``'s heartbeat: the file holds the worker's pid, its modification time the last beat."""
     return Path(heartbeat_dir) / f"rank{rank}"
 
 
-def start_heartbeat(rank: int) -> None:
-    """Touch this rank's heartbeat file every second from a daemon thread, where the launcher asked for it.
+def stack_file(heartbeat_dir: str | Path, rank: int) -> Path:
+    return Path(heartbeat_dir) / f"rank{rank}.stack"
 
-    A stopped process, or one stuck in code that holds the interpreter, stops beating; the launcher reads the
-    files when the job fails to say which rank stopped responding (the others only time out waiting for it).
+
+_stack_dump_target = None  # the open stack file; faulthandler writes to its descriptor, so it must stay open
+
+
+def start_heartbeat(rank: int) -> None:
+    """Touch this rank's heartbeat file every second from a daemon thread, and dump the Python stacks on
+    ``STACK_DUMP_SIGNAL``, where the launcher asked for it.
+
+    A stopped process, or one stuck in code that holds the interpreter, stops beating: the launcher's watchdog
+    (``project.launch.watchdog``) then has every rank dump its stacks and fails the job, and the launcher's report
+    names the rank. A rank waiting in a collective for a stuck peer goes on beating.
     """
+    global _stack_dump_target
     heartbeat_dir = os.environ.get(HEARTBEAT_DIR_VARIABLE)
     if heartbeat_dir is None:
         return
     path = heartbeat_file(heartbeat_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(str(os.getpid()))
+    _stack_dump_target = stack_file(heartbeat_dir, rank).open("w")
+    faulthandler.register(STACK_DUMP_SIGNAL, file=_stack_dump_target, all_threads=True, chain=False)
 
     def beat() -> None:
         while True:

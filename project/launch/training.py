@@ -19,7 +19,7 @@ from project.checkpointing.files import AtomicCheckpointIO
 from project.config.build import build_net, build_strategy
 from project.launch.job_result import JobResult
 from project.launch.results import RESULT_FILE
-from project.launch.sigterm import StopTogetherOnSigterm
+from project.launch.stop_together import StopTogether
 
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
@@ -60,7 +60,8 @@ def train(cfg: DictConfig) -> None:
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
     # Whatever the callbacks group holds: sweeps read the result.
     callbacks.append(JobResult(result_file(cfg), cfg.optimized_metric.name, cfg.optimized_metric.mode))
-    callbacks.append(StopTogetherOnSigterm())  # whatever the callbacks group holds: a preempted job must stop cleanly
+    # Whatever the callbacks group holds: a preempted job must stop cleanly, a diverged one fail on every rank.
+    callbacks.append(StopTogether())
     trainer = instantiate(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy),

@@ -115,6 +115,19 @@ class StallAtStep(L.Callback):
             time.sleep(600)
 
 
+class PoisonWeights(L.Callback):
+    """Rank ``rank`` fills its first parameter with NaN before optimizer step ``step`` + 1: its training loss of
+    that batch is NaN, the other ranks' finite (a divergence that starts on one rank)."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            with torch.no_grad():
+                next(pl_module.parameters()).fill_(float("nan"))
+
+
 class FailInFit(L.Callback):
     """Raises on every rank as training starts: a failure inside the workers, past every check before launch."""
 

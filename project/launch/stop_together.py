@@ -1,0 +1,99 @@
+"""Stopping every rank at the same point of training: on SIGTERM (a preemption, a cancelled job), cleanly; on a
+non-finite training loss (divergence), as a failure that names the step and the last checkpoint saved before it."""
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from project.config.errors import JobFailed
+
+log = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")  # where Lightning says it
+
+
+class TrainingDiverged(JobFailed):
+    """The training loss stopped being finite; every rank raises it after the same step."""
+
+
+class StopTogether(L.Callback):
+    """Every rank stops after the same training batch (or at the same epoch's end) once any rank got SIGTERM, and
+    fails after the same batch once any rank's training loss is not finite (NaN or infinite).
+
+    Lightning's own SIGTERM handler broadcasts from rank 0 inside the signal handler: a collective started wherever
+    the signal lands, which pairs with whatever collective the other ranks are in at that moment (a checkpoint's
+    metric reduction, a barrier) and can hang them all until the launcher's timeout. And its loops stop a rank on
+    its own flag, at points the ranks reach at different times, so a rank signalled a moment later trains on alone
+    into a collective nobody joins. Here the handler only notes the signal; after each training or validation batch
+    and at each epoch's end, with every rank at the same point, the ranks agree (one all-reduce of both notes) and
+    set Lightning's flag together, so its loops stop all of them at once.
+
+    A diverged step raises ``TrainingDiverged`` on every rank before any checkpoint of it is written (Lightning
+    runs checkpoint callbacks after the others): the job fails, and a sweep records the trial as failed with the
+    message. Only one rank of a pipeline (its last stage) has the loss; the agreement tells the others.
+    """
+
+    def __init__(self) -> None:
+        self._signalled = False
+        self._loss: float | None = None  # this rank's last non-finite training loss
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        def note(signum: int, frame) -> None:
+            log.info(f"[rank: {trainer.local_rank}] Received SIGTERM: {signum}")
+            if not self._signalled and trainer.strategy.launcher is not None:
+                trainer.strategy.launcher.kill(signum)  # processes Lightning itself started, as Lightning does
+            self._signalled = True
+
+        # Read when fit registers its handlers, after setup. (Lightning's private method, replaced on the instance.)
+        trainer._signal_connector._sigterm_notifier_fn = note  # type: ignore[method-assign,assignment]
+
+    def _agree(self, trainer: L.Trainer, loss: torch.Tensor | None = None) -> tuple[bool, bool]:
+        """(any rank signalled, any rank's ``loss`` not finite), with one device sync, as Lightning's own check at
+        each batch's start has."""
+        device = trainer.strategy.root_device
+        diverged = torch.zeros((), device=device) if loss is None else (~torch.isfinite(loss.detach())).any()
+        flags = torch.stack([torch.tensor(float(self._signalled), device=device), diverged.float()])
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        signalled, any_diverged = (bool(flag) for flag in flags.tolist())
+        if signalled:
+            trainer._signal_connector.received_sigterm = True
+        if any_diverged and loss is not None and bool(diverged):
+            self._loss = float(loss.detach().float().sum())
+        return signalled, any_diverged
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        _, diverged = self._agree(trainer, loss if isinstance(loss, torch.Tensor) else None)
+        if diverged:
+            raise self._divergence(trainer, batch_idx)
+
+    def _divergence(self, trainer: L.Trainer, batch_idx: int) -> TrainingDiverged:
+        checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
+            trainer.checkpoint_callback, "best_model_path", ""
+        )
+        where = f"rank {trainer.global_rank}'s was {self._loss}" if self._loss is not None else "on another rank"
+        resume = (
+            f"The last checkpoint, saved before it: {checkpoint}; resume from it (ckpt_path={checkpoint}) with a "
+            "lower model.optimizer.lr, or a trainer.gradient_clip_val."
+            if checkpoint
+            else "No checkpoint was saved before it; lower model.optimizer.lr, or set trainer.gradient_clip_val."
+        )
+        message = (
+            f"Training diverged at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch "
+            f"{batch_idx}): the training loss was not finite ({where}). Every rank stopped after this step. {resume}"
+        )
+        logging.getLogger(__name__).error(message)
+        return TrainingDiverged(message)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._agree(trainer)
+
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._agree(trainer)  # every rank runs as many validation batches (GlobalBatchSampler), so all are here
