@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from project.config.errors import ConfigError, JobFailed, exit_with
+from project.config.overrides import check_overrides
 from project.config.resolvers import register_resolvers
 from project.launch.results import record_failure
 
@@ -41,6 +42,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    check_overrides(sys.argv[1:])  # a malformed override: one sentence, not Hydra's lexer report
     if int(os.environ.get("RANK", "0")) > 0 and "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun ranks > 0: only rank 0 keeps Hydra's log file and .hydra/ record of the job.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]

@@ -30,6 +30,17 @@ CASES = [
     (["trainer.max_steps=0"], "trainer.max_steps: must be a positive integer, got 0"),
     (["trainer.max_epochs=-1"], "trainer.max_epochs: is -1 (no epoch limit) and trainer.max_steps is -1 too"),
     (["seed=abc"], "seed: must be an integer from 0 to 2**32 - 1, got 'abc'"),
+    # Overrides Hydra cannot parse (project/config/overrides.py)
+    (["trainer.devices: 2"], "override 'trainer.devices: 2': has no '=' ... Fix: write trainer.devices=2."),
+    (["model.net.hidden_dims=[32"], "override 'model.net.hidden_dims=[32': opens [ and never closes it."),
+    (["trainer.devices=2=3"], "override 'trainer.devices=2=3': is not an override Hydra can read: mismatched input"),
+    # Every other option against its constructor's type hints (project/config/schema.py); no number non-finite
+    (["model.compile=no"], "model.compile: must be true or false, got 'no'"),
+    (["data.shuffle=off"], "data.shuffle: must be true or false, got 'off'"),
+    (["trainer.deterministic=yes"], "trainer.deterministic: must be true or false or one of 'warn', got 'yes'"),
+    (["model=gpt", "model.net.num_heads=2.5"], "model.net.num_heads: must be an integer, got 2.5"),
+    (["model.optimizer.lr=nan"], "model.optimizer.lr: is nan, not a finite number"),
+    (["model.optimizer.lr=-inf"], "model.optimizer.lr: is -inf, not a finite number"),
     (["seed=-1"], "seed: must be an integer from 0 to 2**32 - 1, got -1"),
     (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches: must be a positive integer, got 0"),
     (["trainer.check_val_every_n_epoch=0"], "trainer.check_val_every_n_epoch: must be a positive integer, got 0"),

@@ -21,6 +21,7 @@ LAYERS = [
         "foundations",
         [
             "project.config.checks",
+            "project.config.schema",
             "project.config.build",
             "project.memory.simulation",
             "project.checkpointing.files",
@@ -29,7 +30,7 @@ LAYERS = [
         ],
     ),
     ("plain PyTorch", ["project.models", "project.data", "project.tasks.decoding", "project.config.resolvers"]),
-    ("errors", ["project.config.errors"]),
+    ("errors", ["project.config.errors", "project.config.overrides"]),
 ]
 
 

@@ -28,6 +28,7 @@ from project.checkpointing.files import checkpoint_shapes
 from project.checkpointing.hf import HFWeights, check_matches
 from project.config.build import build_strategy, parallel_dims
 from project.config.errors import ConfigError, positive_int
+from project.config.schema import check_types
 from project.distributed.dims import ParallelDims
 
 log = logging.getLogger(__name__)
@@ -472,6 +473,7 @@ def check_config(cfg: DictConfig) -> CheckedConfig:
     _check_accelerator(cfg)
     _check_process_group(cfg)
     _check_precision(cfg)
+    check_types(cfg)  # every other option against its constructor's type hints, every number finite
     # The data first: the model takes sizes from it (vocabulary, sequence length), so its own keys are to blame.
     datamodule = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
     with torch.device("meta"):  # shapes only, nothing allocated

@@ -1,0 +1,126 @@
+"""The composed config checked against its schema before anything is built: every number finite, and every option
+a node passes to its ``_target_`` of the type the constructor declares.
+
+Why the constructors' type hints rather than a second schema (Hydra structured configs): the hints already say
+what each option is, in one place, for every class the config names (ours, Lightning's, torch's), so a new option
+is checked the moment it is declared. Hydra passes an override it cannot parse as a number or bool on as text
+(``model.compile=no``), so without this check a string reaches a bool option, where any non-empty text is true.
+Only plain types are judged (bool, int, float, str, ``Literal``, and unions of them); an option of any other type
+is left to its constructor, as is null. The key-specific checks of ``project.config.checks`` run first and keep
+their more precise messages.
+"""
+
+import inspect
+import math
+import types
+import typing
+from collections.abc import Iterator
+from typing import Any, Literal, Union
+
+from hydra.utils import get_object
+from omegaconf import DictConfig, ListConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from project.config.errors import ConfigError
+
+_EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+
+
+def check_types(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` naming the first non-finite number, or the first option whose value is not of its
+    constructor's declared type."""
+    for key, value in _leaves(cfg, ""):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(key, f"is {value}, not a finite number.", f"give {key} a finite number.")
+    for key, node in _target_nodes(cfg, ""):
+        _check_node(key, node)
+
+
+def _children(node: Any) -> Iterator[tuple[str, Any]]:
+    """``(name, value)`` of each child of a config node that resolves here (not Hydra's own settings, nor a value
+    that interpolates them: those resolve only inside the running job)."""
+    names = [name for name in node if name != "hydra"] if isinstance(node, DictConfig) else range(len(node))
+    for name in names:
+        try:
+            yield str(name), node[name]
+        except OmegaConfBaseException:
+            continue
+
+
+def _leaves(node: Any, key: str) -> Iterator[tuple[str, Any]]:
+    if not isinstance(node, (DictConfig, ListConfig)):
+        yield key, node
+        return
+    for name, child in _children(node):
+        yield from _leaves(child, f"{key}.{name}" if key else name)
+
+
+def _target_nodes(node: Any, key: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    if not isinstance(node, (DictConfig, ListConfig)):
+        return
+    children = dict(_children(node))
+    if isinstance(children.get("_target_"), str):
+        yield key, children
+    for name, child in children.items():
+        yield from _target_nodes(child, f"{key}.{name}" if key else name)
+
+
+def _declared_types(target: str) -> dict[str, Any]:
+    """The type hints of ``target``'s parameters, {} where they cannot be read. For a class, its constructor's and,
+    while a constructor passes ``**kwargs`` on, its bases' constructors' too."""
+    try:
+        built = get_object(target)
+        functions = (
+            [cls.__dict__["__init__"] for cls in built.__mro__ if "__init__" in cls.__dict__]
+            if (inspect.isclass(built))
+            else [built]
+        )
+        declared: dict[str, Any] = {}
+        for function in functions:
+            parameters = inspect.signature(function).parameters
+            hints = typing.get_type_hints(function)
+            for name, hint in hints.items():
+                if name in parameters and name not in declared:
+                    declared[name] = hint
+            if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+                break
+    except Exception:  # an unknown target, or hints naming what cannot be imported: the build step reports it
+        return {}
+    return declared
+
+
+def _check_node(key: str, node: dict) -> None:
+    declared = _declared_types(node["_target_"])
+    for name, value in node.items():
+        if name.startswith("_") or name not in declared or value is None:
+            continue
+        expected = _mismatch(value, declared[name])
+        if expected is not None:
+            raise ConfigError(
+                f"{key}.{name}",
+                f"must be {expected}, got {value!r}.",
+                f"set {key}.{name} to {expected} (python train.py --cfg job shows the whole config).",
+            )
+
+
+def _mismatch(value: Any, hint: Any) -> str | None:
+    """What ``value`` should have been, or None if it is of type ``hint`` (or ``hint`` is not a plain type)."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        return None if value in allowed else "one of " + ", ".join(repr(choice) for choice in allowed)
+    if origin in (Union, types.UnionType):
+        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        expectations = [_mismatch(value, option) for option in options]
+        if any(expected is None for expected in expectations):
+            return None
+        return " or ".join(dict.fromkeys(expected for expected in expectations if expected))
+    if hint not in _EXPECTED:
+        return None
+    fits = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[hint]
+    return None if fits else _EXPECTED[hint]
