@@ -75,6 +75,7 @@ CASES = [
     (["strategy=ddp", "trainer.devices=2", "trainer.num_nodes=2"], "trainer.num_nodes: is more than 1"),
     (["trainer.precision=16-mixed"], "trainer.precision: is '16-mixed', but float16 training needs a CUDA GPU"),
     (["trainer.precision=17"], "trainer.precision: Precision 17 is invalid"),
+    (["trainer.precision=null"], "trainer.precision: is null. Fix: set it: 32-true (Lightning's default)"),
     (
         ["strategy=fsdp", "trainer.devices=2", "trainer.precision=64"],
         "trainer.precision: is '64-true', which Lightning's",

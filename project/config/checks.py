@@ -231,14 +231,17 @@ def _check_precision(cfg: DictConfig) -> None:
         precision = _convert_precision_to_unified_args(cfg.trainer.precision)
     except ValueError as error:
         raise ConfigError("trainer.precision", f"{error}.", "use 32-true, bf16-mixed or (on GPUs) 16-mixed.") from None
-    # (precision is None for trainer.precision=null, which is not handled here.)
-    if precision.startswith("16") and not uses_cuda(cfg):  # type: ignore[union-attr]
+    if precision is None:  # Lightning reads null as 32-true; naming one beats guessing which the user meant
+        raise ConfigError(
+            "trainer.precision", "is null.", "set it: 32-true (Lightning's default), bf16-mixed or (on GPUs) 16-mixed."
+        )
+    if precision.startswith("16") and not uses_cuda(cfg):
         raise ConfigError(
             "trainer.precision",
             f"is {precision!r}, but float16 training needs a CUDA GPU and this run is on the CPU.",
             "use trainer.precision=bf16-mixed (CPUs support bfloat16) or 32-true.",
         )
-    if precision.startswith("bf16") and uses_cuda(cfg) and not _gpus_support_bf16(cfg.trainer.devices):  # type: ignore[union-attr]
+    if precision.startswith("bf16") and uses_cuda(cfg) and not _gpus_support_bf16(cfg.trainer.devices):
         raise ConfigError(
             "trainer.precision",
             f"is {precision!r}, but this GPU has no bfloat16 support.",
