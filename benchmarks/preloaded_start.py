@@ -6,7 +6,7 @@ both sides alike): the import of ``project.launch.launcher`` (what train.py impo
 fresh interpreter; a fork of
 an interpreter that has imported it, ending with the interpreter's teardown of its modules and without it (as
 ``tests/helpers/preloaded.py`` ends its children); and the tests' tiny MLP on 2 tensor-parallel ranks, from scratch and
-forked from the preloaded server.
+forked from the preloaded server (the launcher and its workers).
 """
 
 import os

@@ -130,6 +130,44 @@ def run_preloaded(args: list[str], home: Path, timeout: int) -> subprocess.Compl
         )
 
 
+class PreloadedRun:
+    """``python train.py <args>`` forked by the preloaded server, as ``subprocess.Popen(..., stdout=PIPE,
+    stderr=STDOUT, text=True)`` would start it: for tests that signal or kill a run, or watch it as it goes. The
+    run's pid is a real process, its workers proxied (``tests/helpers/preloaded.py``)."""
+
+    def __init__(self, args: list[str], home: Path) -> None:
+        self.server = train_server(home)
+        self.output_file = Path(tempfile.mkdtemp(prefix="preloaded-run-")) / "output"  # stdout and stderr both
+        self.pid = self.server.start(args, REPO, self.output_file, self.output_file)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        return self.wait(timeout=0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """The exit code (negative: the signal that killed it); ``TimeoutExpired`` after ``timeout`` s (0: None)."""
+        if self.returncode is None:
+            ended = self.server.wait(self.pid, 10**9 if timeout is None else timeout)
+            if ended is None:
+                if timeout == 0:
+                    return None
+                raise subprocess.TimeoutExpired(["train.py"], timeout or 0)
+            self.returncode = ended[1]
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """Its output once it has ended."""
+        self.wait(timeout)
+        return self.output_file.read_text(), None
+
+
 def run_command(command: list[str], home: Path, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run ``command`` in the repo with the isolated environment; ``python train.py`` is forked from the preloaded
     server (the same process but for the imports already done)."""

@@ -9,22 +9,66 @@ stdin, ``{"args": [...], "cwd": dir, "stdout": file, "stderr": file}``, forks a 
 ends as the interpreter would: a ``SystemExit``'s code (its message printed), an uncaught exception's traceback and
 exit code 1, non-daemon threads joined, atexit handlers run, the standard streams flushed. Only the interpreter's
 teardown of its modules (1.4 s with torch and Lightning loaded, and nothing a run writes) is skipped. The run's
-workers, W&B service and sweep jobs are processes it starts as any launcher does. The server holds no thread and no
-open file but its pipes when it forks.
+W&B service and sweep jobs are processes it starts as any launcher does. The server holds no thread and no open
+file but its pipes and sockets when it forks.
+
+The workers of those runs (``python -m project.launch.worker <config>``, which torchelastic starts), and the node
+tasks of ``launcher=slurm_local`` (``python -m submitit.core._submit``, which submitit starts), are forked from the
+server too: the server listens on a Unix socket, named to its children in ``MODULE_SERVER_VARIABLE``, and
+``tests/sitecustomize.py`` turns each such process, as it starts, into a proxy (``proxy_module``). The proxy hands
+the server its module, arguments, standard streams, working dir and environment; the server forks a child that
+runs the module as ``__main__`` in them; the proxy passes on the signals it gets (torchelastic's SIGTERM, a user's
+SIGINT...), and ends as the child ends, with its exit code or by its signal, so that torchelastic (or submitit)
+sees the process it started. The child dies with its proxy (``watch_proxy``), and the proxy with its parent, as a
+worker dies with its launcher (``die_with_parent``). What differs from a process started from scratch: its pid is
+not its starter's child's, and a job's ranks share one string hash seed. So the tests of signals and process trees
+(``tests/test_faults.py``) start their jobs with ``subprocess.Popen``, whose workers start from scratch, as do
+``torchrun``'s.
 """
 
 import atexit
+import contextlib
+import importlib
 import json
 import os
 import runpy
 import select
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+# What train.py, its workers and submitit's tasks import, and the runs of the tests use (strategies, models, data):
+# most of what a run imports before its first step. Not wandb, whose import makes a temporary dir that the first
+# child to end deletes.
+PRELOADED = [
+    "project.launch.launcher",
+    "submitit.core.submission",
+    "project.launch.training",
+    "project.observability.console",
+    "torch.distributed.elastic.multiprocessing.errors",
+    "project.data.datamodule",
+    "project.tasks.classification",
+    "project.tasks.language_model",
+]
+# The server's Unix socket, for the processes of the runs it forks (set by the server in its own environment).
+MODULE_SERVER_VARIABLE = "PROJECT_TEST_MODULE_SERVER"
+# What a proxy passes on to its child: what torchelastic, SLURM or a user send a worker, but SIGSTOP and SIGKILL,
+# which no process can catch (a SIGKILLed proxy takes its child along: ``watch_proxy``).
+RELAYED_SIGNALS = [
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGCONT,
+]
 
 
 def answer(message: dict) -> None:
@@ -32,8 +76,9 @@ def answer(message: dict) -> None:
     sys.stdout.flush()
 
 
-def reap() -> None:
-    """Answer for every child that has ended."""
+def reap(proxied: dict[int, socket.socket]) -> None:
+    """Answer for every child that has ended: a proxied one's proxy with its wait status, the tests with an exit
+    code."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -41,30 +86,78 @@ def reap() -> None:
             return
         if pid == 0:
             return
-        answer({"exited": pid, "exit_code": os.waitstatus_to_exitcode(status)})
+        proxy = proxied.pop(pid, None)
+        if proxy is None:
+            answer({"exited": pid, "exit_code": os.waitstatus_to_exitcode(status)})
+            continue
+        # OSError: the proxy is gone (killed), and so the child was killed by watch_proxy
+        with proxy, contextlib.suppress(OSError):
+            proxy.sendall(f"{status}\n".encode())
 
 
-def serve() -> dict | None:
-    """The server's loop; returns in each forked child, with the request it is to run (None: stdin closed)."""
+def module_listener() -> socket.socket:
+    """The socket the proxies connect to, named to this process's children in ``MODULE_SERVER_VARIABLE``."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    address = Path(tempfile.mkdtemp(prefix="preloaded-")) / "modules"  # short: a socket's path has at most 107 bytes
+    listener.bind(str(address))
+    listener.listen(64)
+    os.environ[MODULE_SERVER_VARIABLE] = str(address)
+    return listener
+
+
+def receive_module(proxy: socket.socket) -> dict:
+    """A proxy's request: its module, arguments, working dir and environment, and its standard streams as
+    ``fds``."""
+    data, fds, _, _ = socket.recv_fds(proxy, 1 << 20, 3)
+    while not data.endswith(b"\n"):
+        chunk = proxy.recv(1 << 20)
+        if not chunk:
+            raise ConnectionError("a proxy hung up before its request was whole")
+        data += chunk
+    return {**json.loads(data), "fds": fds, "proxy": proxy}
+
+
+def serve() -> tuple[str, dict] | None:
+    """The server's loop; returns in each forked child what it is to become (``"train"`` or ``"module"``) and its
+    request (None: stdin closed)."""
     sys.path[0] = str(REPO)  # as for ``python train.py``: the script's dir first, not this one's
-    import project.launch.launcher  # noqa: F401  (what train.py imports when it runs: loaded once, before forking)
+    for module in PRELOADED:  # loaded once, before forking
+        importlib.import_module(module)
 
+    listener = module_listener()
+    proxied: dict[int, socket.socket] = {}  # a child's pid: its proxy's connection
     assert threading.active_count() == 1, threading.enumerate()  # a fork keeps only the forking thread
     pending = b""  # read from stdin, not yet a whole request
     while True:
+        child: tuple[str, dict] | None = None
         if b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            request = json.loads(line)
+            child = ("train", json.loads(line))
+        ready = select.select([0, listener], [], [], 0.02)[0] if child is None else []
+        if listener in ready:
+            child = ("module", receive_module(listener.accept()[0]))
+        if child is not None:
             pid = os.fork()
             if pid == 0:
-                return request
-            answer({"pid": pid})
-        elif select.select([0], [], [], 0.02)[0]:
+                listener.close()  # the child's own proxy connection is in its request; no other is its
+                for proxy in proxied.values():
+                    proxy.close()
+                return child
+            if child[0] == "train":
+                answer({"pid": pid})
+            else:
+                for fd in child[1]["fds"]:
+                    os.close(fd)
+                child[1]["proxy"].sendall(f"{pid}\n".encode())
+                proxied[pid] = child[1]["proxy"]
+        if 0 in ready:
             chunk = os.read(0, 65536)
             if not chunk:
+                listener.close()
+                Path(os.environ[MODULE_SERVER_VARIABLE]).unlink()
                 return None
             pending += chunk
-        reap()
+        reap(proxied)
 
 
 def become_train(request: dict) -> None:
@@ -72,9 +165,74 @@ def become_train(request: dict) -> None:
     os.chdir(request["cwd"])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 (train.py's stdin for the rest of the child's life)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):  # appended to: they may be one file
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
     sys.argv = [str(REPO / "train.py"), *request["args"]]
+
+
+def watch_proxy(proxy: socket.socket) -> None:
+    """Die with the proxy: it sends nothing more, so the read ends when its end of the connection closes."""
+    try:
+        while proxy.recv(1):
+            pass
+    finally:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def become_module(request: dict) -> None:
+    """In the child: the standard streams, working dir, environment and argv of the proxy, started as ``python -m
+    <module> <args>``; the child dies with it."""
+    import torch
+
+    from project.launch.processes import LAUNCHER_PID_VARIABLE
+
+    for target, fd in enumerate(request["fds"]):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    sys.path[0] = request["cwd"]  # as ``python -m`` puts it
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # A worker's die_with_parent() checks the launcher is its parent: the proxy did (torchelastic's launcher is).
+    os.environ.pop(LAUNCHER_PID_VARIABLE, None)
+    if "OMP_NUM_THREADS" in os.environ:  # read by a fresh torch when it starts; this one started in the server
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    sys.argv = ["-m", *request["args"]]
+    threading.Thread(target=watch_proxy, args=(request["proxy"],), name="watch-proxy", daemon=True).start()
+
+
+def proxy_module(server: str, module: str, args: list[str]) -> None:
+    """Be the process ``python -m <module> <args>`` that torchelastic (or submitit) started, while the module runs
+    in a child of the preloaded ``server``: pass on its signals, and end as it ends. Called by
+    ``tests/sitecustomize.py`` as this process starts; never returns."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED_SIGNALS)  # held until the child's pid is known
+    from project.launch.processes import die_with_parent
+
+    die_with_parent()  # what a worker does first: this process dies with its parent, and the child with it
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.connect(server)
+    request = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+    socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
+    answers = connection.makefile("rb")
+    child = int(answers.readline())
+
+    def relay(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it has ended; its status is on the way
+            os.kill(child, signum)
+
+    for signum in RELAYED_SIGNALS:
+        signal.signal(signum, relay)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED_SIGNALS)
+    status = answers.readline()
+    if not status:
+        print(f"tests/helpers/preloaded.py: the server ended before {module}", file=sys.stderr)
+        os._exit(1)
+    code = os.waitstatus_to_exitcode(int(status))
+    if code < 0:  # killed by a signal: so is this process
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code  # a signal it survives (SIGCONT): the shell's code for it
+    os._exit(code)
 
 
 def exit_code(exit: SystemExit) -> int:
@@ -126,8 +284,7 @@ class TrainServer:
             ended = next((child for child in self.exit_codes if pid in (None, child)), None)
             if ended is not None:
                 return ended, self.exit_codes.pop(ended)
-            left = deadline - time.monotonic()
-            if left <= 0 or self._next_message(timeout=left) is None:
+            if self._next_message(timeout=deadline - time.monotonic()) is None:
                 return None
 
     def close(self) -> None:
@@ -136,11 +293,12 @@ class TrainServer:
         self.process.stdout.close()
 
     def _next_message(self, timeout: float) -> dict | None:
-        """The server's next answer (an ``exited`` one also noted in ``exit_codes``); None after ``timeout`` s."""
+        """The server's next answer (an ``exited`` one also noted in ``exit_codes``); None after ``timeout`` s (at
+        most 0: None unless an answer is there already)."""
         deadline = time.monotonic() + timeout
         while b"\n" not in self.pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.process.stdout], [], [], left)[0]:
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([self.process.stdout], [], [], left)[0]:
                 return None
             chunk = os.read(self.process.stdout.fileno(), 65536)
             if not chunk:
@@ -153,16 +311,27 @@ class TrainServer:
         return message
 
 
-if __name__ == "__main__":
-    request = serve()
-    if request is not None:
+def run_as_main(become: str, request: dict) -> None:
+    """In the child: become ``python train.py`` or ``python -m <module>``, run it as ``__main__`` and end as it
+    would."""
+    if become == "train":
         become_train(request)
-        try:
-            runpy.run_path(str(REPO / "train.py"), run_name="__main__")
-            code = 0
-        except SystemExit as exit:
-            code = exit_code(exit)
-        except BaseException:
-            sys.excepthook(*sys.exc_info())
-            code = 1
-        end(code)
+        run = lambda: runpy.run_path(str(REPO / "train.py"), run_name="__main__")  # noqa: E731
+    else:
+        become_module(request)
+        run = lambda: runpy.run_module(request["module"], run_name="__main__", alter_sys=True)  # noqa: E731
+    try:
+        run()
+        code = 0
+    except SystemExit as exit:
+        code = exit_code(exit)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    end(code)
+
+
+if __name__ == "__main__":
+    child = serve()
+    if child is not None:
+        run_as_main(*child)
