@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, isolated_env, kill_process_tree, train
+from conftest import REPO, PreloadedRun, isolated_env, kill_process_tree, train
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from project.checkpointing.files import META_FILE
@@ -219,35 +219,24 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         tolerance = 1e-6 if name == "fsdp" else 1e-5
         job = tmp_path / f"{name}-killed"
         marker = tmp_path / f"{name}-at-step-17"
-        console = tmp_path / f"{name}-killed.out"
-        with open(console, "w") as output:
-            # PYTHONFAULTHANDLER: a process that never reaches step 17 prints every thread's stack on SIGABRT.
-            run = subprocess.Popen(
-                [
-                    sys.executable,
-                    "train.py",
-                    *common,
-                    *args,
-                    f"hydra.run.dir={job}",
-                    "+callbacks.stall._target_=helpers.probes.StallAtStep",
-                    "+callbacks.stall.step=17",
-                    f"+callbacks.stall.marker={marker}",
-                ],
-                cwd=REPO,
-                env={**isolated_env(tmp_path / "home"), "PYTHONFAULTHANDLER": "1"},
-                stdout=output,
-                stderr=subprocess.STDOUT,
-            )
+        run = PreloadedRun(
+            [
+                *common,
+                *args,
+                f"hydra.run.dir={job}",
+                "+callbacks.stall._target_=helpers.probes.StallAtStep",
+                "+callbacks.stall.step=17",
+                f"+callbacks.stall.marker={marker}",
+            ],
+            tmp_path / "home",
+        )
         launched = time.monotonic()
         while not marker.exists():
             if run.poll() is not None:
-                pytest.fail(f"{name}: exited {run.returncode} before step 17:\n{console.read_text()[-6000:]}")
+                pytest.fail(f"{name}: exited {run.returncode} before step 17:\n{run.communicate()[0][-6000:]}")
             if time.monotonic() - launched > 300:
-                kill_process_tree(run.pid, signal.SIGABRT)
-                time.sleep(5)
                 kill_process_tree(run.pid)
-                stacks = [line for line in console.read_text().splitlines() if not line.startswith("Extension modules")]
-                pytest.fail(f"{name}: no step 17 after 300 s; its console:\n" + "\n".join(stacks)[-12000:])
+                pytest.fail(f"{name}: no step 17 after 300 s; its console:\n{run.communicate()[0][-6000:]}")
             time.sleep(0.05)
         kill_process_tree(run.pid)  # the launcher and every rank at once, as a node failure would
         assert run.wait(timeout=60) == -signal.SIGKILL

@@ -5,14 +5,12 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import submitit
 import yaml
-from conftest import REPO, TINY, assert_close, isolated_env, only_run, require_extra, train
+from conftest import REPO, TINY, PreloadedRun, assert_close, only_run, require_extra, train
 from helpers.wandb_offline import offline_runs
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -74,13 +72,7 @@ def test_optuna_search_over_ddp_jobs_records_every_trial_goes_on_past_failed_one
         "hydra.sweeper.n_trials=4",
         f"hydra.sweep.dir={sweep_dir}",
     ]
-    search = subprocess.Popen(
-        [sys.executable, "train.py", *command],
-        cwd=REPO,
-        env=isolated_env(home),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    search = PreloadedRun(command, home)
     deadline = time.monotonic() + 300
     while not (training := [n for n in (1, 2, 3) if (sweep_dir / str(n) / "config.yaml").exists()]):
         assert time.monotonic() < deadline and search.poll() is None, "no trial after the first trained"
@@ -158,19 +150,8 @@ def test_joblib_runs_two_ddp_jobs_at_once_with_the_numbers_of_one_at_a_time(ddp_
 def preempt(command: list[str], home, signum: int, after_epochs: int, job_dir) -> str:
     """Start ``train.py <command>`` (epochs slowed down), send it ``signum`` once ``after_epochs`` epochs are in its
     result.json, and return its output: the job must stop cleanly, saying how to resume."""
-    job = subprocess.Popen(
-        [
-            sys.executable,
-            "train.py",
-            *command,
-            "+callbacks.slow._target_=helpers.probes.SlowEpochs",
-            "+callbacks.slow.seconds=3",
-        ],
-        cwd=REPO,
-        env=isolated_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    job = PreloadedRun(
+        [*command, "+callbacks.slow._target_=helpers.probes.SlowEpochs", "+callbacks.slow.seconds=3"], home
     )
     deadline, result = time.monotonic() + 120, job_dir / "result.json"
     while not (result.exists() and json.loads(result.read_text())["epochs"] >= after_epochs):
@@ -266,10 +247,8 @@ def test_slurm_local_runs_two_ddp_jobs_and_a_preempted_one_is_requeued_into_the_
     it, and the requeued job resumes from last.ckpt (ckpt_path=auto) into the same W&B run. Each job ends with
     one result and the numbers of the jobs run one at a time."""
     sweep_dir = runs_dir / "slurm-local"
-    sweep = subprocess.Popen(
+    sweep = PreloadedRun(
         [
-            sys.executable,
-            "train.py",
             "launcher=slurm_local",
             *TINY,
             "trainer.devices=2",
@@ -279,11 +258,7 @@ def test_slurm_local_runs_two_ddp_jobs_and_a_preempted_one_is_requeued_into_the_
             "+callbacks.slow._target_=helpers.probes.SlowEpochs",
             "+callbacks.slow.seconds=1.5",
         ],
-        cwd=REPO,
-        env=isolated_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        home,
     )
     deadline = time.monotonic() + 120
     while not (sweep_dir / "0" / "checkpoints" / "last.ckpt").exists():
