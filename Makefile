@@ -17,6 +17,11 @@ BUNDLE ?= gpu-bundle
 BUNDLE_PYTHON ?= 3.12
 LOCAL_PYTHON = $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 OUT ?= gpu-check-results
+# The suite in TEST_WORKERS pytest-xdist processes: its runs wait on start-up, W&B and signals for about a third of
+# their time, which a second process fills. Each file's tests stay in one process (loadfile), so that a module's
+# fixture runs once; the session's shared runs are made once for all (tests/conftest.py: shared_run).
+TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: help install train test test-fast lint lock clean gpu-bundle gpu-check offline-check
 
@@ -42,10 +47,10 @@ train: install  ## train with the default config; pass Hydra overrides as ARGS="
 	$(BIN)/python train.py $(ARGS)
 
 test: install  ## the whole test suite (what CI runs)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: install  ## the suite without the slow end-to-end runs
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: install  ## ruff (lint, import order, format) on the repo, mypy on project/ (CI runs it before the tests)
 	$(BIN)/ruff check .

@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
+from filelock import FileLock
 from helpers.preloaded import TrainServer
 from helpers.reference import ReferenceRun, reference_run
 from helpers.wandb_offline import OfflineRun, offline_runs
@@ -200,13 +202,43 @@ def torchrun(nproc: int, args: list[str], home: Path) -> subprocess.CompletedPro
 
 
 @pytest.fixture(scope="session")
-def home(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("home")
+def shared_tmp(tmp_path_factory, worker_id) -> Path:
+    """The session's temporary dir, the same for every pytest-xdist worker (each has a basetemp of its own below
+    it; ``worker_id`` is "master" without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
 
 
 @pytest.fixture(scope="session")
-def runs_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("runs")
+def home(shared_tmp) -> Path:
+    home = shared_tmp / "home"
+    home.mkdir(exist_ok=True)
+    return home
+
+
+@pytest.fixture(scope="session")
+def runs_dir(shared_tmp) -> Path:
+    """Where the session's shared runs go: each is made once, by whichever xdist worker needs it first
+    (``shared_run``)."""
+    runs = shared_tmp / "runs"
+    runs.mkdir(exist_ok=True)
+    return runs
+
+
+def shared_run(runs_dir: Path, name: str, make: Callable[[], str]) -> str:
+    """``make()``'s output, made once for the session however many xdist workers ask: the first makes it under a
+    lock, and the others wait for it and read what it said (or fail with the error it failed with)."""
+    output, failure = runs_dir / f"{name}.output", runs_dir / f"{name}.failure"
+    with FileLock(runs_dir / f"{name}.lock"):
+        if failure.exists():
+            pytest.fail(f"the shared run {name} failed in another worker:\n{failure.read_text()}")
+        if not output.exists():
+            try:
+                output.write_text(make())
+            except BaseException as error:
+                failure.write_text(str(error)[-6000:])
+                raise
+    return output.read_text()
 
 
 # The per-epoch results that must not depend on how a run is parallelised.
@@ -280,17 +312,20 @@ TRACKED = "callbacks.memory.tracked_steps=2"
 
 
 def one_run(name: str, args: list[str], runs_dir: Path, home: Path) -> Path:
-    """``python train.py <args>`` into the job dir ``runs_dir/name``, which it returns."""
+    """``python train.py <args>`` into the job dir ``runs_dir/name`` (once a session), which it returns."""
     job_dir = runs_dir / name
-    train([*args, f"hydra.run.dir={job_dir}"], home)
+    shared_run(runs_dir, name, lambda: train([*args, f"hydra.run.dir={job_dir}"], home).output)
     return job_dir
 
 
-def two_job_sweep(name: str, args: list[str], runs_dir: Path, home: Path):
-    """``python train.py -m <args>`` into ``runs_dir/name``; returns its output and the dirs of jobs 0 and 1."""
+def two_job_sweep(name: str, args: list[str], runs_dir: Path, home: Path) -> tuple[str, tuple[Path, Path]]:
+    """``python train.py -m <args>`` into ``runs_dir/name`` (once a session); returns its output and the dirs of
+    jobs 0 and 1."""
     sweep_dir = runs_dir / name
-    result = train(["-m", *args, f"hydra.sweep.dir={sweep_dir}"], home, timeout=400)
-    return result, (sweep_dir / "0", sweep_dir / "1")
+    output = shared_run(
+        runs_dir, name, lambda: train(["-m", *args, f"hydra.sweep.dir={sweep_dir}"], home, timeout=400).output
+    )
+    return output, (sweep_dir / "0", sweep_dir / "1")
 
 
 @pytest.fixture(scope="session")
@@ -309,7 +344,7 @@ def ddp_fsdp_sweep(runs_dir, home):
         runs_dir,
         home,
     )
-    assert "distributed_backend=gloo" in result.output and "Starting with 2 processes" in result.output
+    assert "distributed_backend=gloo" in result and "Starting with 2 processes" in result
     return jobs
 
 
