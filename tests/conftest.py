@@ -15,9 +15,10 @@ from types import ModuleType
 import pytest
 import torch
 from filelock import FileLock
-from helpers.preloaded import TrainServer
+from helpers.preloaded import TRAIN, TrainServer
 from helpers.reference import ReferenceRun, reference_run
 from helpers.wandb_offline import OfflineRun, offline_runs
+from sitecustomize import split_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -116,31 +117,33 @@ def close_train_servers():
         server.close()
 
 
-def run_preloaded(args: list[str], home: Path, timeout: int) -> subprocess.CompletedProcess:
-    """``python train.py <args>``, forked by the preloaded server, as ``subprocess.run`` would report it."""
+def run_preloaded(args: list[str], home: Path, timeout: int, program: list[str] = TRAIN) -> subprocess.CompletedProcess:
+    """``python <program> <args>`` (``train.py`` by default), forked by the preloaded server, as ``subprocess.run``
+    would report it."""
     server = train_server(home)
     with tempfile.TemporaryDirectory() as tmp:
         stdout, stderr = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        pid = server.start(args, REPO, stdout, stderr)
+        pid = server.start(args, REPO, stdout, stderr, program)
         ended = server.wait(pid, timeout)
         if ended is None:
             kill_process_tree(pid)
             server.wait(pid, 60)
-            raise subprocess.TimeoutExpired(["train.py", *args], timeout, stdout.read_text(), stderr.read_text())
+            raise subprocess.TimeoutExpired([*program, *args], timeout, stdout.read_text(), stderr.read_text())
         return subprocess.CompletedProcess(
-            [sys.executable, "train.py", *args], ended[1], stdout.read_text(), stderr.read_text()
+            [sys.executable, *program, *args], ended[1], stdout.read_text(), stderr.read_text()
         )
 
 
 class PreloadedRun:
     """``python train.py <args>`` forked by the preloaded server, as ``subprocess.Popen(..., stdout=PIPE,
     stderr=STDOUT, text=True)`` would start it: for tests that signal or kill a run, or watch it as it goes. The
-    run's pid is a real process, its workers proxied (``tests/helpers/preloaded.py``)."""
+    run's pid is a real process, its workers forked too, unless ``fresh_workers`` (the tests of process trees:
+    then they are its children, started from scratch; ``tests/helpers/preloaded.py``)."""
 
-    def __init__(self, args: list[str], home: Path) -> None:
+    def __init__(self, args: list[str], home: Path, fresh_workers: bool = False) -> None:
         self.server = train_server(home)
         self.output_file = Path(tempfile.mkdtemp(prefix="preloaded-run-")) / "output"  # stdout and stderr both
-        self.pid = self.server.start(args, REPO, self.output_file, self.output_file)
+        self.pid = self.server.start(args, REPO, self.output_file, self.output_file, fresh_workers=fresh_workers)
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -171,10 +174,11 @@ class PreloadedRun:
 
 
 def run_command(command: list[str], home: Path, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run ``command`` in the repo with the isolated environment; ``python train.py`` is forked from the preloaded
+    """Run ``command`` in the repo with the isolated environment; a ``python`` command is forked from the preloaded
     server (the same process but for the imports already done)."""
-    if command[:2] == [sys.executable, "train.py"]:
-        result = run_preloaded(command[2:], home, timeout)
+    if command[0] == sys.executable:
+        program, args = split_command(command[1:])
+        result = run_preloaded(args, home, timeout, program)
     else:
         result = subprocess.run(
             command, cwd=REPO, env=isolated_env(home), capture_output=True, text=True, timeout=timeout

@@ -1,18 +1,28 @@
 """Imported first thing by every Python process the tests start (their PYTHONPATH holds tests/): in a run forked by
-the preloaded server, a worker (``python -m project.launch.worker``, started by torchelastic) or a node task of
-``launcher=slurm_local`` (``python -u -m submitit.core._submit``, started by submitit) becomes a proxy of the same
-module run in a child of that server (``tests/helpers/preloaded.py``). Any other process goes on as usual."""
+the preloaded server, a process the run starts becomes a proxy of the same program run in a child of that server
+(``tests/helpers/preloaded.py``), when it is one of those ``PROXIED`` names: a worker (started by torchelastic), a
+``torchrun`` rank (``python -u train.py``), a node task of ``launcher=slurm_local`` (started by submitit). Any
+other process goes on as usual."""
 
 import os
 import sys
 
-PROXIED_MODULES = ("project.launch.worker", "submitit.core._submit")
+PROXIED = (["-m", "project.launch.worker"], ["-m", "submitit.core._submit"], ["train.py"])
 
-# The variable is helpers.preloaded.MODULE_SERVER_VARIABLE, spelt out: importing that module costs every process.
-server = os.environ.get("PROJECT_TEST_MODULE_SERVER")
-if server and "-m" in sys.orig_argv:
-    module_at = sys.orig_argv.index("-m") + 1
-    if sys.orig_argv[module_at] in PROXIED_MODULES:
-        from helpers.preloaded import proxy_module
 
-        proxy_module(server, sys.orig_argv[module_at], sys.orig_argv[module_at + 1 :])
+def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(program, args) of a command line ``[-u] <program> <args>`` (what follows ``python``)."""
+    while argv and argv[0] == "-u":  # unbuffered output, which the tests' environment sets anyway
+        argv = argv[1:]
+    split = 2 if argv[:1] == ["-m"] else 1
+    return argv[:split], argv[split:]
+
+
+# The variable is helpers.preloaded.PROGRAM_SERVER_VARIABLE, spelt out: importing that module costs every process.
+server = os.environ.get("PROJECT_TEST_PROGRAM_SERVER")
+if server:
+    command, arguments = split_command(sys.orig_argv[1:])
+    if [os.path.basename(part) for part in command] in PROXIED:
+        from helpers.preloaded import proxy_program
+
+        proxy_program(server, command, arguments)

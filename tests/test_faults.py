@@ -4,15 +4,13 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, PreloadedRun, isolated_env, train
+from conftest import TINY, PreloadedRun, train
 from helpers.probes import thaw
 
 pytestmark = pytest.mark.slow
@@ -102,15 +100,9 @@ def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
 ENDLESS_DDP = [*TINY, "logger=csv", "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=100000"]
 
 
-def start_train(args: list[str], home) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "train.py", *args],
-        cwd=REPO,
-        env=isolated_env(home),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+def start_train(args: list[str], home) -> PreloadedRun:
+    """``python train.py <args>`` whose workers are its own children, started from scratch, as a user's are."""
+    return PreloadedRun(args, home, fresh_workers=True)
 
 
 def wait_for(condition, timeout: float, what: str) -> None:

@@ -1,29 +1,30 @@
-"""``python train.py <args>`` without paying its imports each time: a server that has imported what train.py imports
-(torch, Lightning, Hydra: most of a tiny run's start-up; ``benchmarks/preloaded_start.py``) forks a child per run.
+"""The tests' Python processes without paying their imports each time: a server that has imported what train.py and
+its workers import (torch, Lightning, Hydra: most of a tiny run's start-up; ``benchmarks/preloaded_start.py``)
+forks a child per process.
 
-``python tests/helpers/preloaded.py``, started with the environment its runs are to have, reads one JSON request per
-line on
-stdin, ``{"args": [...], "cwd": dir, "stdout": file, "stderr": file}``, forks a child for it at once and answers
-``{"pid": pid}``; when a child ends it answers ``{"exited": pid, "exit_code": code}``. The child runs ``train.py`` as
-``__main__`` with that ``sys.argv`` and working dir, at module level (no frame of the server left to unwind), and
-ends as the interpreter would: a ``SystemExit``'s code (its message printed), an uncaught exception's traceback and
-exit code 1, non-daemon threads joined, atexit handlers run, the standard streams flushed. Only the interpreter's
-teardown of its modules (1.4 s with torch and Lightning loaded, and nothing a run writes) is skipped. The run's
-W&B service and sweep jobs are processes it starts as any launcher does. The server holds no thread and no open
-file but its pipes and sockets when it forks.
+A *program* is what follows ``python``: ``["train.py"]`` (a script) or ``["-m", "project.launch.worker"]`` (a
+module). A forked child runs its program as ``__main__`` with that ``sys.argv``, working dir and standard streams,
+at module level (no frame of the server left to unwind), and ends as the interpreter would: a ``SystemExit``'s code
+(its message printed), an uncaught exception's traceback and exit code 1, non-daemon threads joined, atexit
+handlers run, the standard streams flushed. Only the interpreter's teardown of its modules (1.4 s with torch and
+Lightning loaded, and nothing a run writes) is skipped. The server holds no thread and no open file but its pipes
+and sockets when it forks.
 
-The workers of those runs (``python -m project.launch.worker <config>``, which torchelastic starts), and the node
-tasks of ``launcher=slurm_local`` (``python -m submitit.core._submit``, which submitit starts), are forked from the
-server too: the server listens on a Unix socket, named to its children in ``MODULE_SERVER_VARIABLE``, and
-``tests/sitecustomize.py`` turns each such process, as it starts, into a proxy (``proxy_module``). The proxy hands
-the server its module, arguments, standard streams, working dir and environment; the server forks a child that
-runs the module as ``__main__`` in them; the proxy passes on the signals it gets (torchelastic's SIGTERM, a user's
-SIGINT...), and ends as the child ends, with its exit code or by its signal, so that torchelastic (or submitit)
-sees the process it started. The child dies with its proxy (``watch_proxy``), and the proxy with its parent, as a
-worker dies with its launcher (``die_with_parent``). What differs from a process started from scratch: its pid is
-not its starter's child's, and a job's ranks share one string hash seed. So the tests of signals and process trees
-(``tests/test_faults.py``) start their jobs with ``subprocess.Popen``, whose workers start from scratch, as do
-``torchrun``'s.
+The tests ask for processes on the server's stdin, one JSON request a line: ``{"program": [...], "args": [...],
+"cwd": dir, "stdout": file, "stderr": file}`` (``"fresh_workers": true``: the run's workers start from scratch, not
+forked: for the tests of process trees). It forks a child at once and answers ``{"pid": pid}``; when a child ends
+it answers ``{"exited": pid, "exit_code": code}``.
+
+The processes those runs start are forked from the server too (``tests/sitecustomize.py`` names which: the workers
+that torchelastic starts, ``torchrun``'s ranks, the node tasks of ``launcher=slurm_local``). The server listens on
+a Unix socket, named to its children in ``PROGRAM_SERVER_VARIABLE``, and ``tests/sitecustomize.py`` turns each such
+process, as it starts, into a proxy (``proxy_program``). The proxy hands the server its program, arguments,
+standard streams, working dir and environment; the server forks a child that runs the program in them; the proxy
+passes on the signals it gets (torchelastic's SIGTERM, a user's SIGINT...), and ends as the child ends, with its
+exit code or by its signal, so that torchelastic (or submitit) sees the process it started. The child dies with its
+proxy (``watch_proxy``), and the proxy with its parent, as a worker dies with its launcher (``die_with_parent``).
+What differs from a process started from scratch: its pid is not its starter's child's, and a job's ranks share one
+string hash seed. So the tests of signals and process trees (``tests/test_faults.py``) ask for fresh workers.
 """
 
 import atexit
@@ -43,6 +44,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+TRAIN = [str(REPO / "train.py")]  # the program of python train.py
 # What train.py, its workers and submitit's tasks import, and the runs of the tests use (strategies, models, data):
 # most of what a run imports before its first step. Not wandb, whose import makes a temporary dir that the first
 # child to end deletes.
@@ -52,12 +54,13 @@ PRELOADED = [
     "project.launch.training",
     "project.observability.console",
     "torch.distributed.elastic.multiprocessing.errors",
+    "torch.distributed.run",
     "project.data.datamodule",
     "project.tasks.classification",
     "project.tasks.language_model",
 ]
 # The server's Unix socket, for the processes of the runs it forks (set by the server in its own environment).
-MODULE_SERVER_VARIABLE = "PROJECT_TEST_MODULE_SERVER"
+PROGRAM_SERVER_VARIABLE = "PROJECT_TEST_PROGRAM_SERVER"
 # What a proxy passes on to its child: what torchelastic, SLURM or a user send a worker, but SIGSTOP and SIGKILL,
 # which no process can catch (a SIGKILLed proxy takes its child along: ``watch_proxy``).
 RELAYED_SIGNALS = [
@@ -95,18 +98,18 @@ def reap(proxied: dict[int, socket.socket]) -> None:
             proxy.sendall(f"{status}\n".encode())
 
 
-def module_listener() -> socket.socket:
-    """The socket the proxies connect to, named to this process's children in ``MODULE_SERVER_VARIABLE``."""
+def program_listener() -> socket.socket:
+    """The socket the proxies connect to, named to this process's children in ``PROGRAM_SERVER_VARIABLE``."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    address = Path(tempfile.mkdtemp(prefix="preloaded-")) / "modules"  # short: a socket's path has at most 107 bytes
+    address = Path(tempfile.mkdtemp(prefix="preloaded-")) / "programs"  # short: a socket's path has at most 107 bytes
     listener.bind(str(address))
     listener.listen(64)
-    os.environ[MODULE_SERVER_VARIABLE] = str(address)
+    os.environ[PROGRAM_SERVER_VARIABLE] = str(address)
     return listener
 
 
-def receive_module(proxy: socket.socket) -> dict:
-    """A proxy's request: its module, arguments, working dir and environment, and its standard streams as
+def receive_proxied(proxy: socket.socket) -> dict:
+    """A proxy's request: its program, arguments, working dir and environment, and its standard streams as
     ``fds``."""
     data, fds, _, _ = socket.recv_fds(proxy, 1 << 20, 3)
     while not data.endswith(b"\n"):
@@ -117,14 +120,24 @@ def receive_module(proxy: socket.socket) -> dict:
     return {**json.loads(data), "fds": fds, "proxy": proxy}
 
 
+def warm_hydra() -> None:
+    """Compose the train config once, before forking: each child then finds Hydra's plugins discovered (an import of
+    every ``hydra_plugins`` module) and its config machinery loaded, as it would on its second composition."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        compose("train", return_hydra_config=True)
+
+
 def serve() -> tuple[str, dict] | None:
-    """The server's loop; returns in each forked child what it is to become (``"train"`` or ``"module"``) and its
-    request (None: stdin closed)."""
+    """The server's loop; returns in each forked child what it is to become (``"requested"``: the tests asked for
+    it, ``"proxied"``: a proxy did) and its request (None: stdin closed)."""
     sys.path[0] = str(REPO)  # as for ``python train.py``: the script's dir first, not this one's
     for module in PRELOADED:  # loaded once, before forking
         importlib.import_module(module)
+    warm_hydra()
 
-    listener = module_listener()
+    listener = program_listener()
     proxied: dict[int, socket.socket] = {}  # a child's pid: its proxy's connection
     assert threading.active_count() == 1, threading.enumerate()  # a fork keeps only the forking thread
     pending = b""  # read from stdin, not yet a whole request
@@ -132,10 +145,10 @@ def serve() -> tuple[str, dict] | None:
         child: tuple[str, dict] | None = None
         if b"\n" in pending:
             line, pending = pending.split(b"\n", 1)
-            child = ("train", json.loads(line))
+            child = ("requested", json.loads(line))
         ready = select.select([0, listener], [], [], 0.02)[0] if child is None else []
         if listener in ready:
-            child = ("module", receive_module(listener.accept()[0]))
+            child = ("proxied", receive_proxied(listener.accept()[0]))
         if child is not None:
             pid = os.fork()
             if pid == 0:
@@ -143,7 +156,7 @@ def serve() -> tuple[str, dict] | None:
                 for proxy in proxied.values():
                     proxy.close()
                 return child
-            if child[0] == "train":
+            if child[0] == "requested":
                 answer({"pid": pid})
             else:
                 for fd in child[1]["fds"]:
@@ -154,20 +167,21 @@ def serve() -> tuple[str, dict] | None:
             chunk = os.read(0, 65536)
             if not chunk:
                 listener.close()
-                Path(os.environ[MODULE_SERVER_VARIABLE]).unlink()
+                Path(os.environ[PROGRAM_SERVER_VARIABLE]).unlink()
                 return None
             pending += chunk
         reap(proxied)
 
 
-def become_train(request: dict) -> None:
-    """In the child: the working dir, standard streams and argv of ``python train.py <args>`` launched there."""
+def become_requested(request: dict) -> None:
+    """In the child: the working dir and standard streams of the program the tests asked for (stdin empty)."""
     os.chdir(request["cwd"])
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (train.py's stdin for the rest of the child's life)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the program's stdin for the rest of the child's life)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):  # appended to: they may be one file
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
-    sys.argv = [str(REPO / "train.py"), *request["args"]]
+    if request.get("fresh_workers"):
+        del os.environ[PROGRAM_SERVER_VARIABLE]  # its processes are started as they would be without the server
 
 
 def watch_proxy(proxy: socket.socket) -> None:
@@ -179,9 +193,8 @@ def watch_proxy(proxy: socket.socket) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def become_module(request: dict) -> None:
-    """In the child: the standard streams, working dir, environment and argv of the proxy, started as ``python -m
-    <module> <args>``; the child dies with it."""
+def become_proxied(request: dict) -> None:
+    """In the child: the standard streams, working dir and environment of the proxy; the child dies with it."""
     import torch
 
     from project.launch.processes import LAUNCHER_PID_VARIABLE
@@ -190,19 +203,17 @@ def become_module(request: dict) -> None:
         os.dup2(fd, target)
         os.close(fd)
     os.chdir(request["cwd"])
-    sys.path[0] = request["cwd"]  # as ``python -m`` puts it
     os.environ.clear()
     os.environ.update(request["env"])
     # A worker's die_with_parent() checks the launcher is its parent: the proxy did (torchelastic's launcher is).
     os.environ.pop(LAUNCHER_PID_VARIABLE, None)
     if "OMP_NUM_THREADS" in os.environ:  # read by a fresh torch when it starts; this one started in the server
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    sys.argv = ["-m", *request["args"]]
     threading.Thread(target=watch_proxy, args=(request["proxy"],), name="watch-proxy", daemon=True).start()
 
 
-def proxy_module(server: str, module: str, args: list[str]) -> None:
-    """Be the process ``python -m <module> <args>`` that torchelastic (or submitit) started, while the module runs
+def proxy_program(server: str, program: list[str], args: list[str]) -> None:
+    """Be the process ``python <program> <args>`` that torchelastic (or submitit) started, while the program runs
     in a child of the preloaded ``server``: pass on its signals, and end as it ends. Called by
     ``tests/sitecustomize.py`` as this process starts; never returns."""
     signal.pthread_sigmask(signal.SIG_BLOCK, RELAYED_SIGNALS)  # held until the child's pid is known
@@ -211,7 +222,7 @@ def proxy_module(server: str, module: str, args: list[str]) -> None:
     die_with_parent()  # what a worker does first: this process dies with its parent, and the child with it
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(server)
-    request = {"module": module, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
+    request = {"program": program, "args": args, "cwd": os.getcwd(), "env": dict(os.environ)}
     socket.send_fds(connection, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     answers = connection.makefile("rb")
     child = int(answers.readline())
@@ -225,7 +236,7 @@ def proxy_module(server: str, module: str, args: list[str]) -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, RELAYED_SIGNALS)
     status = answers.readline()
     if not status:
-        print(f"tests/helpers/preloaded.py: the server ended before {module}", file=sys.stderr)
+        print(f"tests/helpers/preloaded.py: the server ended before {' '.join(program)}", file=sys.stderr)
         os._exit(1)
     code = os.waitstatus_to_exitcode(int(status))
     if code < 0:  # killed by a signal: so is this process
@@ -255,6 +266,27 @@ def end(code: int) -> None:
     os._exit(code)
 
 
+def run_program(program: list[str], args: list[str]) -> None:
+    """``python <program> <args>`` in this process: the script or module as ``__main__``, ``sys.argv`` and
+    ``sys.path[0]`` as the interpreter sets them, then ended as the interpreter ends (``end``)."""
+    if program[0] == "-m":
+        sys.argv, sys.path[0] = ["-m", *args], os.getcwd()
+        run = lambda: runpy.run_module(program[1], run_name="__main__", alter_sys=True)  # noqa: E731
+    else:
+        script = Path(program[0]).absolute()
+        sys.argv, sys.path[0] = [str(script), *args], str(script.parent)
+        run = lambda: runpy.run_path(str(script), run_name="__main__")  # noqa: E731
+    try:
+        run()
+        code = 0
+    except SystemExit as exit:
+        code = exit_code(exit)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    end(code)
+
+
 class TrainServer:
     """The test's side: a running server for one environment (``env``: the runs' HOME and variables)."""
 
@@ -265,9 +297,25 @@ class TrainServer:
         self.pending = b""
         self.exit_codes: dict[int, int] = {}  # children that ended and were not waited for yet
 
-    def start(self, args: list[str], cwd: Path, stdout: Path, stderr: Path) -> int:
-        """Fork a ``python train.py <args>`` in ``cwd``, its output in the files ``stdout`` and ``stderr``; its pid."""
-        request = {"args": args, "cwd": str(cwd), "stdout": str(stdout), "stderr": str(stderr)}
+    def start(
+        self,
+        args: list[str],
+        cwd: Path,
+        stdout: Path,
+        stderr: Path,
+        program: list[str] = TRAIN,
+        fresh_workers: bool = False,
+    ) -> int:
+        """Fork a ``python <program> <args>`` (``train.py`` by default) in ``cwd``, its output in the files
+        ``stdout`` and ``stderr``; its pid."""
+        request = {
+            "program": program,
+            "args": args,
+            "cwd": str(cwd),
+            "stdout": str(stdout),
+            "stderr": str(stderr),
+            "fresh_workers": fresh_workers,
+        }
         self.process.stdin.write(json.dumps(request).encode() + b"\n")
         self.process.stdin.flush()
         while True:
@@ -311,27 +359,9 @@ class TrainServer:
         return message
 
 
-def run_as_main(become: str, request: dict) -> None:
-    """In the child: become ``python train.py`` or ``python -m <module>``, run it as ``__main__`` and end as it
-    would."""
-    if become == "train":
-        become_train(request)
-        run = lambda: runpy.run_path(str(REPO / "train.py"), run_name="__main__")  # noqa: E731
-    else:
-        become_module(request)
-        run = lambda: runpy.run_module(request["module"], run_name="__main__", alter_sys=True)  # noqa: E731
-    try:
-        run()
-        code = 0
-    except SystemExit as exit:
-        code = exit_code(exit)
-    except BaseException:
-        sys.excepthook(*sys.exc_info())
-        code = 1
-    end(code)
-
-
 if __name__ == "__main__":
     child = serve()
     if child is not None:
-        run_as_main(*child)
+        kind, request = child
+        (become_requested if kind == "requested" else become_proxied)(request)
+        run_program(request["program"], request["args"])
