@@ -1,21 +1,24 @@
 """The composed config checked against its schema before anything is built: every number finite, and every option
-a node passes to its ``_target_`` of the type the constructor declares.
+a node passes to its ``_target_`` of the type, and in the range, the constructor declares.
 
 Why the constructors' type hints rather than a second schema (Hydra structured configs): the hints already say
 what each option is, in one place, for every class the config names (ours, Lightning's, torch's), so a new option
 is checked the moment it is declared. Hydra passes an override it cannot parse as a number or bool on as text
 (``model.compile=no``), so without this check a string reaches a bool option, where any non-empty text is true.
-Only plain types are judged (bool, int, float, str, ``Literal``, and unions of them); an option of any other type
-is left to its constructor, as is null. The key-specific checks of ``project.config.checks`` run first and keep
-their more precise messages.
+Ranges and paths are declared with the ``Annotated`` aliases of ``project.config.option_types`` (``PositiveInt``,
+``OpenFraction``, ``ExistingFile``...). Only plain types are judged (bool, int, float, str, ``Literal``, those
+aliases, lists of them, and unions of them); an option of any other type is left to its constructor, as is null.
+The key-specific checks of ``project.config.checks`` run first and keep their more precise messages; what remains
+there are the rules between keys.
 """
 
+import collections.abc
 import inspect
 import math
 import types
 import typing
 from collections.abc import Iterator
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig
@@ -32,7 +35,9 @@ def check_types(cfg: DictConfig) -> None:
     for key, value in _leaves(cfg, ""):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(key, f"is {value}, not a finite number.", f"give {key} a finite number.")
-    for key, node in _target_nodes(cfg, ""):
+    # The data's nodes first: the model takes sizes from them (model.net.input_dim: ${data.num_features}), so a
+    # bad size is blamed on the data key the user set.
+    for key, node in sorted(_target_nodes(cfg, ""), key=lambda item: item[0] != "data"):
         _check_node(key, node)
 
 
@@ -66,26 +71,30 @@ def _target_nodes(node: Any, key: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _declared_types(target: str) -> dict[str, Any]:
-    """The type hints of ``target``'s parameters, {} where they cannot be read. For a class, its constructor's and,
-    while a constructor passes ``**kwargs`` on, its bases' constructors' too."""
+    """The type hints of ``target``'s parameters ({} for a target that cannot be imported: the build step reports
+    it). For a class, its constructor's and, while a constructor passes ``**kwargs`` on, its bases' constructors'
+    too; a constructor whose hints name what cannot be imported (a library's ``TYPE_CHECKING`` names) adds none."""
     try:
         built = get_object(target)
-        functions = (
-            [cls.__dict__["__init__"] for cls in built.__mro__ if "__init__" in cls.__dict__]
-            if (inspect.isclass(built))
-            else [built]
-        )
-        declared: dict[str, Any] = {}
-        for function in functions:
-            parameters = inspect.signature(function).parameters
-            hints = typing.get_type_hints(function)
-            for name, hint in hints.items():
-                if name in parameters and name not in declared:
-                    declared[name] = hint
-            if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
-                break
-    except Exception:  # an unknown target, or hints naming what cannot be imported: the build step reports it
+    except Exception:
         return {}
+    functions = (
+        [cls.__dict__["__init__"] for cls in built.__mro__ if "__init__" in cls.__dict__]
+        if inspect.isclass(built)
+        else [built]
+    )
+    declared: dict[str, Any] = {}
+    for function in functions:
+        try:
+            parameters = inspect.signature(function).parameters
+            hints = typing.get_type_hints(function, include_extras=True)  # with Annotated's constraints
+        except Exception:
+            break
+        for name, hint in hints.items():
+            if name in parameters and name not in declared:
+                declared[name] = hint
+        if not any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+            break
     return declared
 
 
@@ -106,6 +115,19 @@ def _check_node(key: str, node: dict) -> None:
 def _mismatch(value: Any, hint: Any) -> str | None:
     """What ``value`` should have been, or None if it is of type ``hint`` (or ``hint`` is not a plain type)."""
     origin = typing.get_origin(hint)
+    if origin is Annotated:  # a type and its constraints (project.config.option_types)
+        base, *constraints = typing.get_args(hint)
+        constraint = next((c for c in constraints if hasattr(c, "holds")), None)
+        if constraint is None:
+            return _mismatch(value, base)
+        fits = _mismatch(value, base) is None and constraint.holds(value)
+        return None if fits else constraint.describe(integer=base is int)
+    if origin in (list, collections.abc.Sequence):
+        if not isinstance(value, (list, ListConfig)):
+            return "a list"
+        (item_hint,) = typing.get_args(hint) or (Any,)
+        expected = next((e for e in (_mismatch(item, item_hint) for item in value) if e is not None), None)
+        return None if expected is None else f"a list, each item {expected}"
     if origin is Literal:
         allowed = typing.get_args(hint)
         return None if value in allowed else "one of " + ", ".join(repr(choice) for choice in allowed)

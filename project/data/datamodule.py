@@ -9,7 +9,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
-from project.config.errors import positive_int
+from project.config.option_types import NonNegativeInt, PositiveInt, Seed
 from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
 from project.tasks.decoding import TextCodec
 
@@ -26,7 +26,9 @@ class InMemoryDataModule(L.LightningDataModule):
     batch is ``batch_size`` times the data-parallel replicas (devices x nodes for DDP and FSDP).
     """
 
-    def __init__(self, batch_size: int, seed: int, shuffle: bool = True, num_workers: int = 0) -> None:
+    def __init__(
+        self, batch_size: PositiveInt, seed: Seed, shuffle: bool = True, num_workers: NonNegativeInt = 0
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.seed = seed
@@ -113,14 +115,10 @@ class InMemoryDataModule(L.LightningDataModule):
 class GeneratedDataModule(InMemoryDataModule):
     """For data made up in ``setup``: the split sizes are given, so they are known before any data exists."""
 
-    def __init__(self, num_train: int, num_val: int, batch_size: int, seed: int, shuffle: bool = True) -> None:
+    def __init__(
+        self, num_train: PositiveInt, num_val: PositiveInt, batch_size: PositiveInt, seed: Seed, shuffle: bool = True
+    ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle)
-        positive_int(
-            "data.num_train", num_train, "generate at least one global batch of samples, e.g. data.num_train=1024."
-        )
-        positive_int(
-            "data.num_val", num_val, "generate at least one validation sample per device, e.g. data.num_val=256."
-        )
         self.num_train = num_train
         self.num_val = num_val
 

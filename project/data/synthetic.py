@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from project.config.errors import positive_int
+from project.config.option_types import NonNegativeFloat, PositiveInt, Seed
 from project.data.datamodule import GeneratedDataModule
 
 
@@ -39,26 +39,19 @@ class SyntheticDataModule(GeneratedDataModule):
 
     def __init__(
         self,
-        num_features: int,
-        num_classes: int,
-        num_train: int,
-        num_val: int,
-        latent_dim: int,
-        clusters_per_class: int,
-        cluster_std: float,
-        noise_std: float,
-        batch_size: int,
-        seed: int,
+        num_features: PositiveInt,
+        num_classes: PositiveInt,
+        num_train: PositiveInt,
+        num_val: PositiveInt,
+        latent_dim: PositiveInt,
+        clusters_per_class: PositiveInt,
+        cluster_std: NonNegativeFloat,
+        noise_std: NonNegativeFloat,
+        batch_size: PositiveInt,
+        seed: Seed,
         shuffle: bool = True,
     ) -> None:
         super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed, shuffle=shuffle)
-        for name, value in (
-            ("num_features", num_features),
-            ("num_classes", num_classes),
-            ("latent_dim", latent_dim),
-            ("clusters_per_class", clusters_per_class),
-        ):
-            positive_int(f"data.{name}", value, f"set data.{name} to a positive integer.")
         self.task: dict[str, Any] = dict(
             num_features=num_features,
             num_classes=num_classes,

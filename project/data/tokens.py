@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from project.config.errors import ConfigError, number_in, positive_int
+from project.config.errors import ConfigError
+from project.config.option_types import ExistingFile, OpenFraction, PositiveInt, Seed
 from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
 from project.tasks.decoding import BytesCodec
 
@@ -68,18 +69,16 @@ class MarkovTokenDataModule(GeneratedDataModule):
 
     def __init__(
         self,
-        vocab_size: int,
-        branching: int,
-        seq_length: int,
-        num_train: int,
-        num_val: int,
-        batch_size: int,
-        seed: int,
+        vocab_size: PositiveInt,
+        branching: PositiveInt,
+        seq_length: PositiveInt,
+        num_train: PositiveInt,
+        num_val: PositiveInt,
+        batch_size: PositiveInt,
+        seed: Seed,
         shuffle: bool = True,
     ) -> None:
         super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed, shuffle=shuffle)
-        for name, value in (("vocab_size", vocab_size), ("branching", branching), ("seq_length", seq_length)):
-            positive_int(f"data.{name}", value, f"set data.{name} to a positive integer.")
         self.vocab_size, self.branching, self.seq_length = vocab_size, branching, seq_length
         self._transitions: torch.Tensor | None = None
         self._entropy_floor: float | None = None
@@ -112,22 +111,22 @@ class TextDataModule(InMemoryDataModule):
     """Byte-level tokens (vocabulary 256) of a local text file, cut into sequences; the last ``val_fraction`` of
     the file is the validation split, so no text is in both."""
 
+    vocab_size = 256  # every byte
+
     def text_codec(self) -> BytesCodec:
         return BytesCodec()
 
     def __init__(
-        self, path: str, seq_length: int, val_fraction: float, batch_size: int, seed: int, shuffle: bool = True
+        self,
+        path: ExistingFile,
+        seq_length: PositiveInt,
+        val_fraction: OpenFraction,
+        batch_size: PositiveInt,
+        seed: Seed,
+        shuffle: bool = True,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle)
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise ConfigError("data.path", f"{self.path} is not a file.", "give an existing text file: data.path=FILE.")
-        self.seq_length = positive_int(
-            "data.seq_length", seq_length, "set data.seq_length to the tokens per sequence, e.g. 256."
-        )
-        self.val_fraction = number_in(
-            "data.val_fraction", val_fraction, 0, 1, "e.g. data.val_fraction=0.1: the last 10% validates."
-        )
+        self.path, self.seq_length, self.val_fraction = Path(path), seq_length, val_fraction
         num_train, num_val = self._split_sizes()
         if num_train < 1 or num_val < 1:
             size = self.path.stat().st_size

@@ -12,6 +12,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.tensor import DTensor
 
+from project.config.option_types import NonNegativeInt
+
 MB = 2**20
 
 
@@ -135,7 +137,7 @@ class DeviceMemory(L.Callback):
     statistics. Stages of ``strategy=model_parallel`` on one CPU add up in it.
     """
 
-    def __init__(self, plan_file: str | None = None, tracked_steps: int = 0) -> None:
+    def __init__(self, plan_file: str | None = None, tracked_steps: NonNegativeInt = 0) -> None:
         self._sizes: dict[int, dict[str, int]] = {}
         self._settled_epoch: int | None = None  # the epoch whose sizes have stopped changing
         self.per_device: list[dict[str, Any]] = []

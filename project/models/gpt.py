@@ -6,12 +6,14 @@ weights are GPT-2's scheme (``GPT.init_parameter``), drawn parameter by paramete
 """
 
 import math
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from project.config.errors import ConfigError, positive_int
+from project.config.errors import ConfigError
+from project.config.option_types import PositiveInt, Probability
 from project.models.sequence import BlockSequence
 
 
@@ -99,35 +101,21 @@ class GPT(BlockSequence):
 
     def __init__(
         self,
-        vocab_size: int,
-        max_length: int,
-        num_layers: int,
-        dim: int,
-        num_heads: int,
-        dropout: float = 0.0,
+        vocab_size: PositiveInt,
+        max_length: PositiveInt,
+        num_layers: PositiveInt,
+        dim: PositiveInt,
+        num_heads: PositiveInt,
+        dropout: Probability = 0.0,
         tie_weights: bool = False,
-        gelu_approximate: str = "none",
+        gelu_approximate: Literal["none", "tanh"] = "none",  # tanh: GPT-2's approximation, for GPT-2 weights
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("vocab_size", vocab_size),
-            ("max_length", max_length),
-            ("num_layers", num_layers),
-            ("dim", dim),
-            ("num_heads", num_heads),
-        ):
-            positive_int(f"model.net.{name}", value, f"set model.net.{name} to a positive integer.")
         if dim % num_heads:
             raise ConfigError(
                 "model.net.num_heads",
                 f"is {num_heads}, which does not divide model.net.dim={dim}.",
                 "choose a head count that divides the width (each head gets dim / num_heads).",
-            )
-        if gelu_approximate not in ("none", "tanh"):
-            raise ConfigError(
-                "model.net.gelu_approximate",
-                f"is {gelu_approximate!r}.",
-                "use none (the exact GELU) or tanh (GPT-2's approximation, for GPT-2 weights).",
             )
         self.stem = Embedding(vocab_size, max_length, dim, dropout)
         self.blocks = nn.ModuleList(Block(dim, num_heads, dropout, gelu_approximate) for _ in range(num_layers))

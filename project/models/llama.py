@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from project.config.errors import ConfigError, positive_int
+from project.config.errors import ConfigError
+from project.config.option_types import PositiveFloat, PositiveInt
 from project.models.gpt import LMHead
 from project.models.sequence import BlockSequence
 
@@ -136,29 +137,19 @@ class Llama(BlockSequence):
 
     def __init__(
         self,
-        vocab_size: int,
-        max_length: int,
-        num_layers: int,
-        dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        hidden_dim: int,
-        rope_theta: float = 500000.0,
+        vocab_size: PositiveInt,
+        max_length: PositiveInt,
+        num_layers: PositiveInt,
+        dim: PositiveInt,
+        num_heads: PositiveInt,
+        num_kv_heads: PositiveInt,
+        hidden_dim: PositiveInt,
+        rope_theta: PositiveFloat = 500000.0,
         rope_scaling: dict | None = None,
-        norm_eps: float = 1e-5,
+        norm_eps: PositiveFloat = 1e-5,
         tie_weights: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("vocab_size", vocab_size),
-            ("max_length", max_length),
-            ("num_layers", num_layers),
-            ("dim", dim),
-            ("num_heads", num_heads),
-            ("num_kv_heads", num_kv_heads),
-            ("hidden_dim", hidden_dim),
-        ):
-            positive_int(f"model.net.{name}", value, f"set model.net.{name} to a positive integer.")
         if dim % num_heads or (dim // num_heads) % 2:
             raise ConfigError(
                 "model.net.num_heads",

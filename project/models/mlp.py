@@ -10,7 +10,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from project.config.errors import ConfigError, positive_int
+from project.config.option_types import PositiveInt
 from project.models.sequence import BlockSequence
 
 
@@ -20,18 +20,8 @@ class MLP(BlockSequence):
     Like every model here it is ``head(blocks(stem(x)))``; for the MLP, stem and head do nothing.
     """
 
-    def __init__(self, input_dim: int, hidden_dims: Sequence[int], num_classes: int) -> None:
+    def __init__(self, input_dim: PositiveInt, hidden_dims: Sequence[PositiveInt], num_classes: PositiveInt) -> None:
         super().__init__()
-        if isinstance(hidden_dims, (str, bytes)) or not isinstance(hidden_dims, Sequence):
-            raise ConfigError(
-                "model.net.hidden_dims",
-                f"must be a list of layer widths, got {hidden_dims!r}.",
-                "give positive integers, e.g. model.net.hidden_dims=[1024,512].",
-            )
-        for width in hidden_dims:
-            positive_int(
-                "model.net.hidden_dims", width, "give positive integers, e.g. model.net.hidden_dims=[1024,512]."
-            )
         widths = [input_dim, *hidden_dims]
         hidden = [nn.Sequential(nn.Linear(w_in, w_out), nn.ReLU()) for w_in, w_out in zip(widths, widths[1:])]
         self.stem = nn.Identity()

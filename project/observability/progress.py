@@ -5,6 +5,8 @@ import time
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
+from project.config.option_types import NonNegativeFloat
+
 
 class TimedRichProgressBar(RichProgressBar):
     """``RichProgressBar``, redrawn at most every ``min_interval_s`` seconds and at the last batch of each loop.
@@ -14,7 +16,7 @@ class TimedRichProgressBar(RichProgressBar):
     4 s step. A person reading the bar needs no more than ~10 redraws a second.
     """
 
-    def __init__(self, min_interval_s: float = 0.1, **kwargs) -> None:
+    def __init__(self, min_interval_s: NonNegativeFloat = 0.1, **kwargs) -> None:
         super().__init__(**kwargs)
         self.min_interval_s = min_interval_s
         self._last_redraw = 0.0

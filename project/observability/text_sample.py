@@ -6,9 +6,10 @@ import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
 from project.config.errors import ConfigError
+from project.config.option_types import NonNegativeFloat, PositiveInt, Seed
 from project.distributed.dims import ParallelDims
 from project.observability.loggers import EpochWandbLogger
-from project.tasks.decoding import check_settings, generate
+from project.tasks.decoding import generate
 
 if TYPE_CHECKING:
     from project.tasks.base import TrainingModule
@@ -26,10 +27,10 @@ class TextSample(L.Callback):
     def __init__(
         self,
         prompt: str | None,
-        max_new_tokens: int = 64,
-        temperature: float = 0.8,
-        top_k: int | None = 50,
-        seed: int = 0,
+        max_new_tokens: PositiveInt = 64,
+        temperature: NonNegativeFloat = 0.8,  # 0: always the most likely token
+        top_k: PositiveInt | None = 50,  # None: draw among every token
+        seed: Seed = 0,
     ) -> None:
         self.prompt, self.max_new_tokens, self.temperature, self.top_k, self.seed = (
             prompt,
@@ -51,17 +52,6 @@ class TextSample(L.Callback):
             return
         if not isinstance(prompt, str) or not prompt:
             raise ConfigError(key, f"is {prompt!r}.", f"give the text to continue, e.g. {key}='Once upon a time'.")
-        settings = cfg.callbacks[name]
-        problem = check_settings(settings.max_new_tokens, settings.temperature, settings.top_k)
-        if problem is not None:
-            setting, text = problem.split(": ", 1)
-            raise ConfigError(
-                f"callbacks.{name}.{setting}",
-                f"{text}.",
-                f"e.g. callbacks.{name}.{setting}="
-                + {"max_new_tokens": "64", "temperature": "0.8", "top_k": "50"}[setting]
-                + ".",
-            )
         if getattr(datamodule, "text_codec", lambda: None)() is None:
             raise ConfigError(
                 key,

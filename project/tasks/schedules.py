@@ -11,6 +11,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from project.config.errors import ConfigError
+from project.config.option_types import Fraction, NonNegativeInt, PositiveInt
 
 
 def warmup_steps_of(run_steps: int, warmup_steps: int | None, warmup_fraction: float | None) -> int:
@@ -30,10 +31,10 @@ def warmup_steps_of(run_steps: int, warmup_steps: int | None, warmup_fraction: f
 def warmup_cosine(
     optimizer: torch.optim.Optimizer,
     run_steps: int,
-    warmup_steps: int | None = None,
-    warmup_fraction: float | None = None,
-    total_steps: int | None = None,
-    min_lr_ratio: float = 0.1,
+    warmup_steps: NonNegativeInt | None = None,
+    warmup_fraction: Fraction | None = None,
+    total_steps: PositiveInt | None = None,
+    min_lr_ratio: Fraction = 0.1,
 ) -> LambdaLR:
     """Linear warmup from 0 to the optimizer's lr, then cosine decay to ``min_lr_ratio`` x lr at ``total_steps``
     (default: the end of the run; flat after it).

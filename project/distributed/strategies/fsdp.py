@@ -11,7 +11,7 @@ activation checkpointing (``strategy.activation_checkpointing``), then FSDP per 
 model's own activation checkpointing and compilation (``model.*``) wrap the blocks before the strategy acts.
 """
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from omegaconf import DictConfig
@@ -34,7 +34,7 @@ class FSDPStrategy(ShardedStrategy):
         reshard_after_forward: bool = True,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
-        reduce_dtype: str = "float32",
+        reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)

@@ -14,6 +14,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig
 
+from project.config.option_types import PositiveInt
 from project.distributed.parallelize import (
     block_sizes,
     connect_stages,
@@ -34,7 +35,9 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
     outputs meet there; inputs are moved to the first stage by the stage hooks.
     """
 
-    def __init__(self, num_stages: int, devices: int, blocks_per_stage: Sequence[int] | None = None) -> None:
+    def __init__(
+        self, num_stages: PositiveInt, devices: PositiveInt, blocks_per_stage: Sequence[PositiveInt] | None = None
+    ) -> None:
         super().__init__(device="cpu")
         self.num_stages = num_stages
         self.num_stage_devices = devices

@@ -19,7 +19,7 @@ a rank allocates only its own stages.
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,6 +37,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from project.checkpointing.files import META_FILE, is_sharded_checkpoint
 from project.config.build import build_strategy
 from project.config.errors import ConfigError
+from project.config.option_types import PositiveInt
 from project.distributed.dims import DATA_PARALLEL, PIPELINE, ParallelDims
 from project.distributed.parallelize import (
     apply_fsdp,
@@ -55,7 +56,9 @@ from project.models.sequence import BlockSequence
 if TYPE_CHECKING:  # torch's private base class of the schedules, for annotations
     from torch.distributed.pipelining.schedules import _PipelineSchedule
 
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b"]  # strategy.schedule's values, checked before launch
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+assert list(SCHEDULES) == list(get_args(ScheduleName))
 
 # Ranks that hold no outputs update no metrics but must join their epoch-end reduction; torchmetrics warns then.
 warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
@@ -93,11 +96,11 @@ class PipelineStrategy(ShardedStrategy):
 
     def __init__(
         self,
-        num_stages: int,
-        schedule: str = "1f1b",
-        microbatches: int = 4,
-        stages_per_rank: int = 1,
-        blocks_per_stage: list[int] | None = None,
+        num_stages: PositiveInt,
+        schedule: ScheduleName = "1f1b",
+        microbatches: PositiveInt = 4,
+        stages_per_rank: PositiveInt = 1,
+        blocks_per_stage: list[PositiveInt] | None = None,
         **kwargs: Any,
     ) -> None:
         # The last stage's logits go through the schedule, which passes plain tensors: gathered, not split.
@@ -138,14 +141,12 @@ class PipelineStrategy(ShardedStrategy):
         check_stage_split(cfg, net)
         strategy, key = cfg.strategy, "strategy."
         stages_per_rank, schedule = strategy.stages_per_rank, strategy.schedule
-        if stages_per_rank < 1 or strategy.num_stages % stages_per_rank:
+        if strategy.num_stages % stages_per_rank:
             raise ConfigError(
                 key + "stages_per_rank",
                 f"is {stages_per_rank}, which does not divide the {strategy.num_stages} stages.",
                 "use a divisor of strategy.num_stages (1 unless the schedule is interleaved_1f1b).",
             )
-        if schedule not in SCHEDULES:
-            raise ConfigError(key + "schedule", f"is {schedule!r}.", f"use one of {', '.join(SCHEDULES)}.")
         if (schedule == "interleaved_1f1b") != (stages_per_rank > 1):
             raise ConfigError(
                 key + "stages_per_rank",
@@ -164,7 +165,7 @@ class PipelineStrategy(ShardedStrategy):
                 f"use a multiple of {ranks * tensor_parallel} devices (the factor beyond is data parallel).",
             )
         microbatches, batch_size = strategy.microbatches, cfg.data.batch_size
-        if microbatches < 1 or batch_size % microbatches:
+        if batch_size % microbatches:
             raise ConfigError(
                 key + "microbatches",
                 f"is {microbatches}, which does not divide data.batch_size={batch_size} into equal micro-batches.",

@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from project.config.build import build_strategy
-from project.config.checks import positive_int_at
 from project.config.errors import ConfigError
+from project.config.option_types import PositiveInt
 from project.distributed.dims import TENSOR_PARALLEL, ParallelDims
 from project.distributed.plans import apply_tensor_parallel, model_plan
 from project.memory.simulation import DeviceWork, TaskModule, fake_process_group
@@ -63,11 +63,7 @@ class TensorParallel:
     def check_config(cfg: DictConfig, net: BlockSequence) -> int:
         """Rules of ``strategy.tensor_parallel_size`` for this model (``net`` on the meta device) and the job's
         ranks; returns the size."""
-        size = positive_int_at(
-            cfg,
-            "strategy.tensor_parallel_size",
-            "set strategy.tensor_parallel_size to the ranks that split each layer (1: none).",
-        )
+        size = cfg.strategy.tensor_parallel_size
         per_node = cfg.strategy.processes
         ranks = per_node * cfg.trainer.num_nodes
         if size > 1:
@@ -114,7 +110,11 @@ class ShardedStrategy(ModelParallelStrategy):
     part of the plain (meta) model in ``lay_out``; tensor parallelism (``self.tensor_parallel``) inside."""
 
     def __init__(
-        self, tensor_parallel_size: int = 1, sequence_parallel: bool = True, loss_parallel: bool = True, **kwargs: Any
+        self,
+        tensor_parallel_size: PositiveInt = 1,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        **kwargs: Any,
     ) -> None:
         super().__init__(tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.tensor_parallel = TensorParallel(tensor_parallel_size, sequence_parallel, loss_parallel)

@@ -2,7 +2,6 @@
 
 from omegaconf import DictConfig, OmegaConf
 
-from project.config.checks import positive_int_at
 from project.config.errors import ConfigError
 from project.distributed.parallelize import block_sizes, split_blocks
 from project.models.sequence import BlockSequence
@@ -10,9 +9,7 @@ from project.models.sequence import BlockSequence
 
 def check_stage_split(cfg: DictConfig, net: BlockSequence) -> None:
     """The configured split must exist for this model (``net`` on the meta device), and stages cannot share weights."""
-    num_stages = positive_int_at(
-        cfg, "strategy.num_stages", "set strategy.num_stages to the stages to split the model into."
-    )
+    num_stages = cfg.strategy.num_stages
     if OmegaConf.select(cfg, "model.net.tie_weights"):
         raise ConfigError(
             "model.net.tie_weights",
