@@ -5,12 +5,18 @@ imported torch
 and Lightning once; as many at once as there are cores, so that the whole table costs about a minute).
 """
 
+import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
-from conftest import TINY, TINY_GPT, only_run, train, train_server
+from conftest import REPO, TINY, TINY_GPT, only_run, train, train_server
+from helpers.preloaded import TRAIN
+from helpers.probes import freeze, thaw
+
+from project.cli.prepare import prepare
 
 # (overrides, what the message must say). The overrides come after TINY (the MLP) unless they start with
 # "model=gpt"; {files}, {mlp_ckpt} and {fsdp_ckpt} are filled in by the fixture, and " ... " stands for any text.
@@ -38,7 +44,15 @@ CASES = [
     (["model.compile=no"], "model.compile: must be true or false, got 'no'"),
     (["data.shuffle=off"], "data.shuffle: must be true or false, got 'off'"),
     (["trainer.deterministic=yes"], "trainer.deterministic: must be true or false or one of 'warn', got 'yes'"),
-    (["model=gpt", "model.net.num_heads=2.5"], "model.net.num_heads: must be an integer, got 2.5"),
+    (["model=gpt", "model.net.num_heads=2.5"], "model.net.num_heads: must be a positive integer, got 2.5"),
+    (["model=gpt", "model.net.dropout=1.0"], "model.net.dropout: must be a number from 0 to 1 (1 excluded), got 1.0"),
+    (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: must be one of 'none', 'tanh'"),
+    (
+        ["model=gpt", "model.scheduler.warmup_fraction=1.5"],
+        "model.scheduler.warmup_fraction: must be a number from 0 to 1, got 1.5",
+    ),
+    (["callbacks.memory.tracked_steps=-1"], "callbacks.memory.tracked_steps: must be an integer of at least 0"),
+    (["logger.wandb.mode=offlne"], "logger.wandb.mode: must be one of 'online', 'offline', 'disabled', got 'offlne'"),
     (["model.optimizer.lr=nan"], "model.optimizer.lr: is nan, not a finite number"),
     (["model.optimizer.lr=-inf"], "model.optimizer.lr: is -inf, not a finite number"),
     (["seed=-1"], "seed: must be an integer from 0 to 2**32 - 1, got -1"),
@@ -104,7 +118,19 @@ CASES = [
     ),
     (
         ["strategy=fsdp", "trainer.devices=2", "strategy.reduce_dtype=float99"],
-        "strategy: cannot be built: AttributeError",
+        "strategy.reduce_dtype: must be one of 'float32', 'bfloat16', 'float16', got 'float99'",
+    ),
+    (
+        ["strategy=ddp", "trainer.devices=2", "strategy.processes=3"],
+        "strategy.processes: is 3, but strategy=ddp runs one process per device: it needs 2 with trainer.devices=2",
+    ),
+    (
+        ["strategy=model_parallel", "trainer.devices=2", "strategy.processes=2"],
+        "strategy.processes: is 2, but strategy=model_parallel drives every device from one process: it needs 1",
+    ),
+    (
+        ["strategy=pipeline", "trainer.devices=2", "strategy.microbatches=0"],
+        "strategy.microbatches: must be a positive integer, got 0",
     ),
     (["strategy=model_parallel", "trainer.devices=4"], "strategy.num_stages: cannot split the model: 4 stages"),
     (
@@ -123,7 +149,10 @@ CASES = [
         ["strategy=pipeline", "trainer.devices=3", "strategy.num_stages=2"],
         "trainer.devices: gives 3 processes, not a multiple",
     ),
-    (["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"], "strategy.schedule: is 'zigzag'"),
+    (
+        ["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"],
+        "strategy.schedule: must be one of 'gpipe', '1f1b', 'interleaved_1f1b', got 'zigzag'",
+    ),
     # Tensor parallelism: the sizes each plan splits, and the mesh (tiny GPT: 2 heads of 16; tiny Llama: 1 kv head)
     (
         ["model=gpt", "strategy=tensor_parallel", "trainer.devices=4"],
@@ -185,8 +214,11 @@ CASES = [
         "x 2",
     ),
     # The model, its optimizer and schedule
-    (["model.net.hidden_dims=abc"], "model.net.hidden_dims: must be a list of layer widths, got 'abc'"),
-    (["model.net.hidden_dims=[64,0]"], "model.net.hidden_dims: must be a positive integer, got 0"),
+    (["model.net.hidden_dims=abc"], "model.net.hidden_dims: must be a list, got 'abc'"),
+    (
+        ["model.net.hidden_dims=[64,0]"],
+        "model.net.hidden_dims: must be a list, each item a positive integer, got [64, 0]",
+    ),
     (["model.net._target_=no.such.Model"], "model.net: cannot be built: ImportError: Error loading 'no.such.Model'"),
     (["model.no_weight_decay=[bias,layernorm]"], "model.no_weight_decay: names ['layernorm'], which are not parameter"),
     (["model.optimizer.lr=-1"], "model.optimizer.lr: is refused by the optimizer: Invalid learning rate: -1"),
@@ -210,7 +242,6 @@ CASES = [
         ["model=gpt", "model.scheduler.warmup_steps=10"],
         "model.scheduler.warmup_fraction: is 0.08 while model.scheduler.warmup_steps",
     ),
-    (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: is 'fast'"),
     # Checkpoints
     (["ckpt_path=/nonexistent/model.ckpt"], "ckpt_path: /nonexistent/model.ckpt does not exist"),
     (
@@ -229,14 +260,14 @@ CASES = [
     # Data files
     (
         ["model=gpt", "data=text", "data.path=corpus.txt"],
-        "data.path: corpus.txt is not a file",
+        "data.path: must be an existing file, got 'corpus.txt'",
     ),  # docs/models.md's example
-    (["model=gpt", "data=text", "data.path={files}/a_dir"], "data.path: {files}/a_dir is not a file"),
+    (["model=gpt", "data=text", "data.path={files}/a_dir"], "data.path: must be an existing file, got '{files}/a_dir'"),
     (["model=gpt", "data=text", "data.path={files}/empty.txt"], "data.path: {files}/empty.txt has 0 bytes, too few"),
     (["model=gpt", "data=text", "data.path={files}/tiny.txt"], "data.path: {files}/tiny.txt has 11 bytes, too few"),
     (
         ["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0"],
-        "data.val_fraction: must be a number between 0 and 1 (both excluded), got 0",
+        "data.val_fraction: must be a number from 0 to 1 (0 and 1 excluded), got 0",
     ),
     (
         ["model=gpt", "data=text", "data.path={files}/corpus.txt", "data.val_fraction=0.0001"],
@@ -247,9 +278,35 @@ CASES = [
         ["model=gpt", "data=shards", "data.path={files}/a_dir"],
         "data.path: {files}/a_dir has no meta.json: it is not a prepared corpus",
     ),
+    (
+        ["model=gpt", "data=shards", "data.path={files}/shards", "data.num_workers=-1"],
+        "data.num_workers: must be an integer of at least 0, got -1",
+    ),
+    (
+        ["model=gpt", "data=shards", "data.path={files}/shards-missing"],
+        "data.path: {files}/shards-missing/train_000001.bin is missing, a shard of the train split its meta.json lists",
+    ),
+    (
+        ["model=gpt", "data=shards", "data.path={files}/shards-cut"],
+        "data.path: {files}/shards-cut/train_000000.bin has 2024 bytes; its header promises ... a shard of the train",
+    ),
+    (
+        [
+            "model=gpt",
+            "data=shards",
+            "data.path={files}/shards-bad-tokenizer",
+            "data.seq_length=16",
+            "callbacks.text_sample.prompt=hi",
+        ],
+        "data.path: {files}/shards-bad-tokenizer/tokenizer.json is not a tokenizer file Hugging Face tokenizers can",
+    ),
     # Where the job writes
     (["hydra.run.dir="], "hydra.run.dir: is empty, so the job would write into the dir it was launched from"),
     (["hydra.run.dir={files}/a_file/job"], "hydra.run.dir: {files}/a_file/job cannot be created: Not a directory"),
+    (
+        ["callbacks.model_checkpoint.dirpath={files}/frozen/checkpoints"],
+        "callbacks.model_checkpoint.dirpath: {files}/frozen/checkpoints is not writable by this process",
+    ),
     # Hydra's own: an option or key that does not exist
     (["model=nosuch"], "Could not find 'model/nosuch'"),
     (["nosuchkey=1"], "Could not override 'nosuchkey'"),
@@ -261,7 +318,7 @@ CASES = [
             "callbacks.text_sample.prompt=hi",
             "callbacks.text_sample.top_k=0",
         ],
-        "callbacks.text_sample.top_k: must be a positive integer, or null",
+        "callbacks.text_sample.top_k: must be a positive integer, got 0",
     ),
     (
         ["model=gpt", "callbacks.text_sample.prompt=hi"],
@@ -307,6 +364,40 @@ CASES = [
 LM_MARKS = ("model=gpt", "model=llama")  # cases on TINY_GPT's language data, with their own model
 IDS = [" ".join(overrides) for overrides, _ in CASES]
 
+# The command-line tools: (tool, arguments, what the message must say). {out} is a path of the case's own, which
+# must not exist afterwards; the other names are the train.py cases'.
+CLI_CASES = [
+    ("prepare", ["{files}/empty.txt", "--out", "{out}"], "inputs: hold no text."),
+    ("prepare", ["/nonexistent", "--out", "{out}"], "inputs: /nonexistent does not exist."),
+    ("prepare", ["{files}/tiny.txt", "--out", "{out}"], "inputs: hold 1 document, which give the train split none"),
+    ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--vocab-size", "10"], "--vocab-size: is 10, fewer than"),
+    ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--val-fraction", "2"], "--val-fraction: is 2.0"),
+    ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--shard-tokens", "0"], "--shard-tokens: is 0."),
+    (
+        "prepare",
+        ["{files}/notes.jsonl", "--out", "{out}", "--tokenizer", "{files}/corpus.txt"],
+        "--tokenizer: {files}/corpus.txt is not a tokenizer file Hugging Face tokenizers can read",
+    ),
+    (
+        "prepare",
+        ["{files}/notes.jsonl", "--out", "{files}/frozen/out"],
+        "--out: {files}/frozen/out is not writable by this process",
+    ),
+    ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--text-key", "body"], "--text-key: is 'body', but line 1"),
+    ("prepare", ["{files}/notes.jsonl", "--out", "{files}/shards"], "--out: {files}/shards holds a preparation"),
+    ("export", ["/nonexistent", "{out}"], "checkpoint: /nonexistent does not exist."),
+    ("export", ["{files}/random.ckpt", "{out}"], "checkpoint: {files}/random.ckpt is not a checkpoint file"),
+    ("export", ["{files}/a_dir", "{out}"], "checkpoint: {files}/a_dir is a directory, not a sharded checkpoint"),
+    ("export", ["{mlp_ckpt}", "{out}"], "checkpoint: holds a model of class MLP; Hugging Face model dirs hold"),
+    ("export", ["{files}/lonely.ckpt", "{out}"], "--config: is not given, and "),
+    ("export", ["{mlp_ckpt}", "{out}", "--config", "{files}/nothing.yaml"], "--config: {files}/nothing.yaml does not"),
+    ("generate", ["{files}/random.ckpt", "--prompt", "hi"], "checkpoint: {files}/random.ckpt is not a checkpoint"),
+    ("generate", ["{mlp_ckpt}", "--prompt", "hi"], "checkpoint: is of a job whose data (project.data.synthetic."),
+    ("report", ["/nonexistent"], "paths: /nonexistent is not a directory."),
+    ("report", ["{files}/a_dir"], "paths: {files}/a_dir holds no job with a result.json and config.yaml."),
+]
+CLI_IDS = [f"{tool} {' '.join(arguments)}" for tool, arguments, _ in CLI_CASES]
+
 
 def fill(text: str, names: dict) -> str:
     for name, value in names.items():
@@ -326,11 +417,24 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
     (files / "tiny.txt").write_text("hello world")
     (files / "random.ckpt").write_bytes(random.Random(0).randbytes(5000))
     (files / "corpus.txt").write_text("the cat sat on the mat. " * 800)  # 19200 bytes
+    # A prepared corpus of a few shards, and copies of it broken in the ways a disk or a copy breaks them.
+    documents = [json.dumps({"text": f"Note {i}: the cat sat on the mat. " * (1 + i % 5)}) for i in range(200)]
+    (files / "notes.jsonl").write_text("\n".join(documents) + "\n")
+    prepare([files / "notes.jsonl"], files / "shards", vocab_size=300, shard_tokens=1000, val_fraction=0.1)
+    for broken in ("missing", "cut", "bad-tokenizer"):
+        shutil.copytree(files / "shards", files / f"shards-{broken}")
+    (files / "shards-missing" / "train_000001.bin").unlink()
+    with open(files / "shards-cut" / "train_000000.bin", "r+b") as shard:
+        shard.truncate(2024)  # the header and 500 of its 1000 uint16 tokens
+    (files / "shards-bad-tokenizer" / "tokenizer.json").write_text("not a tokenizer")
+    (files / "frozen").mkdir()
+    freeze(files / "frozen")  # unwritable, for root too
     names = {
         "files": files,
         "mlp_ckpt": single_run / "checkpoints" / "last.ckpt",
         "fsdp_ckpt": ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt",
     }
+    shutil.copy(names["mlp_ckpt"], files / "lonely.ckpt")  # a checkpoint with no job dir around it
     cases, dirs = [], []
     for number, (overrides, _) in enumerate(CASES):
         overrides = [fill(item, names) for item in overrides]
@@ -346,13 +450,27 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
         # A case's own hydra.run.dir comes last, so it wins.
         cases.append({"args": [*base, f"hydra.run.dir={job_dir}", *overrides], "cwd": str(launch_dir)})
         dirs.append((job_dir, launch_dir))
-    results = run_all(train_server(home), cases, root / "output")
-    return {id: (result, *where, names) for id, result, where in zip(IDS, results, dirs)}
+    for number, (tool, arguments, _) in enumerate(CLI_CASES):
+        out = root / "cli-out" / str(number)  # nothing may land there
+        tool_names = {**names, "out": out}
+        cases.append(
+            {
+                "program": ["-m", f"project.cli.{tool}"],
+                "args": [fill(item, tool_names) for item in arguments],
+                "cwd": str(REPO),
+            }
+        )
+        dirs.append((out, None))
+    try:
+        results = run_all(train_server(home), cases, root / "output")
+    finally:
+        thaw(files / "frozen")
+    return {id: (result, *where, names) for id, result, where in zip(IDS + CLI_IDS, results, dirs)}
 
 
 def run_all(server, cases: list[dict], output: Path) -> list[dict]:
-    """Every case as ``python train.py`` in its own dir, as many at once as there are cores (each is a short
-    CPU-bound process); ``{"exit_code", "stdout", "stderr"}`` per case, in order."""
+    """Every case as ``python train.py`` (or its ``program``) in its own dir, as many at once as there are cores
+    (each is a short CPU-bound process); ``{"exit_code", "stdout", "stderr"}`` per case, in order."""
     output.mkdir()
     files = [(output / f"{number}.out", output / f"{number}.err") for number in range(len(cases))]
     results: list[dict | None] = [None] * len(cases)
@@ -361,7 +479,8 @@ def run_all(server, cases: list[dict], output: Path) -> list[dict]:
     while pending or running:
         while pending and len(running) < len(os.sched_getaffinity(0)):
             number, case = pending.pop(0)
-            running[server.start(case["args"], case["cwd"], *files[number])] = number
+            program = case.get("program", TRAIN)
+            running[server.start(case["args"], case["cwd"], *files[number], program)] = number
         ended = server.wait(timeout=300)
         assert ended is not None, f"cases {sorted(running.values())} still running after 300 s"
         number = running.pop(ended[0])
@@ -395,6 +514,22 @@ def test_bad_input_fails_fast_with_a_clear_message(overrides, message, invocatio
     assert not any(launch_dir.iterdir())
 
 
+def test_the_tools_table_is_large_and_every_case_distinct():
+    assert {tool for tool, _, _ in CLI_CASES} == {"prepare", "export", "generate", "report"}
+    assert len(set(CLI_IDS)) == len(CLI_IDS)
+
+
+@pytest.mark.parametrize("tool,arguments,message", CLI_CASES, ids=CLI_IDS)
+def test_bad_arguments_to_a_tool_fail_with_a_clear_message_and_write_nothing(tool, arguments, message, invocations):
+    result, out, _, names = invocations[f"{tool} {' '.join(arguments)}"]
+    message, stderr = fill(message, names), result["stderr"]
+    assert result["exit_code"] == 1 and "Traceback" not in stderr, stderr[-3000:]
+    # One paragraph, the tool first, then the argument, the problem and the fix.
+    assert stderr.strip().splitlines() == [stderr.strip()], stderr[-3000:]
+    assert stderr.startswith(f"python -m project.cli.{tool}: {message}") and " Fix: " in stderr, stderr[-3000:]
+    assert not out.exists()
+
+
 def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
     """A failure inside the workers (past the checks) ends all of them and says which rank failed and how."""
     job_dir = tmp_path / "job"
@@ -411,10 +546,11 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
         timeout=120,
     )
     assert result.returncode == 1
-    report = " raised ValueError: a failure in fit, on rank"
+    report = f" raised ValueError: a failure in fit, on rank {{rank}} (its traceback is in {job_dir / 'train.log'})."
     assert "Training failed in the workers:\n- rank " in result.output and "All 2 workers were stopped" in result.output
-    assert report in result.output
-    assert "Traceback (most recent call last)" in result.stderr  # each worker's own traceback is shown
+    assert all(f"- rank {rank}{report.format(rank=rank)}" in result.output for rank in (0, 1)), result.output[-3000:]
+    # The console holds the report, not the workers' tracebacks, nor torchelastic's lines on the same failures.
+    assert "Traceback" not in result.output and "failed (exitcode" not in result.output, result.output[-3000:]
     assert only_run(job_dir).exit_code == 1  # the W&B run rank 0 had opened is closed as failed
     # The job's log holds both workers' records, their tracebacks and the launcher's report.
     log = (job_dir / "train.log").read_text()
@@ -424,4 +560,4 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
             f"[rank {rank}][project.launch.worker.file][ERROR] - Rank {rank} failed\nTraceback (most recent call last)"
             in log
         )
-    assert "[project.launch.launcher][ERROR] - Training failed in the workers:" in log and report in log
+    assert "[project.launch.launcher][ERROR] - Training failed in the workers:" in log and report.format(rank=0) in log

@@ -160,10 +160,15 @@ def model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 MOVED_TARGETS = {"project.data.prepared.ShardsDataModule": "project.data.shards.ShardsDataModule"}
 
 
+def job_config_file(checkpoint: str | Path, config: str | Path | None = None) -> Path:
+    """``config``, or the ``config.yaml`` of the job dir whose ``checkpoints/`` holds ``checkpoint``."""
+    return Path(config) if config else Path(checkpoint).resolve().parent.parent / "config.yaml"
+
+
 def job_config(checkpoint: str | Path, config: str | Path | None = None) -> DictConfig:
     """The resolved config of the job that saved ``checkpoint``: ``config``, or the job dir's ``config.yaml``
     beside its ``checkpoints/``, with the data and model classes at their current paths."""
-    config = Path(config) if config else Path(checkpoint).resolve().parent.parent / "config.yaml"
+    config = job_config_file(checkpoint, config)
     if not config.is_file():
         raise FileNotFoundError(f"{config} does not exist: pass the job's config with --config <job dir>/config.yaml")
     cfg = cast(DictConfig, OmegaConf.load(config))  # a job's config: a mapping

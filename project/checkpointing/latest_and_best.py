@@ -1,7 +1,12 @@
 """Checkpoints of a run: the best by the model's metric, and ``last.ckpt`` always the latest checkpoint."""
 
+from typing import Any
+
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from project.config.errors import check_writable
 
 
 class LatestAndBestCheckpoint(ModelCheckpoint):
@@ -13,6 +18,14 @@ class LatestAndBestCheckpoint(ModelCheckpoint):
     would silently repeat them. And it defers the step saves, ``last`` included, until the monitored metric exists:
     a long first epoch, validated at its end, would have no checkpoint until then.
     """
+
+    @staticmethod
+    def check_config(cfg: DictConfig, name: str, *layout: Any) -> None:
+        """The checkpoints dir must be writable before any worker starts, not when the first epoch ends."""
+        key = f"callbacks.{name}.dirpath"
+        dirpath = OmegaConf.select(cfg, key)
+        if dirpath is not None:
+            check_writable(key, dirpath, f"make {dirpath} writable, or set {key} to a dir you can write.")
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int

@@ -7,7 +7,6 @@ read, not the optimizer state. The dir holds ``config.json`` and ``model.safeten
 """
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -16,23 +15,37 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
-from project.checkpointing.files import job_config, model_state
+from project.checkpointing.files import model_state
 from project.checkpointing.hf import NET_CLASSES, write_hf_dir
+from project.cli.usage import checkpoint_and_config, run_cli
+from project.config.errors import ConfigError, check_writable
 
 
 def export(
     checkpoint: str | Path, out: str | Path, config: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> Path:
-    net_cfg = cast(dict[str, Any], OmegaConf.to_container(job_config(checkpoint, config).model.net, resolve=True))
+    """The model of ``checkpoint`` as a Hugging Face dir ``out``; ``ConfigError`` naming the argument to fix (before
+    anything is written) for a checkpoint, config or model it cannot export."""
+    cfg = checkpoint_and_config(str(checkpoint), None if config is None else str(config))
+    check_writable("out", out, "give a dir you can write.")
+    net_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.model.net, resolve=True))
     with torch.device("meta"):
         net: nn.Module = instantiate(net_cfg)
     if not isinstance(net, tuple(NET_CLASSES.values())):
-        raise ValueError(f"the job's model is a {type(net).__name__}; Hugging Face dirs hold GPT and Llama models")
+        raise ConfigError(
+            "checkpoint",
+            f"holds a model of class {type(net).__name__}; Hugging Face model dirs hold GPT and Llama models.",
+            "export a checkpoint of model=gpt or model=llama (or one of their presets).",
+        )
     state = model_state(checkpoint)
     expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
     state = {name: value for name, value in state.items() if name in expected}
     if set(state) != expected:
-        raise ValueError(f"{checkpoint} lacks {sorted(expected - set(state))[:3]}: not a checkpoint of this model")
+        raise ConfigError(
+            "checkpoint",
+            f"{checkpoint} lacks {sorted(expected - set(state))[:3]}: it is not a checkpoint of the job's model.",
+            "pass the job's own config with --config <job dir>/config.yaml.",
+        )
     return write_hf_dir(state, net, net_cfg, out, dtype)
 
 
@@ -48,12 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         help="the saved tensors' type (default float32)",
     )
     args = parser.parse_args(argv)
-    try:
-        out = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
-    except (FileNotFoundError, ValueError) as error:
-        sys.exit(f"export: {error}")
+    out = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
     print(f"Wrote {out}/config.json and {out}/model.safetensors")
 
 
 if __name__ == "__main__":
-    main()
+    run_cli("python -m project.cli.export", main)

@@ -6,12 +6,13 @@ weights, prompt and settings write the text the ``text_sample`` callback writes 
 """
 
 import argparse
-import sys
 
 import torch
 from hydra.utils import instantiate
 
-from project.checkpointing.files import job_config, model_state
+from project.checkpointing.files import model_state
+from project.cli.usage import checkpoint_and_config, run_cli
+from project.config.errors import ConfigError
 from project.tasks.decoding import check_settings, generate
 
 
@@ -34,14 +35,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--{setting.replace('_', '-')}: {text}")
     if not args.prompt:
         parser.error("--prompt is empty: give the text to continue")
-    try:
-        cfg = job_config(args.checkpoint, args.config)
-        state = model_state(args.checkpoint)
-    except (FileNotFoundError, ValueError, RuntimeError) as error:
-        sys.exit(f"generate: {error}")
+    cfg = checkpoint_and_config(args.checkpoint, args.config)
     codec = instantiate(cfg.data).text_codec()
     if codec is None:
-        sys.exit(f"generate: the job's data ({cfg.data._target_}) is not text; there is no prompt to write.")
+        raise ConfigError(
+            "checkpoint",
+            f"is of a job whose data ({cfg.data._target_}) is not text: there is no prompt to write.",
+            "generate from a checkpoint of a language model trained on data=text or data=shards.",
+        )
+    state = model_state(args.checkpoint)
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
     net.load_state_dict(state, assign=True)  # tensors as saved, in place of the meta ones
@@ -59,4 +61,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli("python -m project.cli.generate", main)

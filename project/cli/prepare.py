@@ -26,7 +26,10 @@ import numpy as np
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from project.cli.usage import run_cli
+from project.config.errors import ConfigError, check_writable
 from project.data.shards import token_dtype, write_shard
+from project.tasks.decoding import TokenizerCodec
 
 SEPARATORS = ["<|endoftext|>", "<|end_of_text|>", "</s>"]  # GPT-2's, Llama 3's, Llama 2's and others'
 ENCODE_BATCH = 256  # documents per call: HF tokenizers spreads a batch over all cores
@@ -45,9 +48,11 @@ def input_files(paths: list[Path]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise SystemExit(f"Input {path} does not exist.")
+            raise ConfigError(
+                "inputs", f"{path} does not exist.", "give text, .jsonl or .parquet files, or dirs of them."
+            )
     if not files:
-        raise SystemExit(f"No input files in {', '.join(map(str, paths))}.")
+        raise ConfigError("inputs", f"{', '.join(map(str, paths))} holds no files.", "give dirs that hold the corpus.")
     return files
 
 
@@ -56,18 +61,77 @@ def documents(files: list[Path], text_key: str) -> Iterator[str]:
     for path in files:
         if path.suffix == ".jsonl":
             with open(path, encoding="utf-8") as lines:
-                for line in lines:
+                for number, line in enumerate(lines, 1):
                     if line.strip():
-                        yield json.loads(line)[text_key]
+                        yield _jsonl_text(path, number, line, text_key)
         elif path.suffix == ".parquet":
             try:
                 import pyarrow.parquet as parquet
             except ImportError:
-                raise SystemExit(f"{path}: reading parquet needs pyarrow (pip install pyarrow).") from None
+                raise ConfigError("inputs", f"{path}: reading parquet needs pyarrow.", "pip install pyarrow.") from None
             for batch in parquet.ParquetFile(path).iter_batches(columns=[text_key]):
                 yield from batch.column(0).to_pylist()
         else:
             yield path.read_text(encoding="utf-8", errors="replace")
+
+
+def _jsonl_text(path: Path, number: int, line: str, text_key: str) -> str:
+    """The ``text_key`` field of line ``number`` of a .jsonl file."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ConfigError("inputs", f"{path} line {number} is not JSON ({error}).", "fix or remove the line.") from None
+    if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+        raise ConfigError(
+            "--text-key",
+            f"is {text_key!r}, but line {number} of {path} has no such text field.",
+            "name the field that holds each document's text: --text-key <field>.",
+        )
+    return record[text_key]
+
+
+def check_arguments(out: Path, vocab_size: int, shard_tokens: int, val_fraction: float) -> None:
+    """``ConfigError`` naming the argument, before anything is written: sizes and fractions in range, ``--out``
+    writable."""
+    smallest = len(pre_tokenizers.ByteLevel.alphabet()) + 1  # every byte, and the separator
+    if vocab_size < smallest:
+        raise ConfigError(
+            "--vocab-size",
+            f"is {vocab_size}, fewer than a byte-level BPE's {smallest} tokens (every byte, and the separator).",
+            f"use at least {smallest} (8192 and more learn useful merges).",
+        )
+    if shard_tokens < 1:
+        raise ConfigError("--shard-tokens", f"is {shard_tokens}.", "give the tokens per shard, e.g. 100000000.")
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(
+            "--val-fraction",
+            f"is {val_fraction}, but the training split needs documents.",
+            "give a share from 0 (no validation split) to below 1, e.g. --val-fraction 0.005.",
+        )
+    check_writable("--out", out, "give a dir you can write: --out DIR.")
+
+
+def check_documents(files: list[Path], text_key: str, val_fraction: float) -> None:
+    """``ConfigError`` unless the corpus gives each split a document with text (the validation split none when
+    ``val_fraction`` is 0): read until one of each is found (the first few hundred documents, for the default
+    share)."""
+    found = {"train": False, "validation": val_fraction == 0}
+    count = 0
+    for count, text in enumerate(documents(files, text_key), 1):
+        if text.strip():
+            found["validation" if is_validation(count - 1, val_fraction) else "train"] = True
+        if all(found.values()):
+            return
+    if count == 0 or not (found["train"] or (found["validation"] and val_fraction > 0)):
+        raise ConfigError("inputs", "hold no text.", "give the files of a corpus (or --text-key, its text field).")
+    missing = next(split for split, seen in found.items() if not seen)
+    raise ConfigError(
+        "inputs",
+        f"hold {count} document{'s' * (count != 1)}, which give the {missing} split none (--val-fraction "
+        f"{val_fraction} sends about 1 "
+        f"in {round(1 / val_fraction)} documents to validation).",
+        "give more documents, or a --val-fraction nearer 0.5.",
+    )
 
 
 def fingerprint(files: list[Path], settings: dict[str, Any]) -> str:
@@ -89,6 +153,16 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    """``--tokenizer``: a Hugging Face tokenizer.json, read before anything is written."""
+    try:
+        return TokenizerCodec(path).tokenizer
+    except ValueError as error:
+        raise ConfigError(
+            "--tokenizer", f"{error}.", "give a tokenizer.json, as tokenizers and transformers save."
+        ) from None
 
 
 def is_validation(document: int, val_fraction: float) -> bool:
@@ -147,6 +221,9 @@ def prepare(
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into shards under ``out``; returns the metadata written to ``meta.json``."""
     files = input_files(inputs)
+    check_arguments(out, vocab_size, shard_tokens, val_fraction)
+    tokenizer = None if tokenizer_path is None else read_tokenizer(tokenizer_path)
+    check_documents(files, text_key, val_fraction)
     out.mkdir(parents=True, exist_ok=True)
     settings = {
         "tokenizer": str(tokenizer_path) if tokenizer_path else f"bpe-{vocab_size}",
@@ -159,11 +236,10 @@ def prepare(
     progress_file = out / "progress.json"
     progress = json.loads(progress_file.read_text()) if progress_file.is_file() else None
     if progress is not None and progress["fingerprint"] != key:
-        raise SystemExit(f"{out} holds a preparation of other inputs or settings; use another --out dir.")
+        raise ConfigError("--out", f"{out} holds a preparation of other inputs or settings.", "use another --out dir.")
 
     tokenizer_file = out / "tokenizer.json"
-    if tokenizer_path is not None:
-        tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    if tokenizer is not None:
         tokenizer.save(str(tokenizer_file))
     elif progress is not None and tokenizer_file.is_file():
         tokenizer = Tokenizer.from_file(str(tokenizer_file))  # trained by the interrupted run
@@ -172,7 +248,11 @@ def prepare(
         tokenizer.save(str(tokenizer_file))
     separator = separator or next((token for token in SEPARATORS if tokenizer.token_to_id(token) is not None), None)
     if separator is None or tokenizer.token_to_id(separator) is None:
-        raise SystemExit(f"The tokenizer has no separator token ({', '.join(SEPARATORS)}); name one with --separator.")
+        raise ConfigError(
+            "--separator",
+            f"{separator!r} is not a token of the tokenizer (nor is any of {', '.join(SEPARATORS)}).",
+            "name the tokenizer's end-of-document token: --separator <token>.",
+        )
     separator_id = tokenizer.token_to_id(separator)
     dtype = token_dtype(tokenizer.get_vocab_size())
 
@@ -257,7 +337,9 @@ def main() -> None:
     parser.add_argument("--separator", help="the token after each document (default: <|endoftext|> or the like)")
     parser.add_argument("--text-key", default="text", help="the text field of .jsonl lines and .parquet rows")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, help="tokens per shard (default 1e8)")
-    parser.add_argument("--val-fraction", type=float, default=0.005, help="share of documents kept for validation")
+    parser.add_argument(
+        "--val-fraction", type=float, default=0.005, help="share of documents kept for validation (0: none)"
+    )
     args = parser.parse_args()
     meta = prepare(
         args.inputs,
@@ -276,4 +358,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli("python -m project.cli.prepare", main)

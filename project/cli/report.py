@@ -18,6 +18,8 @@ import plotly.graph_objects as go
 from omegaconf import OmegaConf
 from plotly.colors import qualitative
 
+from project.cli.usage import run_cli
+from project.config.errors import ConfigError, check_writable
 from project.launch.results import RESULT_FILE, sweep_rows
 
 # Curves drawn when the runs logged them, one chart each.
@@ -40,13 +42,23 @@ def find_jobs(paths: list[Path]) -> list[Job]:
     """Each path is a job dir (it has a result.json) or a sweep dir (its job subdirs do), in job order."""
     jobs = []
     for path in paths:
+        if not path.is_dir():
+            raise ConfigError(
+                "paths",
+                f"{path} is not a directory.",
+                "give job dirs (each with a result.json) or sweep dirs, e.g. logs/train/runs/<date_time>.",
+            )
         dirs = [path] if (path / RESULT_FILE).is_file() else [path / row["job"] for row in sweep_rows(path)]
         for job_dir in dirs:
             if (job_dir / RESULT_FILE).is_file() and (job_dir / "config.yaml").is_file():
                 result = json.loads((job_dir / RESULT_FILE).read_text())
                 jobs.append(Job(job_dir, result, OmegaConf.load(job_dir / "config.yaml")))
     if not jobs:
-        raise SystemExit(f"No job with a {RESULT_FILE} and config.yaml in {', '.join(map(str, paths))}.")
+        raise ConfigError(
+            "paths",
+            f"{', '.join(map(str, paths))} holds no job with a {RESULT_FILE} and config.yaml.",
+            "give job dirs or sweep dirs that training wrote (a job writes result.json as it ends each epoch).",
+        )
     return jobs
 
 
@@ -200,9 +212,10 @@ def main() -> None:
     )
     parser.add_argument("--output", "-o", type=Path, help="the HTML file (default: report.html in the first dir)")
     args = parser.parse_args()
-    output = write_report(args.paths, args.output or args.paths[0] / "report.html", args.by)
-    print(f"Report: {output}")
+    output = args.output or args.paths[0] / "report.html"
+    check_writable("--output", output.parent, "give a file in a dir you can write: --output <file>.html.")
+    print(f"Report: {write_report(args.paths, output, args.by)}")
 
 
 if __name__ == "__main__":
-    main()
+    run_cli("python -m project.cli.report", main)

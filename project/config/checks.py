@@ -19,7 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.accelerators import AcceleratorRegistry
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from torch import nn
@@ -341,6 +341,20 @@ def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
         )
 
 
+def _check_vocabulary(cfg: DictConfig, datamodule: Any) -> None:
+    """A language model's embedding has a row for every token the data holds (``model.init_from`` gives the model
+    the vocabulary of its dir, which the data need not fill)."""
+    data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), OmegaConf.select(cfg, "model.net.vocab_size")
+    if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
+        raise ConfigError(
+            "model.net.vocab_size",
+            f"is {model_vocab}, fewer than the {data_vocab} tokens of the data's vocabulary: token ids past "
+            f"{model_vocab - 1} would have no embedding.",
+            "give the model the data's vocabulary (model.net.vocab_size=${data.vocab_size}), or prepare the data "
+            "with the model's own tokenizer.json.",
+        )
+
+
 def _train_batches(cfg: DictConfig, batches_per_epoch: int) -> int:
     """Training batches an epoch runs, as Lightning counts them with ``trainer.limit_train_batches`` (N batches or a
     fraction of the epoch)."""
@@ -431,6 +445,22 @@ def _check_mode(cfg: DictConfig) -> None:
         )
 
 
+def _check_processes(cfg: DictConfig, strategy: Any, devices: int) -> None:
+    """``strategy.processes``, the workers the launcher starts per node: one per device for a strategy that runs a
+    process per device (Lightning's ``ParallelStrategy``: ddp, fsdp, pipeline, tensor_parallel, and auto), one for
+    a strategy that drives every device from one process (model_parallel)."""
+    one_process = isinstance(strategy, SingleDeviceStrategy)
+    expected, processes = (1 if one_process else devices), cfg.strategy.processes
+    if processes != expected:
+        what = "drives every device from one process" if one_process else "runs one process per device"
+        name = OmegaConf.select(cfg, "choices.strategy", default=type(strategy).__name__)
+        raise ConfigError(
+            "strategy.processes",
+            f"is {processes}, but strategy={name} {what}: it needs {expected} with trainer.devices={devices}.",
+            "leave strategy.processes as the strategy's config file sets it (python train.py --cfg job shows it).",
+        )
+
+
 @dataclass(frozen=True)
 class CheckedConfig:
     """What checking a config found out, for the stages after it: the strategy class (None for Lightning's
@@ -479,14 +509,19 @@ def check_config(cfg: DictConfig) -> CheckedConfig:
     check_types(cfg)  # every other option against its constructor's type hints, every number finite
     # The data first: the model takes sizes from it (vocabulary, sequence length), so its own keys are to blame.
     datamodule = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
+    check_files = getattr(datamodule, "check_files", None)
+    if check_files is not None:  # a data module on files checks them now, not mid-epoch (data=shards)
+        check_files()
     with torch.device("meta"):  # shapes only, nothing allocated
         net = _build("model.net", lambda: instantiate(cfg.model.net))
         # The LightningModule checks its own options (optimizer, schedule).
         module = _build("model", lambda: instantiate(cfg.model, net=net))
     strategy = _build("strategy", lambda: build_strategy(cfg.strategy))  # checks its options; no process group yet
+    _check_processes(cfg, strategy, devices)
     ckpt_path = resolve_ckpt_path(cfg)
     _check_checkpoint(cfg, module, ckpt_path)
     _check_init_from(cfg, net)
+    _check_vocabulary(cfg, datamodule)
     cls = strategy_class(cfg)
     strategy_rules = getattr(cls, "check_config", None)
     if strategy_rules is not None:  # each strategy of this project checks what it needs (its own module)
@@ -496,6 +531,10 @@ def check_config(cfg: DictConfig) -> CheckedConfig:
         callback_rules = getattr(get_class(callback._target_), "check_config", None)
         if callback_rules is not None:
             callback_rules(cfg, name, datamodule, cls, dims)
+    for name, logger in (cfg.logger or {}).items():  # and each logger, of where it writes
+        logger_rules = getattr(get_class(logger._target_), "check_config", None)
+        if logger_rules is not None:
+            logger_rules(cfg, name)
 
     data_parallel = dims.data_parallel
     global_batch = batch_size * data_parallel

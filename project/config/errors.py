@@ -1,7 +1,9 @@
 """The error users see for a config that cannot work. Kept free of heavy imports, so ``train.py`` (and its
 ``--help``) can catch it without loading torch."""
 
+import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -28,13 +30,19 @@ def positive_int(key: str, value: object, fix: str) -> int:
     return value
 
 
-def number_in(key: str, value: object, low: float, high: float, fix: str) -> float:
-    """``value`` if it is a number with ``low < value < high``, else ``ConfigError`` naming ``key``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
-        raise ConfigError(key, f"must be a number between {low} and {high} (both excluded), got {value!r}.", fix)
-    return value
-
-
 def exit_with(error: ConfigError) -> NoReturn:
     """End the process as every bad input does: exit code 1 and the error's one paragraph, no traceback."""
     sys.exit(f"Config error: {error}")
+
+
+def check_writable(key: str, directory: str | Path, fix: str) -> None:
+    """``ConfigError`` naming ``key`` unless this process could create files in ``directory``: in it if it
+    exists, else in its nearest existing parent (where it would be made). Nothing is written: a refused job leaves
+    no trace. ``os.access`` sees what stops root too: an immutable dir (chattr +i), a read-only file system."""
+    path = Path(directory).expanduser().absolute()
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not existing.is_dir():
+        raise ConfigError(key, f"{path} cannot be a directory: {existing} is a file.", fix)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == path else f" (it does not exist yet, and {existing} is where it would be made)"
+        raise ConfigError(key, f"{path} is not writable by this process{where}.", fix)

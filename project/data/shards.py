@@ -13,7 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from project.config.errors import ConfigError, positive_int
+from project.config.errors import ConfigError
+from project.config.option_types import NonNegativeInt, PositiveInt, Seed
 from project.config.resolvers import prepared_meta
 from project.data.datamodule import InMemoryDataModule
 from project.tasks.decoding import TokenizerCodec
@@ -42,20 +43,26 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
     os.replace(partial, path)
 
 
-def read_shard(path: Path) -> np.ndarray:
-    """The shard's tokens as a read-only memory map (nothing is read until used)."""
+def shard_header(path: Path) -> tuple[int, np.dtype]:
+    """(tokens, their dtype) from a shard's header, once the file is whole: ``ValueError`` for a file that is not
+    a shard of this format, or whose size is not what its header promises (truncated, or grown)."""
     header = np.fromfile(path, dtype="<i4", count=HEADER_INTS)
     if len(header) < 4 or header[0] != MAGIC:
         raise ValueError(f"{path} is not a token shard (no magic number {MAGIC} in its header).")
     if header[1] != VERSION:
         raise ValueError(f"{path} has shard format version {header[1]}; this code reads version {VERSION}.")
     dtypes: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # by the header's bytes per token
-    dtype = dtypes[int(header[3])]
-    tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(int(header[2]),))
-    expected = HEADER_BYTES + int(header[2]) * dtype.itemsize
+    tokens, dtype = int(header[2]), dtypes[int(header[3])]
+    expected = HEADER_BYTES + tokens * dtype.itemsize
     if path.stat().st_size != expected:
         raise ValueError(f"{path} has {path.stat().st_size} bytes; its header promises {expected}.")
-    return tokens
+    return tokens, dtype
+
+
+def read_shard(path: Path) -> np.ndarray:
+    """The shard's tokens as a read-only memory map (nothing is read until used)."""
+    tokens, dtype = shard_header(path)
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(tokens,))
 
 
 class TokenWindows(Dataset):
@@ -101,22 +108,27 @@ class ShardsDataModule(InMemoryDataModule):
     global batches whatever the device count; every validation window once)."""
 
     def text_codec(self) -> TokenizerCodec:
-        return TokenizerCodec(self.path / "tokenizer.json")  # the tokenizer prepare used, saved beside the shards
+        try:
+            return TokenizerCodec(self.path / "tokenizer.json")  # the tokenizer prepare used, saved beside the shards
+        except ValueError as error:
+            raise ConfigError(
+                "data.path", f"{error}.", "prepare the corpus again (python -m project.cli.prepare ... --out DIR)."
+            ) from None
 
     def __init__(
         self,
         path: str,
-        seq_length: int,
-        batch_size: int,
-        seed: int,
+        seq_length: PositiveInt,
+        batch_size: PositiveInt,
+        seed: Seed,
         shuffle: bool = True,
-        num_workers: int = 0,
-        vocab_size: int | None = None,
+        num_workers: NonNegativeInt = 0,
+        vocab_size: PositiveInt | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, num_workers=num_workers)
         self.path = Path(path)
         self.meta = prepared_meta(self.path)
-        self.seq_length = positive_int("data.seq_length", seq_length, "set it to the tokens per sequence, e.g. 256.")
+        self.seq_length = seq_length
         self.vocab_size = self.meta["vocab_size"]
         if vocab_size not in (None, self.vocab_size):
             raise ConfigError(
@@ -132,6 +144,30 @@ class ShardsDataModule(InMemoryDataModule):
                     f"tokens, too few for one window of data.seq_length + 1 = {seq_length + 1}.",
                     "prepare a larger corpus (or a larger --val-fraction), or shorten data.seq_length.",
                 )
+
+    def check_files(self) -> None:
+        """Every shard meta.json lists is there, whole, and holds the tokens meta.json counts: read from the
+        headers and file sizes by the checks before launch (a missing or cut shard would fail mid-epoch)."""
+        for split in ("train", "val"):
+            for shard in self.meta["splits"][split]["shards"]:
+                path = self.path / shard["file"]
+                try:
+                    tokens, _ = shard_header(path)
+                except (OSError, ValueError) as error:
+                    problem = f"{path} is missing" if not path.exists() else str(error).rstrip(".")
+                    raise ConfigError(
+                        "data.path",
+                        f"{problem}, a shard of the {split} split its meta.json lists.",
+                        "prepare the corpus again (python -m project.cli.prepare ... --out DIR), or restore the "
+                        "shard from a copy.",
+                    ) from None
+                if tokens != shard["tokens"]:
+                    raise ConfigError(
+                        "data.path",
+                        f"{path} holds {tokens} tokens, but meta.json says {shard['tokens']}: the shard is from "
+                        "another preparation.",
+                        "prepare the corpus again into an empty dir (python -m project.cli.prepare ... --out DIR).",
+                    )
 
     def _windows(self, split: str) -> TokenWindows:
         shards = self.meta["splits"][split]["shards"]

@@ -26,8 +26,8 @@ def failure_report(
     num_workers: int,
     log_dir: Path,
     heartbeat_dir: Path,
-    silent: tuple[int, float] | None = None,
-    job_log: Path | None = None,
+    silent: tuple[int, float] | None,
+    job_log: Path,
 ) -> str:
     """One line per failed rank, the likely cause first: the rank the hang watchdog killed (``silent``: its rank
     and how long it sent no heartbeat; the stacks are in ``job_log``), or a rank that had stopped responding (its
@@ -59,7 +59,7 @@ def failure_report(
                 )
             )
         elif raised[rank]:
-            lines.append((2, f"rank {rank} raised {raised[rank]} (its traceback is above)."))
+            lines.append((2, f"rank {rank} raised {raised[rank]} (its traceback is in {job_log})."))
         elif failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
             lines.append((1, f"rank {rank} was killed by {failure.signal_name()}."))
         elif failure.exitcode > 0:

@@ -94,6 +94,19 @@ def _worker_environment(num_workers: int, heartbeat_dir: Path) -> Iterator[None]
             del os.environ[name]
 
 
+@contextmanager
+def _quiet_worker_failures() -> Iterator[None]:
+    """Without torchelastic's own lines on a failed worker ("failed (exitcode: 1) local_rank: 0 ...", "Sending
+    process ... closing signal SIGTERM"): the launcher's report says the same once, per rank, with the cause."""
+    processes_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = processes_log.level
+    processes_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        processes_log.setLevel(level)
+
+
 def job_log_file() -> Path:
     """Hydra's log file of this job (``<job dir>/<job name>.log``: ``train.log``)."""
     hydra_cfg = HydraConfig.get()
@@ -135,7 +148,7 @@ def launch_workers(
     job_log = job_log_file()
     watchdog = HeartbeatWatchdog(heartbeat_dir, heartbeat_timeout, job_log)
     try:
-        with _worker_environment(num_workers, heartbeat_dir), watchdog:
+        with _worker_environment(num_workers, heartbeat_dir), watchdog, _quiet_worker_failures():
             elastic_launch(launch_config, sys.executable)("-m", "project.launch.worker", str(config_file))
     except ChildFailedError as error:
         report = failure_report(error, num_workers, log_dir, heartbeat_dir, watchdog.silent, job_log)

@@ -51,9 +51,12 @@ def main(config_file: str) -> None:
     except SIGTERMException:  # stopped on request (a preemption): the launcher says so, no traceback needed
         sys.exit(128 + signal.SIGTERM)
     except BaseException:
-        file_log.exception(f"Rank {rank} failed")  # the console gets the traceback from Python itself
+        file_log.exception(f"Rank {rank} failed")  # the traceback; the console gets the launcher's report
         raise
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except Exception:  # in train.log with its traceback, and in the error file the launcher's report quotes
+        sys.exit(1)

@@ -4,11 +4,16 @@ import netrc
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
+import platformdirs
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from omegaconf import DictConfig, OmegaConf
+
+from project.config.errors import check_writable
+from project.config.option_types import PositiveFloat
 
 
 def _has_wandb_credentials(host: str) -> bool:
@@ -130,11 +135,11 @@ class EpochWandbLogger(WandbLogger):
 
     def __init__(
         self,
-        mode: str | None = None,
+        mode: Literal["online", "offline", "disabled"] | None = None,
         summary_metric: str = "val/acc",
-        summary_mode: str = "max",
+        summary_mode: Literal["max", "min"] = "max",
         x_axis: str = "epoch",
-        init_timeout_s: float = 30.0,
+        init_timeout_s: PositiveFloat = 30.0,
         **kwargs: Any,
     ) -> None:
         import wandb  # here, not at the top: a run with other loggers does not pay its import (~0.6 s)
@@ -148,6 +153,29 @@ class EpochWandbLogger(WandbLogger):
         self.x_axis = x_axis
         self._rows = EpochRows()
         self._best: dict[str, float] | None = None
+
+    @staticmethod
+    def check_config(cfg: DictConfig, name: str) -> None:
+        """Where W&B writes, which must be writable before launch: the run's ``save_dir``, its staging dir for
+        logged tables and its cache (``WANDB_DATA_DIR`` and ``WANDB_CACHE_DIR``, by default under HOME).
+
+        The two defaults are wandb.env's ``get_data_dir`` and ``get_cache_dir``, spelt out: importing wandb (2 s)
+        would slow every launcher down, and the launcher of a multi-process job never logs itself."""
+        mode = OmegaConf.select(cfg, f"logger.{name}.mode")
+        if mode == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
+            return
+        save_dir = OmegaConf.select(cfg, f"logger.{name}.save_dir") or "."
+        check_writable(f"logger.{name}.save_dir", save_dir, f"set logger.{name}.save_dir to a dir you can write.")
+        for variable, directory in (
+            ("WANDB_DATA_DIR", os.environ.get("WANDB_DATA_DIR", platformdirs.user_data_dir("wandb"))),
+            ("WANDB_CACHE_DIR", os.environ.get("WANDB_CACHE_DIR", platformdirs.user_cache_dir("wandb"))),
+        ):
+            check_writable(
+                f"logger.{name}",
+                directory,
+                f"W&B writes there: set the environment variable {variable} to a dir you can write, or log with "
+                "logger=csv.",
+            )
 
     @property
     @rank_zero_only

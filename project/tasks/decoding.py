@@ -27,7 +27,11 @@ class TokenizerCodec:
     """data=shards: the Hugging Face tokenizer the corpus was prepared with (its ``tokenizer.json``)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.tokenizer = Tokenizer.from_file(str(path))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:  # tokenizers raises a bare Exception ("expected ident at line 1...")
+            reason = "no such file" if not Path(path).is_file() else str(error)
+            raise ValueError(f"{path} is not a tokenizer file Hugging Face tokenizers can read ({reason})") from None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids

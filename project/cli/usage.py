@@ -1,0 +1,50 @@
+"""Bad input to a command-line tool, answered as ``train.py`` answers a bad config: one paragraph naming the
+argument, the problem and the fix, exit code 1, no traceback. Each tool checks its arguments before it writes
+anything, so a refused command leaves nothing half-written.
+
+The error is ``ConfigError`` (its key the argument: ``--out``, ``checkpoint``), the same one ``train.py`` prints.
+"""
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from project.checkpointing.files import checkpoint_shapes, job_config, job_config_file
+from project.config.errors import ConfigError
+
+
+def run_cli(prog: str, main: Callable[[], None]) -> None:
+    """``main()``, with a ``ConfigError`` it raises printed as ``<prog>: <argument>: <problem> Fix: <fix>``."""
+    try:
+        main()
+    except ConfigError as error:
+        sys.exit(f"{prog}: {error}")
+
+
+def existing_path(argument: str, path: str | Path, what: str) -> Path:
+    """``path`` if it exists, else ``ConfigError`` naming ``argument`` (``what`` it should be)."""
+    if not Path(path).exists():
+        raise ConfigError(argument, f"{path} does not exist.", f"give the path of {what}.")
+    return Path(path)
+
+
+def checkpoint_and_config(checkpoint: str, config: str | None) -> DictConfig:
+    """A checkpoint argument that is one (a file or sharded dir a run saved), and its job's config: ``--config``,
+    or the ``config.yaml`` of the job dir the checkpoint sits in."""
+    fix = "give a checkpoint a run saved: <job dir>/checkpoints/last.ckpt (a file, or a dir under fsdp and pipeline)."
+    existing_path("checkpoint", checkpoint, "a checkpoint: <job dir>/checkpoints/last.ckpt")
+    try:
+        checkpoint_shapes(checkpoint)
+    except (ValueError, RuntimeError, OSError, EOFError) as error:
+        raise ConfigError("checkpoint", f"{checkpoint} {str(error).rstrip('.')}.", fix) from None
+    if config is not None:
+        existing_path("--config", config, "the config.yaml of the job that saved the checkpoint")
+    elif not job_config_file(checkpoint).is_file():
+        raise ConfigError(
+            "--config",
+            f"is not given, and {job_config_file(checkpoint)} (the job dir's, beside checkpoints/) does not exist.",
+            "pass the config of the job that saved the checkpoint: --config <job dir>/config.yaml.",
+        )
+    return job_config(checkpoint, config)
