@@ -159,27 +159,25 @@ def test_a_sharded_checkpoint_exported_gives_transformers_its_val_loss(gpt_ddp_f
     assert transformers_val_loss(exported, list(overrides)) == pytest.approx(run_loss, rel=1e-5)
 
 
-# model=llama shaped as LLAMA without RoPE scaling, on token data of its vocabulary.
+# model=llama on token data of LLAMA's vocabulary; its shape comes from the model dir (model.init_from).
 LLAMA_EVAL = [
-    *TINY_GPT[1:],
+    *(item for item in TINY_GPT[1:] if not item.startswith("model.")),
     "model=llama",
     "data.vocab_size=61",
-    "model.net.dim=48",
-    "model.net.num_heads=4",
-    "model.net.num_kv_heads=2",
-    "model.net.hidden_dim=80",
     "data.batch_size=8",
 ]
 
 
 @pytest.mark.slow
 def test_a_hugging_face_llama_evaluates_to_its_transformers_loss_under_each_strategy(runs_dir, home, tmp_path):
-    """mode=eval model.init_from=<a LlamaForCausalLM dir>: fsdp ranks read their shards' rows, pipeline stages their
-    blocks' tensors, tensor-parallel ranks their heads' and units' slices; each job's val/loss is transformers' own
-    on the same validation set."""
+    """mode=eval model.init_from=<a LlamaForCausalLM dir> and no model.net option: the shape, RoPE theta and norm
+    epsilon (transformers' defaults, 10000 and 1e-6, not model=llama's) come from its config.json. fsdp ranks read
+    their shards' rows, pipeline stages their blocks' tensors, tensor-parallel ranks their heads' and units'
+    slices; each job's val/loss is transformers' own on the same validation set."""
     torch.manual_seed(0)
-    config = {**LLAMA, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    config = {key: value for key, value in LLAMA.items() if key not in ("rope_parameters", "rms_norm_eps")}
     reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    assert (reference.config.rope_parameters["rope_theta"], reference.config.rms_norm_eps) == (10000.0, 1e-6)
     reference.save_pretrained(tmp_path / "hf")
     sweep = runs_dir / "llama-eval"
     train(

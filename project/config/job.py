@@ -17,11 +17,12 @@ from typing import cast
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
+from project.checkpointing.hf import NET_CLASSES, net_options, read_config
 from project.config.build import build_net
 from project.config.checks import CheckedConfig, check_config, shards_model
 from project.config.errors import ConfigError
@@ -106,7 +107,7 @@ def resolved_config(cfg: DictConfig) -> DictConfig:
         if wandb_cfg is not None and wandb_cfg.group is None and multirun:
             wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
     try:
-        return cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)))
+        resolved = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)))
     except MissingMandatoryValue as error:  # a ??? the command line did not fill (model=language_model: no net)
         raise ConfigError(
             str(error.full_key),
@@ -131,6 +132,26 @@ def resolved_config(cfg: DictConfig) -> DictConfig:
             "choose options that fit together (model=gpt with data=tokens or data=text; model=mlp with "
             "data=synthetic), or set the key explicitly.",
         ) from None
+    shape_from_init_dir(resolved)
+    return resolved
+
+
+def shape_from_init_dir(cfg: DictConfig) -> None:
+    """``model.init_from``: ``model.net``'s shape and numeric options (widths, heads, vocabulary, RoPE, norm eps,
+    tying) read from the Hugging Face dir's ``config.json``, as ``from_pretrained`` reads them, but for those the
+    command line sets, which the checks hold to the dir (``check_matches``: a conflict names the key). The context
+    length stays the data's: a model may train on a shorter context than it was made for."""
+    path = OmegaConf.select(cfg, "model.init_from")
+    if path is None or not (Path(path) / "config.json").is_file():
+        return  # nothing to read: the checks say what is wrong with the dir
+    config = read_config(path)
+    if not issubclass(get_class(cfg.model.net._target_), NET_CLASSES[config["model_type"]]):
+        return  # another family: the checks name it
+    explicit = {override.split("=", 1)[0].lstrip("+~") for override in cfg.overrides}
+    with open_dict(cfg):
+        for key, value in net_options(config).items():
+            if key != "max_length" and f"model.net.{key}" not in explicit:
+                cfg.model.net[key] = value
 
 
 def check_launch(cfg: DictConfig, torchrun: bool, node: NodeTask) -> None:
