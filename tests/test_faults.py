@@ -238,11 +238,21 @@ def test_jobs_started_in_the_same_second_get_dirs_of_their_own(home, tmp_path):
         assert sorted(path.name for path in (job_dir / "checkpoints").iterdir()) == ["epoch000.ckpt", "last.ckpt"]
 
 
-def test_a_diverging_ddp_job_stops_every_rank_after_the_same_step_and_its_sweep_records_why(home, tmp_path):
-    """NaN put into rank 1's weights before global step 21 (16 steps an epoch: epoch 1, batch 4): its loss of that
-    batch is NaN, rank 0's finite. Both ranks stop after that step and name it; the job fails, naming epoch 0's
-    last.ckpt, which stays epoch 0's (nothing of the diverged epoch is saved); the sweep records the trial as failed
-    with the reason, and exits 1."""
+@pytest.mark.parametrize(
+    "poison, options, cause",
+    [
+        ("PoisonWeights", [], "the training loss was not finite (rank 1's was nan)"),
+        ("PoisonGradients", ["trainer.gradient_clip_val=1.0"], "the gradient norm was not finite (on rank 1)"),
+    ],
+)
+def test_a_diverging_ddp_job_stops_every_rank_after_the_same_step_and_its_sweep_records_why(
+    poison, options, cause, home, tmp_path
+):
+    """Before global step 21 (16 steps an epoch: epoch 1, batch 4), rank 1 gets NaN weights (its loss of that batch
+    is NaN, rank 0's finite), or an infinite gradient with clipping on (every loss of that batch finite; clipped by
+    an infinite norm, its parameters turn NaN). Both ranks stop after that step and name it; the job fails, naming
+    epoch 0's last.ckpt, which stays epoch 0's (nothing of the diverged epoch is saved); the sweep records the trial
+    as failed with the reason, and exits 1."""
     sweep_dir = tmp_path / "sweep"
     result = train(
         [
@@ -252,7 +262,8 @@ def test_a_diverging_ddp_job_stops_every_rank_after_the_same_step_and_its_sweep_
             "strategy=ddp",
             "trainer.devices=2",
             "data.batch_size=32",
-            "+callbacks.poison._target_=helpers.probes.PoisonWeights",
+            *options,
+            f"+callbacks.poison._target_=helpers.probes.{poison}",
             "+callbacks.poison.step=20",
             "+callbacks.poison.rank=1",
             f"hydra.sweep.dir={sweep_dir}",
@@ -262,9 +273,10 @@ def test_a_diverging_ddp_job_stops_every_rank_after_the_same_step_and_its_sweep_
     )
     assert result.returncode == 1, result.output[-3000:]
     last = sweep_dir / "0" / "checkpoints" / "last.ckpt"
-    diverged = "raised TrainingDiverged: Training diverged at global step 21 (epoch 1, batch 4): the training loss"
-    assert f"- rank 1 {diverged} was not finite (rank 1's was nan)." in result.output, result.output[-3000:]
-    assert f"- rank 0 {diverged} was not finite (on another rank)." in result.output, result.output[-3000:]
+    diverged = "raised TrainingDiverged: Training diverged at global step 21 (epoch 1, batch 4):"
+    assert f"- rank 1 {diverged} {cause}." in result.output, result.output[-3000:]
+    other = "the training loss or gradient norm was not finite on another rank"
+    assert f"- rank 0 {diverged} {other}." in result.output, result.output[-3000:]
     assert f"The last checkpoint, saved before it: {last}" in result.output
     assert saved_epoch(last) == 0
     job = json.loads((sweep_dir / "0" / "result.json").read_text())

@@ -1,5 +1,6 @@
 """Stopping every rank at the same point of training: on SIGTERM (a preemption, a cancelled job), cleanly; on a
-non-finite training loss (divergence), as a failure that names the step and the last checkpoint saved before it."""
+non-finite training loss or gradient norm (divergence), as a failure that names the step and the last checkpoint
+saved before it."""
 
 import logging
 from collections.abc import Mapping
@@ -15,12 +16,14 @@ log = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")
 
 
 class TrainingDiverged(JobFailed):
-    """The training loss stopped being finite; every rank raises it after the same step."""
+    """The training loss, or the gradient norm, stopped being finite; every rank raises it after the same step."""
 
 
 class StopTogether(L.Callback):
     """Every rank stops after the same training batch (or at the same epoch's end) once any rank got SIGTERM, and
-    fails after the same batch once any rank's training loss is not finite (NaN or infinite).
+    fails after the same batch once any rank's training loss is not finite (NaN or infinite), or, when gradients
+    are clipped, its gradients (``TrainingModule.gradients_finite``: clipped by a non-finite norm, every gradient
+    and then every parameter turns NaN, though the step's loss was finite).
 
     Lightning's own SIGTERM handler broadcasts from rank 0 inside the signal handler: a collective started wherever
     the signal lands, which pairs with whatever collective the other ranks are in at that moment (a checkpoint's
@@ -37,7 +40,7 @@ class StopTogether(L.Callback):
 
     def __init__(self) -> None:
         self._signalled = False
-        self._loss: float | None = None  # this rank's last non-finite training loss
+        self._cause: str | None = None  # what was not finite on this rank, for the message
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         def note(signum: int, frame) -> None:
@@ -49,26 +52,33 @@ class StopTogether(L.Callback):
         # Read when fit registers its handlers, after setup. (Lightning's private method, replaced on the instance.)
         trainer._signal_connector._sigterm_notifier_fn = note  # type: ignore[method-assign,assignment]
 
-    def _agree(self, trainer: L.Trainer, loss: torch.Tensor | None = None) -> tuple[bool, bool]:
-        """(any rank signalled, any rank's ``loss`` not finite), with one device sync, as Lightning's own check at
-        each batch's start has."""
+    def _agree(
+        self, trainer: L.Trainer, loss: torch.Tensor | None = None, gradients_finite: torch.Tensor | None = None
+    ) -> tuple[bool, bool]:
+        """(any rank signalled, any rank's ``loss`` or gradients not finite), with one device sync, as Lightning's
+        own check at each batch's start has."""
         device = trainer.strategy.root_device
-        diverged = torch.zeros((), device=device) if loss is None else (~torch.isfinite(loss.detach())).any()
-        flags = torch.stack([torch.tensor(float(self._signalled), device=device), diverged.float()])
+        no = torch.zeros((), dtype=torch.bool, device=device)
+        bad_loss = no if loss is None else (~torch.isfinite(loss.detach())).any()
+        bad_gradients = no if gradients_finite is None else ~gradients_finite.to(device)
+        flags = torch.stack([torch.tensor(self._signalled, device=device), bad_loss | bad_gradients]).float()
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         signalled, any_diverged = (bool(flag) for flag in flags.tolist())
         if signalled:
             trainer._signal_connector.received_sigterm = True
-        if any_diverged and loss is not None and bool(diverged):
-            self._loss = float(loss.detach().float().sum())
+        if any_diverged and loss is not None and bool(bad_loss):
+            self._cause = f"the training loss was not finite (rank {trainer.global_rank}'s was {float(loss.sum())})"
+        elif any_diverged and bool(bad_gradients):
+            self._cause = f"the gradient norm was not finite (on rank {trainer.global_rank})"
         return signalled, any_diverged
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        _, diverged = self._agree(trainer, loss if isinstance(loss, torch.Tensor) else None)
+        gradients_finite = getattr(pl_module, "gradients_finite", None)  # the last optimizer step's, when clipping
+        _, diverged = self._agree(trainer, loss if isinstance(loss, torch.Tensor) else None, gradients_finite)
         if diverged:
             raise self._divergence(trainer, batch_idx)
 
@@ -76,7 +86,7 @@ class StopTogether(L.Callback):
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
             trainer.checkpoint_callback, "best_model_path", ""
         )
-        where = f"rank {trainer.global_rank}'s was {self._loss}" if self._loss is not None else "on another rank"
+        cause = self._cause or "the training loss or gradient norm was not finite on another rank"
         resume = (
             f"The last checkpoint, saved before it: {checkpoint}; resume from it (ckpt_path={checkpoint}) with a "
             "lower model.optimizer.lr, or a trainer.gradient_clip_val."
@@ -85,7 +95,7 @@ class StopTogether(L.Callback):
         )
         message = (
             f"Training diverged at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch "
-            f"{batch_idx}): the training loss was not finite ({where}). Every rank stopped after this step. {resume}"
+            f"{batch_idx}): {cause}. Every rank stopped after this step. {resume}"
         )
         logging.getLogger(__name__).error(message)
         return TrainingDiverged(message)

@@ -7,10 +7,12 @@ import lightning as L
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights
 from project.config.errors import ConfigError
+from project.config.option_types import Seed
 from project.distributed.parallelize import apply_activation_checkpointing, compile_blocks, materialize
 from project.models.sequence import BlockSequence
 from project.tasks.metrics import SampleMean
@@ -25,6 +27,18 @@ NO_DECAY_KINDS = {
     "norm": lambda name, module: isinstance(module, NORMS),
     "embedding": lambda name, module: isinstance(module, nn.Embedding),
 }
+
+
+def local_gradients_finite(optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Whether every gradient element this rank holds (its shards of DTensor gradients) is finite: a boolean
+    tensor on the gradients' device, read without a device sync or a collective."""
+    grads = [
+        parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
+        for group in optimizer.param_groups
+        for parameter in group["params"]
+        if parameter.grad is not None
+    ]
+    return torch.isfinite(torch.nn.utils.get_total_norm(grads)) if grads else torch.tensor(True)
 
 
 class TrainingModule(L.LightningModule):
@@ -53,7 +67,7 @@ class TrainingModule(L.LightningModule):
         self,
         net: BlockSequence,
         optimizer: OptimizerFactory,
-        init_seed: int,
+        init_seed: Seed,
         scheduler: SchedulerFactory | None = None,
         no_weight_decay: Sequence[str] = (),
         activation_checkpointing: bool = False,
@@ -73,6 +87,7 @@ class TrainingModule(L.LightningModule):
         self.net = net
         self.optimizer_factory = optimizer
         self.init_seed = init_seed
+        self.gradients_finite: torch.Tensor | None = None  # this step's, when clipping (clip_gradients)
         self.scheduler_factory = scheduler
         self.no_weight_decay = list(no_weight_decay)
         self.activation_checkpointing = activation_checkpointing
@@ -202,7 +217,13 @@ class TrainingModule(L.LightningModule):
 
     def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Lightning's clipping, except that by norm a strategy whose ranks each hold a part of the model (a
-        pipeline stage) clips by the whole model's norm with its ``clip_grad_norm_``."""
+        pipeline stage) clips by the whole model's norm with its ``clip_grad_norm_``.
+
+        First it notes whether this rank's gradients are finite (``gradients_finite``), which ``StopTogether``
+        agrees on across the ranks after the step: clipped by a non-finite norm, every gradient turns NaN, and every
+        parameter after the step, while this step's loss is still finite."""
+        if gradient_clip_val:
+            self.gradients_finite = local_gradients_finite(optimizer)
         clip_grad_norm_ = getattr(self.trainer.strategy, "clip_grad_norm_", None)
         algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
         if clip_grad_norm_ is None or not gradient_clip_val or algorithm != "norm":

@@ -128,6 +128,18 @@ class PoisonWeights(L.Callback):
                 next(pl_module.parameters()).fill_(float("nan"))
 
 
+class PoisonGradients(L.Callback):
+    """Rank ``rank`` puts an infinite gradient into its first parameter before optimizer step ``step`` + 1 (after
+    backward, before clipping): the batch's loss is finite on every rank, its gradient norm infinite on one."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            next(pl_module.parameters()).grad.view(-1)[0] = float("inf")
+
+
 class FailInFit(L.Callback):
     """Raises on every rank as training starts: a failure inside the workers, past every check before launch."""
 
