@@ -8,10 +8,17 @@ import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 from conftest import TINY, PreloadedRun, train
 from helpers.probes import thaw
+from hydra.utils import instantiate
+from lightning.pytorch.plugins import MixedPrecision
+from test_config import compose_train
+
+from project.config.build import build_net
+from project.launch.stop_together import StopTogether
 
 pytestmark = pytest.mark.slow
 
@@ -287,3 +294,30 @@ def test_a_killed_worker_is_named_with_its_signal(home, tmp_path):
     exit_code, output, *_ = signal_rank_1(signal.SIGKILL, home, tmp_path)
     assert exit_code == 1
     assert "Training failed in the workers:\n- rank 1 was killed by SIGKILL." in output, output[-3000:]
+
+
+def test_a_gradient_scaler_skipping_overflowing_steps_is_not_divergence():
+    """Under ``16-mixed`` clipping, the GradScaler skips each step whose scaled gradients overflow and halves its
+    scale: normal early in training, not divergence. From a scale of 2**100 the first steps all overflow; the run
+    goes on, and trains once the scale has come down."""
+    cfg = compose_train([*TINY, "trainer.gradient_clip_val=1.0"])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
+    module = instantiate(cfg.model, net=build_net(cfg))
+    trainer = L.Trainer(
+        max_steps=120,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+        gradient_clip_val=1.0,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+        callbacks=[StopTogether()],
+    )
+    trainer.fit(module, datamodule=instantiate(cfg.data))
+    assert trainer.global_step == 120 and scaler.get_scale() < 2.0**60  # skipped steps, then real ones
+    assert all(torch.isfinite(parameter).all() for parameter in module.parameters())

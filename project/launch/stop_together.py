@@ -87,11 +87,14 @@ class StopTogether(L.Callback):
             trainer.checkpoint_callback, "best_model_path", ""
         )
         cause = self._cause or "the training loss or gradient norm was not finite on another rank"
+        remedy = "a lower model.optimizer.lr" + (
+            "" if trainer.gradient_clip_val else ", or a trainer.gradient_clip_val"
+        )
         resume = (
-            f"The last checkpoint, saved before it: {checkpoint}; resume from it (ckpt_path={checkpoint}) with a "
-            "lower model.optimizer.lr, or a trainer.gradient_clip_val."
+            f"The last checkpoint, saved before it: {checkpoint}; resume from it (ckpt_path={checkpoint}) with "
+            f"{remedy}."
             if checkpoint
-            else "No checkpoint was saved before it; lower model.optimizer.lr, or set trainer.gradient_clip_val."
+            else f"No checkpoint was saved before it; start again with {remedy}."
         )
         message = (
             f"Training diverged at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch "

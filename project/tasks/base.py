@@ -31,14 +31,15 @@ NO_DECAY_KINDS = {
 
 def local_gradients_finite(optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """Whether every gradient element this rank holds (its shards of DTensor gradients) is finite: a boolean
-    tensor on the gradients' device, read without a device sync or a collective."""
+    tensor on the gradients' device, read without a device sync or a collective. Element by element, not by the
+    norm, which can overflow a half-precision dtype while every element is finite."""
     grads = [
         parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
         for group in optimizer.param_groups
         for parameter in group["params"]
         if parameter.grad is not None
     ]
-    return torch.isfinite(torch.nn.utils.get_total_norm(grads)) if grads else torch.tensor(True)
+    return torch.stack([torch.isfinite(grad).all() for grad in grads]).all() if grads else torch.tensor(True)
 
 
 class TrainingModule(L.LightningModule):
@@ -221,8 +222,9 @@ class TrainingModule(L.LightningModule):
 
         First it notes whether this rank's gradients are finite (``gradients_finite``), which ``StopTogether``
         agrees on across the ranks after the step: clipped by a non-finite norm, every gradient turns NaN, and every
-        parameter after the step, while this step's loss is still finite."""
-        if gradient_clip_val:
+        parameter after the step, while this step's loss is still finite. Not under a gradient scaler
+        (``16-mixed``): it skips the steps whose gradients overflow, as it should early in training."""
+        if gradient_clip_val and getattr(self.trainer.precision_plugin, "scaler", None) is None:
             self.gradients_finite = local_gradients_finite(optimizer)
         clip_grad_norm_ = getattr(self.trainer.strategy, "clip_grad_norm_", None)
         algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
