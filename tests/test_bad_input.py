@@ -46,6 +46,7 @@ CASES = [
     (["trainer.deterministic=yes"], "trainer.deterministic: must be true or false or one of 'warn', got 'yes'"),
     (["model=gpt", "model.net.num_heads=2.5"], "model.net.num_heads: must be a positive integer, got 2.5"),
     (["model=gpt", "model.net.dropout=1.0"], "model.net.dropout: must be a number from 0 to 1 (1 excluded), got 1.0"),
+    (["data.num_train=null"], "data.num_train: must be a positive integer, got None"),
     (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: must be one of 'none', 'tanh'"),
     (
         ["model=gpt", "model.scheduler.warmup_fraction=1.5"],
@@ -385,6 +386,11 @@ CLI_CASES = [
     ),
     ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--text-key", "body"], "--text-key: is 'body', but line 1"),
     ("prepare", ["{files}/notes.jsonl", "--out", "{files}/shards"], "--out: {files}/shards holds a preparation"),
+    (
+        "prepare",
+        ["{files}/notes.jsonl", "--out", "{out}", "--separator", "<nope>"],
+        "--separator: '<nope>' is not a token of the BPE prepare trains",
+    ),
     ("export", ["/nonexistent", "{out}"], "checkpoint: /nonexistent does not exist."),
     ("export", ["{files}/random.ckpt", "{out}"], "checkpoint: {files}/random.ckpt is not a checkpoint file"),
     ("export", ["{files}/a_dir", "{out}"], "checkpoint: {files}/a_dir is a directory, not a sharded checkpoint"),
@@ -393,8 +399,10 @@ CLI_CASES = [
     ("export", ["{mlp_ckpt}", "{out}", "--config", "{files}/nothing.yaml"], "--config: {files}/nothing.yaml does not"),
     ("generate", ["{files}/random.ckpt", "--prompt", "hi"], "checkpoint: {files}/random.ckpt is not a checkpoint"),
     ("generate", ["{mlp_ckpt}", "--prompt", "hi"], "checkpoint: is of a job whose data (project.data.synthetic."),
+    ("generate", ["{mlp_ckpt}", "--prompt", "hi", "--config", "{files}/bad.yaml"], "--config: {files}/bad.yaml is not"),
     ("report", ["/nonexistent"], "paths: /nonexistent is not a directory."),
     ("report", ["{files}/a_dir"], "paths: {files}/a_dir holds no job with a result.json and config.yaml."),
+    ("report", ["{mlp_job}", "--output", "{files}/a_dir"], "--output: {files}/a_dir is a directory."),
 ]
 CLI_IDS = [f"{tool} {' '.join(arguments)}" for tool, arguments, _ in CLI_CASES]
 
@@ -414,6 +422,7 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
     (files / "a_dir").mkdir(parents=True)
     (files / "a_file").write_text("not a dir")
     (files / "empty.txt").write_text("")
+    (files / "bad.yaml").write_text("data: [1, 2")
     (files / "tiny.txt").write_text("hello world")
     (files / "random.ckpt").write_bytes(random.Random(0).randbytes(5000))
     (files / "corpus.txt").write_text("the cat sat on the mat. " * 800)  # 19200 bytes
@@ -431,6 +440,7 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
     freeze(files / "frozen")  # unwritable, for root too
     names = {
         "files": files,
+        "mlp_job": single_run,
         "mlp_ckpt": single_run / "checkpoints" / "last.ckpt",
         "fsdp_ckpt": ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt",
     }

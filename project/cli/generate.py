@@ -8,12 +8,20 @@ weights, prompt and settings write the text the ``text_sample`` callback writes 
 import argparse
 
 import torch
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from project.checkpointing.files import model_state
 from project.cli.usage import checkpoint_and_config, run_cli
 from project.config.errors import ConfigError
 from project.tasks.decoding import check_settings, generate
+
+
+def innermost(error: BaseException) -> str:
+    """The first cause of ``error`` (Hydra wraps a constructor's error in its own), as one line."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return str(error).splitlines()[0].rstrip(".") + "."
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +44,14 @@ def main(argv: list[str] | None = None) -> None:
     if not args.prompt:
         parser.error("--prompt is empty: give the text to continue")
     cfg = checkpoint_and_config(args.checkpoint, args.config)
-    codec = instantiate(cfg.data).text_codec()
+    try:
+        codec = instantiate(cfg.data).text_codec()
+    except (InstantiationException, ConfigError, OSError) as error:  # the data moved since the job ran
+        raise ConfigError(
+            "--config",
+            f"names data that cannot be opened now ({cfg.data._target_}): {innermost(error)}",
+            "pass a --config whose data.path is where the job's data is now (a copy of its config.yaml, edited).",
+        ) from None
     if codec is None:
         raise ConfigError(
             "checkpoint",
@@ -46,7 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     state = model_state(args.checkpoint)
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
-    net.load_state_dict(state, assign=True)  # tensors as saved, in place of the meta ones
+    try:
+        net.load_state_dict(state, assign=True)  # tensors as saved, in place of the meta ones
+    except RuntimeError as error:
+        raise ConfigError(
+            "checkpoint",
+            f"does not fit the config's model: {str(error).splitlines()[0]}",
+            "pass the --config of the job that saved the checkpoint.",
+        ) from None
     net.to(args.device).eval()
     tokens = generate(
         net,

@@ -105,7 +105,7 @@ def check_arguments(out: Path, vocab_size: int, shard_tokens: int, val_fraction:
     if not 0 <= val_fraction < 1:
         raise ConfigError(
             "--val-fraction",
-            f"is {val_fraction}, but the training split needs documents.",
+            f"is {val_fraction}, not a share of the documents (and the training split needs some).",
             "give a share from 0 (no validation split) to below 1, e.g. --val-fraction 0.005.",
         )
     check_writable("--out", out, "give a dir you can write: --out DIR.")
@@ -153,6 +153,31 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
+
+
+def separator_token(tokenizer: Tokenizer | None, separator: str | None) -> str:
+    """The token after each document: ``--separator``, else the first of ``SEPARATORS`` the tokenizer has
+    (``tokenizer`` None: the BPE that prepare trains, whose one special token is ``SEPARATORS[0]``); checked before
+    anything is written."""
+    fix = "name the tokenizer's end-of-document token: --separator <token>."
+    if tokenizer is None:
+        if separator not in (None, SEPARATORS[0]):
+            raise ConfigError(
+                "--separator",
+                f"{separator!r} is not a token of the BPE prepare trains, whose separator is {SEPARATORS[0]}.",
+                "leave --separator out, or give a --tokenizer that has that token.",
+            )
+        return SEPARATORS[0]
+    if separator is None:
+        found = next((token for token in SEPARATORS if tokenizer.token_to_id(token) is not None), None)
+        if found is None:
+            raise ConfigError(
+                "--separator", f"is not given, and the tokenizer has none of {', '.join(SEPARATORS)}.", fix
+            )
+        return found
+    if tokenizer.token_to_id(separator) is None:
+        raise ConfigError("--separator", f"{separator!r} is not a token of the tokenizer.", fix)
+    return separator
 
 
 def read_tokenizer(path: Path) -> Tokenizer:
@@ -223,6 +248,7 @@ def prepare(
     files = input_files(inputs)
     check_arguments(out, vocab_size, shard_tokens, val_fraction)
     tokenizer = None if tokenizer_path is None else read_tokenizer(tokenizer_path)
+    separator_text = separator_token(tokenizer, separator)
     check_documents(files, text_key, val_fraction)
     out.mkdir(parents=True, exist_ok=True)
     settings = {
@@ -246,14 +272,7 @@ def prepare(
     else:
         tokenizer = train_bpe(documents(files, text_key), vocab_size)
         tokenizer.save(str(tokenizer_file))
-    separator = separator or next((token for token in SEPARATORS if tokenizer.token_to_id(token) is not None), None)
-    if separator is None or tokenizer.token_to_id(separator) is None:
-        raise ConfigError(
-            "--separator",
-            f"{separator!r} is not a token of the tokenizer (nor is any of {', '.join(SEPARATORS)}).",
-            "name the tokenizer's end-of-document token: --separator <token>.",
-        )
-    separator_id = tokenizer.token_to_id(separator)
+    separator_id = tokenizer.token_to_id(separator_text)
     dtype = token_dtype(tokenizer.get_vocab_size())
 
     splits = {name: Split(name) for name in ("train", "val")}
@@ -316,7 +335,7 @@ def prepare(
         "tokenizer_file": tokenizer_file.name,
         "vocab_size": tokenizer.get_vocab_size(),
         "dtype": dtype.name,
-        "separator": {"token": separator, "id": separator_id},
+        "separator": {"token": separator_text, "id": separator_id},
         "shard_tokens": shard_tokens,
         "val_fraction": val_fraction,
         "splits": {

@@ -212,8 +212,12 @@ def main() -> None:
     )
     parser.add_argument("--output", "-o", type=Path, help="the HTML file (default: report.html in the first dir)")
     args = parser.parse_args()
+    find_jobs(args.paths)  # the paths first: a bad one is the problem, not where the report would go
     output = args.output or args.paths[0] / "report.html"
-    check_writable("--output", output.parent, "give a file in a dir you can write: --output <file>.html.")
+    fix = "give a file in a dir you can write: --output <file>.html."
+    if output.is_dir():
+        raise ConfigError("--output", f"{output} is a directory.", fix)
+    check_writable("--output", output.parent, fix)
     print(f"Report: {write_report(args.paths, output, args.by)}")
 
 

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
 from omegaconf import DictConfig
 
 from project.checkpointing.files import checkpoint_shapes, job_config, job_config_file
@@ -47,4 +48,11 @@ def checkpoint_and_config(checkpoint: str, config: str | None) -> DictConfig:
             f"is not given, and {job_config_file(checkpoint)} (the job dir's, beside checkpoints/) does not exist.",
             "pass the config of the job that saved the checkpoint: --config <job dir>/config.yaml.",
         )
-    return job_config(checkpoint, config)
+    try:
+        return job_config(checkpoint, config)
+    except yaml.YAMLError as error:
+        raise ConfigError(
+            "--config",
+            f"{job_config_file(checkpoint, config)} is not YAML: {str(error).splitlines()[0]}",
+            "pass the config.yaml of the job that saved the checkpoint.",
+        ) from None

@@ -150,7 +150,8 @@ def shape_from_init_dir(cfg: DictConfig) -> None:
     explicit = {override.split("=", 1)[0].lstrip("+~") for override in cfg.overrides}
     with open_dict(cfg):
         for key, value in net_options(config).items():
-            if key != "max_length" and f"model.net.{key}" not in explicit:
+            set_here = any(k == f"model.net.{key}" or k.startswith(f"model.net.{key}.") for k in explicit)
+            if key != "max_length" and not set_here:
                 cfg.model.net[key] = value
 
 

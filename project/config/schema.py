@@ -101,8 +101,10 @@ def _declared_types(target: str) -> dict[str, Any]:
 def _check_node(key: str, node: dict) -> None:
     declared = _declared_types(node["_target_"])
     for name, value in node.items():
-        if name.startswith("_") or name not in declared or value is None:
+        if name.startswith("_") or name not in declared:
             continue
+        if value is None and typing.get_origin(declared[name]) is not Annotated:
+            continue  # null, where a hint allows it or is too loose to say (a range's hint is ours, and says)
         expected = _mismatch(value, declared[name])
         if expected is not None:
             raise ConfigError(

@@ -52,6 +52,8 @@ def shard_header(path: Path) -> tuple[int, np.dtype]:
     if header[1] != VERSION:
         raise ValueError(f"{path} has shard format version {header[1]}; this code reads version {VERSION}.")
     dtypes: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # by the header's bytes per token
+    if int(header[3]) not in dtypes:
+        raise ValueError(f"{path} has {header[3]} bytes per token in its header; this code reads 2 or 4.")
     tokens, dtype = int(header[2]), dtypes[int(header[3])]
     expected = HEADER_BYTES + tokens * dtype.itemsize
     if path.stat().st_size != expected:
