@@ -28,7 +28,8 @@ VOID = {"meta", "link", "br", "img", "input", "hr", "area", "base", "col", "embe
 
 
 class RenderedCharts(HTMLParser):
-    """From a rendered page: per chart div (by id), the traces Plotly drew, their legend names and bar labels."""
+    """From a rendered page: per chart div (by id), the traces Plotly drew, their legend names, bar labels and x-axis
+    tick labels; and the cells of the runs table, a row each."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,6 +37,8 @@ class RenderedCharts(HTMLParser):
         self.traces: dict[str, list[str]] = defaultdict(list)  # chart id -> classes of its trace groups
         self.legend: dict[str, list[str]] = defaultdict(list)  # chart id -> legend entries
         self.bar_labels: dict[str, list[list[str]]] = defaultdict(list)  # chart id -> per bar trace, its labels
+        self.xticks: dict[str, list[str]] = defaultdict(list)  # chart id -> x-axis tick labels
+        self.table: list[list[str]] = []  # the runs table: the header row, then a row per job
         self._text: list[str] | None = None
 
     def chart(self) -> str | None:
@@ -56,7 +59,12 @@ class RenderedCharts(HTMLParser):
             self.traces[chart].append(" ".join(classes))
             if "bars" in classes:
                 self.bar_labels[chart].append([])
-        if chart and tag == "text" and ("legendtext" in classes or "bartext" in classes):
+        in_xtick = any(tag == "g" and "xtick" in attrs.get("class", "").split() for tag, attrs in self.stack)
+        if chart and tag == "text" and ("legendtext" in classes or "bartext" in classes or in_xtick):
+            self._text = []
+        if tag == "tr" and any(attrs.get("id") == "runs" for _, attrs in self.stack):
+            self.table.append([])
+        if tag in ("td", "th") and self.table and any(attrs.get("id") == "runs" for _, attrs in self.stack):
             self._text = []
         if tag not in VOID:
             self.stack.append((tag, attrs))
@@ -66,13 +74,18 @@ class RenderedCharts(HTMLParser):
             self._text.append(data)
 
     def handle_endtag(self, tag: str) -> None:
+        if self._text is not None and tag in ("td", "th"):
+            self.table[-1].append("".join(self._text))
+            self._text = None
         if self._text is not None and tag == "text":
             tag_attrs = self.stack[-1][1]
             text, chart = "".join(self._text), self.chart()
             if "legendtext" in tag_attrs.get("class", ""):
                 self.legend[chart].append(text)
-            else:
+            elif "bartext" in tag_attrs.get("class", ""):
                 self.bar_labels[chart][-1].append(text)
+            else:
+                self.xticks[chart].append(text)
             self._text = None
         while self.stack:
             if self.stack.pop()[0] == tag:
@@ -118,6 +131,17 @@ def test_the_report_draws_a_curve_per_run_for_every_metric(rendered_report):
     for chart in ("curve-train-loss", "curve-val-loss", "curve-train-acc", "curve-val-acc"):
         assert len(charts.traces[chart]) == 3 and all("scatter" in trace for trace in charts.traces[chart]), chart
         assert charts.legend[chart] == labels, chart
+        assert charts.xticks[chart] == ["0", "1", "2"], chart  # 3 epochs: a tick each
+
+
+@pytest.mark.slow
+def test_the_report_tables_each_jobs_data_parallel_size_and_global_batch(rendered_report):
+    """32 samples per replica: ddp and fsdp split each batch over 2 replicas, the pipeline's 2 stages share one, so
+    its global batch is half theirs (which is why its curves differ)."""
+    charts, _ = rendered_report
+    header, *rows = charts.table
+    columns = [header.index("data parallel"), header.index("global batch")]
+    assert [[row[column] for column in columns] for row in rows] == [["2", "64"], ["2", "64"], ["1", "32"]]
 
 
 @pytest.mark.slow

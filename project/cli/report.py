@@ -9,6 +9,7 @@ charts are Plotly's, with plotly.js inlined once, so the file needs no network.
 import argparse
 import html
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,7 @@ def curve_figure(metric: str, jobs: list[Job], colour: dict[str, str]) -> go.Fig
             legendgroup=job.group,
             line={"color": colour[job.group], "dash": DASHES[index % len(DASHES)]},
         )
+    last_epoch = max((row["epoch"] for job in jobs for row in job.result.get("history", [])), default=0)
     floors = {row[FLOOR] for job in jobs for row in job.result.get("history", []) if FLOOR in row}
     if metric.endswith("/loss") and len(floors) == 1:
         figure.add_hline(y=floors.pop(), line_dash="dash", annotation_text="entropy floor")
@@ -108,7 +110,9 @@ def curve_figure(metric: str, jobs: list[Job], colour: dict[str, str]) -> go.Fig
         height=420,
         showlegend=True,
         legend={"orientation": "h", "y": -0.25},
-        xaxis={"tickformat": "d"},
+        # A tick at each whole epoch (at most about 10 ticks): Plotly's own choice for 2 epochs is 0, 0.2, ... 1,
+        # which "d" prints as 0 0 0 1 1 1.
+        xaxis={"tickformat": "d", "tick0": 0, "dtick": max(1, math.ceil(last_epoch / 10))},
     )
     return figure
 
@@ -135,7 +139,18 @@ def device_figure(key: str, title: str, jobs: list[Job]) -> go.Figure:
 
 
 def runs_table(jobs: list[Job]) -> str:
-    header = ["job", "overrides", "status", "objective", "best epoch", "final", "epochs", "runtime (s)"]
+    header = [
+        "job",
+        "overrides",
+        "status",
+        "objective",
+        "best epoch",
+        "final",
+        "epochs",
+        "data parallel",
+        "global batch",
+        "runtime (s)",
+    ]
     rows = []
     for job in jobs:
         result = job.result
@@ -149,6 +164,8 @@ def runs_table(jobs: list[Job]) -> str:
             result.get("best_epoch"),
             "" if final is None else f"{final:.6g}",
             result.get("epochs"),
+            result.get("batch", {}).get("data_parallel"),  # jobs of equal overrides can differ here: pipeline's 1
+            result.get("batch", {}).get("global"),
             result.get("runtime_s"),
         ]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str('' if c is None else c))}</td>" for c in cells) + "</tr>")

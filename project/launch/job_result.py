@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.trainer.states import TrainerFn
 
+from project.data.sampling import data_parallel_rank_and_size
 from project.launch.results import job_result, write_result
 from project.memory.measure import DeviceMemory
 from project.observability.loggers import EpochWandbLogger
@@ -17,8 +18,8 @@ class JobResult(L.Callback):
     """Keeps each epoch's metrics and writes ``result.json``: the objective (the best value of ``metric`` over the
     epochs, ``mode`` max or min), the epoch it came from, the metrics of that epoch and of the last one, every
     epoch's (``history``), the status (``running`` after each epoch, then ``completed`` or ``failed``), the
-    runtime, and one row per device of the latest epoch (``devices``: memory and throughput, where the
-    ``memory`` and ``throughput`` callbacks run), also sent to W&B as the table ``devices``.
+    runtime, one row per device of the latest epoch (``devices``: memory and throughput, where the ``memory`` and
+    ``throughput`` callbacks run), also sent to W&B as the table ``devices``, and the batch (``batch_layout``).
 
     The epochs travel in checkpoints (``state_dict``), so a resumed job's result covers the whole run. The process
     Hydra runs reads the file (``project.launch.launcher``) and returns the objective to the sweeper, however the job
@@ -64,9 +65,31 @@ class JobResult(L.Callback):
             write_result(
                 self.path,
                 job_result(
-                    self.epochs, self.metric, self.mode, status, time.time() - self.started, error, self.devices
+                    self.epochs,
+                    self.metric,
+                    self.mode,
+                    status,
+                    time.time() - self.started,
+                    error,
+                    self.devices,
+                    batch_layout(trainer),
                 ),
             )
+
+
+def batch_layout(trainer: L.Trainer) -> dict[str, int]:
+    """How a training step is fed: the data-parallel replicas that split each global batch (a pipeline's stages
+    share one), the samples of each replica's batch, and the samples of one optimizer step (the global batch, times
+    the accumulated batches); {} for a data module without a ``batch_size``."""
+    per_replica = getattr(trainer.datamodule, "batch_size", None)  # type: ignore[attr-defined]
+    if per_replica is None:
+        return {}
+    _, replicas = data_parallel_rank_and_size(trainer)
+    return {
+        "data_parallel": replicas,
+        "per_replica": per_replica,
+        "global": per_replica * replicas * trainer.accumulate_grad_batches,
+    }
 
 
 def per_device_rows(trainer: L.Trainer) -> list[dict[str, Any]]:

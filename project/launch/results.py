@@ -19,9 +19,11 @@ def job_result(
     runtime_s: float,
     error: str | None = None,
     devices: list[dict[str, Any]] | None = None,
+    batch: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """What ``result.json`` holds; the objective is None until an epoch has logged ``metric``. ``history`` is every
-    epoch's metrics, ``devices`` the latest epoch's per-device memory and throughput."""
+    epoch's metrics, ``devices`` the latest epoch's per-device memory and throughput, ``batch`` how a training step
+    is fed (``data_parallel`` replicas, each ``per_replica`` samples a batch, ``global`` samples an optimizer step)."""
     scored = [epoch for epoch in epochs if not math.isnan(epoch.get(metric, math.nan))]
     best = (max if mode == "max" else min)(scored, key=lambda epoch: epoch[metric]) if scored else None
     return {
@@ -37,6 +39,7 @@ def job_result(
         "error": error,
         "history": epochs,
         "devices": devices or [],
+        "batch": batch or {},
     }
 
 
