@@ -80,6 +80,12 @@ CASES = [
     (["data.num_features=0"], "data.num_features: must be a positive integer, got 0"),
     (["strategy=ddp", "trainer.devices=4", "data.num_val=3"], "data.num_val: gives 3 validation samples"),
     (["strategy=ddp", "trainer.devices=2", "data.batch_size=600"], "data.batch_size: gives a global batch of 600 x 2"),
+    (
+        ["strategy=ddp", "trainer.devices=2", "data.num_train=1"],
+        "trainer.devices: x trainer.num_nodes gives 2 data-parallel replicas, more than the 1 training samples",
+    ),
+    (["plan=no"], "plan: must be true or false, got 'no'"),
+    (["tags=5"], "tags: must be a list, got 5"),
     # Devices, nodes, precision, process groups
     (
         ["trainer.accelerator=gpu", "trainer.devices=2"],

@@ -538,6 +538,13 @@ def check_config(cfg: DictConfig) -> CheckedConfig:
 
     data_parallel = dims.data_parallel
     global_batch = batch_size * data_parallel
+    if data_parallel > datamodule.num_train_samples:  # no batch size helps: blame the replicas
+        raise ConfigError(
+            "trainer.devices",
+            f"x trainer.num_nodes gives {data_parallel} data-parallel replicas, more than the "
+            f"{datamodule.num_train_samples} training samples: each replica needs one a step.",
+            f"use at most {datamodule.num_train_samples} replicas, or more training data.",
+        )
     if global_batch > datamodule.num_train_samples:
         raise ConfigError(
             "data.batch_size",

@@ -27,6 +27,18 @@ from omegaconf.errors import OmegaConfBaseException
 from project.config.errors import ConfigError
 
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
+# The train config's own keys (conf/train.yaml), which no ``_target_`` declares; the others (seed, mode, ckpt_path)
+# have checks of their own in project.config.checks.
+TRAIN_KEYS = {"task_name": str, "tags": list[str], "plan": bool, "print_config": bool}
+
+
+def check_train_keys(cfg: DictConfig) -> None:
+    """``ConfigError`` for a key of ``TRAIN_KEYS`` of another type: run first, as ``plan`` decides what the launch
+    does (``plan=no`` would be the text "no", which is true)."""
+    for key, hint in TRAIN_KEYS.items():
+        value = cfg.get(key)
+        if value is not None:
+            _check_value(key, value, hint)
 
 
 def check_types(cfg: DictConfig) -> None:
@@ -105,13 +117,17 @@ def _check_node(key: str, node: dict) -> None:
             continue
         if value is None and typing.get_origin(declared[name]) is not Annotated:
             continue  # null, where a hint allows it or is too loose to say (a range's hint is ours, and says)
-        expected = _mismatch(value, declared[name])
-        if expected is not None:
-            raise ConfigError(
-                f"{key}.{name}",
-                f"must be {expected}, got {value!r}.",
-                f"set {key}.{name} to {expected} (python train.py --cfg job shows the whole config).",
-            )
+        _check_value(f"{key}.{name}", value, declared[name])
+
+
+def _check_value(key: str, value: Any, hint: Any) -> None:
+    expected = _mismatch(value, hint)
+    if expected is not None:
+        raise ConfigError(
+            key,
+            f"must be {expected}, got {value!r}.",
+            f"set {key} to {expected} (python train.py --cfg job shows the whole config).",
+        )
 
 
 def _mismatch(value: Any, hint: Any) -> str | None:

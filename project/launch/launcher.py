@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from project.config.checks import uses_cuda
 from project.config.errors import ConfigError, JobFailed
 from project.config.job import print_memory_plan, resolve_job
+from project.config.schema import check_train_keys
 from project.launch.failures import failure_report
 from project.launch.job_dir import job_dir_lock
 from project.launch.processes import (
@@ -224,6 +225,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     under torchrun), None in torchrun's other ranks and with ``plan=true``."""
     lightning_logs_through_root()  # Hydra's root handlers print them and write the job's log file
     stop_on_early_warning()
+    check_train_keys(cfg)
     if cfg.plan:
         print_memory_plan(cfg)
         return None
