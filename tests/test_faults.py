@@ -8,7 +8,6 @@ import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-import lightning as L
 import pytest
 import torch
 from conftest import TINY, PreloadedRun, train
@@ -16,6 +15,7 @@ from helpers.probes import thaw
 from hydra.utils import instantiate
 from lightning.pytorch.plugins import MixedPrecision
 from test_config import compose_train
+from test_loop_accounting import fit
 
 from project.config.build import build_net
 from project.launch.stop_together import StopTogether
@@ -303,21 +303,15 @@ def test_a_gradient_scaler_skipping_overflowing_steps_is_not_divergence():
     cfg = compose_train([*TINY, "trainer.gradient_clip_val=1.0"])
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**100)
     module = instantiate(cfg.model, net=build_net(cfg))
-    trainer = L.Trainer(
+    trainer = fit(
+        module,
+        instantiate(cfg.data),
+        epochs=-1,
         max_steps=120,
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
         limit_val_batches=0,
-        use_distributed_sampler=False,
         gradient_clip_val=1.0,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
         callbacks=[StopTogether()],
     )
-    trainer.fit(module, datamodule=instantiate(cfg.data))
     assert trainer.global_step == 120 and scaler.get_scale() < 2.0**60  # skipped steps, then real ones
     assert all(torch.isfinite(parameter).all() for parameter in module.parameters())
