@@ -68,7 +68,7 @@ def prepared_corpus(tmp_path_factory) -> Path:
 def test_every_option_composes_and_resolves(override, prepared_corpus):
     partners = next((extra for prefix, extra in PARTNERS.items() if override.startswith(prefix)), [])
     if override.startswith("hparams_search="):
-        require_extra("hydra_plugins.hydra_optuna_sweeper", "optuna")
+        require_extra("optuna", "optuna")
     if override == "data=shards":
         partners = ["model=gpt", f"data.path={prepared_corpus}"]
     cfg = compose_train([override, *partners])

@@ -70,6 +70,7 @@ def test_optuna_search_over_ddp_jobs_records_every_trial_goes_on_past_failed_one
         "trainer.devices=2",
         "data.num_train=200",
         "hydra.sweeper.n_trials=4",
+        f"hydra.sweeper.storage=sqlite:///{sweep_dir}/optuna.db",  # an RDB URL, where the default is a journal file
         f"hydra.sweep.dir={sweep_dir}",
     ]
     search = PreloadedRun(command, home)

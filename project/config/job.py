@@ -28,6 +28,7 @@ from project.config.checks import CheckedConfig, check_config, shards_model
 from project.config.errors import ConfigError
 from project.distributed.dims import ParallelDims
 from project.launch.processes import NodeTask, is_rank_zero, node_task
+from project.launch.trial import job_trial
 from project.memory.plan import MemoryPlan, check_fits, format_plan, plan_memory
 
 log = logging.getLogger(__name__)
@@ -89,9 +90,11 @@ def print_memory_plan(cfg: DictConfig) -> None:
 def resolved_config(cfg: DictConfig) -> DictConfig:
     """The resolved config of this Hydra job, plus what only the Hydra process knows.
 
-    Adds ``choices`` (the option picked in each config group, e.g. ``strategy: ddp``) and ``overrides`` (the
-    job's command-line overrides, a sweep's values included), and sets the W&B run's ``job_type`` (``train``, or
-    ``sweep`` for a multirun job) and, in a multirun, its group: the sweep dir's name, so the runs appear together.
+    Adds ``choices`` (the option picked in each config group, e.g. ``strategy: ddp``), ``overrides`` (the
+    job's command-line overrides, a sweep's values included) and, in an Optuna search, ``trial`` (study, number,
+    params: ``project.launch.trial``), and sets the W&B run's ``job_type`` (``train``, or ``sweep`` for a multirun
+    job) and, in a multirun, its group: the study's name in a search, else the sweep dir's name, so the runs appear
+    together (and W&B's parallel-coordinates chart finds each trial's number and params in its config).
     """
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
@@ -101,11 +104,14 @@ def resolved_config(cfg: DictConfig) -> DictConfig:
             group: option for group, option in hydra_cfg.runtime.choices.items() if not group.startswith("hydra")
         }
         cfg.overrides = list(hydra_cfg.overrides.task)
+        trial = job_trial(cast(DictConfig, hydra_cfg))
+        if trial is not None:
+            cfg.trial = trial
         wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
         if wandb_cfg is not None and wandb_cfg.job_type is None:
             wandb_cfg.job_type = "sweep" if multirun else "train"
         if wandb_cfg is not None and wandb_cfg.group is None and multirun:
-            wandb_cfg.group = Path(hydra_cfg.sweep.dir).name
+            wandb_cfg.group = trial["study"] if trial else Path(hydra_cfg.sweep.dir).name
     try:
         resolved = cast(DictConfig, OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)))
     except MissingMandatoryValue as error:  # a ??? the command line did not fill (model=language_model: no net)

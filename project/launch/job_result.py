@@ -9,6 +9,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from project.data.sampling import data_parallel_rank_and_size
 from project.launch.results import job_result, write_result
+from project.launch.trial import PruneTrial
 from project.memory.measure import DeviceMemory
 from project.observability.loggers import EpochWandbLogger
 from project.observability.throughput import EpochThroughput
@@ -17,7 +18,7 @@ from project.observability.throughput import EpochThroughput
 class JobResult(L.Callback):
     """Keeps each epoch's metrics and writes ``result.json``: the objective (the best value of ``metric`` over the
     epochs, ``mode`` max or min), the epoch it came from, the metrics of that epoch and of the last one, every
-    epoch's (``history``), the status (``running`` after each epoch, then ``completed`` or ``failed``), the
+    epoch's (``history``), the status (``running`` after each epoch, then ``completed``, ``pruned`` or ``failed``), the
     runtime, one row per device of the latest epoch (``devices``: memory and throughput, where the ``memory`` and
     ``throughput`` callbacks run), also sent to W&B as the table ``devices``, and the batch (``batch_layout``).
 
@@ -26,10 +27,11 @@ class JobResult(L.Callback):
     ran.
     """
 
-    def __init__(self, path: str | Path, metric: str, mode: str) -> None:
+    def __init__(self, path: str | Path, metric: str, mode: str, pruning: PruneTrial | None = None) -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be max or min, got {mode!r}")
         self.path, self.metric, self.mode = Path(path), metric, mode
+        self.pruning = pruning  # a trial's pruner: a job it stopped ends ``pruned``, not ``completed``
         self.epochs: list[dict[str, float]] = []
         self.devices: list[dict[str, Any]] = []
         self.started = time.time()
@@ -44,7 +46,7 @@ class JobResult(L.Callback):
         self._write(trainer, "running")
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._write(trainer, "completed")
+        self._write(trainer, "pruned" if self.pruning is not None and self.pruning.pruned else "completed")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.VALIDATING:  # mode=eval: the one validation is the result

@@ -83,7 +83,7 @@ def _job_order(job_dir: Path) -> tuple:
 def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
     """One row per job of the sweep (its subdirs with Hydra's ``.hydra/overrides.yaml``), in job order: the
     overrides that vary between jobs, status, objective, best epoch, final value, runtime, and ``best`` marking the
-    job with the best objective."""
+    completed job with the best objective (a pruned or failed job's objective is of the epochs it ran)."""
     from omegaconf import OmegaConf  # Hydra's own dependency, imported only when a sweep ends
 
     jobs = sorted((d for d in Path(sweep_dir).iterdir() if (d / ".hydra" / "overrides.yaml").is_file()), key=_job_order)
@@ -108,7 +108,7 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
                 "best": False,
             }
         )
-    scored = [row for row in rows if row["objective"] is not None]
+    scored = [row for row in rows if row["objective"] is not None and row["status"] == "completed"]
     if scored:
         pick = max if scored[0]["mode"] == "max" else min
         pick(scored, key=lambda row: row["objective"])["best"] = True
@@ -117,7 +117,8 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
 
 def write_sweep_summary(sweep_dir: str | Path) -> tuple[str, int, int]:
     """Write ``summary.csv`` and ``summary.md`` into the sweep dir; returns the markdown table, the number of jobs
-    that failed (neither completed nor interrupted and replaced by a continued sweep), and the number of jobs."""
+    that failed (neither completed, pruned, nor interrupted and replaced by a continued sweep), and the number of
+    jobs."""
     sweep_dir = Path(sweep_dir)
     rows = sweep_rows(sweep_dir)
     columns = ["job", "overrides", "status", "objective", "best_epoch", "final", "runtime_s", "best"]
@@ -140,4 +141,4 @@ def write_sweep_summary(sweep_dir: str | Path) -> tuple[str, int, int]:
     lines += ["| " + " | ".join(cell(row, column) for column in columns) + " |" for row in rows]
     table = "\n".join(lines) + "\n"
     (sweep_dir / "summary.md").write_text(table)
-    return table, sum(row["status"] not in ("completed", "interrupted") for row in rows), len(rows)
+    return table, sum(row["status"] not in ("completed", "pruned", "interrupted") for row in rows), len(rows)

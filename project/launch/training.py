@@ -20,6 +20,7 @@ from project.config.build import build_net, build_strategy
 from project.launch.job_result import JobResult
 from project.launch.results import RESULT_FILE
 from project.launch.stop_together import StopTogether
+from project.launch.trial import PruneTrial
 
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
@@ -58,8 +59,13 @@ def train(cfg: DictConfig) -> None:
     callbacks = [instantiate(callback) for callback in (cfg.callbacks or {}).values()]
     if evaluating:  # the training job's checkpoint callback state, restored into this job dir, is not needed
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    # A trial of an Optuna search with a pruner reports to its study after each validation, and may stop early.
+    trial = cfg.get("trial")
+    pruning = PruneTrial(trial, cfg.optimized_metric.name) if trial is not None and trial.pruner else None
     # Whatever the callbacks group holds: sweeps read the result.
-    callbacks.append(JobResult(result_file(cfg), cfg.optimized_metric.name, cfg.optimized_metric.mode))
+    callbacks.append(JobResult(result_file(cfg), cfg.optimized_metric.name, cfg.optimized_metric.mode, pruning))
+    if pruning is not None:
+        callbacks.append(pruning)
     # Whatever the callbacks group holds: a preempted job must stop cleanly, a diverged one fail on every rank.
     callbacks.append(StopTogether())
     trainer = instantiate(

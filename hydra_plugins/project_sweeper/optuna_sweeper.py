@@ -1,0 +1,244 @@
+"""``hydra/sweeper=optuna``: an Optuna study as a Hydra multirun, one job per trial, on today's Optuna.
+
+Why our own: hydra-optuna-sweeper (1.3.0, its last release) requires ``optuna<3``, and with it ``sqlalchemy<2``. Its
+config surface is kept (``params`` in Hydra's sweep grammar, ``direction``, ``n_trials``, ``n_jobs``, ``sampler`` and
+``storage`` by ``_target_``, ``study_name``, ``max_failure_rate``), and this adds what it lacks:
+
+- ``storage`` may be a file path, Optuna's journal file (``hparams_search`` puts one in the sweep dir);
+- ``pruner`` (by ``_target_``): each job's rank 0 reports the optimized metric after every validation, and a job
+  the pruner stops records ``pruned``, which the study records as PRUNED (``project.launch.trial``);
+- the same command in the same sweep dir continues an interrupted study: trials that ended count towards
+  ``n_trials``, those that were running are recorded as failed (and their jobs as interrupted), and new jobs are
+  numbered after every earlier one, so that job N is trial N and its dir ``<sweep dir>/N``.
+
+It lives in the ``hydra_plugins`` namespace because Hydra finds sweepers only there. Hydra imports every plugin
+module at start-up, so optuna is imported only when a search starts.
+"""
+
+import logging
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, Override, RangeSweep, Transformer
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf
+
+from project.launch.results import RESULT_FILE, mark_interrupted, read_result
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OptunaSweeperConf:
+    """``hydra.sweeper``'s keys (conf/hparams_search/optuna.yaml comments each)."""
+
+    # conf/hydra/sweeper/{sampler,pruner}/ hold the options, chosen as hydra/sweeper/sampler=random and the like.
+    defaults: list[Any] = field(default_factory=lambda: ["_self_", {"sampler": "tpe"}, {"pruner": None}])
+    _target_: str = "hydra_plugins.project_sweeper.optuna_sweeper.OptunaSweeper"
+    sampler: Any = None  # an Optuna sampler by _target_; None: Optuna's default (TPE)
+    pruner: Any = None  # an Optuna pruner by _target_; None: no trial is stopped early
+    direction: Any = "minimize"  # minimize | maximize, or a list of them for several objectives
+    storage: Any = None  # an RDB URL or a journal file path; None: in memory (no continuing, no pruning)
+    study_name: Any = None  # the study's name in the storage; None: Optuna picks one
+    n_trials: int = 20  # trials in all, over every run of the command in the same sweep dir
+    n_jobs: int = 1  # trials asked and launched together (a parallel launcher runs them at once)
+    max_failure_rate: float = 0.0  # a batch with more failed trials than this share stops the search
+    params: Any = None  # the search space: key -> Hydra sweep (choice, range, interval, tag(log, ...))
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="optuna", node=OptunaSweeperConf, provider="project")
+
+
+def distribution(override: Override) -> Any:
+    """The Optuna distribution of a sweep override, as hydra-optuna-sweeper reads them but for ``range``, whose end
+    is left out as everywhere in Hydra's grammar: ``choice(...)`` categorical, ``range(a, b[, step])`` integers (or
+    floats, stepped), ``interval(a, b)`` uniform (integers if both ends are), ``tag(log, interval(a, b))`` on a log
+    scale; a shuffled range is categorical."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    value = override.value()
+    if isinstance(value, ChoiceSweep) or (isinstance(value, RangeSweep) and value.shuffle):
+        return CategoricalDistribution(list(override.sweep_iterator(transformer=Transformer.encode)))
+    if isinstance(value, RangeSweep):
+        values = list(override.sweep_iterator())
+        if any(isinstance(end, float) for end in (value.start, value.stop, value.step)):
+            return FloatDistribution(values[0], values[-1], step=value.step)
+        return IntDistribution(int(values[0]), int(values[-1]), step=int(value.step))
+    if isinstance(value, IntervalSweep):
+        log_scale = "log" in value.tags
+        if isinstance(value.start, int) and isinstance(value.end, int):
+            return IntDistribution(value.start, value.end, log=log_scale)
+        return FloatDistribution(value.start, value.end, log=log_scale)
+    raise ValueError(f"{override.input_line}: not a sweep Optuna can search (choice, range, interval)")
+
+
+def search_space(arguments: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The searched keys' distributions, and the fixed ``key=value`` overrides: a key given a plain value (on the
+    command line, after ``params``) is not searched."""
+    space: dict[str, Any] = {}
+    fixed: dict[str, str] = {}
+    for override in OverridesParser.create().parse_overrides(arguments):
+        key = override.get_key_element()
+        if override.is_sweep_override():
+            space[key] = distribution(override)
+            fixed.pop(key, None)
+        else:
+            fixed[key] = override.get_value_element_as_str()
+            space.pop(key, None)
+    return space, fixed
+
+
+class OptunaSweeper(Sweeper):
+    """Ask ``n_jobs`` trials, launch them as jobs, tell the study each job's outcome (its return value, or PRUNED
+    and FAIL from its ``result.json``), until ``n_trials`` have ended."""
+
+    def __init__(
+        self,
+        sampler: Any,
+        pruner: Any,
+        direction: Any,
+        storage: str | None,
+        study_name: str | None,
+        n_trials: int,
+        n_jobs: int,
+        max_failure_rate: float,
+        params: DictConfig | None,
+    ) -> None:
+        self.sampler, self.pruner, self.storage, self.study_name = sampler, pruner, storage, study_name
+        self.directions = [direction] if isinstance(direction, str) else list(direction)
+        self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
+        self.params = {str(key): str(value) for key, value in (params or {}).items()}
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config = config
+        self.launcher = Plugins.instance().instantiate_launcher(
+            config=config, hydra_context=hydra_context, task_function=task_function
+        )
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+
+    def sweep(self, arguments: list[str]) -> None:
+        import optuna
+
+        from project.launch.trial import open_storage  # imports Lightning: not at Hydra's start-up
+
+        space, fixed = search_space([f"{key}={value}" for key, value in self.params.items()] + arguments)
+        if self.pruner is not None and (self.storage is None or self.study_name is None):
+            raise ValueError(
+                "hydra.sweeper.pruner needs a study the jobs can find: set hydra.sweeper.storage and study_name "
+                "(hparams_search=optuna sets both), or hydra.sweeper.pruner=null."
+            )
+        study = optuna.create_study(
+            study_name=self.study_name,
+            storage=None if self.storage is None else open_storage(self.storage),
+            sampler=self.sampler,
+            pruner=self.pruner,
+            directions=self.directions,
+            load_if_exists=True,
+        )
+        to_go, job_num = self._continue(study)
+        log.info(
+            f"Study {study.study_name} ({self.storage or 'in memory'}): {to_go} trials to run, {self.n_jobs} at a time."
+        )
+        while to_go > 0:
+            trials = [study.ask(space) for _ in range(min(self.n_jobs, to_go))]
+            numbers = [trial.number for trial in trials]
+            if numbers != list(range(job_num, job_num + len(trials))):
+                raise RuntimeError(
+                    f"Study {study.study_name} numbered these trials {numbers}, not as the jobs from {job_num}: "
+                    "another search writes the same study. Give each its own hydra.sweeper.study_name."
+                )
+            overrides = [
+                tuple(f"{key}={value}" for key, value in {**trial.params, **fixed}.items()) for trial in trials
+            ]
+            returns = self.launcher.launch(overrides, initial_job_idx=job_num)
+            job_num += len(returns)
+            to_go -= len(returns)
+            failed = [self._tell(study, trial, job) for trial, job in zip(trials, returns)].count(False)
+            if failed / len(returns) > self.max_failure_rate:
+                for job in returns:
+                    job.return_value  # noqa: B018 (raises a failed job's own exception, as Hydra's sweepers do)
+                raise RuntimeError(
+                    f"{failed} of {len(returns)} trials failed, more than hydra.sweeper.max_failure_rate="
+                    f"{self.max_failure_rate}; see their result.json files."
+                )
+        self._report(study)
+
+    def _continue(self, study: Any) -> tuple[int, int]:
+        """Trials to go and the next job's number, where the study already has trials."""
+        from optuna.trial import TrialState
+
+        trials = study.get_trials(deepcopy=False)
+        if not trials:
+            return self.n_trials, 0
+        for trial in trials:
+            if trial.state == TrialState.RUNNING:
+                study.tell(trial.number, state=TrialState.FAIL)
+                mark_interrupted(self.sweep_dir / str(trial.number))
+                log.warning(f"Trial {trial.number} was running when the sweep stopped: recorded as failed.")
+        ended = sum(
+            trial.state != TrialState.RUNNING and _status(self.sweep_dir / str(trial.number)) != "interrupted"
+            for trial in trials
+        )
+        to_go = max(0, self.n_trials - ended)
+        log.info(f"Continuing study {study.study_name}: {ended} trials ended, {to_go} to go.")
+        return to_go, len(trials)
+
+    def _tell(self, study: Any, trial: Any, job: JobReturn) -> bool:
+        """Record the job's outcome in the study; False for a failed trial."""
+        from optuna.trial import TrialState
+
+        job_dir = Path(job.hydra_cfg.hydra.runtime.output_dir) if job.hydra_cfg else self.sweep_dir / str(trial.number)
+        result = read_result(job_dir / RESULT_FILE) or {}
+        if result.get("status") == "pruned":
+            study.tell(trial, state=TrialState.PRUNED)
+            return True
+        value = job._return_value if job.status == JobStatus.COMPLETED else None
+        values = [value] if isinstance(value, (int, float)) else list(value) if isinstance(value, (list, tuple)) else []
+        if len(values) != len(self.directions):
+            study.tell(trial, state=TrialState.FAIL)
+            reason = result.get("error") or (
+                job._return_value
+                if job.status == JobStatus.FAILED
+                else f"it returned {value!r}, for {len(self.directions)} direction(s)"
+            )
+            log.warning(f"Trial {trial.number} failed: {reason}")
+            return False
+        study.tell(trial, values=[float(v) for v in values])
+        return True
+
+    def _report(self, study: Any) -> None:
+        """The study's trials by state, the best, ``optimization_results.yaml``, and the dashboard's command."""
+        from optuna.trial import TrialState
+
+        states = [trial.state for trial in study.get_trials(deepcopy=False)]
+        counts = ", ".join(f"{states.count(state)} {state.name.lower()}" for state in TrialState if state in states)
+        log.info(f"Study {study.study_name}: {len(states)} trials ({counts}).")
+        if TrialState.COMPLETE not in states:
+            results: dict[str, Any] = {"name": "optuna", "best_params": None}
+        elif len(self.directions) == 1:
+            best = study.best_trial
+            results = {
+                "name": "optuna",
+                "best_trial": best.number,
+                "best_params": best.params,
+                "best_value": best.value,
+            }
+            log.info(f"Best trial: {best.number}, value {best.value:.6g}, params {best.params}")
+        else:
+            front = [{"trial": t.number, "params": t.params, "values": t.values} for t in study.best_trials]
+            results = {"name": "optuna", "solutions": front}
+            log.info(f"Pareto front: trials {[t['trial'] for t in front]}")
+        OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
+        if self.storage is not None:
+            log.info(f"Browse the study: optuna-dashboard {shlex.quote(str(self.storage))}")
+
+
+def _status(job_dir: Path) -> str | None:
+    return (read_result(job_dir / RESULT_FILE) or {}).get("status")
