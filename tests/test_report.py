@@ -1,11 +1,13 @@
 """The report of a real sweep over ddp, fsdp and pipeline, rendered by headless Chromium and read from its DOM."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 from collections import defaultdict
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 from conftest import REPO, isolated_env, require_extra
@@ -38,6 +40,7 @@ class RenderedCharts(HTMLParser):
         self.legend: dict[str, list[str]] = defaultdict(list)  # chart id -> legend entries
         self.bar_labels: dict[str, list[list[str]]] = defaultdict(list)  # chart id -> per bar trace, its labels
         self.xticks: dict[str, list[str]] = defaultdict(list)  # chart id -> x-axis tick labels
+        self.strokes: dict[str, list[str]] = defaultdict(list)  # chart id -> per line trace, its line's stroke colour
         self.table: list[list[str]] = []  # the runs table: the header row, then a row per job
         self._text: list[str] | None = None
 
@@ -59,6 +62,9 @@ class RenderedCharts(HTMLParser):
             self.traces[chart].append(" ".join(classes))
             if "bars" in classes:
                 self.bar_labels[chart].append([])
+        in_legend = any(tag == "g" and "legend" in attrs.get("class", "").split() for tag, attrs in self.stack)
+        if chart and tag == "path" and "js-line" in classes and not in_legend:
+            self.strokes[chart].append(re.search(r"stroke: (rgb\([^)]*\))", attrs.get("style", "")).group(1))
         in_xtick = any(tag == "g" and "xtick" in attrs.get("class", "").split() for tag, attrs in self.stack)
         if chart and tag == "text" and ("legendtext" in classes or "bartext" in classes or in_xtick):
             self._text = []
@@ -92,17 +98,18 @@ class RenderedCharts(HTMLParser):
                 break
 
 
-@pytest.fixture(scope="session")
-def rendered_report(ddp_fsdp_sweep, tmp_path_factory, home):
-    """``python -m project.cli.report <sweep dir> --by strategy``, rendered by Chromium: its DOM and a screenshot."""
+def render_report(
+    sweep_dir: Path, out: Path, options: list[str], home: Path, screenshot: bool = True
+) -> RenderedCharts:
+    """``python -m project.cli.report <sweep dir> <options>``, rendered by Chromium: its DOM, and a screenshot
+    beside the report."""
     if CHROMIUM is None:
         assert not os.environ.get("CI"), ".ci/run installs Debian's chromium for this test"
         pytest.skip("no chromium on this machine (apt-get install chromium)")
     require_extra("plotly", "report")
-    sweep_dir, out = ddp_fsdp_sweep[0].parent, tmp_path_factory.mktemp("report")
     report = out / "report.html"
     made = subprocess.run(
-        [sys.executable, "-m", "project.cli.report", str(sweep_dir), "--by", "strategy", "-o", str(report)],
+        [sys.executable, "-m", "project.cli.report", str(sweep_dir), *options, "-o", str(report)],
         cwd=REPO,
         env=isolated_env(home),
         capture_output=True,
@@ -112,16 +119,24 @@ def rendered_report(ddp_fsdp_sweep, tmp_path_factory, home):
     assert made.returncode == 0 and f"Report: {report}" in made.stdout, made.stderr
     browser = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={out / 'chromium'}"]
     dom = subprocess.run([*browser, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
-    screenshot = out / "report.png"  # next to the report, for people to look at
-    subprocess.run(
-        [*browser, "--window-size=1400,2400", f"--screenshot={screenshot}", report.as_uri()],
-        capture_output=True,
-        timeout=120,
-    )
-    assert screenshot.stat().st_size > 50_000
+    if screenshot:  # next to the report, for people to look at
+        image = out / "report.png"
+        subprocess.run(
+            [*browser, "--window-size=1400,2400", f"--screenshot={image}", report.as_uri()],
+            capture_output=True,
+            timeout=120,
+        )
+        assert image.stat().st_size > 50_000
     charts = RenderedCharts()
     charts.feed(dom.stdout)
-    return charts, sweep_dir
+    return charts
+
+
+@pytest.fixture(scope="session")
+def rendered_report(ddp_fsdp_sweep, tmp_path_factory, home):
+    """The report of the ddp/fsdp/pipeline sweep, coloured by strategy."""
+    sweep_dir = ddp_fsdp_sweep[0].parent
+    return render_report(sweep_dir, tmp_path_factory.mktemp("report"), ["--by", "strategy"], home), sweep_dir
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, TINY, isolated_env, only_run, require_extra, train
 from hydra.utils import instantiate
 from test_config import compose_train
-from test_report import CHROMIUM, CHROMIUM_FLAGS
+from test_report import CHROMIUM, CHROMIUM_FLAGS, render_report
 from test_sweeps import log_span
 
 # SGD at 0.1 and 0.05 trains; at 100 it diverges, kept finite by the clipping (a validation loss of 20 to 100, where
@@ -241,3 +241,30 @@ def test_optuna_dashboard_shows_every_trial_and_the_best_params_in_chromium(ddp_
         server.terminate()
         server.wait(timeout=30)
     assert server.returncode is not None
+
+
+def luminance(rgb: str) -> float:
+    """Relative luminance (WCAG) of ``rgb(r, g, b)``: Viridis, the report's scale, rises in it from end to end."""
+    channels = [int(c) / 255 for c in re.findall(r"\d+", rgb)]
+    linear = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+@pytest.mark.slow
+def test_the_report_colours_trials_by_objective_and_shows_the_completed_ones_alone(ddp_search, tmp_path, home):
+    sweep_dir, _ = ddp_search
+    study, _ = study_rows(sweep_dir)
+    charts = render_report(sweep_dir, tmp_path / "all", [], home, screenshot=False)
+    strokes = charts.strokes["curve-val-loss"]  # a line per trial, in job order
+    assert len(strokes) == len(study.trials) == 4
+    for a in study.trials:  # the lower the loss, the darker the line; equal losses, one colour
+        for b in study.trials:
+            if a.value < b.value:
+                assert luminance(strokes[a.number]) < luminance(strokes[b.number])
+            elif a.value == b.value:
+                assert strokes[a.number] == strokes[b.number]
+    completed = render_report(sweep_dir, tmp_path / "completed", ["--status", "completed"], home, screenshot=False)
+    header, *rows = completed.table
+    assert [row[header.index("status")] for row in rows] == ["completed", "completed"]
+    assert len(completed.strokes["curve-val-loss"]) == 2
+    assert completed.legend["curve-val-loss"] == ["0: model.optimizer.lr=0.1", "1: model.optimizer.lr=0.05"]

@@ -17,7 +17,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 from omegaconf import OmegaConf
-from plotly.colors import qualitative
+from plotly.colors import qualitative, sample_colorscale
 
 from project.cli.usage import run_cli
 from project.config.errors import ConfigError, check_writable
@@ -65,29 +65,80 @@ def find_jobs(paths: list[Path]) -> list[Job]:
 
 def label_jobs(jobs: list[Job], by: str | None) -> None:
     """Legend labels: the overrides that differ between the jobs (the dir name where none do); the colour group
-    is the value of ``by`` (a config key such as ``model.optimizer.lr``, or a config group such as ``strategy``)."""
+    is the value of ``by`` (a config key such as ``model.optimizer.lr``, or a config group such as ``strategy``),
+    each job its own for ``objective``."""
     overrides = [list(job.config.get("overrides", [])) for job in jobs]
     shared = set.intersection(*(set(items) for items in overrides))
     for job, items in zip(jobs, overrides):
         differing = " ".join(item for item in items if item not in shared)
         job.label = f"{job.dir.name}: {differing}" if differing else str(job.dir)
-        if by:
+        if by and by != OBJECTIVE:
             value = OmegaConf.select(job.config, f"choices.{by}", default=None)
             job.group = str(value if value is not None else OmegaConf.select(job.config, by, default="(unset)"))
         else:
             job.group = job.label
 
 
-def colours(jobs: list[Job]) -> dict[str, str]:
-    palette = qualitative.Plotly
-    groups = list(dict.fromkeys(job.group for job in jobs))
-    return {group: palette[index % len(palette)] for index, group in enumerate(groups)}
+OBJECTIVE = "objective"  # --by objective: a colour scale from the best objective to the worst
+SCALE = "Viridis"  # dark to bright, so the order reads in grey too; the best is the dark end
+NO_OBJECTIVE = "#aaaaaa"  # a job that logged no objective (it failed before its first validation)
+
+
+def colours(jobs: list[Job], by: str | None) -> dict[str, str]:
+    """A colour per group: qualitative, or along ``SCALE`` by the job's objective for ``by=objective``."""
+    if by != OBJECTIVE:
+        palette = qualitative.Plotly
+        groups = list(dict.fromkeys(job.group for job in jobs))
+        return {group: palette[index % len(palette)] for index, group in enumerate(groups)}
+    place = objective_places(jobs)
+    return {
+        job.group: NO_OBJECTIVE
+        if job.result.get("objective") is None
+        else sample_colorscale(SCALE, place[job.result["objective"]])[0]
+        for job in jobs
+    }
+
+
+def objective_places(jobs: list[Job]) -> dict[float, float]:
+    """Each objective's place on the colour scale, 0 for the best to 1 for the worst, by rank: one diverged trial
+    whose loss is 100 times the others' would otherwise leave them all one colour."""
+    values = {job.result["objective"] for job in jobs if job.result.get("objective") is not None}
+    ranked = sorted(values, reverse=jobs[0].result.get("mode") == "max")  # best first
+    return {value: index / max(1, len(ranked) - 1) for index, value in enumerate(ranked)}
+
+
+def colour_bar(jobs: list[Job]) -> go.Scatter:
+    """An invisible trace that draws the objective's colour bar beside a chart, its ticks labelled with the
+    objectives at those places (at most 6)."""
+    place = objective_places(jobs)
+    ticks = [value for index, value in enumerate(place) if index % math.ceil(len(place) / 6) == 0]
+    metric = next((job.result.get("metric") for job in jobs if job.result.get("metric")), OBJECTIVE)
+    return go.Scatter(
+        x=[None],
+        y=[None],
+        mode="markers",
+        showlegend=False,
+        hoverinfo="skip",
+        marker={
+            "colorscale": SCALE,
+            "cmin": 0,
+            "cmax": 1,
+            "color": [0],
+            "showscale": True,
+            "colorbar": {
+                "title": {"text": f"{metric}<br>(by rank)"},
+                "tickvals": [place[value] for value in ticks],
+                "ticktext": [f"{value:.4g}" for value in ticks],
+                "len": 0.6,
+            },
+        },
+    )
 
 
 DASHES = ["solid", "dash", "dot", "dashdot"]  # runs with the same numbers (ddp and fsdp) stay visible on one another
 
 
-def curve_figure(metric: str, jobs: list[Job], colour: dict[str, str]) -> go.Figure:
+def curve_figure(metric: str, jobs: list[Job], colour: dict[str, str], by: str | None) -> go.Figure:
     figure = go.Figure()
     for index, job in enumerate(jobs):
         rows = [row for row in job.result.get("history", []) if metric in row]
@@ -99,6 +150,8 @@ def curve_figure(metric: str, jobs: list[Job], colour: dict[str, str]) -> go.Fig
             legendgroup=job.group,
             line={"color": colour[job.group], "dash": DASHES[index % len(DASHES)]},
         )
+    if by == OBJECTIVE and objective_places(jobs):
+        figure.add_trace(colour_bar(jobs))
     last_epoch = max((row["epoch"] for job in jobs for row in job.result.get("history", [])), default=0)
     floors = {row[FLOOR] for job in jobs for row in job.result.get("history", []) if FLOOR in row}
     if metric.endswith("/loss") and len(floors) == 1:
@@ -173,13 +226,21 @@ def runs_table(jobs: list[Job]) -> str:
     return f'<table id="runs"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
-def write_report(paths: list[Path], output: Path, by: str | None = None) -> Path:
-    jobs = find_jobs(paths)
+def write_report(paths: list[Path], output: Path, by: str | None = None, statuses: list[str] | None = None) -> Path:
+    """The report of the jobs in ``paths`` whose status is one of ``statuses`` (all: None). Without ``by``, the
+    trials of an Optuna search are coloured by their objective, other jobs one colour each."""
+    jobs = [job for job in find_jobs(paths) if not statuses or job.result.get("status") in statuses]
+    if not jobs:
+        raise ConfigError("--status", f"matches none of the jobs in {', '.join(map(str, paths))}.", "drop it.")
+    if by is None and all(job.config.get("trial") for job in jobs):
+        by = OBJECTIVE
     label_jobs(jobs, by)
-    colour = colours(jobs)
+    colour = colours(jobs, by)
     logged = {key for job in jobs for row in job.result.get("history", []) for key in row}
     curves = {
-        f"curve-{metric.replace('/', '-')}": curve_figure(metric, jobs, colour) for metric in CURVES if metric in logged
+        f"curve-{metric.replace('/', '-')}": curve_figure(metric, jobs, colour, by)
+        for metric in CURVES
+        if metric in logged
     }
     device_keys = {key for job in jobs for device in job.result.get("devices", []) for key in device}
     per_device = {}
@@ -202,13 +263,14 @@ def write_report(paths: list[Path], output: Path, by: str | None = None) -> Path
         )
 
     sources = ", ".join(html.escape(str(path)) for path in paths)
+    shown = f" ({html.escape(' or '.join(statuses))} only)" if statuses else ""
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>Training report</title>
 <style>body {{font-family: sans-serif; margin: 2em;}} table {{border-collapse: collapse;}}
 td, th {{border: 1px solid #ccc; padding: 4px 8px; text-align: left;}}
 .charts {{display: grid; grid-template-columns: repeat(auto-fill, minmax(600px, 1fr)); gap: 1em;}}</style></head>
 <body><h1>Training report</h1>
-<p>{len(jobs)} jobs from {sources}, {time.strftime("%Y-%m-%d %H:%M")}; colour: {html.escape(by or "job")}.</p>
+<p>{len(jobs)} jobs from {sources}{shown}, {time.strftime("%Y-%m-%d %H:%M")}; colour: {html.escape(by or "job")}.</p>
 <h2>Runs</h2>{runs_table(jobs)}
 <h2>Per epoch</h2><div class="charts">{charts(curves)}</div>
 <h2>Per device (latest epoch)</h2><div class="charts">{charts(per_device)}</div>
@@ -224,8 +286,16 @@ def main() -> None:
     parser.add_argument("paths", nargs="+", type=Path, help="job dirs and sweep dirs")
     parser.add_argument(
         "--by",
-        help="colour runs by this config key or group (strategy, trainer.devices, "
-        "model.optimizer.lr...); default: one colour per run",
+        help="colour runs by this config key or group (strategy, trainer.devices, model.optimizer.lr...), or by "
+        "objective (a colour scale, the best dark); default: by objective for an Optuna search's trials, else one "
+        "colour per run",
+    )
+    parser.add_argument(
+        "--status",
+        action="append",
+        choices=["completed", "pruned", "failed", "interrupted", "running"],
+        help="only the jobs of this status (repeat it for several), e.g. --status completed for an Optuna search's "
+        "completed trials",
     )
     parser.add_argument("--output", "-o", type=Path, help="the HTML file (default: report.html in the first dir)")
     args = parser.parse_args()
@@ -235,7 +305,7 @@ def main() -> None:
     if output.is_dir():
         raise ConfigError("--output", f"{output} is a directory.", fix)
     check_writable("--output", output.parent, fix)
-    print(f"Report: {write_report(args.paths, output, args.by)}")
+    print(f"Report: {write_report(args.paths, output, args.by, args.status)}")
 
 
 if __name__ == "__main__":
