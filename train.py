@@ -21,7 +21,7 @@ register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def main(cfg: DictConfig) -> float | list[float | None] | None:
     from project.launch.launcher import is_rank_zero, run  # imported here so that --help and --cfg stay fast
 
     try:
@@ -37,8 +37,12 @@ def main(cfg: DictConfig) -> float | None:
             record_failure(Path(cfg.paths.output_dir), error)
         return None
     # A sweeper (Optuna) reads the return value: the best value over epochs of optimized_metric, from the
-    # result.json rank 0 wrote, however the job ran. None in torchrun's ranks other than 0.
-    return None if result is None else result["objective"]
+    # result.json rank 0 wrote, however the job ran; with optimized_metric.also, a list, that value and the other
+    # metrics of its epoch (a multi-objective search). None in torchrun's ranks other than 0.
+    if result is None or not cfg.optimized_metric.get("also"):
+        return None if result is None else result["objective"]
+    best = result["best"] or {}
+    return [result["objective"], *(best.get(name) for name in cfg.optimized_metric.also)]
 
 
 if __name__ == "__main__":

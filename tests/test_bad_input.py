@@ -36,6 +36,21 @@ CASES = [
     (["trainer.max_steps=0"], "trainer.max_steps: must be a positive integer, got 0"),
     (["trainer.max_epochs=-1"], "trainer.max_epochs: is -1 (no epoch limit) and trainer.max_steps is -1 too"),
     (["seed=abc"], "seed: must be an integer from 0 to 2**32 - 1, got 'abc'"),
+    # An Optuna search's settings, refused by the sweeper before its first trial
+    (
+        ["hparams_search=optuna", "hydra.sweeper.direction=[minimize,maximize]", "hydra.sweep.dir={files}/directions"],
+        "hydra.sweeper.direction: lists 2 direction(s), but each job returns 1 value(s)",
+    ),
+    (
+        [
+            "hparams_search=optuna",
+            "hydra.sweeper.direction=[minimize,maximize]",
+            "optimized_metric.also=[val/loss]",
+            "hydra.sweep.dir={files}/multi-objective",
+        ],
+        "hydra.sweeper.pruner: is set, but Optuna prunes single-objective studies only",
+    ),
+    (["optimized_metric.also=val/loss"], "optimized_metric.also: must be a list of metric names, got 'val/loss'"),
     # Overrides Hydra cannot parse (project/config/overrides.py)
     (["trainer.devices: 2"], "override 'trainer.devices: 2': has no '=' ... Fix: write trainer.devices=2."),
     (["model.net.hidden_dims=[32"], "override 'model.net.hidden_dims=[32': opens [ and never closes it."),

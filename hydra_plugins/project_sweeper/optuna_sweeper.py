@@ -30,6 +30,7 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
+from project.config.errors import ConfigError, exit_with
 from project.launch.results import RESULT_FILE, mark_interrupted, read_result
 
 log = logging.getLogger(__name__)
@@ -129,11 +130,7 @@ class OptunaSweeper(Sweeper):
         from project.launch.trial import open_storage  # imports Lightning: not at Hydra's start-up
 
         space, fixed = search_space([f"{key}={value}" for key, value in self.params.items()] + arguments)
-        if self.pruner is not None and (self.storage is None or self.study_name is None):
-            raise ValueError(
-                "hydra.sweeper.pruner needs a study the jobs can find: set hydra.sweeper.storage and study_name "
-                "(hparams_search=optuna sets both), or hydra.sweeper.pruner=null."
-            )
+        self._check_setup()
         study = optuna.create_study(
             study_name=self.study_name,
             storage=None if self.storage is None else open_storage(self.storage),
@@ -170,6 +167,37 @@ class OptunaSweeper(Sweeper):
                 )
         self._report(study)
 
+    def _check_setup(self) -> None:
+        """Settings that cannot work, refused before any trial starts, naming the key and the fix."""
+        returned = 1 + len(OmegaConf.select(self.config, "optimized_metric.also", default=None) or [])
+        if "optimized_metric" in self.config and len(self.directions) != returned:
+            exit_with(
+                ConfigError(
+                    "hydra.sweeper.direction",
+                    f"lists {len(self.directions)} direction(s), but each job returns {returned} value(s): "
+                    "optimized_metric.name's, and those of optimized_metric.also's metrics.",
+                    "give one direction per value, e.g. hydra.sweeper.direction=[minimize,maximize] "
+                    "'optimized_metric.also=[val/acc]'.",
+                )
+            )
+        if self.pruner is not None and len(self.directions) > 1:
+            exit_with(
+                ConfigError(
+                    "hydra.sweeper.pruner",
+                    "is set, but Optuna prunes single-objective studies only.",
+                    "set hydra.sweeper.pruner=null for a multi-objective search.",
+                )
+            )
+        if self.pruner is not None and (self.storage is None or self.study_name is None):
+            exit_with(
+                ConfigError(
+                    "hydra.sweeper.pruner",
+                    "needs a study the jobs can find, in a storage under a name.",
+                    "set hydra.sweeper.storage and study_name (hparams_search=optuna sets both), or "
+                    "hydra.sweeper.pruner=null.",
+                )
+            )
+
     def _continue(self, study: Any) -> tuple[int, int]:
         """Trials to go and the next job's number, where the study already has trials."""
         from optuna.trial import TrialState
@@ -201,7 +229,7 @@ class OptunaSweeper(Sweeper):
             return True
         value = job._return_value if job.status == JobStatus.COMPLETED else None
         values = [value] if isinstance(value, (int, float)) else list(value) if isinstance(value, (list, tuple)) else []
-        if len(values) != len(self.directions):
+        if len(values) != len(self.directions) or None in values:
             study.tell(trial, state=TrialState.FAIL)
             reason = result.get("error") or (
                 job._return_value
@@ -234,7 +262,7 @@ class OptunaSweeper(Sweeper):
         else:
             front = [{"trial": t.number, "params": t.params, "values": t.values} for t in study.best_trials]
             results = {"name": "optuna", "solutions": front}
-            log.info(f"Pareto front: trials {[t['trial'] for t in front]}")
+            log.info(f"Pareto front: trials {sorted(t['trial'] for t in front)}")
         OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
         if self.storage is not None:
             log.info(f"Browse the study: optuna-dashboard {shlex.quote(str(self.storage))}")

@@ -87,6 +87,11 @@ def _check_numbers(cfg: DictConfig) -> None:
     for key in ("best_metric.mode", "optimized_metric.mode"):
         if OmegaConf.select(cfg, key) not in ("max", "min"):
             raise ConfigError(key, f"is {OmegaConf.select(cfg, key)!r}.", "use max (higher is better) or min.")
+    also = OmegaConf.select(cfg, "optimized_metric.also", default=[])
+    if not OmegaConf.is_list(also) and not isinstance(also, list) or not all(isinstance(name, str) for name in also):
+        raise ConfigError(
+            "optimized_metric.also", f"must be a list of metric names, got {also!r}.", "e.g. '[val/acc]', or []."
+        )
     memory = cfg.get("memory_plan") or {}
     capacity = memory.get("device_memory_gb")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, (int, float)) or capacity <= 0):
