@@ -313,6 +313,8 @@ def assert_epoch_metrics(run: OfflineRun, epochs: int) -> None:
 
 # Runs that also track every tensor of their first two steps, for the memory plan's peak (test_memory_plan).
 TRACKED = "callbacks.memory.tracked_steps=2"
+# Each rank counts the bytes of every training batch's collectives (tests/test_step_counts.py).
+COUNTED = ["+callbacks.collectives._target_=helpers.probes.CollectiveBytesPerBatch"]
 
 
 def one_run(name: str, args: list[str], runs_dir: Path, home: Path) -> Path:
@@ -344,7 +346,7 @@ def ddp_fsdp_sweep(runs_dir, home):
     (fsdp). Job 2 (pipeline: one replica of two stages, so a global batch of 32) serves the report's test."""
     result, jobs = two_job_sweep(
         "ddp-fsdp",
-        [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp,pipeline", TRACKED],
+        [*TINY, "trainer.devices=2", "data.batch_size=32", "strategy=ddp,fsdp,pipeline", TRACKED, *COUNTED],
         runs_dir,
         home,
     )
@@ -373,6 +375,7 @@ def pipeline_sweep(runs_dir, home):
             "strategy.schedule=gpipe,1f1b",
             "trainer.precision=32",
             TRACKED,
+            *COUNTED,
         ],
         runs_dir,
         home,
@@ -444,6 +447,7 @@ def gpt_tensor_parallel(runs_dir, home):
             "trainer.devices=2",
             "callbacks.model_checkpoint.save_top_k=-1",
             TRACKED,
+            *COUNTED,
         ],
         runs_dir,
         home,
@@ -471,6 +475,7 @@ def gpt_fsdp_tensor_parallel(gpt_tensor_parallel, runs_dir, home):
             f"ckpt_path={gpt_tensor_parallel / 'checkpoints' / 'epoch000.ckpt'}",
             "callbacks.model_checkpoint.save_top_k=-1",
             TRACKED,
+            *COUNTED,
         ],
         runs_dir,
         home,
@@ -492,6 +497,7 @@ def gpt_pipeline_tensor_parallel(gpt_fsdp_tensor_parallel, runs_dir, home):
             "strategy.tensor_parallel_size=2",
             f"ckpt_path={gpt_fsdp_tensor_parallel / 'checkpoints' / 'epoch001.ckpt'}",
             TRACKED,
+            *COUNTED,
         ],
         runs_dir,
         home,

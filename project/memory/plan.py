@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
@@ -43,6 +44,7 @@ from project.config.checks import check_config, strategy_class, uses_cuda
 from project.config.errors import ConfigError
 from project.distributed.parallelize import allocate, apply_activation_checkpointing
 from project.distributed.strategies import FSDPStrategy
+from project.memory.counts import StepCounts
 from project.memory.measure import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
 from project.memory.simulation import DeviceWork, TaskModule
 
@@ -71,6 +73,8 @@ class DevicePlan:
     peak: int
     activations_checkpointed: int | None = None  # the same with the other activation checkpointing setting...
     peak_checkpointed: int | None = None  # ...and its peak (plan=true only)
+    flops: int = 0  # floating-point operations of the step on this device (project.memory.counts)
+    collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by kind
 
     @property
     def model_state(self) -> int:
@@ -148,7 +152,10 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
             # loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
             batches = [module.example_batch(cfg.data.batch_size, cfg.data) for _ in range(1 if uses_cuda(cfg) else 2)]
             microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
-            activations = _step(work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, cfg)
+            with StepCounts() as counts:
+                activations, sent = _step(
+                    work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, cfg
+                )
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
             if work.grads_persist:
                 comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
@@ -156,7 +163,19 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
         at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         peak = held_bytes(tracker, "peak")
         comm_bytes += sum(at_peak.get(kind, 0) for kind in FSDP_COMMUNICATION)
-    return DevicePlan(work.name, sizes["params"], sizes["grads"], sizes["optimizer"], activations, comm_bytes, peak)
+    # What the simulation does not run: DDP's all-reduce of the gradients (no DDP wrapper), a pipeline's sends.
+    counted = counts.collectives + Counter({"send": sent}) + Counter(work.unsimulated_collectives)
+    return DevicePlan(
+        work.name,
+        sizes["params"],
+        sizes["grads"],
+        sizes["optimizer"],
+        activations,
+        comm_bytes,
+        peak,
+        flops=counts.flops,
+        collectives={kind: counted[kind] for kind in sorted(counted) if counted[kind]},
+    )
 
 
 @contextmanager
@@ -182,11 +201,11 @@ def _step(
     grad_buffers: list[torch.Tensor],
     tracker: MemTracker,
     cfg: DictConfig,
-) -> int:
+) -> tuple[int, int]:
     """One optimizer step in Lightning's order: forward (``training_step``), ``zero_grad``, backward, step; a
     pipeline's forwards run inside its backward, after ``zero_grad``, in its schedule's order. Returns the bytes
-    autograd saved for backward in the forwards in flight at once: each storage once, parameters (and views of
-    them) not counted."""
+    autograd saved for backward in the forwards in flight at once (each storage once, parameters and views of
+    them not counted), and the bytes a pipeline stage sends: its outputs forward, its inputs' gradients back."""
     data_inputs, target = batch
     autocast_dtype = AUTOCAST_DTYPES.get(_precision(cfg))
     autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
@@ -207,6 +226,7 @@ def _step(
 
     pending: list[tuple[int, torch.Tensor]] = []  # micro-batches whose backward is still to run, oldest first
     kept: list[torch.Tensor] = []
+    sent = [0]
 
     def forward(index: int) -> None:
         tracker.reset_mod_stats()  # FSDPMemTracker's per-module figures allow one forward each otherwise
@@ -216,9 +236,13 @@ def _step(
             x = input_buffers[index].detach().requires_grad_()
         else:  # arrives from the previous device
             x = torch.empty_like(work.stage_input, device="cpu").requires_grad_()
+        if work.stage_input is not None:  # its gradient goes back to the previous device
+            sent[0] += x.numel() * x.element_size()
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             for stage in work.stages:
                 x = stage(x)
+            if not work.last:  # on to the next device
+                sent[0] += x.numel() * x.element_size()
             if work.keeps_outputs:
                 kept.append(x.detach())
             pending.append((index, module.criterion(x, target) / work.microbatches if work.last else x))
@@ -245,7 +269,7 @@ def _step(
         merged = torch.cat(kept)  # the schedule merges the micro-batches' outputs for the metrics
         del merged, kept[:]
     optimizer.step()
-    return activations
+    return activations, sent[0]
 
 
 def _new_module_factory(cfg: DictConfig):
@@ -269,11 +293,15 @@ def whole_model_devices(cfg: DictConfig, new_module) -> Iterator[DeviceWork]:
     cls = strategy_class(cfg)  # None: auto, which Lightning makes DDP over several devices
     ddp = (cls is None or issubclass(cls, DDPStrategy)) and cfg.strategy.processes * cfg.trainer.num_nodes > 1
     views = ddp and bool(OmegaConf.select(cfg, "strategy.gradient_as_bucket_view"))  # DDP's own default: false
-    buckets = 0
-    if ddp and not views:
-        buckets = sum(p.numel() * p.element_size() for p in module.net.parameters() if p.requires_grad)
+    gradients = sum(p.numel() * p.element_size() for p in module.net.parameters() if p.requires_grad)
     yield DeviceWork(
-        "rank 0", module, [module.net], cfg.data.batch_size, grads_persist=views, extra_buffer_bytes=buckets
+        "rank 0",
+        module,
+        [module.net],
+        cfg.data.batch_size,
+        grads_persist=views,
+        extra_buffer_bytes=gradients if ddp and not views else 0,
+        unsimulated_collectives={"all_reduce": gradients} if ddp else {},  # every gradient, once a step
     )
 
 

@@ -4,7 +4,7 @@ in this one process), and the shapes that cross stage boundaries. Below both the
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import lightning as L
@@ -64,6 +64,8 @@ class DeviceWork:
     grads_persist: bool = False  # DDP with gradient_as_bucket_view: gradients live in its buckets throughout
     extra_buffer_bytes: int = 0  # held throughout besides (DDP's buckets, when gradients are not views of them)
     loss_parallel: bool = False  # logits split by vocabulary across tensor-parallel ranks: torch's loss_parallel
+    unsimulated_collectives: dict[str, int] = field(default_factory=dict)  # bytes by kind of the step's
+    # collectives the simulation does not run (DDP's all-reduce of the gradients, made by its wrapper)
 
 
 @contextmanager

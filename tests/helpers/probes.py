@@ -2,6 +2,7 @@
 workers;
 each logs what it saw as per-epoch ``probe/*`` metrics, which the tests read back from the W&B run."""
 
+import json
 import os
 import statistics
 import subprocess
@@ -159,3 +160,37 @@ class FusedAdamW(L.Callback):
             for optimizer in trainer.optimizers
         )
         pl_module.log("probe/fused_adamw_on_cuda", float(fused))
+
+
+class CollectiveBytesPerBatch(L.Callback):
+    """Counts the collectives of each training batch's step on every rank, with the memory plan's own counter
+    (``project.memory.counts.StepCounts``) over this run's real process group: those of the strategy's
+    ``training_step`` and ``backward`` (forward and backward, a pipeline's schedule), not the other callbacks'
+    (the memory callback measures the model state with collectives of its own). Each rank writes every batch's
+    epoch, index in the epoch and bytes by kind to ``<job dir>/collectives_rank<R>.json``."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from project.memory.counts import StepCounts
+
+        def counted(method):
+            def run(*args, **kwargs):
+                with StepCounts() as counts:
+                    result = method(*args, **kwargs)
+                for kind, size in counts.collectives.items():
+                    self.batches[-1]["bytes"][kind] = self.batches[-1]["bytes"].get(kind, 0) + size
+                return result
+
+            return run
+
+        for name in ("training_step", "backward"):
+            setattr(trainer.strategy, name, counted(getattr(trainer.strategy, name)))
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        self.batches.append({"epoch": trainer.current_epoch, "batch": batch_idx, "bytes": {}})
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        path = Path(trainer.default_root_dir) / f"collectives_rank{trainer.global_rank}.json"
+        path.write_text(json.dumps(self.batches))

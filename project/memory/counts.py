@@ -1,0 +1,87 @@
+"""What a training step costs besides memory: its floating-point operations and the bytes of every collective it
+runs, counted as each op passes through the dispatcher. In a memory plan's simulation that is the rank's own work
+on fake tensors and the fake process group (activation checkpointing's recompute and a pipeline stage's share
+included); in a real run, gloo's or NCCL's collectives (``tests/helpers/probes.py`` counts them there).
+
+Why not torch's ``FlopCounterMode``: it tracks modules with hooks on every forward and backward, which the plan's
+``MemTracker`` would see as memory; its formulas (``flop_registry``) are used as they are.
+"""
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+aten = torch.ops.aten
+
+# c10d's ops (the ProcessGroup's, in place; and the functional collectives DTensor runs) -> the collective's kind.
+COLLECTIVES = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
+    "send": "send",
+}
+
+
+def _attention(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _attention_backward(
+    grad: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any
+) -> int:
+    return flop_counter.sdpa_backward_flop_count(grad, query_shape, key_shape, value_shape)
+
+
+# torch's formulas, and the CPU's fused attention with the same arithmetic (torch 2.13 has formulas for the GPUs'
+# flash, memory-efficient and cuDNN attention only; a simulation runs the CPU's kernels): the query, key and value
+# are its first arguments, after the output's gradient backward.
+FLOP_FORMULAS = {
+    **flop_counter.flop_registry,
+    aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.shape_wrapper(_attention),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.shape_wrapper(_attention_backward),
+}
+
+
+class StepCounts(TorchDispatchMode):
+    """While active: ``flops``, the floating-point operations of matmuls and attention (what MFU counts; torch's
+    formulas), and ``collectives``, each collective's bytes by kind. A collective's bytes are its whole buffer: the
+    largest of its tensors (the gathered tensor of an all-gather, the unreduced one of a reduce-scatter, the
+    reduced one of an all-reduce, what a send sends; a receive is the other end of a send)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.collectives: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        formula = FLOP_FORMULAS.get(packet)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        elif func.namespace.startswith(("c10d", "_c10d")) and packet.__name__ in COLLECTIVES:
+            tensors = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
+            self.collectives[COLLECTIVES[packet.__name__]] += max(
+                (t.numel() * t.element_size() for t in tensors), default=0
+            )
+        return out

@@ -1,0 +1,101 @@
+"""What the memory plan counts of a training step besides memory (project/memory/counts.py): its FLOPs, against
+arithmetic, and every collective's bytes, against what each rank of a real gloo run of the same layout sent."""
+
+import json
+
+import pytest
+from conftest import TINY, TINY_GPT
+from test_memory_plan import job_dir_of, resolved
+
+from project.memory.plan import simulate_devices
+
+# Session runs (conftest) whose ranks counted their collectives (COUNTED), each launched after its plan.
+COUNTED_RUNS = [
+    ("ddp_fsdp_sweep", 0),  # ddp x 2
+    ("ddp_fsdp_sweep", 1),  # fsdp x 2
+    ("ddp_fsdp_sweep", 2),  # pipeline x 2, 1F1B
+    ("pipeline_sweep", 0),  # pipeline x 2, GPipe
+    ("gpt_tensor_parallel", None),  # tensor parallel x 2
+    ("gpt_fsdp_tensor_parallel", None),  # fsdp x 2 of tensor parallel x 2
+    ("gpt_pipeline_tensor_parallel", None),  # pipeline x 2 of tensor parallel x 2
+]
+
+
+def set_up(batch: dict, first_epoch: int) -> bool:
+    """A batch with one-off collectives besides the step's: the first two of a run (DDP rebuilds its buckets in the
+    second and broadcasts their order; a pipeline's schedule infers its shapes in the first) and the first of each
+    epoch (FSDP gathers again after validation)."""
+    return batch["batch"] == 0 or (batch["epoch"] == first_epoch and batch["batch"] == 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture,index", COUNTED_RUNS)
+def test_planned_collective_bytes_equal_what_every_rank_of_a_gloo_run_moved_each_batch(request, fixture, index):
+    """The plan simulates one rank per distinct device on the fake process group (a pipeline's each rank, any
+    other layout's rank 0); every rank of the real run counted its collectives over gloo in every batch. Each
+    batch, on each rank, moved the bytes its plan device predicts, kind by kind; the batches with one-off set-up
+    collectives moved at least those."""
+    job_dir = job_dir_of(request, fixture, index)
+    plan = json.loads((job_dir / "memory_plan.json").read_text())
+    world, devices = plan["world_size"], plan["devices"]
+    measured = {int(path.stem.removeprefix("collectives_rank")): path for path in job_dir.glob("collectives_rank*")}
+    assert sorted(measured) == list(range(world))
+    for rank, path in measured.items():
+        device = devices[rank * len(devices) // world]  # the plan's devices: one per pipeline rank, in rank order
+        predicted = device["collectives"]
+        batches = json.loads(path.read_text())
+        steady = [batch["bytes"] for batch in batches if not set_up(batch, batches[0]["epoch"])]
+        assert predicted and len(steady) >= 4 and all(counted == predicted for counted in steady), (rank, steady[0])
+        for batch in batches:
+            assert all(batch["bytes"].get(kind, 0) >= size for kind, size in predicted.items()), (rank, batch)
+
+
+MLP_DIMS = [32, 64, 32, 10]  # TINY: 32 features, hidden [64, 32], 10 classes
+
+
+def mlp_step_flops(batch: int) -> int:
+    """A training step's matmul FLOPs: 2 x batch x in x out per layer forward; backward as much again for the
+    weights' gradients, and for the inputs' but the first layer's (the data needs none)."""
+    layers = [a * b for a, b in zip(MLP_DIMS, MLP_DIMS[1:])]
+    forward = 2 * batch * sum(layers)
+    return 2 * forward + 2 * batch * sum(layers[1:])
+
+
+@pytest.mark.parametrize(
+    "layout,per_device_batch",
+    [([], 64), (["strategy=ddp", "trainer.devices=2"], 64), (["strategy=fsdp", "trainer.devices=4"], 16)],
+    ids=["one-device", "ddp-2", "fsdp-4"],
+)
+def test_planned_flops_of_an_mlp_step_are_its_matmuls_arithmetic(layout, per_device_batch):
+    devices = simulate_devices(resolved([*TINY, f"data.batch_size={per_device_batch}", "logger=none", *layout]))
+    assert [device.flops for device in devices] == [mlp_step_flops(per_device_batch)]
+
+
+def test_a_pipelines_stages_share_the_whole_models_flops():
+    devices = simulate_devices(resolved([*TINY, "data.batch_size=64", "strategy=pipeline", "trainer.devices=2"]))
+    assert len(devices) == 2 and all(device.flops > 0 for device in devices)
+    assert sum(device.flops for device in devices) == mlp_step_flops(64)
+
+
+def gpt_step_flops(cfg, batch: int, checkpointed: bool) -> int:
+    """The GPT's step: per block 24 d^2 FLOPs a token in its linears (q, k, v, proj: 4 d x d; MLP: d x 4d twice),
+    2 x 2 T d a token in attention (scores, then values; torch counts the causal mask's zeros too), and the head's
+    2 d V a token. Backward: twice the linears' (weights and inputs), 2.5 times the attention's (torch's formula).
+    Activation checkpointing recomputes each block's forward in backward but for its last linear (the MLP's down
+    projection), whose output no gradient needs: torch's recompute stops early."""
+    d, layers, tokens, vocab = (
+        cfg.model.net.dim,
+        cfg.model.net.num_layers,
+        batch * cfg.data.seq_length,
+        cfg.data.vocab_size,
+    )
+    linears, attention, head = 24 * d * d * tokens, 4 * tokens * cfg.data.seq_length * d, 2 * tokens * d * vocab
+    step = 3 * (layers * linears + head) + 3.5 * layers * attention
+    recompute = layers * (16 * d * d * tokens + attention)
+    return int(step + (recompute if checkpointed else 0))
+
+
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["no-ac", "ac"])
+def test_planned_flops_of_a_gpt_step_are_its_arithmetic_with_activation_checkpointing_recompute(checkpointed):
+    cfg = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", f"model.activation_checkpointing={checkpointed}"])
+    assert [device.flops for device in simulate_devices(cfg)] == [gpt_step_flops(cfg, 16, checkpointed)]
