@@ -24,6 +24,7 @@ LAYERS = [
             "project.config.schema",
             "project.config.build",
             "project.memory.simulation",
+            "project.memory.counts",
             "project.checkpointing.files",
             "project.checkpointing.hf",
             "project.distributed.dims",
