@@ -2,7 +2,17 @@
 checkpoints, and clear errors for splits that cannot work."""
 
 import pytest
-from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, assert_matches_reference, only_run, train
+from conftest import (
+    COUNTED,
+    LOSS_KEYS,
+    TINY,
+    assert_close,
+    assert_epoch_metrics,
+    assert_matches_reference,
+    only_run,
+    train,
+)
+from test_step_counts import assert_collectives_as_planned
 
 from project.checkpointing.files import is_sharded_checkpoint
 from project.distributed.parallelize import split_blocks
@@ -61,7 +71,7 @@ PIPELINE_2X2 = [*TINY, "data.batch_size=32", "trainer.accumulate_grad_batches=2"
 def test_pipeline_times_data_parallel_accumulates_clips_and_runs_lightning_hooks(reference, runs_dir, home):
     """Accumulation and clipping (by the norm of the whole model: both stages, both shards) give the hand-written
     loop's numbers; Lightning's backward hooks run once per batch and see the gradients; FSDP gathers each
-    stage's parameters once per batch, not once per micro-batch."""
+    stage's parameters once per batch, not once per micro-batch, and moves the bytes its memory plan predicts."""
     job_dir = runs_dir / "pipeline-2x2"
     result = train(
         [
@@ -72,10 +82,12 @@ def test_pipeline_times_data_parallel_accumulates_clips_and_runs_lightning_hooks
             "strategy.num_stages=2",
             "+callbacks.hooks._target_=helpers.probes.BackwardHooks",
             "+callbacks.gathers._target_=helpers.probes.AllGatherCount",
+            *COUNTED,
         ],
         home,
     )
     assert "Starting with 4 processes" in result.output
+    assert_collectives_as_planned(job_dir)  # the plan's pipeline x FSDP collectives, link by link
     expected = reference(PIPELINE_2X2, 64)
     assert expected.clipped_steps > 0  # the threshold bites, so clipping is tested
     run = only_run(job_dir)
@@ -128,10 +140,12 @@ def test_interleaved_pipeline_and_its_consolidated_checkpoint(reference, runs_di
             "strategy.schedule=interleaved_1f1b",
             "strategy.num_stages=4",
             "strategy.stages_per_rank=2",
+            *COUNTED,
         ],
         home,
     )
     assert_matches_reference(only_run(job_dir), expected[:2])
+    assert_collectives_as_planned(job_dir)  # each rank's sends between its two stages and the other rank's
     train(
         [
             *DEEPER,

@@ -33,9 +33,14 @@ def set_up(batch: dict, first_epoch: int) -> bool:
 def test_planned_collective_bytes_equal_what_every_rank_of_a_gloo_run_moved_each_batch(request, fixture, index):
     """The plan simulates one rank per distinct device on the fake process group (a pipeline's each rank, any
     other layout's rank 0); every rank of the real run counted its collectives over gloo in every batch. Each
-    batch, on each rank, moved the bytes its plan device predicts, kind by kind; the batches with one-off set-up
-    collectives moved at least those."""
-    job_dir = job_dir_of(request, fixture, index)
+    batch, on each rank, moved the bytes its plan device predicts, link by link (kind, mesh dimension, ranks);
+    the batches with one-off set-up collectives moved at least those."""
+    assert_collectives_as_planned(job_dir_of(request, fixture, index))
+
+
+def assert_collectives_as_planned(job_dir) -> None:
+    """What every rank of the run in ``job_dir`` counted (``helpers.probes.CollectiveBytesPerBatch``) against its
+    memory plan (also test_model_parallel's pipeline x data parallel run)."""
     plan = json.loads((job_dir / "memory_plan.json").read_text())
     world, devices = plan["world_size"], plan["devices"]
     measured = {int(path.stem.removeprefix("collectives_rank")): path for path in job_dir.glob("collectives_rank*")}
@@ -47,7 +52,7 @@ def test_planned_collective_bytes_equal_what_every_rank_of_a_gloo_run_moved_each
         steady = [batch["bytes"] for batch in batches if not set_up(batch, batches[0]["epoch"])]
         assert predicted and len(steady) >= 4 and all(counted == predicted for counted in steady), (rank, steady[0])
         for batch in batches:
-            assert all(batch["bytes"].get(kind, 0) >= size for kind, size in predicted.items()), (rank, batch)
+            assert all(batch["bytes"].get(link, 0) >= size for link, size in predicted.items()), (rank, batch)
 
 
 MLP_DIMS = [32, 64, 32, 10]  # TINY: 32 features, hidden [64, 32], 10 classes

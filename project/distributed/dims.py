@@ -17,6 +17,11 @@ DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
 
 
+def divisors(n: int) -> list[int]:
+    """The sizes a dimension of ``n`` ranks can take, smallest first."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """``world_size`` ranks as ``pipeline`` x data parallel x ``tensor_parallel``; the data-parallel size is what
@@ -49,6 +54,16 @@ class ParallelDims:
         """Whether each rank can run the model's forward on its own input (no pipeline stages, no layer split
         over ranks; FSDP gathers each block whole)."""
         return not self.pipelined and self.tensor_parallel == 1
+
+    @property
+    def world_dim(self) -> str:
+        """The dimension whose groups span every rank, when one does (a mesh reuses the default process group
+        for it): the pipeline's, the tensor-parallel one's, else the data-parallel one's (DDP's too)."""
+        if self.pipeline == self.world_size > 1:
+            return PIPELINE
+        if self.tensor_parallel == self.world_size > 1:
+            return TENSOR_PARALLEL
+        return DATA_PARALLEL
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:

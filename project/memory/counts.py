@@ -8,9 +8,11 @@ Why not torch's ``FlopCounterMode``: it tracks modules with hooks on every forwa
 """
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -61,14 +63,60 @@ FLOP_FORMULAS = {
 }
 
 
+@dataclass(frozen=True)
+class Link:
+    """Where a collective runs: its ``kind``, the mesh dimension of its group (``data_parallel``,
+    ``tensor_parallel``, ``pipeline``, as ``project.distributed.dims`` names them),
+    the group's ranks and the nodes they span (what sets the bandwidth: a node's links, or the network's). As text,
+    a key of ``DevicePlan.collectives``: ``all_gather|data_parallel|8|1``."""
+
+    kind: str
+    dim: str
+    ranks: int
+    nodes: int = 1
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}|{self.dim}|{self.ranks}|{self.nodes}"
+
+    @classmethod
+    def parse(cls, key: str) -> "Link":
+        kind, dim, ranks, nodes = key.split("|")
+        return cls(kind, dim, int(ranks), int(nodes))
+
+
+def group_link(kind: str, group: dist.ProcessGroup, devices_per_node: int, world_dim: str) -> Link:
+    """The link of a collective of ``kind`` over ``group``, ranks numbered node by node (``devices_per_node`` each),
+    as torchrun and the launcher number them. A device mesh names its groups after their dimension, but uses the
+    default group for a dimension of every rank: that is ``world_dim`` (``ParallelDims.world_dim``)."""
+    ranks = dist.get_process_group_ranks(group)
+    dim = group.group_desc.removeprefix("mesh_") if group.group_desc.startswith("mesh_") else world_dim
+    return Link(kind, dim, len(ranks), len({rank // devices_per_node for rank in ranks}))
+
+
+def _process_group(func: Any, args: tuple, kwargs: dict) -> dist.ProcessGroup:
+    """The process group of a c10d op: a ProcessGroup (boxed as a ScriptObject) in the in-place ops, a group name
+    in the functional collectives DTensor runs."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "group_name" or "ProcessGroup" in str(argument.type):
+            value: Any = args[index] if index < len(args) else kwargs[argument.name]
+            if argument.name == "group_name":
+                return dist.distributed_c10d._resolve_process_group(value)
+            return dist.ProcessGroup.unbox(value)
+    raise ValueError(f"{func} names no process group")
+
+
 class StepCounts(TorchDispatchMode):
     """While active: ``flops``, the floating-point operations of matmuls and attention (what MFU counts; torch's
-    formulas), and ``collectives``, each collective's bytes by kind. A collective's bytes are its whole buffer: the
+    formulas), and ``collectives``, each collective's bytes by ``Link`` key (kind, mesh dimension, ranks, nodes;
+    ``group_link`` with ``devices_per_node`` and ``world_dim``). A collective's bytes are its whole buffer: the
     largest of its tensors (the gathered tensor of an all-gather, the unreduced one of a reduce-scatter, the
     reduced one of an all-reduce, what a send sends; a receive is the other end of a send)."""
 
-    def __init__(self) -> None:
+    def __init__(self, devices_per_node: int, world_dim: str) -> None:
         super().__init__()
+        self.devices_per_node = devices_per_node
+        self.world_dim = world_dim
         self.flops = 0
         self.collectives: Counter[str] = Counter()
 
@@ -80,8 +128,8 @@ class StepCounts(TorchDispatchMode):
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
         elif func.namespace.startswith(("c10d", "_c10d")) and packet.__name__ in COLLECTIVES:
+            group = _process_group(func, args, kwargs)
+            link = group_link(COLLECTIVES[packet.__name__], group, self.devices_per_node, self.world_dim)
             tensors = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
-            self.collectives[COLLECTIVES[packet.__name__]] += max(
-                (t.numel() * t.element_size() for t in tensors), default=0
-            )
+            self.collectives[link.key] += max((t.numel() * t.element_size() for t in tensors), default=0)
         return out

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, cast
 
 import torch
@@ -36,15 +37,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.distributed.tensor.parallel import loss_parallel
 
-from project.config.build import build_net
+from project.config.build import build_net, build_strategy, parallel_dims
 from project.config.checks import check_config, strategy_class, uses_cuda
 from project.config.errors import ConfigError
+from project.distributed.dims import DATA_PARALLEL
 from project.distributed.parallelize import allocate, apply_activation_checkpointing
 from project.distributed.strategies import FSDPStrategy
-from project.memory.counts import StepCounts
+from project.memory.counts import Link, StepCounts
 from project.memory.measure import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
 from project.memory.simulation import DeviceWork, TaskModule
 
@@ -74,7 +77,7 @@ class DevicePlan:
     activations_checkpointed: int | None = None  # the same with the other activation checkpointing setting...
     peak_checkpointed: int | None = None  # ...and its peak (plan=true only)
     flops: int = 0  # floating-point operations of the step on this device (project.memory.counts)
-    collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by kind
+    collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by Link key
 
     @property
     def model_state(self) -> int:
@@ -90,6 +93,8 @@ class MemoryPlan:
     world_size: int
     seconds: float = 0.0
     suggestion: str | None = None
+    suggested_as: str = "Smallest change that fits"  # what the suggestion is: the first change tried that fits, or
+    # plan=search's fastest layout
     alternatives: dict[str, int] = field(default_factory=dict)  # a tried change -> its peak
 
     @property
@@ -116,9 +121,10 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
 
 
-def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
+def simulate(work: DeviceWork, cfg: DictConfig, world_dim: str) -> DevicePlan:
     """A training step of ``work`` on fake tensors under ``MemTracker``, the optimizer's state already made (so,
-    a second step, which holds the most): the device's bytes."""
+    a second step, which holds the most): the device's bytes, FLOPs and collectives (``world_dim``: the mesh
+    dimension of the collectives over every rank, ``ParallelDims.world_dim``)."""
     precision = _precision(cfg)
     module, net = work.module, work.module.net
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -152,10 +158,8 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
             # loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
             batches = [module.example_batch(cfg.data.batch_size, cfg.data) for _ in range(1 if uses_cuda(cfg) else 2)]
             microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
-            with StepCounts() as counts:
-                activations, sent = _step(
-                    work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, cfg
-                )
+            with StepCounts(cfg.trainer.devices, world_dim) as counts:
+                activations = _step(work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, cfg)
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
             if work.grads_persist:
                 comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
@@ -164,7 +168,7 @@ def simulate(work: DeviceWork, cfg: DictConfig) -> DevicePlan:
         peak = held_bytes(tracker, "peak")
         comm_bytes += sum(at_peak.get(kind, 0) for kind in FSDP_COMMUNICATION)
     # What the simulation does not run: DDP's all-reduce of the gradients (no DDP wrapper), a pipeline's sends.
-    counted = counts.collectives + Counter({"send": sent}) + Counter(work.unsimulated_collectives)
+    counted = counts.collectives + Counter(work.unsimulated_collectives)
     return DevicePlan(
         work.name,
         sizes["params"],
@@ -201,11 +205,11 @@ def _step(
     grad_buffers: list[torch.Tensor],
     tracker: MemTracker,
     cfg: DictConfig,
-) -> tuple[int, int]:
+) -> int:
     """One optimizer step in Lightning's order: forward (``training_step``), ``zero_grad``, backward, step; a
     pipeline's forwards run inside its backward, after ``zero_grad``, in its schedule's order. Returns the bytes
     autograd saved for backward in the forwards in flight at once (each storage once, parameters and views of
-    them not counted), and the bytes a pipeline stage sends: its outputs forward, its inputs' gradients back."""
+    them not counted)."""
     data_inputs, target = batch
     autocast_dtype = AUTOCAST_DTYPES.get(_precision(cfg))
     autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
@@ -226,7 +230,6 @@ def _step(
 
     pending: list[tuple[int, torch.Tensor]] = []  # micro-batches whose backward is still to run, oldest first
     kept: list[torch.Tensor] = []
-    sent = [0]
 
     def forward(index: int) -> None:
         tracker.reset_mod_stats()  # FSDPMemTracker's per-module figures allow one forward each otherwise
@@ -236,13 +239,9 @@ def _step(
             x = input_buffers[index].detach().requires_grad_()
         else:  # arrives from the previous device
             x = torch.empty_like(work.stage_input, device="cpu").requires_grad_()
-        if work.stage_input is not None:  # its gradient goes back to the previous device
-            sent[0] += x.numel() * x.element_size()
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             for stage in work.stages:
                 x = stage(x)
-            if not work.last:  # on to the next device
-                sent[0] += x.numel() * x.element_size()
             if work.keeps_outputs:
                 kept.append(x.detach())
             pending.append((index, module.criterion(x, target) / work.microbatches if work.last else x))
@@ -255,6 +254,13 @@ def _step(
         else:  # the gradient comes from the next device
             output.backward(grad_buffers[index] if grad_buffers else torch.empty_like(output))
 
+    # A pipeline schedule keeps a sharded stage's gradients unreduced, and its parameters gathered, through every
+    # micro-batch's backward (torch's backward_maybe_with_nosync), then reduces them once (perform_reduce_grad).
+    sharded = [stage for stage in work.stages if isinstance(stage, FSDPModule)] if work.forward_in_backward else []
+    for stage in sharded:
+        stage.set_is_last_backward(False)
+        stage.set_reshard_after_backward(False)
+        stage.set_requires_gradient_sync(False)
     for index in range(min(work.in_flight, work.microbatches)):
         forward(index)
     activations = sum(saved.values())
@@ -265,11 +271,13 @@ def _step(
         forward(index)
     while pending:
         backward()
+    for stage in sharded:  # torch's own method, which reads only the stage's submodule
+        _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=stage), grad_scale_factor=1)  # type: ignore[arg-type]
     if kept:
         merged = torch.cat(kept)  # the schedule merges the micro-batches' outputs for the metrics
         del merged, kept[:]
     optimizer.step()
-    return activations, sent[0]
+    return activations
 
 
 def _new_module_factory(cfg: DictConfig):
@@ -291,7 +299,8 @@ def whole_model_devices(cfg: DictConfig, new_module) -> Iterator[DeviceWork]:
     them, in buckets of the gradients' size."""
     module = new_module()
     cls = strategy_class(cfg)  # None: auto, which Lightning makes DDP over several devices
-    ddp = (cls is None or issubclass(cls, DDPStrategy)) and cfg.strategy.processes * cfg.trainer.num_nodes > 1
+    world = cfg.strategy.processes * cfg.trainer.num_nodes
+    ddp = (cls is None or issubclass(cls, DDPStrategy)) and world > 1
     views = ddp and bool(OmegaConf.select(cfg, "strategy.gradient_as_bucket_view"))  # DDP's own default: false
     gradients = sum(p.numel() * p.element_size() for p in module.net.parameters() if p.requires_grad)
     yield DeviceWork(
@@ -301,7 +310,10 @@ def whole_model_devices(cfg: DictConfig, new_module) -> Iterator[DeviceWork]:
         cfg.data.batch_size,
         grads_persist=views,
         extra_buffer_bytes=gradients if ddp and not views else 0,
-        unsimulated_collectives={"all_reduce": gradients} if ddp else {},  # every gradient, once a step
+        # Every gradient, once a step, over all the job's ranks, node by node.
+        unsimulated_collectives={Link("all_reduce", DATA_PARALLEL, world, cfg.trainer.num_nodes).key: gradients}
+        if ddp
+        else {},
     )
 
 
@@ -313,7 +325,9 @@ def device_works(cfg: DictConfig) -> Iterator[DeviceWork]:
 
 
 def simulate_devices(cfg: DictConfig) -> list[DevicePlan]:
-    return [simulate(work, cfg) for work in device_works(cfg)]
+    world = cfg.strategy.processes * cfg.trainer.num_nodes
+    world_dim = parallel_dims(build_strategy(cfg.strategy), world).world_dim
+    return [simulate(work, cfg, world_dim) for work in device_works(cfg)]
 
 
 def device_capacity(cfg: DictConfig) -> tuple[int, str]:
@@ -439,7 +453,7 @@ def format_plan(plan: MemoryPlan, cfg: DictConfig) -> str:
         f"{'on' if plan.activation_checkpointing else 'off'} (simulated in {plan.seconds:.1f} s)"
     )
     other = "off" if plan.activation_checkpointing else "on"
-    columns = ["device", "params", "grads", "optimizer", "activations", "comm buffers", "peak"]
+    columns = ["device", "params", "grads", "optimizer", "activations", "comm buffers", "peak", "TFLOP", "comm/step"]
     with_alternative = any(device.peak_checkpointed is not None for device in plan.devices)
     if with_alternative:
         columns += [f"activations (AC {other})", f"peak (AC {other})"]
@@ -449,6 +463,7 @@ def format_plan(plan: MemoryPlan, cfg: DictConfig) -> str:
             _size(getattr(device, name))
             for name in ("params", "grads", "optimizer", "activations", "comm_buffers", "peak")
         ]
+        row += [f"{device.flops / 1e12:.3g}", _size(sum(device.collectives.values()))]
         if with_alternative:
             row += [_size(device.activations_checkpointed), _size(device.peak_checkpointed)]
         rows.append(row)
@@ -461,7 +476,7 @@ def format_plan(plan: MemoryPlan, cfg: DictConfig) -> str:
         lines.append(f"  tried {change}: peak {_size(peak)}")
     if not plan.fits:
         lines.append(
-            f"Smallest change that fits: {plan.suggestion}"
+            f"{plan.suggested_as}: {plan.suggestion}"
             if plan.suggestion
             else "No change tried fits; more devices, a smaller model or a shorter sequence may."
         )

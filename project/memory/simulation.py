@@ -64,8 +64,9 @@ class DeviceWork:
     grads_persist: bool = False  # DDP with gradient_as_bucket_view: gradients live in its buckets throughout
     extra_buffer_bytes: int = 0  # held throughout besides (DDP's buckets, when gradients are not views of them)
     loss_parallel: bool = False  # logits split by vocabulary across tensor-parallel ranks: torch's loss_parallel
-    unsimulated_collectives: dict[str, int] = field(default_factory=dict)  # bytes by kind of the step's
-    # collectives the simulation does not run (DDP's all-reduce of the gradients, made by its wrapper)
+    unsimulated_collectives: dict[str, int] = field(default_factory=dict)  # bytes by Link key of the step's
+    # collectives the simulation does not run (DDP's all-reduce of the gradients, made by its wrapper; what a
+    # pipeline rank sends to the ranks of its neighbouring stages)
 
 
 @contextmanager

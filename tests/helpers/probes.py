@@ -167,17 +167,22 @@ class CollectiveBytesPerBatch(L.Callback):
     (``project.memory.counts.StepCounts``) over this run's real process group: those of the strategy's
     ``training_step`` and ``backward`` (forward and backward, a pipeline's schedule), not the other callbacks'
     (the memory callback measures the model state with collectives of its own). Each rank writes every batch's
-    epoch, index in the epoch and bytes by kind to ``<job dir>/collectives_rank<R>.json``."""
+    epoch, index in the epoch and bytes by link (kind, mesh dimension, ranks, nodes) to
+    ``<job dir>/collectives_rank<R>.json``."""
 
     def __init__(self) -> None:
         self.batches: list[dict] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from project.distributed.dims import DATA_PARALLEL
         from project.memory.counts import StepCounts
+
+        dims = getattr(trainer.strategy, "dims", None)  # DDP: every rank a replica
+        world_dim = dims(trainer.world_size).world_dim if dims else DATA_PARALLEL
 
         def counted(method):
             def run(*args, **kwargs):
-                with StepCounts() as counts:
+                with StepCounts(trainer.num_devices, world_dim) as counts:
                     result = method(*args, **kwargs)
                 for kind, size in counts.collectives.items():
                     self.batches[-1]["bytes"][kind] = self.batches[-1]["bytes"].get(kind, 0) + size

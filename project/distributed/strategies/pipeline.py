@@ -38,7 +38,7 @@ from project.checkpointing.files import META_FILE, is_sharded_checkpoint
 from project.config.build import build_strategy
 from project.config.errors import ConfigError
 from project.config.option_types import PositiveInt
-from project.distributed.dims import DATA_PARALLEL, PIPELINE, ParallelDims
+from project.distributed.dims import DATA_PARALLEL, PIPELINE, ParallelDims, divisors
 from project.distributed.parallelize import (
     apply_fsdp,
     block_sizes,
@@ -50,6 +50,7 @@ from project.distributed.parallelize import (
 )
 from project.distributed.strategies.sharded import ShardedStrategy
 from project.distributed.strategies.stages import check_stage_split
+from project.memory.counts import group_link
 from project.memory.simulation import DeviceWork, TaskModule, block_inputs, fake_process_group
 from project.models.sequence import BlockSequence
 
@@ -76,6 +77,10 @@ class StageModule(nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def _bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _in_flight(schedule: str, microbatches: int, ranks: int, rank: int, stages_per_rank: int) -> int:
@@ -257,6 +262,62 @@ class PipelineStrategy(ShardedStrategy):
         )
 
     @classmethod
+    def search_layouts(cls, cfg: DictConfig, global_batch: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        """For plan=search: pipelines of each size from 2 ranks, each stage split over each tensor-parallel size
+        within a node, the rest data parallel, each replica taking its share of ``global_batch``; under 1F1B and
+        interleaved 1F1B (two stages per rank), up to ``plan_search.max_pipeline_ranks`` ranks, with the most
+        micro-batches up to 2 per pipeline rank that split the replica's batch in rounds of the ranks (a bubble of
+        at most (S - 1) / (3 S - 1); each micro-batch costs the simulation a pass through every stage, and the
+        step-time model does not see a GPU's lower efficiency on smaller micro-batches). GPipe is left out: its
+        bubble is 1F1B's, its activations more. As overrides (text, and keys to values); the run's checks drop those
+        the model cannot split."""
+        world = cfg.strategy.processes * cfg.trainer.num_nodes
+        for ranks in [r for r in divisors(world)[1:] if r <= cfg.plan_search.max_pipeline_ranks]:
+            for size in divisors(cfg.trainer.devices):
+                if world % (ranks * size):
+                    continue
+                replicas = ParallelDims(world, pipeline=ranks, tensor_parallel=size).data_parallel
+                if global_batch % replicas:
+                    continue
+                batch = global_batch // replicas
+                rounds = [m for m in divisors(batch) if m % ranks == 0 and m <= 2 * ranks]
+                if not rounds:
+                    continue
+                microbatches = rounds[-1]
+                for schedule, per_rank in (("1f1b", 1), ("interleaved_1f1b", 2)):
+                    words = [f"strategy.num_stages={ranks * per_rank}", f"strategy.microbatches={microbatches}"]
+                    if per_rank > 1:
+                        words += [f"strategy.schedule={schedule}", f"strategy.stages_per_rank={per_rank}"]
+                    if size > 1:
+                        words.append(f"strategy.tensor_parallel_size={size}")
+                    yield (
+                        " ".join(words),
+                        {
+                            "strategy.num_stages": ranks * per_rank,
+                            "strategy.stages_per_rank": per_rank,
+                            "strategy.schedule": schedule,
+                            "strategy.microbatches": microbatches,
+                            "strategy.tensor_parallel_size": size,
+                            "data.batch_size": batch,
+                        },
+                    )
+
+    @classmethod
+    def blocks_per_device(cls, cfg: DictConfig, net: BlockSequence) -> list[int]:
+        """Blocks each rank of one pipeline runs: those of its stages (the memory plan's devices, in order)."""
+        strategy, ranks = cfg.strategy, cls.pipeline_ranks(cfg)
+        stages = split_blocks(block_sizes(net), strategy.num_stages, strategy.blocks_per_stage)
+        return [sum(len(stages[rank + k * ranks]) for k in range(strategy.stages_per_rank)) for rank in range(ranks)]
+
+    @classmethod
+    def bubble_fraction(cls, cfg: DictConfig) -> float:
+        """For the step-time model: the share of a step each rank idles, waiting for the pipeline to fill and
+        drain: (S - 1) / (v M + S - 1) for S ranks, M micro-batches and v stages per rank (GPipe and 1F1B: v = 1;
+        interleaving cuts each rank's idle stretches v-fold)."""
+        ranks, strategy = cls.pipeline_ranks(cfg), cfg.strategy
+        return (ranks - 1) / (strategy.stages_per_rank * strategy.microbatches + ranks - 1)
+
+    @classmethod
     def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], TaskModule]) -> Iterator[DeviceWork]:
         """For the memory plan: each rank of one pipeline (their data-parallel and tensor-parallel peers hold the
         same), laid out as in a real run over a fake process group of the job's size, with the micro-batches its
@@ -279,6 +340,16 @@ class PipelineStrategy(ShardedStrategy):
                 kept = strategy.lay_out(module.net, mesh, precision)
                 stage_ids = strategy.stages_of(rank)
                 first, last = 0 in stage_ids, strategy.num_stages - 1 in stage_ids
+                # Each micro-batch, each of the rank's stages sends its output on to the next stage and its input's
+                # gradient back to the previous one, both on other ranks.
+                sent = sum(
+                    _bytes(boundaries[stages[stage].stop]) * (stage < strategy.num_stages - 1)
+                    + _bytes(boundaries[stages[stage].start]) * (stage > 0)
+                    for stage in stage_ids
+                )
+                link = group_link(
+                    "send", mesh[PIPELINE].get_group(), cfg.trainer.devices, strategy.dims(world).world_dim
+                )
                 yield DeviceWork(
                     f"rank {rank} (stage {', '.join(map(str, stage_ids))})",
                     module,
@@ -292,6 +363,7 @@ class PipelineStrategy(ShardedStrategy):
                     receive_buffers=True,
                     keeps_outputs=last,
                     forward_in_backward=True,
+                    unsimulated_collectives={link.key: sent * microbatches},
                 )
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
