@@ -104,3 +104,12 @@ def gpt_step_flops(cfg, batch: int, checkpointed: bool) -> int:
 def test_planned_flops_of_a_gpt_step_are_its_arithmetic_with_activation_checkpointing_recompute(checkpointed):
     cfg = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", f"model.activation_checkpointing={checkpointed}"])
     assert [device.flops for device in simulate_devices(cfg)] == [gpt_step_flops(cfg, 16, checkpointed)]
+
+
+@pytest.mark.parametrize("layout", [["strategy=tensor_parallel"], ["strategy=fsdp", "strategy.tensor_parallel_size=2"]])
+def test_each_tensor_parallel_rank_computes_half_the_gpts_step(layout):
+    """Two tensor-parallel ranks split every linear, the attention heads and the head by vocabulary: each computes
+    half the step's arithmetic. (DTensor runs each op whole on fake tensors of its own to infer the output's shape:
+    those are not counted.)"""
+    cfg = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", "trainer.devices=2", *layout])
+    assert [device.flops for device in simulate_devices(cfg)] == [gpt_step_flops(cfg, 16, False) // 2]

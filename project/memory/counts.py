@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.tensor import DTensor
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -109,23 +111,29 @@ def _process_group(func: Any, args: tuple, kwargs: dict) -> dist.ProcessGroup:
 class StepCounts(TorchDispatchMode):
     """While active: ``flops``, the floating-point operations of matmuls and attention (what MFU counts; torch's
     formulas), and ``collectives``, each collective's bytes by ``Link`` key (kind, mesh dimension, ranks, nodes;
-    ``group_link`` with ``devices_per_node`` and ``world_dim``). A collective's bytes are its whole buffer: the
+    ``group_link`` with ``devices_per_node`` and ``world_dim``). In a simulation, ``fake_mode`` is the mode of the
+    step's fake tensors. A collective's bytes are its whole buffer: the
     largest of its tensors (the gathered tensor of an all-gather, the unreduced one of a reduce-scatter, the
     reduced one of an all-reduce, what a send sends; a receive is the other end of a send)."""
 
-    def __init__(self, devices_per_node: int, world_dim: str) -> None:
+    def __init__(self, devices_per_node: int, world_dim: str, fake_mode: FakeTensorMode | None = None) -> None:
         super().__init__()
         self.devices_per_node = devices_per_node
         self.world_dim = world_dim
+        self.fake_mode = fake_mode  # a simulation's: the mode of the step's tensors
         self.flops = 0
         self.collectives: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if any(issubclass(kind, DTensor) for kind in types):
+            # As torch's CommDebugMode: let DTensor turn the op into this rank's local op and the collectives its
+            # redistributions need, which then come here, rather than count the whole op.
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         formula = FLOP_FORMULAS.get(packet)
-        if formula is not None:
+        if formula is not None and self._on_step_tensors(args, kwargs):
             self.flops += formula(*args, **kwargs, out_val=out)
         elif func.namespace.startswith(("c10d", "_c10d")) and packet.__name__ in COLLECTIVES:
             group = _process_group(func, args, kwargs)
@@ -133,3 +141,9 @@ class StepCounts(TorchDispatchMode):
             tensors = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
             self.collectives[link.key] += max((t.numel() * t.element_size() for t in tensors), default=0)
         return out
+
+    def _on_step_tensors(self, args: tuple, kwargs: dict) -> bool:
+        """Whether an op computes on the step's own tensors: not on fake tensors of another mode, which DTensor
+        makes to infer an op's output shape by running it whole."""
+        leaves = tree_leaves((args, kwargs))
+        return all(item.fake_mode is self.fake_mode for item in leaves if isinstance(item, FakeTensor))

@@ -127,7 +127,7 @@ def simulate(work: DeviceWork, cfg: DictConfig, world_dim: str) -> DevicePlan:
     dimension of the collectives over every rank, ``ParallelDims.world_dim``)."""
     precision = _precision(cfg)
     module, net = work.module, work.module.net
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         allocate(net, torch.device("cpu"))
         if precision in ("bf16-true", "16-true"):  # Lightning's HalfPrecision converts the module
             net.to(torch.bfloat16 if precision == "bf16-true" else torch.float16)
@@ -158,8 +158,11 @@ def simulate(work: DeviceWork, cfg: DictConfig, world_dim: str) -> DevicePlan:
             # loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
             batches = [module.example_batch(cfg.data.batch_size, cfg.data) for _ in range(1 if uses_cuda(cfg) else 2)]
             microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
-            with StepCounts(cfg.trainer.devices, world_dim) as counts:
+            # Counted: the forward and backward (what a run's training_step and backward run); not the optimizer's
+            # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
+            with StepCounts(cfg.trainer.devices, world_dim, fake_mode) as counts:
                 activations = _step(work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, cfg)
+            optimizer.step()
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
             if work.grads_persist:
                 comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
@@ -206,8 +209,9 @@ def _step(
     tracker: MemTracker,
     cfg: DictConfig,
 ) -> int:
-    """One optimizer step in Lightning's order: forward (``training_step``), ``zero_grad``, backward, step; a
-    pipeline's forwards run inside its backward, after ``zero_grad``, in its schedule's order. Returns the bytes
+    """A training step in Lightning's order up to the optimizer's step (the caller's): forward
+    (``training_step``), ``zero_grad``, backward; a pipeline's forwards run inside its backward, after
+    ``zero_grad``, in its schedule's order. Returns the bytes
     autograd saved for backward in the forwards in flight at once (each storage once, parameters and views of
     them not counted)."""
     data_inputs, target = batch
@@ -276,7 +280,6 @@ def _step(
     if kept:
         merged = torch.cat(kept)  # the schedule merges the micro-batches' outputs for the metrics
         del merged, kept[:]
-    optimizer.step()
     return activations
 
 
