@@ -99,7 +99,16 @@ CASES = [
         ["strategy=ddp", "trainer.devices=2", "data.num_train=1"],
         "trainer.devices: x trainer.num_nodes gives 2 data-parallel replicas, more than the 1 training samples",
     ),
-    (["plan=no"], "plan: must be true or false, got 'no'"),
+    (["plan=no"], "plan: must be true or false or one of 'search', got 'no'"),
+    (["plan=search"], "cluster: is not set: plan=search predicts step times on a cluster's GPUs and network"),
+    (
+        ["plan=search", "cluster=h100_sxm_8x", "plan_search.strategies=[fsdp,tensor_parallel]"],
+        "plan_search.strategies: names tensor_parallel, which plan=search cannot lay out",
+    ),
+    (
+        ["plan=search", "cluster=h100_sxm_8x", "strategy=ddp", "trainer.devices=16"],
+        "trainer.devices: is 16, more than the 8 GPUs of one h100_sxm_8x node",
+    ),
     (["tags=5"], "tags: must be a list, got 5"),
     # Devices, nodes, precision, process groups
     (

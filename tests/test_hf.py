@@ -124,6 +124,8 @@ def test_gpt2_loads_into_a_shorter_context_and_untied_for_split_strategies(tmp_p
         ("llama_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B
         ("llama_3b", 3_212_749_824),  # meta-llama/Llama-3.2-3B
         ("llama_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
+        ("llama_70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B
+        ("llama_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
     ],
 )
 def test_llama_presets_have_the_published_parameter_counts(preset, published):

@@ -11,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("entry points", ["project.cli"]),
     ("job", ["project.launch", "project.config.job"]),
-    ("plan", ["project.memory.plan"]),
+    ("plan", ["project.memory.plan", "project.memory.step_time", "project.memory.depth", "project.memory.search"]),
     (
         "Lightning parts",
         ["project.tasks", "project.observability", "project.memory.measure", "project.checkpointing.latest_and_best"],

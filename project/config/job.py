@@ -30,6 +30,8 @@ from project.distributed.dims import ParallelDims
 from project.launch.processes import NodeTask, is_rank_zero, node_task
 from project.launch.trial import job_trial
 from project.memory.plan import MemoryPlan, check_fits, format_plan, plan_memory
+from project.memory.search import format_search, search
+from project.memory.step_time import Cluster, format_step, predict_step
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +83,31 @@ def resolve_job(cfg: DictConfig, torchrun: bool) -> Job:
 
 def print_memory_plan(cfg: DictConfig) -> None:
     """``plan=true``: the config checked and its memory plan printed, with activation checkpointing both ways and,
-    if it does not fit, the smallest change that does; nothing is trained."""
+    if it does not fit, the smallest change that does, and with a ``cluster`` its predicted step time.
+    ``plan=search``: every layout of the job's devices ranked by predicted step time. Nothing is trained."""
     cfg = resolved_config(cfg)
-    check_config(cfg)
-    print(format_plan(plan_memory(cfg, alternatives=True), cfg))
+    dims = check_config(cfg).dims
+    if cfg.plan == "search":
+        print(format_search(cfg, search(cfg)))
+        return
+    plan = plan_memory(cfg, suggest=cfg.get("cluster") is None, alternatives=True)
+    suggest_fastest(plan, cfg)
+    print(format_plan(plan, cfg))
+    if cfg.get("cluster") is not None:
+        cluster = Cluster.of(cfg)
+        # The MFU counts no recompute: with checkpointing on, the FLOPs of the simulation with it off.
+        without = [device.flops_checkpointed or 0 for device in plan.devices] if plan.activation_checkpointing else []
+        print(format_step(predict_step(plan, cfg, dims, cluster, max(without, default=None)), cluster, cfg))
+
+
+def suggest_fastest(plan: MemoryPlan, cfg: DictConfig) -> None:
+    """With a ``cluster``, a plan that does not fit suggests the fastest layout of the job's devices that fits
+    (``plan=search``'s), rather than the smallest change."""
+    if plan.fits or cfg.get("cluster") is None:
+        return
+    fastest = search(cfg).fastest_fitting()
+    if fastest is not None:
+        plan.suggestion, plan.suggested_as = fastest.overrides, f"Fastest layout that fits on {cfg.cluster.name}"
 
 
 def resolved_config(cfg: DictConfig) -> DictConfig:
@@ -234,7 +257,8 @@ def planned_memory(cfg: DictConfig, torchrun: bool) -> MemoryPlan | None:
     evaluation (``mode=eval``) trains no step, which is what a plan simulates."""
     if torchrun or cfg.mode == "eval":
         return None
-    plan = plan_memory(cfg)
+    plan = plan_memory(cfg, suggest=cfg.get("cluster") is None)
+    suggest_fastest(plan, cfg)
     if is_rank_zero():
         log.info(format_plan(plan, cfg))
     check_fits(plan, cfg)

@@ -29,7 +29,7 @@ from project.config.errors import ConfigError
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
 # The train config's own keys (conf/train.yaml), which no ``_target_`` declares; the others (seed, mode, ckpt_path)
 # have checks of their own in project.config.checks.
-TRAIN_KEYS = {"task_name": str, "tags": list[str], "plan": bool, "print_config": bool}
+TRAIN_KEYS = {"task_name": str, "tags": list[str], "plan": bool | Literal["search"], "print_config": bool}
 
 
 def check_train_keys(cfg: DictConfig) -> None:

@@ -76,6 +76,7 @@ class DevicePlan:
     peak: int
     activations_checkpointed: int | None = None  # the same with the other activation checkpointing setting...
     peak_checkpointed: int | None = None  # ...and its peak (plan=true only)
+    flops_checkpointed: int | None = None  # ...and its FLOPs
     flops: int = 0  # floating-point operations of the step on this device (project.memory.counts)
     collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by Link key
 
@@ -335,10 +336,12 @@ def simulate_devices(cfg: DictConfig) -> list[DevicePlan]:
 
 def device_capacity(cfg: DictConfig) -> tuple[int, str]:
     """Bytes of one device, and where the figure comes from: ``memory_plan.device_memory_gb`` if set, else the
-    GPU's, else on a CPU this machine's memory shared by the node's devices."""
+    ``cluster``'s GPU's, else the GPU's, else on a CPU this machine's memory shared by the node's devices."""
     gigabytes = cfg.memory_plan.device_memory_gb
     if gigabytes is not None:
         return int(gigabytes * GB), "memory_plan.device_memory_gb"
+    if cfg.get("cluster") is not None:
+        return int(cfg.cluster.memory_gb * GB), f"cluster={cfg.cluster.name}"
     if uses_cuda(cfg) and torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)  # no CUDA context is opened for this
         return properties.total_memory, properties.name
@@ -425,6 +428,7 @@ def plan_memory(cfg: DictConfig, suggest: bool = True, alternatives: bool = Fals
             switched["strategy.activation_checkpointing"] = not plan.activation_checkpointing
         for device, other in zip(plan.devices, simulate_devices(_changed(cfg, switched))):
             device.activations_checkpointed, device.peak_checkpointed = other.activations, other.peak
+            device.flops_checkpointed = other.flops
     if suggest and not plan.fits:
         for change, changed in candidate_changes(cfg):
             if not _valid(changed):

@@ -11,6 +11,7 @@ activation checkpointing (``strategy.activation_checkpointing``), then FSDP per 
 model's own activation checkpointing and compilation (``model.*``) wrap the blocks before the strategy acts.
 """
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -19,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from project.config.checks import uses_cuda
 from project.config.errors import ConfigError
-from project.distributed.dims import DATA_PARALLEL, ParallelDims
+from project.distributed.dims import DATA_PARALLEL, ParallelDims, divisors
 from project.distributed.parallelize import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
 from project.distributed.strategies.sharded import ShardedStrategy
 from project.models.sequence import BlockSequence
@@ -45,6 +46,18 @@ class FSDPStrategy(ShardedStrategy):
 
     def dims(self, world_size: int) -> ParallelDims:
         return ParallelDims(world_size, tensor_parallel=self.tensor_parallel.size, shard=True)
+
+    @classmethod
+    def search_layouts(cls, cfg: DictConfig, global_batch: int) -> Iterator[tuple[str, dict[str, Any]]]:
+        """For plan=search: FSDP alone, and over groups of each tensor-parallel size within a node, each replica
+        taking its share of ``global_batch``; as overrides (text, and keys to values). The run's checks drop those
+        the model cannot split."""
+        world = cfg.strategy.processes * cfg.trainer.num_nodes
+        for size in divisors(cfg.trainer.devices):
+            replicas = ParallelDims(world, tensor_parallel=size, shard=True).data_parallel
+            if global_batch % replicas == 0:
+                text = f"strategy.tensor_parallel_size={size}" if size > 1 else ""
+                yield text, {"strategy.tensor_parallel_size": size, "data.batch_size": global_batch // replicas}
 
     @classmethod
     def check_config(cls, cfg: DictConfig, net: BlockSequence, ckpt_path: str | None) -> None:

@@ -51,6 +51,18 @@ class ManualModelParallelStrategy(SingleDeviceStrategy):
         check_stage_split(cfg, net)
 
     @classmethod
+    def blocks_per_device(cls, cfg: DictConfig, net: BlockSequence) -> list[int]:
+        """Blocks each stage's device runs (the memory plan's devices, in order)."""
+        strategy = cfg.strategy
+        return [len(stage) for stage in split_blocks(block_sizes(net), strategy.num_stages, strategy.blocks_per_stage)]
+
+    @classmethod
+    def bubble_fraction(cls, cfg: DictConfig) -> float:
+        """For the step-time model: the stages run one after another, each device idle while the others
+        compute."""
+        return 1 - 1 / cfg.strategy.num_stages
+
+    @classmethod
     def simulated_devices(cls, cfg: DictConfig, new_module: Callable[[], TaskModule]) -> Iterator[DeviceWork]:
         """For the memory plan: each stage, holding its blocks, the activations of the whole batch through them
         and, after the first, the input that arrives from the stage before."""

@@ -1,0 +1,273 @@
+"""What is the fastest way to train this? ``plan=search``: every layout of the job's devices, each simulated (its
+memory plan, with its FLOPs and collective bytes) and timed by the step-time model on ``cluster``, ranked.
+
+The layouts: each strategy's own (``search_layouts`` on its class: FSDP's tensor-parallel sizes, a pipeline's
+sizes, schedules and micro-batches) and DDP's one, each with activation checkpointing off and on, each at the
+config's global batch (``data.batch_size`` per replica x replicas x ``trainer.accumulate_grad_batches``) cut into
+the layout's replicas. Those that fail the run's checks are dropped. A deep model's plans are extended from
+shallow copies (``project.memory.depth``), and the layout named fastest is simulated whole before it is named. The
+simulations run in parallel, one process per core, and are cached on disk (``${paths.log_dir}/plan_cache``), keyed
+by everything a simulation reads and the project's source.
+"""
+
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from project.config.checks import check_config, strategy_class
+from project.config.errors import ConfigError
+from project.distributed.dims import ParallelDims
+from project.memory.depth import extrapolated_plan
+from project.memory.plan import DevicePlan, MemoryPlan, _changed, _checkpointing, _size, device_capacity, plan_memory
+from project.memory.step_time import Cluster, StepTime, predict_step, throughput_unit
+
+SEARCHABLE = ("ddp", "fsdp", "pipeline")  # the strategy group's options a search can lay out (conf/strategy)
+SIMULATED_KEYS = ("model", "data", "strategy", "trainer")  # what a simulation reads of a config
+SOURCE = Path(__file__).resolve().parents[1]  # the project package: a change to it invalidates the cache
+
+
+@dataclass
+class Layout:
+    """One candidate: the overrides that make it (as a user types them), its config, how its ranks divide."""
+
+    overrides: str
+    cfg: DictConfig
+    dims: ParallelDims
+    plan: MemoryPlan | None = None
+    extrapolated: bool = False  # the plan extended from shallow copies (project.memory.depth), not simulated whole
+    time: StepTime | None = None
+
+
+def global_batch(cfg: DictConfig) -> int:
+    """Samples per optimizer step: a replica's batch x replicas x gradient accumulation."""
+    dims = check_config(cfg).dims
+    return cfg.data.batch_size * dims.data_parallel * cfg.trainer.accumulate_grad_batches
+
+
+def candidate_layouts(cfg: DictConfig) -> Iterator[Layout]:
+    """Every layout of ``cfg``'s devices at its global batch that passes the run's checks."""
+    batch = global_batch(cfg)
+    world = cfg.strategy.processes * cfg.trainer.num_nodes
+    for name in cfg.plan_search.strategies:
+        strategy = _changed(cfg, {}, name)
+        layouts = getattr(strategy_class(strategy), "search_layouts", None)
+        # DDP (Lightning's class): every rank a replica.
+        options = layouts(strategy, batch) if layouts else [("", {"data.batch_size": batch // world})]
+        for text, changes in options:
+            for checkpointing in (False, True):
+                overrides = {
+                    **changes,
+                    "trainer.accumulate_grad_batches": 1,
+                    "model.activation_checkpointing": checkpointing,
+                }
+                if "activation_checkpointing" in strategy.strategy:  # FSDP's own key: the model's says it for all
+                    overrides["strategy.activation_checkpointing"] = False
+                candidate = _changed(cfg, overrides, name)
+                dims = check_dims(candidate)
+                if dims is None or candidate.data.batch_size * dims.data_parallel != batch:
+                    continue
+                words = [f"strategy={name}", text, f"data.batch_size={candidate.data.batch_size}"]
+                if cfg.trainer.accumulate_grad_batches != 1:
+                    words.append("trainer.accumulate_grad_batches=1")
+                words.append(f"model.activation_checkpointing={str(checkpointing).lower()}")
+                yield Layout(" ".join(word for word in words if word), candidate, dims)
+
+
+def check_dims(cfg: DictConfig) -> ParallelDims | None:
+    """How ``cfg``'s ranks divide, or None if it fails the run's checks."""
+    try:
+        return check_config(cfg).dims
+    except ConfigError:
+        return None
+
+
+def _source_digest() -> str:
+    digest = hashlib.sha256(torch.__version__.encode())
+    for path in sorted(SOURCE.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def cache_key(cfg: DictConfig, source: str) -> str:
+    """What the simulation reads of ``cfg`` and the project's ``source`` digest, hashed; the job's own dir (in
+    ``trainer.default_root_dir``: each run has its own) left out."""
+    simulated = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in SIMULATED_KEYS}
+    text = json.dumps([simulated, source], sort_keys=True, default=str).replace(str(cfg.paths.output_dir), "<job>")
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _simulate(container: Any, whole: bool) -> dict[str, Any]:
+    """In a worker process: the layout's plan (its config as a plain dict: ``OmegaConf.to_container``), as JSON,
+    from its shallow copies where they are on a line and cheaper, else (or if ``whole``) simulated whole."""
+    torch.set_num_threads(1)  # fake tensors compute nothing; one core per worker
+    cfg = OmegaConf.create(container)
+    plan = None if whole else extrapolated_plan(cfg)
+    return {"plan": (plan or plan_memory(cfg, suggest=False)).to_json(), "extrapolated": plan is not None}
+
+
+def _plan_of(saved: dict[str, Any]) -> MemoryPlan:
+    fields = {name: saved[name] for name in MemoryPlan.__dataclass_fields__}
+    return MemoryPlan(**{**fields, "devices": [DevicePlan(**device) for device in saved["devices"]]})
+
+
+def _keep(layout: Layout, saved: dict[str, Any]) -> None:
+    layout.plan, layout.extrapolated = _plan_of(saved["plan"]), saved["extrapolated"]
+
+
+def simulate_layouts(layouts: list[Layout], cache_dir: Path, workers: int, whole: bool = False) -> int:
+    """Each layout's plan, from the cache or simulated (in ``workers`` processes; ``whole``: not extrapolated),
+    with a progress bar; returns how many were simulated."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    source = _source_digest()
+    missing: dict[str, list[Layout]] = {}
+    for layout in layouts:
+        path = cache_dir / f"{cache_key(layout.cfg, source)}{'-whole' if whole else ''}.json"
+        if path.exists():
+            _keep(layout, json.loads(path.read_text()))
+        else:
+            missing.setdefault(path.name, []).append(layout)
+    if not missing:
+        return 0
+    # Spawned workers: a forked one would inherit this process's torch threads and Hydra's state.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=min(workers, len(missing)), mp_context=context) as pool:
+        futures = {
+            pool.submit(_simulate, OmegaConf.to_container(same[0].cfg), whole): (name, same)
+            for name, same in missing.items()
+        }
+        bar = tqdm(total=len(futures), desc="Simulating layouts", unit="layout", leave=False)
+        for future in as_completed(futures):
+            name, same = futures[future]
+            saved = future.result()
+            (cache_dir / name).write_text(json.dumps(saved))
+            for layout in same:
+                _keep(layout, saved)
+            bar.update()
+        bar.close()
+    return len(missing)
+
+
+def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list[Layout]:
+    """Each layout's step time; those that fit first, fastest first (the smaller peak first among equals), then
+    the others. The MFU counts the FLOPs of the same layout without activation checkpointing."""
+    without = {_without_checkpointing(layout): layout for layout in layouts if not _checkpointing(layout.cfg)}
+    for layout in layouts:
+        assert layout.plan is not None
+        reference = without.get(_without_checkpointing(layout), layout)
+        assert reference.plan is not None
+        model_flops = max(device.flops for device in reference.plan.devices)
+        layout.time = predict_step(layout.plan, layout.cfg, layout.dims, cluster, model_flops)
+
+    def order(layout: Layout) -> tuple[bool, float, int]:
+        assert layout.plan is not None and layout.time is not None
+        return layout.plan.peak > capacity, -layout.time.tokens_per_device_per_s, layout.plan.peak
+
+    return sorted(layouts, key=order)
+
+
+def _without_checkpointing(layout: Layout) -> str:
+    return layout.overrides.replace("model.activation_checkpointing=true", "model.activation_checkpointing=false")
+
+
+@dataclass
+class Search:
+    """A search's outcome: the layouts ranked, on which cluster, a device's bytes, how many layouts were
+    simulated (the others came from the cache), in how many seconds."""
+
+    ranked: list[Layout]
+    cluster: Cluster
+    capacity: int
+    simulated: int
+    seconds: float
+
+    def fastest_fitting(self) -> Layout | None:
+        return next((layout for layout in self.ranked if layout.plan and layout.plan.peak <= self.capacity), None)
+
+
+def search(cfg: DictConfig, workers: int | None = None) -> Search:
+    """``plan=search``: the layouts of ``cfg``'s devices, simulated (``workers`` processes: one per core) and
+    ranked."""
+    start = time.perf_counter()
+    if cfg.get("cluster") is None:
+        raise ConfigError(
+            "cluster",
+            "is not set: plan=search predicts step times on a cluster's GPUs and network.",
+            "choose one: cluster=h100_sxm_8x, h200_8x or a100_80g_8x (conf/cluster), and override its keys as needed.",
+        )
+    cluster = Cluster.of(cfg)
+    if cfg.trainer.devices > cluster.devices_per_node:
+        raise ConfigError(
+            "trainer.devices",
+            f"is {cfg.trainer.devices}, more than the {cluster.devices_per_node} GPUs of one {cluster.name} node.",
+            f"use trainer.devices={cluster.devices_per_node} and trainer.num_nodes for more.",
+        )
+    unknown = sorted(set(cfg.plan_search.strategies) - set(SEARCHABLE))
+    if unknown:
+        raise ConfigError(
+            "plan_search.strategies",
+            f"names {', '.join(unknown)}, which plan=search cannot lay out.",
+            f"choose among {', '.join(SEARCHABLE)}, e.g. plan_search.strategies=[fsdp,pipeline].",
+        )
+    layouts = list(candidate_layouts(cfg))
+    cache, workers = Path(cfg.paths.log_dir) / "plan_cache", workers or os.cpu_count() or 1
+    simulated = simulate_layouts(layouts, cache, workers)
+    capacity, _ = device_capacity(cfg)
+    ranked = rank_layouts(layouts, cluster, capacity)
+    # The fastest that fits, simulated whole before it is named (an extrapolated peak may miss a late rise).
+    while (fastest := Search(ranked, cluster, capacity, 0, 0).fastest_fitting()) and fastest.extrapolated:
+        simulated += simulate_layouts([fastest], cache, workers, whole=True)
+        ranked = rank_layouts(layouts, cluster, capacity)
+    return Search(ranked, cluster, capacity, simulated, time.perf_counter() - start)
+
+
+def format_search(cfg: DictConfig, found: Search) -> str:
+    """The ranked table and the overrides of the fastest layout that fits."""
+    ranked, cluster, capacity = found.ranked, found.cluster, found.capacity
+    unit = throughput_unit(cfg)
+    world = cfg.strategy.processes * cfg.trainer.num_nodes
+    lines = [
+        f"Layouts of {world} {cluster.name} GPU(s) ({cfg.trainer.devices} x {cfg.trainer.num_nodes} node(s)), "
+        f"model={(cfg.get('choices') or {}).get('model', '?')}, global batch {global_batch(cfg)}, ranked by predicted "
+        f"{unit}/s per GPU ({len(ranked)} layouts, {found.simulated} simulated, the others cached; "
+        f"{found.seconds:.0f} s):"
+    ]
+    columns = ["#", f"{unit}/s/GPU", "MFU", "step s", "bubble s", "exposed comm s", "peak", "fits", "overrides"]
+    rows = []
+    for index, layout in enumerate(ranked, 1):
+        assert layout.plan is not None and layout.time is not None
+        step = layout.time
+        rows.append(
+            [
+                str(index),
+                f"{step.tokens_per_device_per_s:,.0f}",
+                f"{100 * step.mfu:.1f}%",
+                f"{step.seconds:.3g}",
+                f"{step.bubble:.2g}",
+                f"{step.exposed_communication:.2g}",
+                ("~" if layout.extrapolated else "") + _size(layout.plan.peak),
+                "yes" if layout.plan.peak <= capacity else "no",
+                layout.overrides,
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows + [columns]) for i in range(len(columns))]
+    lines.append("  ".join(name.rjust(width) for name, width in zip(columns[:-1], widths)) + "  " + columns[-1])
+    lines += ["  ".join(cell.rjust(width) for cell, width in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
+    if any(layout.extrapolated for layout in ranked):
+        lines.append("~: extended from copies of 3 to 5 blocks a stage, not simulated whole (docs/step-time.md).")
+    fastest = found.fastest_fitting()
+    if fastest is not None:
+        lines.append(f"Fastest that fits in {_size(capacity)}: {fastest.overrides}")
+    else:
+        lines.append(f"No layout of {world} GPU(s) fits in {_size(capacity)}: more nodes or a smaller batch may.")
+    return "\n".join(lines)
