@@ -8,6 +8,7 @@ import pytest
 from conftest import TINY, TINY_GPT, train
 from test_memory_plan import resolved
 
+from project.memory import plan
 from project.memory.depth import extrapolated_plan
 from project.memory.plan import plan_memory
 
@@ -108,3 +109,25 @@ def test_a_plan_extended_from_shallow_copies_is_the_whole_simulation(layout):
     for guess, truth in zip(extended.devices, whole.devices):
         assert {**asdict(guess), "peak": 0, "comm_buffers": 0} == {**asdict(truth), "peak": 0, "comm_buffers": 0}
         assert guess.peak == pytest.approx(truth.peak, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # 1F1B, each stage split over 2 tensor-parallel ranks and sharded over 2 replicas; rank 0 has 2 micro-batches
+        # in flight of 6, and replays micro-batches 2 and 3
+        ["trainer.devices=8", "strategy.num_stages=2", "strategy.tensor_parallel_size=2", "strategy.microbatches=6"],
+        ["trainer.devices=2", "strategy.schedule=gpipe", "strategy.microbatches=6"],  # all in flight
+        ["trainer.devices=2", "strategy.num_stages=4", "strategy.stages_per_rank=2"]
+        + ["strategy.schedule=interleaved_1f1b", "strategy.microbatches=8", "model.activation_checkpointing=true"],
+    ],
+    ids=["1f1b-fsdp-tp", "gpipe", "interleaved-checkpointed"],
+)
+def test_replayed_microbatches_hold_and_count_what_simulated_ones_do(layout, monkeypatch):
+    """A pipeline device's plan with its repeated micro-batches replayed is, figure for figure, its plan with every
+    micro-batch simulated."""
+    cfg = resolved([*TINY_GPT, "model.net.num_layers=4", "data.batch_size=48", "strategy=pipeline", *layout])
+    replayed = plan_memory(cfg, suggest=False)
+    monkeypatch.setattr(plan, "simulated_microbatches", lambda microbatches, in_flight: set(range(microbatches)))
+    whole = plan_memory(cfg, suggest=False)
+    assert [asdict(device) for device in replayed.devices] == [asdict(device) for device in whole.devices]
