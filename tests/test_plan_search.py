@@ -1,33 +1,48 @@
-"""``python train.py plan=search``: every layout of the job's devices simulated and ranked by the step-time model;
-the simulations cached; a run that does not fit told the fastest layout that does."""
+"""``python train.py plan=search``: every layout of the job's devices simulated and ranked by the step-time model,
+or left out where its bound shows it slower than the fastest that fits; the simulations cached; a run that does not
+fit told the fastest layout that does; the shortcuts of the simulations (shallow copies, replayed micro-batches)
+held to the whole simulation."""
 
 import re
 from dataclasses import asdict
 
 import pytest
-from conftest import TINY, TINY_GPT, train
+from conftest import TINY_GPT, train
 from test_memory_plan import resolved
 
 from project.memory import plan
 from project.memory.depth import extrapolated_plan
 from project.memory.plan import plan_memory
 
-# The tiny MLP on 2 simulated H100s: DDP at 64 per device, so a global batch of 128.
-SEARCH = [*TINY, "strategy=ddp", "trainer.devices=2", "data.batch_size=64", "cluster=h100_sxm_8x"]
+# The tiny GPT (3 blocks) on 2 simulated H100s: FSDP at 4 per device, so a global batch of 8. Communication is made
+# free (NVLink at 10^9 GB/s), so that compute and bubbles decide, and the pipelines' bounds leave them out.
+SEARCH = [
+    *TINY_GPT,
+    "model.net.num_layers=3",
+    "strategy=fsdp",
+    "trainer.devices=2",
+    "data.batch_size=4",
+    "cluster=h100_sxm_8x",
+    "cluster.intra_node_gb_per_s=1e9",
+]
 # Written out by hand: DDP's one layout, FSDP alone and over 2 tensor-parallel ranks, a pipeline of 2 ranks under
-# 1F1B (4 micro-batches: 2 per rank; interleaving needs 4 stages, and the MLP has 3 blocks), each at the global
-# batch of 128 and with activation checkpointing off and on.
+# 1F1B (4 micro-batches: 2 per rank; interleaving needs 4 stages, and there are 3 blocks), each at the global batch
+# of 8 and with activation checkpointing off and on.
+LAYOUTS_WITHOUT_BUBBLE = [
+    "strategy=ddp data.batch_size=4",
+    "strategy=fsdp data.batch_size=4",
+    "strategy=fsdp strategy.tensor_parallel_size=2 data.batch_size=8",
+]
 LAYOUTS = {
     f"{layout} model.activation_checkpointing={checkpointing}"
     for layout in [
-        "strategy=ddp data.batch_size=64",
-        "strategy=fsdp data.batch_size=64",
-        "strategy=fsdp strategy.tensor_parallel_size=2 data.batch_size=128",
-        "strategy=pipeline strategy.num_stages=2 strategy.microbatches=4 data.batch_size=128",
+        *LAYOUTS_WITHOUT_BUBBLE,
+        "strategy=pipeline strategy.num_stages=2 strategy.microbatches=4 data.batch_size=8",
     ]
     for checkpointing in ("false", "true")
 }
 ROW = re.compile(r"^\s*(\d+)\s+([\d,]+)\s+([\d.]+)%\s+\S+\s+\S+\s+\S+\s+~?([\d.]+ [KMG]iB)\s+(yes|no)\s+(.+)$", re.M)
+BOUNDED = re.compile(r"^\s*\d+\s+<=([\d,]+)(?:\s+-){6}\s+(.+)$", re.M)
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
@@ -45,20 +60,37 @@ def rows(output: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory, home):
-    """The search once, its simulations cached in a log dir of its own; returns that dir and the table."""
+    """The search, pruned, then again with every layout simulated (those the first left out), its simulations
+    cached in a log dir of its own; returns that dir and the two tables."""
     logs = tmp_path_factory.mktemp("search-logs")
-    result = train([*SEARCH, "plan=search", f"paths.log_dir={logs}"], home)
-    return logs, result.stdout
+    pruned = train([*SEARCH, "plan=search", f"paths.log_dir={logs}"], home).stdout
+    every = train([*SEARCH, "plan=search", "plan_search.prune=false", f"paths.log_dir={logs}"], home).stdout
+    return logs, pruned, every
 
 
 def test_every_layout_is_ranked_by_predicted_throughput(searched):
-    _, output = searched
+    _, _, output = searched
     table = rows(output)
     assert {row["overrides"] for row in table} == LAYOUTS
-    assert "8 layouts, 8 simulated" in output
     assert all(row["fits"] for row in table)  # in an H100's 80 GB
     assert [row["tokens"] for row in table] == sorted((row["tokens"] for row in table), reverse=True)
     assert f"Fastest that fits in 80.00 GiB: {table[0]['overrides']}" in output
+
+
+def test_the_layouts_pruned_are_bounded_above_their_throughput_and_none_is_the_fastest(searched):
+    """Pruned, the search simulates only the layouts without a bubble: each pipeline's bound (its share of the
+    step's FLOPs, stretched by its bubble) is below FSDP's throughput. Simulated after all, each pipeline is slower
+    than its bound, and the fastest layout is the same."""
+    _, pruned, every = searched
+    assert "8 layouts, 6 simulated, 2 bounded" in pruned
+    assert "8 layouts, 2 simulated, 0 bounded" in every  # the 2 left out; the 6 others from the cache
+    bounds = {overrides.strip(): int(bound.replace(",", "")) for bound, overrides in BOUNDED.findall(pruned)}
+    assert set(bounds) == {layout for layout in LAYOUTS if layout.startswith("strategy=pipeline")}
+    simulated = {row["overrides"]: row["tokens"] for row in rows(every)}
+    assert all(simulated[layout] <= bound for layout, bound in bounds.items())
+    assert max(bounds.values()) < rows(pruned)[0]["tokens"]
+    fastest = "Fastest that fits in 80.00 GiB: "
+    assert pruned.split(fastest)[1].splitlines()[0] == every.split(fastest)[1].splitlines()[0]
 
 
 @pytest.mark.slow
@@ -68,7 +100,7 @@ def test_a_smaller_device_reranks_from_the_cache_and_a_run_that_does_not_fit_is_
     """With a device between the smallest and the largest peak, the same search (all from the cache) puts the
     layouts that fit first. ``plan=true`` on one that does not fit names the fastest that does, and on that one
     predicts the throughput the search gave it."""
-    logs, output = searched
+    logs, _, output = searched
     peaks = sorted(row["peak"] for row in rows(output))
     gigabytes = (peaks[0] + peaks[-1]) / 2 / 2**30
     small = [f"memory_plan.device_memory_gb={gigabytes}", f"paths.log_dir={logs}"]
@@ -83,7 +115,7 @@ def test_a_smaller_device_reranks_from_the_cache_and_a_run_that_does_not_fit_is_
     refused = train([*SEARCH, *biggest, "plan=true", *small], home).stdout
     assert f"Fastest layout that fits on h100_sxm_8x: {fastest['overrides']}" in refused
     chosen = train([*SEARCH, *fastest["overrides"].split(), "plan=true", *small], home).stdout
-    predicted = re.search(r"Predicted on h100_sxm_8x: .*?, ([\d,]+) samples/s per GPU", chosen)
+    predicted = re.search(r"Predicted on h100_sxm_8x: .*?, ([\d,]+) tokens/s per GPU", chosen)
     assert predicted and int(predicted.group(1).replace(",", "")) == fastest["tokens"]
 
 

@@ -8,6 +8,11 @@ the layout's replicas. Those that fail the run's checks are dropped. A deep mode
 shallow copies (``project.memory.depth``), and the layout named fastest is simulated whole before it is named. The
 simulations run in parallel, one process per core, and are cached on disk (``${paths.log_dir}/plan_cache``), keyed
 by everything a simulation reads and the project's source.
+
+Branch and bound (``plan_search.prune``): the layouts without a pipeline bubble are simulated first. A layout's
+devices share the step's FLOPs, so none can be faster than its share of them at the cluster's efficiency, stretched
+by its bubble (``throughput_bound``). Those whose bound is below the fastest layout that fits are left out, not
+simulated; the others are simulated, and the test repeats until none is left that could beat the fastest.
 """
 
 import hashlib
@@ -30,7 +35,14 @@ from project.config.errors import ConfigError
 from project.distributed.dims import ParallelDims
 from project.memory.depth import extrapolated_plan
 from project.memory.plan import DevicePlan, MemoryPlan, _changed, _checkpointing, _size, device_capacity, plan_memory
-from project.memory.step_time import Cluster, StepTime, predict_step, throughput_unit
+from project.memory.step_time import (
+    Cluster,
+    StepTime,
+    bubble_fraction,
+    predict_step,
+    throughput_bound,
+    throughput_unit,
+)
 
 SEARCHABLE = ("ddp", "fsdp", "pipeline")  # the strategy group's options a search can lay out (conf/strategy)
 SIMULATED_KEYS = ("model", "data", "strategy", "trainer")  # what a simulation reads of a config
@@ -47,6 +59,7 @@ class Layout:
     plan: MemoryPlan | None = None
     extrapolated: bool = False  # the plan extended from shallow copies (project.memory.depth), not simulated whole
     time: StepTime | None = None
+    bound: float | None = None  # not simulated (no plan): the most tokens/s per device it could reach
 
 
 def global_batch(cfg: DictConfig) -> int:
@@ -125,9 +138,9 @@ def _keep(layout: Layout, saved: dict[str, Any]) -> None:
     layout.plan, layout.extrapolated = _plan_of(saved["plan"]), saved["extrapolated"]
 
 
-def simulate_layouts(layouts: list[Layout], cache_dir: Path, workers: int, whole: bool = False) -> int:
-    """Each layout's plan, from the cache or simulated (in ``workers`` processes; ``whole``: not extrapolated),
-    with a progress bar; returns how many were simulated."""
+def from_cache(layouts: list[Layout], cache_dir: Path, whole: bool = False) -> dict[str, list[Layout]]:
+    """Each layout's plan from the cache where it is there (``whole``: simulated whole); returns the others, by
+    the file their plan will be cached in."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     source = _source_digest()
     missing: dict[str, list[Layout]] = {}
@@ -137,6 +150,13 @@ def simulate_layouts(layouts: list[Layout], cache_dir: Path, workers: int, whole
             _keep(layout, json.loads(path.read_text()))
         else:
             missing.setdefault(path.name, []).append(layout)
+    return missing
+
+
+def simulate_layouts(layouts: list[Layout], cache_dir: Path, workers: int, whole: bool = False) -> int:
+    """Each layout's plan, from the cache or simulated (in ``workers`` processes; ``whole``: not extrapolated),
+    with a progress bar; returns how many were simulated."""
+    missing = from_cache(layouts, cache_dir, whole)
     if not missing:
         return 0
     # Spawned workers: a forked one would inherit this process's torch threads and Hydra's state.
@@ -182,17 +202,21 @@ def _without_checkpointing(layout: Layout) -> str:
 
 @dataclass
 class Search:
-    """A search's outcome: the layouts ranked, on which cluster, a device's bytes, how many layouts were
-    simulated (the others came from the cache), in how many seconds."""
+    """A search's outcome: the layouts simulated, ranked; those left out as slower than the fastest that fits
+    (each with its ``bound``); on which cluster, a device's bytes, how many layouts were simulated (the others
+    came from the cache), in how many seconds."""
 
     ranked: list[Layout]
+    pruned: list[Layout]
     cluster: Cluster
-    capacity: int
-    simulated: int
-    seconds: float
+    capacity: int = 0
+    simulated: int = 0
+    seconds: float = 0.0
 
-    def fastest_fitting(self) -> Layout | None:
-        return next((layout for layout in self.ranked if layout.plan and layout.plan.peak <= self.capacity), None)
+    def fastest_fitting(self, capacity: int | None = None) -> Layout | None:
+        """The first of the ranked layouts that fits in ``capacity`` bytes (the search's device's when None)."""
+        capacity = self.capacity if capacity is None else capacity
+        return next((layout for layout in self.ranked if layout.plan and layout.plan.peak <= capacity), None)
 
 
 def search(cfg: DictConfig, workers: int | None = None) -> Search:
@@ -221,14 +245,52 @@ def search(cfg: DictConfig, workers: int | None = None) -> Search:
         )
     layouts = list(candidate_layouts(cfg))
     cache, workers = Path(cfg.paths.log_dir) / "plan_cache", workers or os.cpu_count() or 1
-    simulated = simulate_layouts(layouts, cache, workers)
     capacity, _ = device_capacity(cfg)
-    ranked = rank_layouts(layouts, cluster, capacity)
-    # The fastest that fits, simulated whole before it is named (an extrapolated peak may miss a late rise).
-    while (fastest := Search(ranked, cluster, capacity, 0, 0).fastest_fitting()) and fastest.extrapolated:
-        simulated += simulate_layouts([fastest], cache, workers, whole=True)
-        ranked = rank_layouts(layouts, cluster, capacity)
-    return Search(ranked, cluster, capacity, simulated, time.perf_counter() - start)
+    from_cache(layouts, cache)
+    # Without pruning, every layout; with it, first those without a bubble, then those that could still be faster.
+    waiting = [layout for layout in layouts if not cfg.plan_search.prune or bubble_fraction(layout.cfg) == 0]
+    simulated = 0
+    while True:
+        simulated += simulate_layouts([layout for layout in waiting if layout.plan is None], cache, workers)
+        found = Search(rank_layouts([layout for layout in layouts if layout.plan], cluster, capacity), [], cluster)
+        fastest = found.fastest_fitting(capacity)
+        if fastest is not None and fastest.extrapolated:
+            # Simulated whole before it is named: an extrapolated peak may miss a late rise.
+            simulated += simulate_layouts([fastest], cache, workers, whole=True)
+            continue
+        waiting = unbeaten(layouts, fastest, cluster)
+        if not waiting:
+            break
+    found.pruned = sorted(
+        (layout for layout in layouts if layout.plan is None), key=lambda layout: -(layout.bound or 0)
+    )
+    found.simulated, found.seconds, found.capacity = simulated, time.perf_counter() - start, capacity
+    return found
+
+
+def unbeaten(layouts: list[Layout], fastest: Layout | None, cluster: Cluster) -> list[Layout]:
+    """The layouts not simulated that could be faster than ``fastest`` (the fastest that fits so far): each
+    one's ``throughput_bound``, at the least FLOPs per device of any layout simulated with its activation
+    checkpointing (every layout computes the same step: at the same global batch, its devices share its FLOPs;
+    checked in ``tests/test_plan_search.py``), against the throughput of ``fastest``."""
+    least: dict[bool, float] = {}
+    for layout in layouts:
+        if layout.plan is not None:
+            mean = sum(device.flops for device in layout.plan.devices) / len(layout.plan.devices)
+            checkpointing = _checkpointing(layout.cfg)
+            least[checkpointing] = min(mean, least.get(checkpointing, mean))
+    waiting = []
+    for layout in layouts:
+        flops = least.get(_checkpointing(layout.cfg))
+        if layout.plan is not None:
+            continue
+        if fastest is None or fastest.time is None or flops is None:
+            waiting.append(layout)
+            continue
+        layout.bound = throughput_bound(layout.cfg, layout.dims, cluster, flops)
+        if layout.bound > fastest.time.tokens_per_device_per_s:
+            waiting.append(layout)
+    return waiting
 
 
 def format_search(cfg: DictConfig, found: Search) -> str:
@@ -239,8 +301,8 @@ def format_search(cfg: DictConfig, found: Search) -> str:
     lines = [
         f"Layouts of {world} {cluster.name} GPU(s) ({cfg.trainer.devices} x {cfg.trainer.num_nodes} node(s)), "
         f"model={(cfg.get('choices') or {}).get('model', '?')}, global batch {global_batch(cfg)}, ranked by predicted "
-        f"{unit}/s per GPU ({len(ranked)} layouts, {found.simulated} simulated, the others cached; "
-        f"{found.seconds:.0f} s):"
+        f"{unit}/s per GPU ({len(ranked) + len(found.pruned)} layouts, {found.simulated} simulated, "
+        f"{len(found.pruned)} bounded, the others cached; {found.seconds:.0f} s):"
     ]
     columns = ["#", f"{unit}/s/GPU", "MFU", "step s", "bubble s", "exposed comm s", "peak", "fits", "overrides"]
     rows = []
@@ -260,11 +322,19 @@ def format_search(cfg: DictConfig, found: Search) -> str:
                 layout.overrides,
             ]
         )
+    for index, layout in enumerate(found.pruned, len(rows) + 1):
+        assert layout.bound is not None
+        rows.append([str(index), f"<={layout.bound:,.0f}", "-", "-", "-", "-", "-", "-", layout.overrides])
     widths = [max(len(row[i]) for row in rows + [columns]) for i in range(len(columns))]
     lines.append("  ".join(name.rjust(width) for name, width in zip(columns[:-1], widths)) + "  " + columns[-1])
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
     if any(layout.extrapolated for layout in ranked):
         lines.append("~: extended from copies of 3 to 5 blocks a stage, not simulated whole (docs/step-time.md).")
+    if found.pruned:
+        lines.append(
+            "<=: not simulated (plan_search.prune): even with no communication exposed, its share of the step's FLOPs "
+            "and its bubble make it slower than the fastest that fits. plan_search.prune=false simulates it."
+        )
     fastest = found.fastest_fitting()
     if fastest is not None:
         lines.append(f"Fastest that fits in {_size(capacity)}: {fastest.overrides}")

@@ -123,6 +123,20 @@ def throughput_unit(cfg: DictConfig) -> str:
     return "tokens" if cfg.data.get("seq_length") else "samples"
 
 
+def bubble_fraction(cfg: DictConfig) -> float:
+    """The share of a step the layout's devices wait idle: a pipeline's bubble (``bubble_fraction`` on the strategy
+    class), else none."""
+    return getattr(strategy_class(cfg), "bubble_fraction", lambda cfg: 0.0)(cfg)
+
+
+def throughput_bound(cfg: DictConfig, dims: ParallelDims, cluster: Cluster, flops_per_device: float) -> float:
+    """The most tokens/s per device ``predict_step`` can give a layout whose devices compute ``flops_per_device`` on
+    average: its slowest device computes at least that, and its step is at least that compute, with nothing
+    exposed, stretched by its bubble."""
+    compute = flops_per_device / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
+    return tokens_per_step(cfg) * dims.data_parallel / dims.world_size * (1 - bubble_fraction(cfg)) / compute
+
+
 def predict_step(
     plan: MemoryPlan, cfg: DictConfig, dims: ParallelDims, cluster: Cluster, model_flops: int | None = None
 ) -> StepTime:
@@ -131,8 +145,7 @@ def predict_step(
     times = [device_time(device, cluster) for device in plan.devices]
     slowest = max(range(len(times)), key=lambda index: times[index].busy)
     busy = times[slowest]
-    bubble_fraction = getattr(strategy_class(cfg), "bubble_fraction", lambda cfg: 0.0)(cfg)
-    seconds = busy.busy / (1 - bubble_fraction)
+    seconds = busy.busy / (1 - bubble_fraction(cfg))
     tokens = tokens_per_step(cfg) * dims.data_parallel / plan.world_size
     flops = plan.devices[slowest].flops if model_flops is None else model_flops
     return StepTime(
