@@ -51,11 +51,13 @@ SOURCE = Path(__file__).resolve().parents[1]  # the project package: a change to
 
 @dataclass
 class Layout:
-    """One candidate: the overrides that make it (as a user types them), its config, how its ranks divide."""
+    """One candidate: the overrides that make it (as a user types them), its config, how its ranks divide, and
+    its overrides but activation checkpointing's (what it shares with its twin, checkpointing the other way)."""
 
     overrides: str
     cfg: DictConfig
     dims: ParallelDims
+    apart_from_checkpointing: str
     plan: MemoryPlan | None = None
     extrapolated: bool = False  # the plan extended from shallow copies (project.memory.depth), not simulated whole
     time: StepTime | None = None
@@ -93,8 +95,9 @@ def candidate_layouts(cfg: DictConfig) -> Iterator[Layout]:
                 words = [f"strategy={name}", text, f"data.batch_size={candidate.data.batch_size}"]
                 if cfg.trainer.accumulate_grad_batches != 1:
                     words.append("trainer.accumulate_grad_batches=1")
-                words.append(f"model.activation_checkpointing={str(checkpointing).lower()}")
-                yield Layout(" ".join(word for word in words if word), candidate, dims)
+                apart = " ".join(word for word in words if word)
+                typed = f"{apart} model.activation_checkpointing={str(checkpointing).lower()}"
+                yield Layout(typed, candidate, dims, apart)
 
 
 def check_dims(cfg: DictConfig) -> ParallelDims | None:
@@ -181,10 +184,10 @@ def simulate_layouts(layouts: list[Layout], cache_dir: Path, workers: int, whole
 def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list[Layout]:
     """Each layout's step time; those that fit first, fastest first (the smaller peak first among equals), then
     the others. The MFU counts the FLOPs of the same layout without activation checkpointing."""
-    without = {_without_checkpointing(layout): layout for layout in layouts if not _checkpointing(layout.cfg)}
+    without = {layout.apart_from_checkpointing: layout for layout in layouts if not _checkpointing(layout.cfg)}
     for layout in layouts:
         assert layout.plan is not None
-        reference = without.get(_without_checkpointing(layout), layout)
+        reference = without.get(layout.apart_from_checkpointing, layout)
         assert reference.plan is not None
         model_flops = max(device.flops for device in reference.plan.devices)
         layout.time = predict_step(layout.plan, layout.cfg, layout.dims, cluster, model_flops)
@@ -194,10 +197,6 @@ def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list
         return layout.plan.peak > capacity, -layout.time.tokens_per_device_per_s, layout.plan.peak
 
     return sorted(layouts, key=order)
-
-
-def _without_checkpointing(layout: Layout) -> str:
-    return layout.overrides.replace("model.activation_checkpointing=true", "model.activation_checkpointing=false")
 
 
 @dataclass

@@ -18,7 +18,7 @@ FLOPs: the efficiency absorbs them), collectives' latency (only bandwidth), and 
 collectives and compute.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig
 
@@ -46,16 +46,7 @@ class Cluster:
 
     @classmethod
     def of(cls, cfg: DictConfig) -> "Cluster":
-        c = cfg.cluster
-        return cls(
-            c.name,
-            c.peak_tflops,
-            c.memory_gb,
-            c.devices_per_node,
-            c.intra_node_gb_per_s,
-            c.inter_node_gb_per_s,
-            c.compute_efficiency,
-        )
+        return cls(**{field.name: cfg.cluster[field.name] for field in fields(cls)})
 
 
 def wire_bytes(link: Link, size: int) -> float:
