@@ -1,18 +1,11 @@
 """``python train.py plan=search``: every layout of the job's devices simulated and ranked by the step-time model,
 or left out where its bound shows it slower than the fastest that fits; the simulations cached; a run that does not
-fit told the fastest layout that does; the shortcuts of the simulations (shallow copies, replayed micro-batches)
-held to the whole simulation."""
+fit told the fastest layout that does. (The simulations' shortcuts: ``test_plan_shortcuts.py``.)"""
 
 import re
-from dataclasses import asdict
 
 import pytest
 from conftest import TINY_GPT, train
-from test_memory_plan import resolved
-
-from project.memory import plan
-from project.memory.depth import extrapolated_plan
-from project.memory.plan import plan_memory
 
 # The tiny GPT (3 blocks) on 2 simulated H100s: FSDP at 4 per device, so a global batch of 8. Communication is made
 # free (NVLink at 10^9 GB/s), so that compute and bubbles decide, and the pipelines' bounds leave them out.
@@ -117,49 +110,3 @@ def test_a_smaller_device_reranks_from_the_cache_and_a_run_that_does_not_fit_is_
     chosen = train([*SEARCH, *fastest["overrides"].split(), "plan=true", *small], home).stdout
     predicted = re.search(r"Predicted on h100_sxm_8x: .*?, ([\d,]+) tokens/s per GPU", chosen)
     assert predicted and int(predicted.group(1).replace(",", "")) == fastest["tokens"]
-
-
-DEEP_GPT = [*TINY_GPT, "model.net.num_layers=13", "data.batch_size=8"]  # 13 blocks: more than copies of 3+4+5
-
-
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["strategy=fsdp", "trainer.devices=4"],
-        ["strategy=pipeline", "trainer.devices=2", "model.net.num_layers=26", "strategy.microbatches=2"],
-    ],
-    ids=["fsdp", "pipeline"],
-)
-def test_a_plan_extended_from_shallow_copies_is_the_whole_simulation(layout):
-    """Every figure but the peak is the whole simulation's, exactly: model state, activations, FLOPs and every
-    link's bytes are lines in the blocks. The peak is within 3% (under FSDP this tiny GPT's fullest moment moves
-    once the model is deeper than the copies: 2.3% under at 13 blocks), which is why plan=search simulates the
-    layout it names whole."""
-    cfg = resolved([*DEEP_GPT, *layout])
-    extended, whole = extrapolated_plan(cfg), plan_memory(cfg, suggest=False)
-    assert extended is not None and len(extended.devices) == len(whole.devices)
-    for guess, truth in zip(extended.devices, whole.devices):
-        assert {**asdict(guess), "peak": 0, "comm_buffers": 0} == {**asdict(truth), "peak": 0, "comm_buffers": 0}
-        assert guess.peak == pytest.approx(truth.peak, rel=0.03)
-
-
-@pytest.mark.parametrize(
-    "layout",
-    [
-        # 1F1B, each stage split over 2 tensor-parallel ranks and sharded over 2 replicas; rank 0 has 2 micro-batches
-        # in flight of 6, and replays micro-batches 2 and 3
-        ["trainer.devices=8", "strategy.num_stages=2", "strategy.tensor_parallel_size=2", "strategy.microbatches=6"],
-        ["trainer.devices=2", "strategy.schedule=gpipe", "strategy.microbatches=6"],  # all in flight
-        ["trainer.devices=2", "strategy.num_stages=4", "strategy.stages_per_rank=2"]
-        + ["strategy.schedule=interleaved_1f1b", "strategy.microbatches=8", "model.activation_checkpointing=true"],
-    ],
-    ids=["1f1b-fsdp-tp", "gpipe", "interleaved-checkpointed"],
-)
-def test_replayed_microbatches_hold_and_count_what_simulated_ones_do(layout, monkeypatch):
-    """A pipeline device's plan with its repeated micro-batches replayed is, figure for figure, its plan with every
-    micro-batch simulated."""
-    cfg = resolved([*TINY_GPT, "model.net.num_layers=4", "data.batch_size=48", "strategy=pipeline", *layout])
-    replayed = plan_memory(cfg, suggest=False)
-    monkeypatch.setattr(plan, "simulated_microbatches", lambda microbatches, in_flight: set(range(microbatches)))
-    whole = plan_memory(cfg, suggest=False)
-    assert [asdict(device) for device in replayed.devices] == [asdict(device) for device in whole.devices]

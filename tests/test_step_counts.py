@@ -72,12 +72,12 @@ def mlp_step_flops(batch: int) -> int:
     ids=["one-device", "ddp-2", "fsdp-4"],
 )
 def test_planned_flops_of_an_mlp_step_are_its_matmuls_arithmetic(layout, per_device_batch):
-    devices = simulate_devices(resolved([*TINY, f"data.batch_size={per_device_batch}", "logger=none", *layout]))
+    devices, _ = simulate_devices(resolved([*TINY, f"data.batch_size={per_device_batch}", "logger=none", *layout]))
     assert [device.flops for device in devices] == [mlp_step_flops(per_device_batch)]
 
 
 def test_a_pipelines_stages_share_the_whole_models_flops():
-    devices = simulate_devices(resolved([*TINY, "data.batch_size=64", "strategy=pipeline", "trainer.devices=2"]))
+    devices, _ = simulate_devices(resolved([*TINY, "data.batch_size=64", "strategy=pipeline", "trainer.devices=2"]))
     assert len(devices) == 2 and all(device.flops > 0 for device in devices)
     assert sum(device.flops for device in devices) == mlp_step_flops(64)
 
@@ -103,7 +103,7 @@ def gpt_step_flops(cfg, batch: int, checkpointed: bool) -> int:
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["no-ac", "ac"])
 def test_planned_flops_of_a_gpt_step_are_its_arithmetic_with_activation_checkpointing_recompute(checkpointed):
     cfg = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", f"model.activation_checkpointing={checkpointed}"])
-    assert [device.flops for device in simulate_devices(cfg)] == [gpt_step_flops(cfg, 16, checkpointed)]
+    assert [device.flops for device in simulate_devices(cfg)[0]] == [gpt_step_flops(cfg, 16, checkpointed)]
 
 
 @pytest.mark.parametrize("layout", [["strategy=tensor_parallel"], ["strategy=fsdp", "strategy.tensor_parallel_size=2"]])
@@ -112,4 +112,4 @@ def test_each_tensor_parallel_rank_computes_half_the_gpts_step(layout):
     half the step's arithmetic. (DTensor runs each op whole on fake tensors of its own to infer the output's shape:
     those are not counted.)"""
     cfg = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", "trainer.devices=2", *layout])
-    assert [device.flops for device in simulate_devices(cfg)] == [gpt_step_flops(cfg, 16, False) // 2]
+    assert [device.flops for device in simulate_devices(cfg)[0]] == [gpt_step_flops(cfg, 16, False) // 2]

@@ -20,7 +20,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -97,6 +97,8 @@ class MemoryPlan:
     suggested_as: str = "Smallest change that fits"  # what the suggestion is: the first change tried that fits, or
     # plan=search's fastest layout
     alternatives: dict[str, int] = field(default_factory=dict)  # a tried change -> its peak
+    partial: bool = False  # simulated only up to its first device over the capacity (plan=search): the devices
+    # after it left out, so the peak is at least ``peak`` and the step at least as long as theirs
 
     @property
     def peak(self) -> int:
@@ -402,17 +404,27 @@ def whole_model_devices(cfg: DictConfig, new_module) -> Iterator[DeviceWork]:
     )
 
 
-def device_works(cfg: DictConfig) -> Iterator[DeviceWork]:
+def device_works(cfg: DictConfig) -> Generator[DeviceWork, None, None]:
     """The devices of the job whose memory differs, each as its strategy lays it out (``simulated_devices`` on the
     strategy class); auto and DDP keep the whole model on each."""
     simulated = getattr(strategy_class(cfg), "simulated_devices", None)
     yield from (simulated or whole_model_devices)(cfg, _new_module_factory(cfg))
 
 
-def simulate_devices(cfg: DictConfig) -> list[DevicePlan]:
+def simulate_devices(cfg: DictConfig, stop_above: int | None = None) -> tuple[list[DevicePlan], bool]:
+    """Each distinct device of the job simulated, in order; with ``stop_above``, only up to the first whose peak is
+    above it. Returns the devices, and whether any were left out after that one."""
     world = cfg.strategy.processes * cfg.trainer.num_nodes
     world_dim = parallel_dims(build_strategy(cfg.strategy), world).world_dim
-    return [simulate(work, cfg, world_dim) for work in device_works(cfg)]
+    devices: list[DevicePlan] = []
+    works = device_works(cfg)
+    for work in works:
+        devices.append(simulate(work, cfg, world_dim))
+        if stop_above is not None and devices[-1].peak > stop_above:
+            left_out = next(works, None) is not None  # lays out the next device (seconds), to know it is there
+            works.close()
+            return devices, left_out
+    return devices, False
 
 
 def device_capacity(cfg: DictConfig) -> tuple[int, str]:
@@ -494,27 +506,30 @@ def _valid(cfg: DictConfig) -> bool:
     return True
 
 
-def plan_memory(cfg: DictConfig, suggest: bool = True, alternatives: bool = False) -> MemoryPlan:
-    """The job's memory plan: every distinct device simulated; if it does not fit and ``suggest``, the first of
+def plan_memory(
+    cfg: DictConfig, suggest: bool = True, alternatives: bool = False, stop_over_capacity: bool = False
+) -> MemoryPlan:
+    """The job's memory plan: every distinct device simulated (with ``stop_over_capacity``, up to the first that
+    does not fit: the plan is then ``partial``); if it does not fit and ``suggest``, the first of
     ``candidate_changes`` that fits; with ``alternatives``, each device's figures with activation checkpointing
     switched the other way too."""
     start = time.perf_counter()
     capacity, source = device_capacity(cfg)
-    plan = MemoryPlan(
-        simulate_devices(cfg), capacity, source, _checkpointing(cfg), cfg.strategy.processes * cfg.trainer.num_nodes
-    )
+    devices, partial = simulate_devices(cfg, capacity if stop_over_capacity else None)
+    world = cfg.strategy.processes * cfg.trainer.num_nodes
+    plan = MemoryPlan(devices, capacity, source, _checkpointing(cfg), world, partial=partial)
     if alternatives:
         switched = {"model.activation_checkpointing": not plan.activation_checkpointing}
         if OmegaConf.select(cfg, "strategy.activation_checkpointing") is not None:
             switched["strategy.activation_checkpointing"] = not plan.activation_checkpointing
-        for device, other in zip(plan.devices, simulate_devices(_changed(cfg, switched))):
+        for device, other in zip(plan.devices, simulate_devices(_changed(cfg, switched))[0]):
             device.activations_checkpointed, device.peak_checkpointed = other.activations, other.peak
             device.flops_checkpointed = other.flops
     if suggest and not plan.fits:
         for change, changed in candidate_changes(cfg):
             if not _valid(changed):
                 continue
-            peak = max(device.peak for device in simulate_devices(changed))
+            peak = max(device.peak for device in simulate_devices(changed)[0])
             plan.alternatives[change] = peak
             if peak <= capacity:
                 plan.suggestion = change

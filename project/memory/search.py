@@ -17,6 +17,7 @@ simulated; the others are simulated, and the test repeats until none is left tha
 
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import time
@@ -125,11 +126,13 @@ def cache_key(cfg: DictConfig, source: str) -> str:
 
 def _simulate(container: Any, whole: bool) -> dict[str, Any]:
     """In a worker process: the layout's plan (its config as a plain dict: ``OmegaConf.to_container``), as JSON,
-    from its shallow copies where they are on a line and cheaper, else (or if ``whole``) simulated whole."""
+    from its shallow copies where they are on a line and cheaper, else (or if ``whole``) simulated whole, device by
+    device up to the first that does not fit (a layout that does not fit cannot be the answer)."""
     torch.set_num_threads(1)  # fake tensors compute nothing; one core per worker
     cfg = OmegaConf.create(container)
     plan = None if whole else extrapolated_plan(cfg)
-    return {"plan": (plan or plan_memory(cfg, suggest=False)).to_json(), "extrapolated": plan is not None}
+    simulated = plan or plan_memory(cfg, suggest=False, stop_over_capacity=True)
+    return {"plan": simulated.to_json(), "extrapolated": plan is not None}
 
 
 def _plan_of(saved: dict[str, Any]) -> MemoryPlan:
@@ -141,25 +144,27 @@ def _keep(layout: Layout, saved: dict[str, Any]) -> None:
     layout.plan, layout.extrapolated = _plan_of(saved["plan"]), saved["extrapolated"]
 
 
-def from_cache(layouts: list[Layout], cache_dir: Path, whole: bool = False) -> dict[str, list[Layout]]:
-    """Each layout's plan from the cache where it is there (``whole``: simulated whole); returns the others, by
-    the file their plan will be cached in."""
+def from_cache(layouts: list[Layout], cache_dir: Path, capacity: int, whole: bool = False) -> dict[str, list[Layout]]:
+    """Each layout's plan from the cache where it is there (``whole``: simulated whole) and holds for a device of
+    ``capacity`` bytes (a partial plan only says its layout needs more than its peak); returns the others, by the
+    file their plan will be cached in."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     source = _source_digest()
     missing: dict[str, list[Layout]] = {}
     for layout in layouts:
         path = cache_dir / f"{cache_key(layout.cfg, source)}{'-whole' if whole else ''}.json"
-        if path.exists():
-            _keep(layout, json.loads(path.read_text()))
+        saved = json.loads(path.read_text()) if path.exists() else None
+        if saved is not None and not (saved["plan"]["partial"] and saved["plan"]["peak"] <= capacity):
+            _keep(layout, saved)
         else:
             missing.setdefault(path.name, []).append(layout)
     return missing
 
 
-def simulate_layouts(layouts: list[Layout], cache_dir: Path, workers: int, whole: bool = False) -> int:
+def simulate_layouts(layouts: list[Layout], cache_dir: Path, capacity: int, workers: int, whole: bool = False) -> int:
     """Each layout's plan, from the cache or simulated (in ``workers`` processes; ``whole``: not extrapolated),
     with a progress bar; returns how many were simulated."""
-    missing = from_cache(layouts, cache_dir, whole)
+    missing = from_cache(layouts, cache_dir, capacity, whole)
     if not missing:
         return 0
     # Spawned workers: a forked one would inherit this process's torch threads and Hydra's state.
@@ -191,6 +196,8 @@ def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list
         assert reference.plan is not None
         model_flops = max(device.flops for device in reference.plan.devices)
         layout.time = predict_step(layout.plan, layout.cfg, layout.dims, cluster, model_flops)
+        if reference.plan.partial:  # its slowest device's FLOPs are not known
+            layout.time.mfu = math.nan
 
     def order(layout: Layout) -> tuple[bool, float, int]:
         assert layout.plan is not None and layout.time is not None
@@ -245,17 +252,17 @@ def search(cfg: DictConfig, workers: int | None = None) -> Search:
     layouts = list(candidate_layouts(cfg))
     cache, workers = Path(cfg.paths.log_dir) / "plan_cache", workers or os.cpu_count() or 1
     capacity, _ = device_capacity(cfg)
-    from_cache(layouts, cache)
+    from_cache(layouts, cache, capacity)
     # Without pruning, every layout; with it, first those without a bubble, then those that could still be faster.
     waiting = [layout for layout in layouts if not cfg.plan_search.prune or bubble_fraction(layout.cfg) == 0]
     simulated = 0
     while True:
-        simulated += simulate_layouts([layout for layout in waiting if layout.plan is None], cache, workers)
+        simulated += simulate_layouts([layout for layout in waiting if layout.plan is None], cache, capacity, workers)
         found = Search(rank_layouts([layout for layout in layouts if layout.plan], cluster, capacity), [], cluster)
         fastest = found.fastest_fitting(capacity)
         if fastest is not None and fastest.extrapolated:
             # Simulated whole before it is named: an extrapolated peak may miss a late rise.
-            simulated += simulate_layouts([fastest], cache, workers, whole=True)
+            simulated += simulate_layouts([fastest], cache, capacity, workers, whole=True)
             continue
         waiting = unbeaten(layouts, fastest, cluster)
         if not waiting:
@@ -274,7 +281,7 @@ def unbeaten(layouts: list[Layout], fastest: Layout | None, cluster: Cluster) ->
     checked in ``tests/test_plan_search.py``), against the throughput of ``fastest``."""
     least: dict[bool, float] = {}
     for layout in layouts:
-        if layout.plan is not None:
+        if layout.plan is not None and not layout.plan.partial:
             mean = sum(device.flops for device in layout.plan.devices) / len(layout.plan.devices)
             checkpointing = _checkpointing(layout.cfg)
             least[checkpointing] = min(mean, least.get(checkpointing, mean))
@@ -308,11 +315,17 @@ def format_search(cfg: DictConfig, found: Search) -> str:
     for index, layout in enumerate(ranked, 1):
         assert layout.plan is not None and layout.time is not None
         step = layout.time
+        if layout.plan.partial:
+            rows.append(
+                [str(index), f"<={step.tokens_per_device_per_s:,.0f}", "-", "-", "-", "-"]
+                + [f">={_size(layout.plan.peak)}", "no", layout.overrides]
+            )
+            continue
         rows.append(
             [
                 str(index),
                 f"{step.tokens_per_device_per_s:,.0f}",
-                f"{100 * step.mfu:.1f}%",
+                "-" if math.isnan(step.mfu) else f"{100 * step.mfu:.1f}%",
                 f"{step.seconds:.3g}",
                 f"{step.bubble:.2g}",
                 f"{step.exposed_communication:.2g}",
@@ -329,6 +342,11 @@ def format_search(cfg: DictConfig, found: Search) -> str:
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
     if any(layout.extrapolated for layout in ranked):
         lines.append("~: extended from copies of 3 to 5 blocks a stage, not simulated whole (docs/step-time.md).")
+    if any(layout.plan and layout.plan.partial for layout in ranked):
+        lines.append(
+            ">=: simulated device by device up to the first that does not fit; the devices after it left out, so "
+            "the peak is at least this and the throughput at most."
+        )
     if found.pruned:
         lines.append(
             "<=: not simulated (plan_search.prune): even with no communication exposed, its share of the step's FLOPs "
