@@ -161,29 +161,49 @@ def from_cache(layouts: list[Layout], cache_dir: Path, capacity: int, whole: boo
     return missing
 
 
-def simulate_layouts(layouts: list[Layout], cache_dir: Path, capacity: int, workers: int, whole: bool = False) -> int:
-    """Each layout's plan, from the cache or simulated (in ``workers`` processes; ``whole``: not extrapolated),
-    with a progress bar; returns how many were simulated."""
-    missing = from_cache(layouts, cache_dir, capacity, whole)
-    if not missing:
-        return 0
-    # Spawned workers: a forked one would inherit this process's torch threads and Hydra's state.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(workers, len(missing)), mp_context=context) as pool:
+class Simulations:
+    """The search's plans: from the cache, or simulated in ``workers`` processes, started at the first simulation
+    (none when every plan is cached) and kept for the search's rounds. Spawned: a forked worker would inherit this
+    process's torch threads and Hydra's state."""
+
+    def __init__(self, cache_dir: Path, capacity: int, workers: int) -> None:
+        self.cache_dir, self.capacity, self.workers = cache_dir, capacity, workers
+        self.simulated = 0  # how many plans were simulated rather than read from the cache
+        self._pool: ProcessPoolExecutor | None = None
+
+    def __enter__(self) -> "Simulations":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+
+    def run(self, layouts: list[Layout], whole: list[Layout]) -> None:
+        """Each layout's plan, and that of each in ``whole`` simulated whole (not extrapolated), with a progress
+        bar."""
+        missing = [
+            (name, same, simulated_whole)
+            for group, simulated_whole in ((layouts, False), (whole, True))
+            for name, same in from_cache(group, self.cache_dir, self.capacity, simulated_whole).items()
+        ]
+        if not missing:
+            return
+        if self._pool is None:
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         futures = {
-            pool.submit(_simulate, OmegaConf.to_container(same[0].cfg), whole): (name, same)
-            for name, same in missing.items()
+            self._pool.submit(_simulate, OmegaConf.to_container(same[0].cfg), simulated_whole): (name, same)
+            for name, same, simulated_whole in missing
         }
         bar = tqdm(total=len(futures), desc="Simulating layouts", unit="layout", leave=False)
         for future in as_completed(futures):
             name, same = futures[future]
             saved = future.result()
-            (cache_dir / name).write_text(json.dumps(saved))
+            (self.cache_dir / name).write_text(json.dumps(saved))
             for layout in same:
                 _keep(layout, saved)
             bar.update()
         bar.close()
-    return len(missing)
+        self.simulated += len(missing)
 
 
 def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list[Layout]:
@@ -255,22 +275,22 @@ def search(cfg: DictConfig, workers: int | None = None) -> Search:
     from_cache(layouts, cache, capacity)
     # Without pruning, every layout; with it, first those without a bubble, then those that could still be faster.
     waiting = [layout for layout in layouts if not cfg.plan_search.prune or bubble_fraction(layout.cfg) == 0]
-    simulated = 0
-    while True:
-        simulated += simulate_layouts([layout for layout in waiting if layout.plan is None], cache, capacity, workers)
-        found = Search(rank_layouts([layout for layout in layouts if layout.plan], cluster, capacity), [], cluster)
-        fastest = found.fastest_fitting(capacity)
-        if fastest is not None and fastest.extrapolated:
-            # Simulated whole before it is named: an extrapolated peak may miss a late rise.
-            simulated += simulate_layouts([fastest], cache, capacity, workers, whole=True)
-            continue
-        waiting = unbeaten(layouts, fastest, cluster)
-        if not waiting:
-            break
+    to_check: list[Layout] = []
+    with Simulations(cache, capacity, workers) as simulations:
+        while True:
+            simulations.run([layout for layout in waiting if layout.plan is None], to_check)
+            found = Search(rank_layouts([layout for layout in layouts if layout.plan], cluster, capacity), [], cluster)
+            fastest = found.fastest_fitting(capacity)
+            # The fastest that fits is simulated whole before it is named (an extrapolated peak may miss a late
+            # rise), beside the layouts that could beat it: its throughput is the same either way.
+            to_check = [fastest] if fastest is not None and fastest.extrapolated else []
+            waiting = unbeaten(layouts, fastest, cluster)
+            if not waiting and not to_check:
+                break
     found.pruned = sorted(
         (layout for layout in layouts if layout.plan is None), key=lambda layout: -(layout.bound or 0)
     )
-    found.simulated, found.seconds, found.capacity = simulated, time.perf_counter() - start, capacity
+    found.simulated, found.seconds, found.capacity = simulations.simulated, time.perf_counter() - start, capacity
     return found
 
 
