@@ -306,10 +306,8 @@ def unbeaten(layouts: list[Layout], fastest: Layout | None, cluster: Cluster) ->
             checkpointing = _checkpointing(layout.cfg)
             least[checkpointing] = min(mean, least.get(checkpointing, mean))
     waiting = []
-    for layout in layouts:
+    for layout in (layout for layout in layouts if layout.plan is None):
         flops = least.get(_checkpointing(layout.cfg))
-        if layout.plan is not None:
-            continue
         if fastest is None or fastest.time is None or flops is None:
             waiting.append(layout)
             continue
