@@ -99,8 +99,8 @@ class ShapeInferenceUntracked:
 
 class StepPeakOnly(MemTracker):
     """Torch's ``MemTracker`` keeping the step's peak, not each module's. ``MemTracker`` walks every module it has
-    seen at each op to raise the peaks of those running; plans read only the step's, and this walk was a fifth of a
-    simulation's time (FSDP's tracker, Llama 3 8B). What is left is torch's own code for the step's peak."""
+    seen at each op to raise the peaks of those running; plans read only the step's, and under FSDP's tracker that
+    walk is a large share of a simulation's time. What is left is torch's own code for the step's peak."""
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for device, snapshot in self._curr_mem_snap.items():

@@ -315,7 +315,7 @@ def simulated_microbatches(microbatches: int, in_flight: int) -> set[int]:
     most outputs kept, the gradients made, all but one in flight) and the backward after it (all in flight). The
     others are replayed: a forward holds a tensor of the bytes the second left and counts its FLOPs and
     collectives; a backward frees it and counts the second's. Checked against every micro-batch simulated
-    (``tests/test_plan_search.py``). A 1F1B rank of 8 stages at 16 micro-batches runs 4 of them, not 16."""
+    (``tests/test_plan_shortcuts.py``). A 1F1B rank of 8 stages at 16 micro-batches runs 4 of them, not 16."""
     return {0, 1, microbatches - in_flight, microbatches - 1} & set(range(microbatches))
 
 
