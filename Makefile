@@ -10,7 +10,8 @@ HAS_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo yes)
 TORCH_SPEC ?= torch==$(TORCH_VERSION)$(if $(HAS_NVIDIA),,+cpu)
 TORCH_INDEX_URL ?=
 PIP_TORCH_ARGS := $(if $(TORCH_INDEX_URL),--extra-index-url $(TORCH_INDEX_URL),)
-# VENV_FLAGS=--system-site-packages: a .venv that sees the system's packages, and so its torch (kept as it is).
+# VENV_FLAGS=--system-site-packages: a .venv that sees the system's packages, and so its torch (kept as it is);
+# also those of a PYTHON that is itself a venv (scripts/venv.sh).
 VENV_FLAGS ?=
 # The offline GPU bundle (make gpu-bundle writes it, make gpu-check installs it) and where gpu-check writes results.
 BUNDLE ?= gpu-bundle
@@ -29,7 +30,7 @@ help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
 
 $(BIN)/python:
-	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	bash scripts/venv.sh $(PYTHON) $(VENV) $(VENV_FLAGS)
 
 # A torch the venv already has is kept: it is pinned to itself for the project's install, so pip fails rather than
 # replace it (constraints.txt pins no torch). Its installed version, not torch.__version__: PyPI's CUDA wheels are

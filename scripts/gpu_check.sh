@@ -22,7 +22,7 @@ log="$out/gpu_check.log"
 # The venv sees the system's packages, torch among them. pip takes from the bundle only what is missing there, and
 # with --no-index it can fetch nothing else, so the system's torch stays as it is. The project is this checkout,
 # editable (the bundle's own wheel could be older than the checkout).
-"$python" -m venv --system-site-packages "$venv" || exit 2
+bash scripts/venv.sh "$python" "$venv" --system-site-packages || exit 2  # sees a venv interpreter's torch too
 "$venv/bin/python" -m pip install -q --no-index --find-links "$bundle" -e . pytest 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 2
 py=$venv/bin/python
