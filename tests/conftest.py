@@ -15,10 +15,10 @@ from types import ModuleType
 import pytest
 import torch
 from filelock import FileLock
+from helpers.command_line import split_command
 from helpers.preloaded import TRAIN, TrainServer
 from helpers.reference import ReferenceRun, reference_run
 from helpers.wandb_offline import OfflineRun, offline_runs
-from sitecustomize import split_command
 
 REPO = Path(__file__).resolve().parents[1]
 

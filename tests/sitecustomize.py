@@ -7,15 +7,9 @@ other process goes on as usual."""
 import os
 import sys
 
+from helpers.command_line import split_command
+
 PROXIED = (["-m", "project.launch.worker"], ["-m", "submitit.core._submit"], ["train.py"])
-
-
-def split_command(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(program, args) of a command line ``[-u] <program> <args>`` (what follows ``python``)."""
-    while argv and argv[0] == "-u":  # unbuffered output, which the tests' environment sets anyway
-        argv = argv[1:]
-    split = 2 if argv[:1] == ["-m"] else 1
-    return argv[:split], argv[split:]
 
 
 # The variable is helpers.preloaded.PROGRAM_SERVER_VARIABLE, spelt out: importing that module costs every process.
