@@ -45,13 +45,23 @@ COLLECTIVES = {
 }
 
 
+def _query_heads(query_shape: Any, shape: Any) -> tuple[int, ...]:
+    """A key's or value's shape (batch, heads, tokens, width) with the query's heads. Grouped-query attention
+    broadcasts each key/value head over its group of query heads, so it computes as many products as that; torch
+    2.11's formulas reject fewer key/value heads than query heads (2.13's count them this way)."""
+    batch, _, tokens, width = shape
+    return (batch, query_shape[1], tokens, width)
+
+
 def _attention(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    key_shape, value_shape = _query_heads(query_shape, key_shape), _query_heads(query_shape, value_shape)
     return flop_counter.sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
 def _attention_backward(
     grad: Any, query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any
 ) -> int:
+    key_shape, value_shape = _query_heads(query_shape, key_shape), _query_heads(query_shape, value_shape)
     return flop_counter.sdpa_backward_flop_count(grad, query_shape, key_shape, value_shape)
 
 
