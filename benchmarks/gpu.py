@@ -23,8 +23,10 @@ measured: ``gpu_benchmark.json`` (every figure, the machine, the command) and ``
 ``gpu_benchmark_trace.json.gz`` (the first profiled case's). Exits 1 if a run failed; a missed target is a finding,
 not a failure.
 
-Estimated at 7 minutes on an H100 with ``--pairs 1``, not yet measured (each run's wall time is in the JSON; start-up,
-data generation and compiling are about half of it), and about 40 s more per profiled case. Without CUDA it exits
+Estimated at 7 minutes on an H100 with ``--pairs 1``: on an H200 (2026-11-26, docs/gpu.md) the compiled gpt_350m and
+llama_1b cases took 68 s and 92 s each (a framework and a hand run; each run's wall time is in the JSON: start-up,
+data generation and compiling are about half of it); the whole set has not been timed. About 40 s more per profiled
+case. Without CUDA it exits
 with 2, unless ``--smoke``: the same pipeline on the CPU with the tiny presets (``model=gpt`` and ``model=llama``,
 eager, ``32-true``, sequence 64, 8 steps an epoch), in about 2 minutes on 2 cores, to check the code; its figures
 are of no worth.
