@@ -5,6 +5,7 @@ checks here hold for every run; each strategy of this project adds its own rules
 and the model and data modules check their options when they are built.
 """
 
+import json
 import logging
 import math
 import pickle
@@ -300,6 +301,27 @@ def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None)
         )
 
 
+# The last few models _meta_model built, by their config: plan=search checks dozens of layouts of one model, and
+# building Llama 3.1 8B's 32 blocks, even on the meta device, was most of a check. The checks only read them.
+_META_MODELS: dict[str, tuple[nn.Module, nn.Module]] = {}
+_META_MODELS_KEPT = 2  # a search's: activation checkpointing off and on
+
+
+def _meta_model(cfg: DictConfig) -> tuple[nn.Module, nn.Module]:
+    """The network and the LightningModule of ``cfg.model`` on the meta device (shapes only, nothing allocated),
+    built once per model config."""
+    key = json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True, default=str)
+    if key not in _META_MODELS:
+        with torch.device("meta"):
+            net = _build("model.net", lambda: instantiate(cfg.model.net))
+            # The LightningModule checks its own options (optimizer, schedule).
+            module = _build("model", lambda: instantiate(cfg.model, net=net))
+        while len(_META_MODELS) >= _META_MODELS_KEPT:
+            del _META_MODELS[next(iter(_META_MODELS))]
+        _META_MODELS[key] = net, module
+    return _META_MODELS[key]
+
+
 def _build(key: str, build: Callable[[], Any]) -> Any:
     """``build()`` the object of the config node at ``key`` as the workers will; a ``ConfigError`` it raises comes
     out as it is, any other error as a ``ConfigError`` naming ``key``."""
@@ -517,10 +539,7 @@ def check_config(cfg: DictConfig) -> CheckedConfig:
     check_files = getattr(datamodule, "check_files", None)
     if check_files is not None:  # a data module on files checks them now, not mid-epoch (data=shards)
         check_files()
-    with torch.device("meta"):  # shapes only, nothing allocated
-        net = _build("model.net", lambda: instantiate(cfg.model.net))
-        # The LightningModule checks its own options (optimizer, schedule).
-        module = _build("model", lambda: instantiate(cfg.model, net=net))
+    net, module = _meta_model(cfg)
     strategy = _build("strategy", lambda: build_strategy(cfg.strategy))  # checks its options; no process group yet
     _check_processes(cfg, strategy, devices)
     ckpt_path = resolve_ckpt_path(cfg)

@@ -15,6 +15,7 @@ higher than its allocated bytes), kernels of another device (the simulation runs
 the score matrix a GPU's flash attention would not), and ``torch.compile``'s fused kernels.
 """
 
+import functools
 import json
 import logging
 import os
@@ -445,15 +446,22 @@ def device_capacity(cfg: DictConfig) -> tuple[int, str]:
 def _changed(cfg: DictConfig, changes: dict[str, Any], strategy: str | None = None) -> DictConfig:
     """``cfg`` (resolved) with ``strategy`` replaced by that option of the ``strategy`` group, as its file in
     ``conf/strategy`` sets it, and dotted keys set; resolved again."""
-    changed = OmegaConf.create(OmegaConf.to_container(cfg))
+    container = cast(dict[str, Any], OmegaConf.to_container(cfg))  # a copy: cfg itself stays as it is
+    if strategy is not None:
+        container["strategy"] = _strategy_option(strategy)
+    changed = OmegaConf.create(container)
     with open_dict(changed):
-        if strategy is not None:
-            changed.strategy = OmegaConf.load(
-                Path(__file__).resolve().parents[2] / "conf" / "strategy" / f"{strategy}.yaml"
-            )
         for key, value in changes.items():
             OmegaConf.update(changed, key, value, force_add=True)
-    return cast(DictConfig, OmegaConf.create(OmegaConf.to_container(changed, resolve=True)))  # from a dict
+    OmegaConf.resolve(changed)  # in place: a search builds dozens of these, and each new DictConfig is costly
+    return changed
+
+
+@functools.cache
+def _strategy_option(name: str) -> dict[str, Any]:
+    """The ``strategy`` group's option ``name``, as its file in ``conf/strategy`` sets it (unresolved)."""
+    path = Path(__file__).resolve().parents[2] / "conf" / "strategy" / f"{name}.yaml"
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.load(path)))
 
 
 def _checkpointing(cfg: DictConfig) -> bool:
