@@ -97,16 +97,25 @@ class ShapeInferenceUntracked:
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+class OverCapacity(Exception):
+    """A tracked step held more than its tracker's ``stop_above`` bytes: raised from the op that made it so."""
+
+
 class StepPeakOnly(MemTracker):
     """Torch's ``MemTracker`` keeping the step's peak, not each module's. ``MemTracker`` walks every module it has
     seen at each op to raise the peaks of those running; plans read only the step's, and under FSDP's tracker that
-    walk is a large share of a simulation's time. What is left is torch's own code for the step's peak."""
+    walk is a large share of a simulation's time. What is left is torch's own code for the step's peak. With
+    ``stop_above`` set, the first op after which a device holds more raises ``OverCapacity``."""
+
+    stop_above: int | None = None
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         for device, snapshot in self._curr_mem_snap.items():
             if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
                 self._peak_mem[device] = snapshot[_TOTAL_KEY]
                 self._peak_mem_snap[device] = deepcopy(snapshot)
+                if self.stop_above is not None and device.type != "meta" and snapshot[_TOTAL_KEY] > self.stop_above:
+                    raise OverCapacity
 
 
 class StepFSDPMemTracker(StepPeakOnly, ShapeInferenceUntracked, FSDPMemTracker):

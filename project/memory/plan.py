@@ -49,7 +49,14 @@ from project.distributed.dims import DATA_PARALLEL
 from project.distributed.parallelize import allocate, apply_activation_checkpointing
 from project.distributed.strategies import FSDPStrategy
 from project.memory.counts import Link, StepCounts
-from project.memory.measure import MB, StepFSDPMemTracker, StepMemoryTracker, held_bytes, model_state_bytes_per_device
+from project.memory.measure import (
+    MB,
+    OverCapacity,
+    StepFSDPMemTracker,
+    StepMemoryTracker,
+    held_bytes,
+    model_state_bytes_per_device,
+)
 from project.memory.simulation import DeviceWork, TaskModule
 
 log = logging.getLogger(__name__)
@@ -98,8 +105,9 @@ class MemoryPlan:
     suggested_as: str = "Smallest change that fits"  # what the suggestion is: the first change tried that fits, or
     # plan=search's fastest layout
     alternatives: dict[str, int] = field(default_factory=dict)  # a tried change -> its peak
-    partial: bool = False  # simulated only up to its first device over the capacity (plan=search): the devices
-    # after it left out, so the peak is at least ``peak`` and the step at least as long as theirs
+    partial: bool = False  # simulated only up to the first moment a device held more than the capacity
+    # (plan=search): the rest of that device's step and the devices after it left out, so the peak is at least
+    # ``peak``, and the step's FLOPs and collectives are not known
 
     @property
     def peak(self) -> int:
@@ -125,10 +133,12 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
 
 
-def simulate(work: DeviceWork, cfg: DictConfig, world_dim: str) -> DevicePlan:
+def simulate(work: DeviceWork, cfg: DictConfig, world_dim: str, stop_above: int | None = None) -> DevicePlan:
     """A training step of ``work`` on fake tensors under ``MemTracker``, the optimizer's state already made (so,
     a second step, which holds the most): the device's bytes, FLOPs and collectives (``world_dim``: the mesh
-    dimension of the collectives over every rank, ``ParallelDims.world_dim``)."""
+    dimension of the collectives over every rank, ``ParallelDims.world_dim``). With ``stop_above``, the step stops
+    at the first moment the device holds more: its peak is then just above it, and its activations, FLOPs and
+    collectives those counted up to there."""
     precision = _precision(cfg)
     module, net = work.module, work.module.net
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
@@ -147,31 +157,45 @@ def simulate(work: DeviceWork, cfg: DictConfig, world_dim: str) -> DevicePlan:
         else:
             tracker = StepMemoryTracker()
             tracker.track_external(net, optimizer)
+        tracker.stop_above = stop_above
+        saved: dict[Any, int] = {}  # storage -> bytes, of the tensors saved for backward that are not parameters
+        held: list[torch.Tensor] = []  # for the whole run: communication buffers
+        input_buffers: list[torch.Tensor] = []
+        grad_buffers: list[torch.Tensor] = []
+        # Counted: the forward and backward (what a run's training_step and backward run); not the optimizer's
+        # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
+        counts = StepCounts(cfg.trainer.devices, world_dim, fake_mode)
+        activations: int | None = None
         with tracker, _dtensor_shapes_inferred_apart():
-            held: list[torch.Tensor] = []  # for the whole run: communication buffers
-            if work.extra_buffer_bytes:
-                held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
-            # A pipeline stage's receive buffers, one per micro-batch: for its inputs, and for its outputs' gradients.
-            input_buffers, grad_buffers = (
-                [torch.empty_like(meta, device="cpu") for _ in range(work.microbatches)]
-                if work.receive_buffers and meta is not None
-                else []
-                for meta in (work.stage_input, work.stage_output)
-            )
-            # The batch on the device: Lightning moves the whole batch to every rank's device, and on a CPU the data
-            # loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
-            batches = [module.example_batch(cfg.data.batch_size, cfg.data) for _ in range(1 if uses_cuda(cfg) else 2)]
-            microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
-            # Counted: the forward and backward (what a run's training_step and backward run); not the optimizer's
-            # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
-            with StepCounts(cfg.trainer.devices, world_dim, fake_mode) as counts:
-                activations = _step(
-                    work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, counts, cfg
+            try:
+                if work.extra_buffer_bytes:
+                    held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
+                # A pipeline stage's receive buffers, one per micro-batch: for its inputs, and for its outputs'
+                # gradients.
+                input_buffers, grad_buffers = (
+                    [torch.empty_like(meta, device="cpu") for _ in range(work.microbatches)]
+                    if work.receive_buffers and meta is not None
+                    else []
+                    for meta in (work.stage_input, work.stage_output)
                 )
-            optimizer.step()
+                # The batch on the device: Lightning moves the whole batch to every rank's device, and on a CPU the
+                # data loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
+                batches = [
+                    module.example_batch(cfg.data.batch_size, cfg.data) for _ in range(1 if uses_cuda(cfg) else 2)
+                ]
+                microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
+                with counts:
+                    activations = _step(
+                        work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, counts, cfg, saved
+                    )
+                optimizer.step()
+            except OverCapacity:  # it does not fit, whatever the rest of the step holds
+                pass
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
             if work.grads_persist:
                 comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
+        if activations is None:  # stopped before its forwards in flight were all made: those saved up to there
+            activations = sum(saved.values())
         sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
         at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         peak = held_bytes(tracker, "peak")
@@ -215,12 +239,13 @@ def _step(
     tracker: MemTracker,
     counts: StepCounts,
     cfg: DictConfig,
+    saved: dict[Any, int],
 ) -> int:
     """A training step in Lightning's order up to the optimizer's step (the caller's): forward
     (``training_step``), ``zero_grad``, backward; a pipeline's forwards run inside its backward, after
     ``zero_grad``, in its schedule's order, its micro-batches outside ``simulated_microbatches`` replayed.
     Returns the bytes autograd saved for backward in the forwards in flight at once (each storage once,
-    parameters and views of them not counted)."""
+    parameters and views of them not counted); ``saved`` gathers them, storage by storage."""
     data_inputs, target = batch
     autocast_dtype = AUTOCAST_DTYPES.get(_precision(cfg))
     autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
@@ -230,7 +255,6 @@ def _step(
     zero_grad = lambda: accumulating or optimizer.zero_grad(set_to_none=not work.grads_persist)  # noqa: E731
     if work.forward_in_backward:
         zero_grad()
-    saved: dict[Any, int] = {}  # storage -> bytes, of the tensors saved for backward that are not parameters
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):  # a linear saves W.T
@@ -413,18 +437,17 @@ def device_works(cfg: DictConfig) -> Generator[DeviceWork, None, None]:
 
 
 def simulate_devices(cfg: DictConfig, stop_above: int | None = None) -> tuple[list[DevicePlan], bool]:
-    """Each distinct device of the job simulated, in order; with ``stop_above``, only up to the first whose peak is
-    above it. Returns the devices, and whether any were left out after that one."""
+    """Each distinct device of the job simulated, in order; with ``stop_above``, only up to the first moment a
+    device holds more (``simulate``). Returns the devices, and whether the simulation stopped there."""
     world = cfg.strategy.processes * cfg.trainer.num_nodes
     world_dim = parallel_dims(build_strategy(cfg.strategy), world).world_dim
     devices: list[DevicePlan] = []
     works = device_works(cfg)
     for work in works:
-        devices.append(simulate(work, cfg, world_dim))
+        devices.append(simulate(work, cfg, world_dim, stop_above))
         if stop_above is not None and devices[-1].peak > stop_above:
-            left_out = next(works, None) is not None  # lays out the next device (seconds), to know it is there
             works.close()
-            return devices, left_out
+            return devices, True
     return devices, False
 
 
@@ -517,8 +540,8 @@ def _valid(cfg: DictConfig) -> bool:
 def plan_memory(
     cfg: DictConfig, suggest: bool = True, alternatives: bool = False, stop_over_capacity: bool = False
 ) -> MemoryPlan:
-    """The job's memory plan: every distinct device simulated (with ``stop_over_capacity``, up to the first that
-    does not fit: the plan is then ``partial``); if it does not fit and ``suggest``, the first of
+    """The job's memory plan: every distinct device simulated (with ``stop_over_capacity``, up to the first moment
+    one holds more than the capacity: the plan is then ``partial``); if it does not fit and ``suggest``, the first of
     ``candidate_changes`` that fits; with ``alternatives``, each device's figures with activation checkpointing
     switched the other way too."""
     start = time.perf_counter()

@@ -12,7 +12,8 @@ by everything a simulation reads and the project's source.
 Branch and bound (``plan_search.prune``): the layouts without a pipeline bubble are simulated first. A layout's
 devices share the step's FLOPs, so none can be faster than its share of them at the cluster's efficiency, stretched
 by its bubble (``throughput_bound``). Those whose bound is below the fastest layout that fits are left out, not
-simulated; the others are simulated, and the test repeats until none is left that could beat the fastest.
+simulated; the others are simulated, and the test repeats until none is left that could beat the fastest. A layout
+is simulated only up to the first moment a device holds more than the GPU's memory: it cannot be the answer.
 """
 
 import hashlib
@@ -61,8 +62,8 @@ class Layout:
     apart_from_checkpointing: str
     plan: MemoryPlan | None = None
     extrapolated: bool = False  # the plan extended from shallow copies (project.memory.depth), not simulated whole
-    time: StepTime | None = None
-    bound: float | None = None  # not simulated (no plan): the most tokens/s per device it could reach
+    time: StepTime | None = None  # predicted from its plan, unless partial
+    bound: float | None = None  # not simulated, or partial: the most tokens/s per device it could reach
 
 
 def global_batch(cfg: DictConfig) -> int:
@@ -127,7 +128,7 @@ def cache_key(cfg: DictConfig, source: str) -> str:
 def _simulate(container: Any, whole: bool) -> dict[str, Any]:
     """In a worker process: the layout's plan (its config as a plain dict: ``OmegaConf.to_container``), as JSON,
     from its shallow copies where they are on a line and cheaper, else (or if ``whole``) simulated whole, device by
-    device up to the first that does not fit (a layout that does not fit cannot be the answer)."""
+    device up to the first moment one does not fit (a layout that does not fit cannot be the answer)."""
     torch.set_num_threads(1)  # fake tensors compute nothing; one core per worker
     cfg = OmegaConf.create(container)
     plan = None if whole else extrapolated_plan(cfg)
@@ -208,10 +209,13 @@ class Simulations:
 
 def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list[Layout]:
     """Each layout's step time; those that fit first, fastest first (the smaller peak first among equals), then
-    the others. The MFU counts the FLOPs of the same layout without activation checkpointing."""
+    the others (a partial plan by its ``bound``). The MFU counts the FLOPs of the same layout without activation
+    checkpointing."""
     without = {layout.apart_from_checkpointing: layout for layout in layouts if not _checkpointing(layout.cfg)}
     for layout in layouts:
         assert layout.plan is not None
+        if layout.plan.partial:  # its step was not simulated through
+            continue
         reference = without.get(layout.apart_from_checkpointing, layout)
         assert reference.plan is not None
         model_flops = max(device.flops for device in reference.plan.devices)
@@ -220,8 +224,9 @@ def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list
             layout.time.mfu = math.nan
 
     def order(layout: Layout) -> tuple[bool, float, int]:
-        assert layout.plan is not None and layout.time is not None
-        return layout.plan.peak > capacity, -layout.time.tokens_per_device_per_s, layout.plan.peak
+        assert layout.plan is not None
+        throughput = layout.time.tokens_per_device_per_s if layout.time else layout.bound or 0.0
+        return layout.plan.peak > capacity, -throughput, layout.plan.peak
 
     return sorted(layouts, key=order)
 
@@ -279,12 +284,13 @@ def search(cfg: DictConfig, workers: int | None = None) -> Search:
     with Simulations(cache, capacity, workers) as simulations:
         while True:
             simulations.run([layout for layout in waiting if layout.plan is None], to_check)
+            set_bounds(layouts, cluster)
             found = Search(rank_layouts([layout for layout in layouts if layout.plan], cluster, capacity), [], cluster)
             fastest = found.fastest_fitting(capacity)
             # The fastest that fits is simulated whole before it is named (an extrapolated peak may miss a late
             # rise), beside the layouts that could beat it: its throughput is the same either way.
             to_check = [fastest] if fastest is not None and fastest.extrapolated else []
-            waiting = unbeaten(layouts, fastest, cluster)
+            waiting = unbeaten(layouts, fastest)
             if not waiting and not to_check:
                 break
     found.pruned = sorted(
@@ -294,27 +300,33 @@ def search(cfg: DictConfig, workers: int | None = None) -> Search:
     return found
 
 
-def unbeaten(layouts: list[Layout], fastest: Layout | None, cluster: Cluster) -> list[Layout]:
-    """The layouts not simulated that could be faster than ``fastest`` (the fastest that fits so far): each
-    one's ``throughput_bound``, at the least FLOPs per device of any layout simulated with its activation
-    checkpointing (every layout computes the same step: at the same global batch, its devices share its FLOPs;
-    checked in ``tests/test_plan_search.py``), against the throughput of ``fastest``."""
+def set_bounds(layouts: list[Layout], cluster: Cluster) -> None:
+    """Sets the ``bound`` of each layout not simulated, or simulated only in part: its ``throughput_bound`` at the
+    least FLOPs per device of any layout simulated through with its activation checkpointing (every layout
+    computes the same step: at the same global batch, its devices share its FLOPs; checked in
+    ``tests/test_plan_search.py``), if there is one."""
     least: dict[bool, float] = {}
     for layout in layouts:
         if layout.plan is not None and not layout.plan.partial:
             mean = sum(device.flops for device in layout.plan.devices) / len(layout.plan.devices)
             checkpointing = _checkpointing(layout.cfg)
             least[checkpointing] = min(mean, least.get(checkpointing, mean))
-    waiting = []
-    for layout in (layout for layout in layouts if layout.plan is None):
+    for layout in layouts:
         flops = least.get(_checkpointing(layout.cfg))
-        if fastest is None or fastest.time is None or flops is None:
-            waiting.append(layout)
-            continue
-        layout.bound = throughput_bound(layout.cfg, layout.dims, cluster, flops)
-        if layout.bound > fastest.time.tokens_per_device_per_s:
-            waiting.append(layout)
-    return waiting
+        if (layout.plan is None or layout.plan.partial) and flops is not None:
+            layout.bound = throughput_bound(layout.cfg, layout.dims, cluster, flops)
+
+
+def unbeaten(layouts: list[Layout], fastest: Layout | None) -> list[Layout]:
+    """The layouts not simulated that could be faster than ``fastest`` (the fastest that fits so far): those
+    without a ``bound`` (``set_bounds``), and those whose bound is above its throughput."""
+    if fastest is None or fastest.time is None:
+        return [layout for layout in layouts if layout.plan is None]
+    return [
+        layout
+        for layout in layouts
+        if layout.plan is None and (layout.bound is None or layout.bound > fastest.time.tokens_per_device_per_s)
+    ]
 
 
 def format_search(cfg: DictConfig, found: Search) -> str:
@@ -331,14 +343,14 @@ def format_search(cfg: DictConfig, found: Search) -> str:
     columns = ["#", f"{unit}/s/GPU", "MFU", "step s", "bubble s", "exposed comm s", "peak", "fits", "overrides"]
     rows = []
     for index, layout in enumerate(ranked, 1):
-        assert layout.plan is not None and layout.time is not None
-        step = layout.time
+        assert layout.plan is not None
         if layout.plan.partial:
-            rows.append(
-                [str(index), f"<={step.tokens_per_device_per_s:,.0f}", "-", "-", "-", "-"]
-                + [f">={_size(layout.plan.peak)}", "no", layout.overrides]
-            )
+            throughput = "-" if layout.bound is None else f"<={layout.bound:,.0f}"
+            peak = f">={_size(layout.plan.peak)}"
+            rows.append([str(index), throughput, "-", "-", "-", "-", peak, "no", layout.overrides])
             continue
+        step = layout.time
+        assert step is not None
         rows.append(
             [
                 str(index),
@@ -362,8 +374,8 @@ def format_search(cfg: DictConfig, found: Search) -> str:
         lines.append("~: extended from copies of 3 to 5 blocks a stage, not simulated whole (docs/step-time.md).")
     if any(layout.plan and layout.plan.partial for layout in ranked):
         lines.append(
-            ">=: simulated device by device up to the first that does not fit; the devices after it left out, so "
-            "the peak is at least this and the throughput at most."
+            ">=: simulated up to the first moment a device held more than the GPU's memory, so the peak is at "
+            "least this; its throughput at most its share of the step's FLOPs with its bubble (<=)."
         )
     if found.pruned:
         lines.append(
