@@ -194,7 +194,7 @@ def simulate(work: DeviceWork, cfg: DictConfig, world_dim: str, stop_above: int 
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
             if work.grads_persist:
                 comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
-        if activations is None:  # stopped before its forwards in flight were all made: those saved up to there
+        if activations is None:  # stopped within the step: what was saved up to there
             activations = sum(saved.values())
         sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
         at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
