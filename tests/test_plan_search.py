@@ -43,11 +43,12 @@ def rows(output: str) -> list[dict]:
     return [
         {
             "tokens": int(tokens.replace(",", "")),
+            "mfu": float(mfu) / 100,
             "peak": float(peak.split()[0]) * UNITS[peak.split()[1]],
             "fits": fits == "yes",
             "overrides": overrides.strip(),
         }
-        for _, tokens, _, peak, fits, overrides in ROW.findall(output)
+        for _, tokens, mfu, peak, fits, overrides in ROW.findall(output)
     ]
 
 
@@ -68,6 +69,17 @@ def test_every_layout_is_ranked_by_predicted_throughput(searched):
     assert all(row["fits"] for row in table)  # in an H100's 80 GB
     assert [row["tokens"] for row in table] == sorted((row["tokens"] for row in table), reverse=True)
     assert f"Fastest that fits in 80.00 GiB: {table[0]['overrides']}" in output
+
+
+def test_a_layout_and_its_checkpointed_twin_have_the_same_model_flops(searched):
+    """MFU counts the step's FLOPs but the recompute: a layout with checkpointing and without compute the same
+    model FLOPs, so their MFUs stand as their throughputs do."""
+    _, _, output = searched
+    table = {row["overrides"]: row for row in rows(output)}
+    for layout in (overrides for overrides in table if overrides.endswith("checkpointing=true")):
+        on, off = table[layout], table[layout.replace("checkpointing=true", "checkpointing=false")]
+        assert on["mfu"] < off["mfu"]
+        assert on["mfu"] / off["mfu"] == pytest.approx(on["tokens"] / off["tokens"], rel=0.01)
 
 
 def test_the_layouts_pruned_are_bounded_above_their_throughput_and_none_is_the_fastest(searched):

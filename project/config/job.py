@@ -95,9 +95,7 @@ def print_memory_plan(cfg: DictConfig) -> None:
     print(format_plan(plan, cfg))
     if cfg.get("cluster") is not None:
         cluster = Cluster.of(cfg)
-        # The MFU counts no recompute: with checkpointing on, the FLOPs of the simulation with it off.
-        without = [device.flops_checkpointed or 0 for device in plan.devices] if plan.activation_checkpointing else []
-        print(format_step(predict_step(plan, cfg, dims, cluster, max(without, default=None)), cluster, cfg))
+        print(format_step(predict_step(plan, cfg, dims, cluster), cluster, cfg))
 
 
 def suggest_fastest(plan: MemoryPlan, cfg: DictConfig) -> None:

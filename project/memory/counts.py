@@ -19,6 +19,8 @@ from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from project.distributed.parallelize import RECOMPUTING
+
 aten = torch.ops.aten
 
 # c10d's ops (the ProcessGroup's, in place; and the functional collectives DTensor runs) -> the collective's kind.
@@ -119,12 +121,12 @@ def _process_group(func: Any, args: tuple, kwargs: dict) -> dist.ProcessGroup:
 
 
 class StepCounts(TorchDispatchMode):
-    """While active: ``flops``, the floating-point operations of matmuls and attention (what MFU counts; torch's
-    formulas), and ``collectives``, each collective's bytes by ``Link`` key (kind, mesh dimension, ranks, nodes;
-    ``group_link`` with ``devices_per_node`` and ``world_dim``). In a simulation, ``fake_mode`` is the mode of the
-    step's fake tensors. A collective's bytes are its whole buffer: the
-    largest of its tensors (the gathered tensor of an all-gather, the unreduced one of a reduce-scatter, the
-    reduced one of an all-reduce, what a send sends; a receive is the other end of a send)."""
+    """While active: ``flops``, the floating-point operations of matmuls and attention (torch's formulas), of which
+    ``recomputed_flops`` activation checkpointing's recompute (MFU counts the others), and ``collectives``, each
+    collective's bytes by ``Link`` key (kind, mesh dimension, ranks, nodes; ``group_link`` with ``devices_per_node``
+    and ``world_dim``). In a simulation, ``fake_mode`` is the mode of the step's fake tensors. A collective's bytes
+    are its whole buffer: the largest of its tensors (the gathered tensor of an all-gather, the unreduced one of a
+    reduce-scatter, the reduced one of an all-reduce, what a send sends; a receive is the other end of a send)."""
 
     def __init__(self, devices_per_node: int, world_dim: str, fake_mode: FakeTensorMode | None = None) -> None:
         super().__init__()
@@ -132,6 +134,7 @@ class StepCounts(TorchDispatchMode):
         self.world_dim = world_dim
         self.fake_mode = fake_mode  # a simulation's: the mode of the step's tensors
         self.flops = 0
+        self.recomputed_flops = 0  # of which activation checkpointing's recompute
         self.collectives: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -144,7 +147,10 @@ class StepCounts(TorchDispatchMode):
         packet = func._overloadpacket
         formula = FLOP_FORMULAS.get(packet)
         if formula is not None and self._on_step_tensors(args, kwargs):
-            self.flops += formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out)
+            self.flops += flops
+            if RECOMPUTING.get():
+                self.recomputed_flops += flops
         elif func.namespace.startswith(("c10d", "_c10d")) and packet.__name__ in COLLECTIVES:
             group = _process_group(func, args, kwargs)
             link = group_link(COLLECTIVES[packet.__name__], group, self.devices_per_node, self.world_dim)

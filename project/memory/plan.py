@@ -84,8 +84,8 @@ class DevicePlan:
     peak: int
     activations_checkpointed: int | None = None  # the same with the other activation checkpointing setting...
     peak_checkpointed: int | None = None  # ...and its peak (plan=true only)
-    flops_checkpointed: int | None = None  # ...and its FLOPs
-    flops: int = 0  # floating-point operations of the step on this device (project.memory.counts)
+    flops: int = 0  # floating-point operations of the step on this device (project.memory.counts)...
+    recomputed_flops: int = 0  # ...of which activation checkpointing's recompute
     collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by Link key
 
     @property
@@ -211,6 +211,7 @@ def simulate(work: DeviceWork, cfg: DictConfig, world_dim: str, stop_above: int 
         comm_bytes,
         peak,
         flops=counts.flops,
+        recomputed_flops=counts.recomputed_flops,
         collectives={kind: counted[kind] for kind in sorted(counted) if counted[kind]},
     )
 
@@ -348,14 +349,16 @@ class _Repeat:
     """What a simulated micro-batch (the second) held and counted, and its replay for the others."""
 
     def __init__(self) -> None:
-        self.held = self.kept = self.saved = self.flops = self.backward_flops = 0
+        self.held = self.kept = self.saved = self.flops = self.backward_flops = self.backward_recomputed_flops = 0
         self.collectives: Counter[str] = Counter()
         self.backward_collectives: Counter[str] = Counter()
         self.kept_like: torch.Tensor | None = None
         self._start: tuple[int, int, Counter[str], set[int]] = (0, 0, Counter(), set())
+        self._recomputed_start = 0
 
     def before(self, tracker: MemTracker, counts: StepCounts, saved: dict[Any, int]) -> None:
         self._start = (held_bytes(tracker), counts.flops, Counter(counts.collectives), set(saved))
+        self._recomputed_start = counts.recomputed_flops
 
     def after_forward(
         self, tracker: MemTracker, counts: StepCounts, saved: dict[Any, int], kept: torch.Tensor | None
@@ -370,6 +373,7 @@ class _Repeat:
     def after_backward(self, counts: StepCounts) -> None:
         _, flops, collectives, _ = self._start
         self.backward_flops = counts.flops - flops
+        self.backward_recomputed_flops = counts.recomputed_flops - self._recomputed_start
         self.backward_collectives = counts.collectives - collectives
 
     def forward(
@@ -389,6 +393,7 @@ class _Repeat:
 
     def backward(self, counts: StepCounts) -> None:
         counts.flops += self.backward_flops
+        counts.recomputed_flops += self.backward_recomputed_flops
         counts.collectives.update(self.backward_collectives)
 
 
@@ -555,7 +560,6 @@ def plan_memory(
             switched["strategy.activation_checkpointing"] = not plan.activation_checkpointing
         for device, other in zip(plan.devices, simulate_devices(_changed(cfg, switched))[0]):
             device.activations_checkpointed, device.peak_checkpointed = other.activations, other.peak
-            device.flops_checkpointed = other.flops
     if suggest and not plan.fits:
         for change, changed in candidate_changes(cfg):
             if not _valid(changed):

@@ -18,7 +18,6 @@ is simulated only up to the first moment a device holds more than the GPU's memo
 
 import hashlib
 import json
-import math
 import multiprocessing
 import os
 import time
@@ -209,19 +208,11 @@ class Simulations:
 
 def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list[Layout]:
     """Each layout's step time; those that fit first, fastest first (the smaller peak first among equals), then
-    the others (a partial plan by its ``bound``). The MFU counts the FLOPs of the same layout without activation
-    checkpointing."""
-    without = {layout.apart_from_checkpointing: layout for layout in layouts if not _checkpointing(layout.cfg)}
+    the others (a partial plan by its ``bound``)."""
     for layout in layouts:
         assert layout.plan is not None
-        if layout.plan.partial:  # its step was not simulated through
-            continue
-        reference = without.get(layout.apart_from_checkpointing, layout)
-        assert reference.plan is not None
-        model_flops = max(device.flops for device in reference.plan.devices)
-        layout.time = predict_step(layout.plan, layout.cfg, layout.dims, cluster, model_flops)
-        if reference.plan.partial:  # its slowest device's FLOPs are not known
-            layout.time.mfu = math.nan
+        if not layout.plan.partial:  # else its step was not simulated through
+            layout.time = predict_step(layout.plan, layout.cfg, layout.dims, cluster)
 
     def order(layout: Layout) -> tuple[bool, float, int]:
         assert layout.plan is not None
@@ -355,7 +346,7 @@ def format_search(cfg: DictConfig, found: Search) -> str:
             [
                 str(index),
                 f"{step.tokens_per_device_per_s:,.0f}",
-                "-" if math.isnan(step.mfu) else f"{100 * step.mfu:.1f}%",
+                f"{100 * step.mfu:.1f}%",
                 f"{step.seconds:.3g}",
                 f"{step.bubble:.2g}",
                 f"{step.exposed_communication:.2g}",

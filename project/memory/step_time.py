@@ -128,17 +128,15 @@ def throughput_bound(cfg: DictConfig, dims: ParallelDims, cluster: Cluster, flop
     return tokens_per_step(cfg) * dims.data_parallel / dims.world_size * (1 - bubble_fraction(cfg)) / compute
 
 
-def predict_step(
-    plan: MemoryPlan, cfg: DictConfig, dims: ParallelDims, cluster: Cluster, model_flops: int | None = None
-) -> StepTime:
-    """The step of ``plan``'s layout (its ranks divided as ``dims``) on ``cluster``. ``model_flops``: the slowest
-    device's FLOPs without recompute, for the MFU (the plan's own when None: activation checkpointing off)."""
+def predict_step(plan: MemoryPlan, cfg: DictConfig, dims: ParallelDims, cluster: Cluster) -> StepTime:
+    """The step of ``plan``'s layout (its ranks divided as ``dims``) on ``cluster``; its MFU counts the slowest
+    device's FLOPs but activation checkpointing's recompute."""
     times = [device_time(device, cluster) for device in plan.devices]
     slowest = max(range(len(times)), key=lambda index: times[index].busy)
     busy = times[slowest]
     seconds = busy.busy / (1 - bubble_fraction(cfg))
     tokens = tokens_per_step(cfg) * dims.data_parallel / plan.world_size
-    flops = plan.devices[slowest].flops if model_flops is None else model_flops
+    flops = plan.devices[slowest].flops - plan.devices[slowest].recomputed_flops
     return StepTime(
         seconds,
         busy.compute,
