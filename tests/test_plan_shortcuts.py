@@ -1,6 +1,6 @@
 """The shortcuts that make ``plan=search`` fast, each held to the whole simulation it stands for: a deep model's plan
-extended from shallow copies, a pipeline step's repeated micro-batches replayed, a layout simulated only up to its
-first device that does not fit."""
+extended from shallow copies, a pipeline step's repeated micro-batches replayed, a layout simulated only up to the
+first moment a device does not fit."""
 
 import json
 import re

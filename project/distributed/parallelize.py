@@ -3,9 +3,8 @@
 Strategies call these; the models know nothing about them.
 """
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
+from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any, cast
 
 import torch
@@ -17,6 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from project.checkpointing.hf import HFWeights
+from project.memory.counts import recomputing
 from project.models.init import initial_value
 from project.models.sequence import BlockSequence
 
@@ -113,29 +113,16 @@ def _inputs_to(device: torch.device):
     return hook
 
 
-# True while activation checkpointing recomputes a block's forward in backward: for counting the step's FLOPs
-# without the recompute (project.memory.counts), which torch's checkpoint does not tell apart.
-RECOMPUTING: ContextVar[bool] = ContextVar("RECOMPUTING", default=False)
-
-
-@contextmanager
-def _recomputing() -> Iterator[None]:
-    token = RECOMPUTING.set(True)
-    try:
-        yield
-    finally:
-        RECOMPUTING.reset(token)
-
-
 def apply_activation_checkpointing(model: BlockSequence) -> None:
-    """Recompute each block's activations in backward instead of keeping them (``RECOMPUTING`` says when).
+    """Recompute each block's activations in backward instead of keeping them (marked as ``recomputing``, for the
+    step's FLOPs counted without the recompute).
 
     The composable ``checkpoint`` hooks the block in place, so parameter names, and with them checkpoints, stay
     the same as without it. Asking twice (model option and strategy option) applies it once.
     """
     for block in model.blocks:
         if checkpoint.state(block) is None:
-            checkpoint(block, context_fn=lambda: (nullcontext(), _recomputing()))
+            checkpoint(block, context_fn=lambda: (nullcontext(), recomputing()))
 
 
 def compile_blocks(model: BlockSequence) -> None:

@@ -8,6 +8,9 @@ Why not torch's ``FlopCounterMode``: it tracks modules with hooks on every forwa
 """
 
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +21,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-
-from project.distributed.parallelize import RECOMPUTING
 
 aten = torch.ops.aten
 
@@ -118,6 +119,21 @@ def _process_group(func: Any, args: tuple, kwargs: dict) -> dist.ProcessGroup:
                 return dist.distributed_c10d._resolve_process_group(value)
             return dist.ProcessGroup.unbox(value)
     raise ValueError(f"{func} names no process group")
+
+
+# True while activation checkpointing recomputes a block's forward in backward (``recomputing``): torch's checkpoint
+# does not tell its recompute apart from the step's own ops.
+RECOMPUTING: ContextVar[bool] = ContextVar("RECOMPUTING", default=False)
+
+
+@contextmanager
+def recomputing() -> Iterator[None]:
+    """Marks the ops run inside as activation checkpointing's recompute (``StepCounts.recomputed_flops``)."""
+    token = RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        RECOMPUTING.reset(token)
 
 
 class StepCounts(TorchDispatchMode):

@@ -211,8 +211,8 @@ def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list
     the others (a partial plan by its ``bound``)."""
     for layout in layouts:
         assert layout.plan is not None
-        if not layout.plan.partial:  # else its step was not simulated through
-            layout.time = predict_step(layout.plan, layout.cfg, layout.dims, cluster)
+        # A partial plan's step was not simulated through (the fastest's whole simulation may stop too).
+        layout.time = None if layout.plan.partial else predict_step(layout.plan, layout.cfg, layout.dims, cluster)
 
     def order(layout: Layout) -> tuple[bool, float, int]:
         assert layout.plan is not None
