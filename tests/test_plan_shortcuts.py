@@ -4,7 +4,7 @@ first moment a device does not fit."""
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 from conftest import TINY_GPT
@@ -15,8 +15,16 @@ from test_plan_search import SEARCH
 from project.memory import plan
 from project.memory.depth import extrapolated_plan
 from project.memory.plan import device_capacity, plan_memory
-from project.memory.search import Search, _simulate, candidate_layouts, format_search, from_cache, rank_layouts
-from project.memory.step_time import Cluster
+from project.memory.search import (
+    Search,
+    _simulate,
+    candidate_layouts,
+    format_search,
+    from_cache,
+    rank_layouts,
+    set_bounds,
+)
+from project.memory.step_time import Cluster, predict_step
 
 DEEP_GPT = [*TINY_GPT, "model.net.num_layers=13", "data.batch_size=8"]  # 13 blocks: more than copies of 3+4+5
 
@@ -69,8 +77,8 @@ def test_a_layout_is_simulated_up_to_the_first_moment_a_device_does_not_fit(tmp_
     between its first rank's model state and peak, that rank stops partway through its step (before its gradients
     are made): the same parameters and optimizer state, a peak above the capacity but below the whole step's, fewer
     FLOPs; the plan is partial, and the second rank is not simulated. Shown, such a plan has its peak as a floor and
-    no throughput while no layout was simulated through. Its cached plan says only that the layout needs more than
-    that peak: a search with a larger device simulates it again."""
+    no throughput while no layout was simulated through, its bound once one with its checkpointing was. Its cached
+    plan says only that the layout needs more than that peak: a search with a larger device simulates it again."""
     layout = [*SEARCH, "strategy=pipeline", "strategy.num_stages=2", "strategy.microbatches=4", "data.batch_size=8"]
     first, _ = plan_memory(resolved(layout), suggest=False).devices
     capacity = (first.model_state + first.peak) // 2
@@ -91,3 +99,14 @@ def test_a_layout_is_simulated_up_to_the_first_moment_a_device_does_not_fit(tmp_
     table = format_search(cfg, Search(rank_layouts(layouts, Cluster.of(cfg), small), [], Cluster.of(cfg), small))
     assert len(re.findall(r"^\s*\d+(?:\s+-){5}\s+>=[\d.]+ KiB\s+no\s", table, re.M)) == 2
     assert len(from_cache(layouts, cache, 80 * 2**30)) == 2  # more memory: both to simulate again
+
+    # Bounded once a layout with the same checkpointing has been simulated through: here the pipeline without
+    # checkpointing itself, whole. Its bound is above the throughput it gets whole; its twin's stays unknown.
+    cluster, (off, on) = Cluster.of(cfg), sorted(layouts, key=lambda layout: "checkpointing=true" in layout.overrides)
+    through = replace(off, plan=plan_memory(off.cfg, suggest=False))
+    set_bounds([*layouts, through], cluster)
+    assert off.bound is not None and on.bound is None
+    assert off.bound >= predict_step(through.plan, off.cfg, off.dims, cluster).tokens_per_device_per_s
+    table = format_search(cfg, Search(rank_layouts(layouts, cluster, small), [], cluster, small))
+    row = rf"^\s*1\s+<={off.bound:,.0f}(?:\s+-){{4}}\s+>=[\d.]+ KiB\s+no\s+{re.escape(off.overrides)}$"
+    assert re.search(row, table, re.M)
