@@ -12,10 +12,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.config.errors import ConfigError, JobFailed, exit_with
 from project.config.overrides import check_overrides
 from project.config.resolvers import register_resolvers
 from project.launch.results import record_failure
+from project.options.errors import ConfigError, JobFailed, exit_with
 
 register_resolvers()
 

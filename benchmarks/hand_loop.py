@@ -41,10 +41,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from helpers.reference import decayed_and_spared, epoch_order, lr_factor  # noqa: E402 (the tests' hand-written rules)
 
-from project.distributed.parallelize import block_sizes, compile_blocks, split_blocks, stage_modules  # noqa: E402
-from project.distributed.strategies.pipeline import StageModule  # noqa: E402
 from project.launch.training import set_tf32  # noqa: E402
+from project.layouts.pipeline_layout import StageModule  # noqa: E402
 from project.models import init_weights  # noqa: E402
+from project.parallel.parallelize import block_sizes, compile_blocks, split_blocks, stage_modules  # noqa: E402
 
 
 def mean_loss(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

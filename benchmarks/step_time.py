@@ -24,9 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from project.config.checks import check_config  # noqa: E402
 from project.config.resolvers import register_resolvers  # noqa: E402
-from project.memory.depth import extrapolated_plan  # noqa: E402
-from project.memory.plan import plan_memory  # noqa: E402
-from project.memory.step_time import Cluster, predict_step  # noqa: E402
+from project.plan.depth import extrapolated_plan  # noqa: E402
+from project.plan.memory_plan import plan_memory  # noqa: E402
+from project.plan.step_time import predict_step  # noqa: E402
 
 # torchtitan's H100s: 96 GB HBM2e at 500 W ("between SXM and NVL"), 8 per host on NVLink, 400 Gb/s RDMA per GPU.
 GRAND_TETON = ["cluster=h100_sxm_8x", "cluster.memory_gb=96"]
@@ -103,9 +103,10 @@ def config(overrides: list[str]):
 def predict(row: Row, efficiency: float) -> tuple[float, float, float, float]:
     """Tokens/s per GPU, exposed communication and bubble seconds, and the seconds the simulation took."""
     start = time.perf_counter()
-    cfg = config([*row.overrides, f"cluster.compute_efficiency={efficiency}"])
-    plan = extrapolated_plan(cfg) or plan_memory(cfg, suggest=False)
-    step = predict_step(plan, cfg, check_config(cfg).dims, Cluster.of(cfg))
+    job = check_config(config([*row.overrides, f"cluster.compute_efficiency={efficiency}"]))
+    assert job.cluster is not None
+    plan = extrapolated_plan(job) or plan_memory(job, suggest=False)
+    step = predict_step(plan, job, job.cluster)
     return step.tokens_per_device_per_s, step.exposed_communication, step.bubble, time.perf_counter() - start
 
 

@@ -12,8 +12,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from project.config.checks import check_config
-from project.config.errors import ConfigError
 from project.config.resolvers import register_resolvers
+from project.options.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

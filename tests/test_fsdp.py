@@ -7,7 +7,7 @@ from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, assert
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from project.checkpointing.files import is_sharded_checkpoint
-from project.distributed.strategies import FSDPStrategy
+from project.strategies import FSDPStrategy
 
 TWO_DEVICES = ["trainer.devices=2", "data.batch_size=32"]  # the single_run's global batch of 64
 

@@ -10,9 +10,10 @@ import torch
 from conftest import TINY_GPT, only_run, run_command, train
 
 from project.checkpointing.hf import HFWeights, net_options, read_config
-from project.distributed.parallelize import materialize
+from project.data.codecs import BytesCodec
 from project.models import GPT, Llama
-from project.tasks.decoding import BytesCodec, generate
+from project.models.generation import generate
+from project.parallel.parallelize import materialize
 
 transformers = pytest.importorskip("transformers")
 

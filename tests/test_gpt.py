@@ -11,9 +11,9 @@ from hydra.utils import instantiate
 from test_config import compose_train
 
 from project.data.tokens import MarkovTokenDataModule, TextDataModule, entropy_rate, random_markov_chain
-from project.distributed.parallelize import apply_activation_checkpointing
 from project.models import GPT, Llama
 from project.models.gpt import MLP
+from project.parallel.parallelize import apply_activation_checkpointing
 from project.tasks.language_model import TokenCrossEntropy
 
 LM_KEYS = ["train/loss", "val/loss", "val/perplexity"]

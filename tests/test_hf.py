@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save_file
 from test_config import compose_train
 
 from project.checkpointing.hf import HFWeights, check_matches, net_options, read_config, write_hf_dir
-from project.config.errors import ConfigError
-from project.distributed.parallelize import materialize
 from project.models import GPT, Llama, init_weights
+from project.options.errors import ConfigError
+from project.parallel.parallelize import materialize
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,32 +6,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# docs/architecture.md's "Import layers", top to bottom: a module may import from its own layer and those below.
-# A module belongs to the layer of the longest prefix that names it.
+# docs/architecture.md's "Import layers", top to bottom: a package may import from its own layer and those below.
+# Every layer is a set of whole packages (folders of project/).
 LAYERS = [
     ("entry points", ["project.cli"]),
-    ("job", ["project.launch", "project.config.job"]),
-    ("plan", ["project.memory.plan", "project.memory.step_time", "project.memory.depth", "project.memory.search"]),
-    (
-        "Lightning parts",
-        ["project.tasks", "project.observability", "project.memory.measure", "project.checkpointing.latest_and_best"],
-    ),
-    ("parallelism", ["project.distributed"]),
-    (
-        "foundations",
-        [
-            "project.config.checks",
-            "project.config.schema",
-            "project.config.build",
-            "project.memory.simulation",
-            "project.memory.counts",
-            "project.checkpointing.files",
-            "project.checkpointing.hf",
-            "project.distributed.dims",
-        ],
-    ),
-    ("plain PyTorch", ["project.models", "project.data", "project.tasks.decoding", "project.config.resolvers"]),
-    ("errors", ["project.config.errors", "project.config.overrides", "project.config.option_types"]),
+    ("launch", ["project.launch"]),
+    ("plan", ["project.plan"]),
+    ("config", ["project.config"]),
+    ("Lightning parts", ["project.tasks", "project.observability", "project.strategies"]),
+    ("layouts", ["project.layouts"]),
+    ("job", ["project.job"]),
+    ("parallelism", ["project.parallel", "project.accounting"]),
+    ("checkpoints", ["project.checkpointing"]),
+    ("plain PyTorch", ["project.models", "project.data"]),
+    ("options", ["project.options"]),
 ]
 
 
@@ -111,32 +99,38 @@ def test_project_has_no_import_cycles():
 
 
 def layer_of(module: str) -> int:
-    """The index in ``LAYERS`` (0 the top) of the longest prefix naming ``module``."""
-    matches = [
-        (len(prefix), index)
-        for index, (_, prefixes) in enumerate(LAYERS)
-        for prefix in prefixes
-        if module == prefix or module.startswith(prefix + ".")
-    ]
-    assert matches, f"{module} is in no layer of LAYERS (and of docs/architecture.md)"
-    return max(matches)[1]
+    """The index in ``LAYERS`` (0 the top) of the package that holds ``module``."""
+    package = ".".join(module.split(".")[:2])
+    matches = [index for index, (_, packages) in enumerate(LAYERS) if package in packages]
+    assert matches, f"{package} is in no layer of LAYERS (and of docs/architecture.md)"
+    return matches[0]
+
+
+def test_every_layer_is_whole_packages():
+    """The table names packages (folders of ``project/``) only, each once, and every package is in it."""
+    listed = [package for _, packages in LAYERS for package in packages]
+    folders = {f"project.{path.parent.name}" for path in (REPO / "project").glob("*/__init__.py")}
+    assert sorted(listed) == sorted(folders) and len(set(listed)) == len(listed)
 
 
 def test_no_import_climbs_a_layer():
     graph = import_graph()
-    packages = {name for name in graph if (REPO / name.replace(".", "/") / "__init__.py").is_file()}
     climbs = [
         f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
         for module, targets in graph.items()
-        if module not in packages  # a package only gathers its modules
+        if module != "project"  # the root package holds no code
         for target in targets
-        if target not in packages and layer_of(target) < layer_of(module)
+        if target != "project" and layer_of(target) < layer_of(module)
     ]
     assert climbs == []
 
 
 def test_the_layer_check_sees_a_climb():
-    assert layer_of("project.models.gpt") > layer_of("project.distributed.plans") > layer_of("project.launch.worker")
+    assert (
+        layer_of("project.models.gpt")
+        > layer_of("project.parallel.tensor_parallel_plans")
+        > layer_of("project.launch.worker")
+    )
 
 
 def test_no_two_modules_share_a_name():

@@ -1,5 +1,6 @@
-"""A launch resolves its config once (``project.config.job``), and checkpoints outlive the code's layout: one written
-before the move to the staged ``project/`` (``tests/data/old_layout``, saved by commit 54adea1) resumes exactly."""
+"""A launch resolves its config once (``project.launch.resolution``), and checkpoints outlive the code's layout: one
+written before the move to the staged ``project/`` (``tests/data/old_layout``, saved by commit 54adea1) resumes
+exactly."""
 
 import json
 import pickletools
@@ -19,7 +20,7 @@ OLD = REPO / "tests" / "data" / "old_layout"  # epoch 0 of a 2-epoch run, its co
 COUNTED = [
     "project.config.checks:check_config",
     "project.config.checks:resolve_ckpt_path",
-    "project.memory.plan:plan_memory",
+    "project.plan.memory_plan:plan_memory",
 ]
 
 

@@ -1,4 +1,4 @@
-"""The memory plan (``project/memory/plan.py``): what it predicts against what real runs measure, plans of 1024
+"""The memory plan (``project/plan/memory_plan.py``): what it predicts against what real runs measure, plans of 1024
 simulated ranks against arithmetic, and the plan as a guard before launch (its refusals are in test_bad_input)."""
 
 import csv
@@ -6,12 +6,14 @@ import math
 
 import pytest
 from conftest import TINY, TINY_GPT, only_run, train
+from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from test_config import compose_train
 
-from project.config.build import build_net
-from project.distributed.parallelize import block_sizes, split_blocks, stage_modules
-from project.memory.plan import candidate_changes, plan_memory
+from project.config.build import build_job, build_strategy
+from project.job.job import Job
+from project.parallel.parallelize import block_sizes, split_blocks, stage_modules
+from project.plan.memory_plan import candidate_changes, plan_memory
 
 MODEL_STATE = ("params", "grads", "optimizer", "model_state")
 
@@ -88,11 +90,15 @@ LARGE = [
 RANKS = 1024
 
 
-def resolved(overrides: list[str]):
+def resolved(overrides: list[str]) -> Job:
+    """The typed job of the composed config, resolved, as the launcher builds it, without the run's checks (some of
+    these plans are of jobs no machine here could run)."""
     cfg = compose_train(overrides)
     with open_dict(cfg):
         del cfg["hydra"]
-    return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    data = instantiate(cfg.data)
+    return build_job(cfg, build_strategy(cfg.strategy), None, data.num_train_samples, data.num_val_samples)
 
 
 def sharded_bytes(parameters, shards: int) -> int:
@@ -107,7 +113,7 @@ def adamw_bytes(parameter_bytes: int, parameters: list) -> int:
 
 
 def test_fsdp_and_ddp_plans_of_1024_ranks_hold_what_arithmetic_says():
-    net_parameters = list(build_net(resolved([*LARGE, "strategy=fsdp"])).parameters())
+    net_parameters = list(resolved([*LARGE, "strategy=fsdp"]).meta_net().parameters())
     assert sum(p.numel() for p in net_parameters) > 1.3e9
     fsdp = plan_memory(resolved([*LARGE, "strategy=fsdp"]), suggest=False)
     rank0 = fsdp.devices[0]
@@ -133,9 +139,9 @@ def test_fsdp_and_ddp_plans_of_1024_ranks_hold_what_arithmetic_says():
     ids=["llama_1b", "seed_mlp"],
 )
 def test_fsdp_plans_of_1024_ranks_of_the_other_models(model):
-    cfg = resolved([*model, "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=128", "logger=none"])
-    parameters = list(build_net(cfg).parameters())
-    plan = plan_memory(cfg, suggest=False)
+    job = resolved([*model, "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=128", "logger=none"])
+    parameters = list(job.meta_net().parameters())
+    plan = plan_memory(job, suggest=False)
     expected = sharded_bytes(parameters, RANKS)
     assert plan.world_size == RANKS and plan.devices[0].params == plan.devices[0].grads == expected
 
@@ -145,7 +151,7 @@ def test_fsdp_x_tensor_parallel_plan_of_1024_ranks_shards_each_split_again():
     split as its plan says (query/key/value, gate and up projections and the vocabulary tables by rows, attention
     output and down projections by columns, norms whole), then FSDP cuts rank 0's split into ceil(rows / 128) rows.
     The tied output layer is the token table, held once."""
-    cfg = resolved(
+    job = resolved(
         [
             "model=llama_1b",
             "model.net.num_layers=2",
@@ -162,26 +168,26 @@ def test_fsdp_x_tensor_parallel_plan_of_1024_ranks_shards_each_split_again():
     )
     replicas, split = 128, 8
     expected = 0
-    for name, parameter in build_net(cfg).named_parameters():  # a tied weight once, under its first name
+    for name, parameter in job.meta_net().named_parameters():  # a tied weight once, under its first name
         rows, columns = parameter.shape[0], parameter[0].numel()
         if name.endswith(("q.weight", "k.weight", "v.weight", "gate.weight", "up.weight", "tokens.weight")):
             rows //= split
         elif name.endswith(("o.weight", "down.weight")):
             columns //= split
         expected += math.ceil(rows / replicas) * columns * 4
-    rank0 = plan_memory(cfg, suggest=False).devices[0]
+    rank0 = plan_memory(job, suggest=False).devices[0]
     assert rank0.params == rank0.grads == expected
 
 
 def plan_of_stages(overrides: list[str]) -> tuple:
     """The plan of a config that splits the model into 8 stages, and each stage's parameters (on the meta device)."""
-    cfg = resolved(overrides)
-    net = build_net(cfg)
+    job = resolved(overrides)
+    net = job.meta_net()
     stages = split_blocks(block_sizes(net), 8, None)
     parameters = [
         [p for module in stage_modules(net, stages, stage) for p in module.parameters()] for stage in range(8)
     ]
-    return plan_memory(cfg, suggest=False), parameters
+    return plan_memory(job, suggest=False), parameters
 
 
 def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight():
@@ -233,8 +239,8 @@ SMALL_DEVICE = [
 def test_a_suggested_strategy_is_set_as_its_config_file_sets_it():
     """A DDP run's suggestions include FSDP over the same devices, its options read from conf/strategy/fsdp.yaml."""
     changes = dict(candidate_changes(resolved([*TINY, "strategy=ddp", "trainer.devices=2", "logger=none"])))
-    fsdp = changes["strategy=fsdp"].strategy
-    assert fsdp._target_ == "project.distributed.strategies.FSDPStrategy" and fsdp.processes == 2
+    fsdp = changes["strategy=fsdp"].cfg.strategy
+    assert fsdp._target_ == "project.strategies.FSDPStrategy" and fsdp.processes == 2
     assert fsdp.reshard_after_forward is True
 
 

@@ -15,7 +15,7 @@ from conftest import (
 from test_step_counts import assert_collectives_as_planned
 
 from project.checkpointing.files import is_sharded_checkpoint
-from project.distributed.parallelize import split_blocks
+from project.parallel.parallelize import split_blocks
 
 BATCH_64 = ["data.batch_size=64"]  # the single_run's global batch, one replica
 

@@ -8,14 +8,13 @@ from dataclasses import asdict, replace
 
 import pytest
 from conftest import TINY_GPT
-from omegaconf import OmegaConf
 from test_memory_plan import resolved
 from test_plan_search import SEARCH
 
-from project.memory import plan
-from project.memory.depth import extrapolated_plan
-from project.memory.plan import device_capacity, plan_memory
-from project.memory.search import (
+from project.plan import simulate
+from project.plan.depth import extrapolated_plan
+from project.plan.memory_plan import device_capacity, plan_memory
+from project.plan.search import (
     Search,
     _simulate,
     candidate_layouts,
@@ -24,7 +23,7 @@ from project.memory.search import (
     rank_layouts,
     set_bounds,
 )
-from project.memory.step_time import Cluster, predict_step
+from project.plan.step_time import predict_step
 
 DEEP_GPT = [*TINY_GPT, "model.net.num_layers=13", "data.batch_size=8"]  # 13 blocks: more than copies of 3+4+5
 
@@ -42,8 +41,8 @@ def test_a_plan_extended_from_shallow_copies_is_the_whole_simulation(layout):
     link's bytes are lines in the blocks. The peak is within 3% (under FSDP this tiny GPT's fullest moment moves
     once the model is deeper than the copies: 2.3% under at 13 blocks), which is why plan=search simulates the
     layout it names whole."""
-    cfg = resolved([*DEEP_GPT, *layout])
-    extended, whole = extrapolated_plan(cfg), plan_memory(cfg, suggest=False)
+    job = resolved([*DEEP_GPT, *layout])
+    extended, whole = extrapolated_plan(job), plan_memory(job, suggest=False)
     assert extended is not None and len(extended.devices) == len(whole.devices)
     for guess, truth in zip(extended.devices, whole.devices):
         assert {**asdict(guess), "peak": 0, "comm_buffers": 0} == {**asdict(truth), "peak": 0, "comm_buffers": 0}
@@ -65,10 +64,10 @@ def test_a_plan_extended_from_shallow_copies_is_the_whole_simulation(layout):
 def test_replayed_microbatches_hold_and_count_what_simulated_ones_do(layout, monkeypatch):
     """A pipeline device's plan with its repeated micro-batches replayed is, figure for figure, its plan with every
     micro-batch simulated."""
-    cfg = resolved([*TINY_GPT, "model.net.num_layers=4", "data.batch_size=48", "strategy=pipeline", *layout])
-    replayed = plan_memory(cfg, suggest=False)
-    monkeypatch.setattr(plan, "simulated_microbatches", lambda microbatches, in_flight: set(range(microbatches)))
-    whole = plan_memory(cfg, suggest=False)
+    job = resolved([*TINY_GPT, "model.net.num_layers=4", "data.batch_size=48", "strategy=pipeline", *layout])
+    replayed = plan_memory(job, suggest=False)
+    monkeypatch.setattr(simulate, "simulated_microbatches", lambda microbatches, in_flight: set(range(microbatches)))
+    whole = plan_memory(job, suggest=False)
     assert [asdict(device) for device in replayed.devices] == [asdict(device) for device in whole.devices]
 
 
@@ -91,22 +90,24 @@ def test_a_layout_is_simulated_up_to_the_first_moment_a_device_does_not_fit(tmp_
     assert capacity < device.peak < first.peak and device.flops < first.flops
 
     # The search's own steps, in this process: its two pipelines (checkpointing off and on) on a 100 KiB device.
-    cfg = resolved([*SEARCH, "plan_search.strategies=[pipeline]", "memory_plan.device_memory_gb=0.0001"])
-    layouts, small, cache = list(candidate_layouts(cfg)), device_capacity(cfg)[0], tmp_path / "plan_cache"
+    job = resolved([*SEARCH, "plan_search.strategies=[pipeline]", "memory_plan.device_memory_gb=0.0001"])
+    layouts, small, cache = list(candidate_layouts(job)), device_capacity(job)[0], tmp_path / "plan_cache"
     for name, same in from_cache(layouts, cache, small).items():
-        (cache / name).write_text(json.dumps(_simulate(OmegaConf.to_container(same[0].cfg), whole=False)))
+        (cache / name).write_text(json.dumps(_simulate(same[0].job, whole=False)))
     assert from_cache(layouts, cache, small) == {} and all(found.plan and found.plan.partial for found in layouts)
-    table = format_search(cfg, Search(rank_layouts(layouts, Cluster.of(cfg), small), [], Cluster.of(cfg), small))
+    cluster = job.cluster
+    assert cluster is not None
+    table = format_search(job, Search(rank_layouts(layouts, cluster, small), [], cluster, small))
     assert len(re.findall(r"^\s*\d+(?:\s+-){5}\s+>=[\d.]+ KiB\s+no\s", table, re.M)) == 2
     assert len(from_cache(layouts, cache, 80 * 2**30)) == 2  # more memory: both to simulate again
 
     # Bounded once a layout with the same checkpointing has been simulated through: here the pipeline without
     # checkpointing itself, whole. Its bound is above the throughput it gets whole; its twin's stays unknown.
-    cluster, (off, on) = Cluster.of(cfg), sorted(layouts, key=lambda layout: "checkpointing=true" in layout.overrides)
-    through = replace(off, plan=plan_memory(off.cfg, suggest=False))
+    off, on = sorted(layouts, key=lambda layout: "checkpointing=true" in layout.overrides)
+    through = replace(off, plan=plan_memory(off.job, suggest=False))
     set_bounds([*layouts, through], cluster)
     assert off.bound is not None and on.bound is None
-    assert off.bound >= predict_step(through.plan, off.cfg, off.dims, cluster).tokens_per_device_per_s
-    table = format_search(cfg, Search(rank_layouts(layouts, cluster, small), [], cluster, small))
+    assert off.bound >= predict_step(through.plan, off.job, cluster).tokens_per_device_per_s
+    table = format_search(job, Search(rank_layouts(layouts, cluster, small), [], cluster, small))
     row = rf"^\s*1\s+<={off.bound:,.0f}(?:\s+-){{4}}\s+>=[\d.]+ KiB\s+no\s+{re.escape(off.overrides)}$"
     assert re.search(row, table, re.M)

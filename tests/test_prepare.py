@@ -16,9 +16,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from project.checkpointing.files import META_FILE
 from project.cli.prepare import documents, input_files, is_validation, prepare
-from project.config.errors import ConfigError
 from project.data.sampling import EpochShuffle, GlobalBatchSampler
 from project.data.shards import HEADER_BYTES, ShardsDataModule, read_shard
+from project.options.errors import ConfigError
 
 STDLIB_JSON = Path(json.__file__).parent  # a corpus that ships with Python: the json package's sources
 

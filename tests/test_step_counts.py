@@ -1,4 +1,4 @@
-"""What the memory plan counts of a training step besides memory (project/memory/counts.py): its FLOPs, against
+"""What the memory plan counts of a training step besides memory (project/accounting/counts.py): its FLOPs, against
 arithmetic, and every collective's bytes, against what each rank of a real gloo run of the same layout sent."""
 
 import json
@@ -7,7 +7,8 @@ import pytest
 from conftest import TINY, TINY_GPT
 from test_memory_plan import job_dir_of, resolved
 
-from project.memory.plan import simulate_devices
+from project.job.job import Job
+from project.plan.memory_plan import simulate_devices
 
 # Session runs (conftest) whose ranks counted their collectives (COUNTED), each launched after its plan.
 COUNTED_RUNS = [
@@ -82,19 +83,19 @@ def test_a_pipelines_stages_share_the_whole_models_flops():
     assert sum(device.flops for device in devices) == mlp_step_flops(64)
 
 
-def gpt_step_flops(cfg, batch: int, checkpointed: bool) -> int:
+def gpt_step_flops(job: Job, batch: int, checkpointed: bool) -> int:
     """The GPT's step: per block 24 d^2 FLOPs a token in its linears (q, k, v, proj: 4 d x d; MLP: d x 4d twice),
     2 x 2 T d a token in attention (scores, then values; torch counts the causal mask's zeros too), and the head's
     2 d V a token. Backward: twice the linears' (weights and inputs), 2.5 times the attention's (torch's formula).
     Activation checkpointing recomputes each block's forward in backward but for its last linear (the MLP's down
     projection), whose output no gradient needs: torch's recompute stops early."""
     d, layers, tokens, vocab = (
-        cfg.model.net.dim,
-        cfg.model.net.num_layers,
-        batch * cfg.data.seq_length,
-        cfg.data.vocab_size,
+        job.cfg.model.net.dim,
+        job.cfg.model.net.num_layers,
+        batch * job.cfg.data.seq_length,
+        job.cfg.data.vocab_size,
     )
-    linears, attention, head = 24 * d * d * tokens, 4 * tokens * cfg.data.seq_length * d, 2 * tokens * d * vocab
+    linears, attention, head = 24 * d * d * tokens, 4 * tokens * job.cfg.data.seq_length * d, 2 * tokens * d * vocab
     step = 3 * (layers * linears + head) + 3.5 * layers * attention
     recompute = layers * (16 * d * d * tokens + attention)
     return int(step + (recompute if checkpointed else 0))
@@ -103,10 +104,10 @@ def gpt_step_flops(cfg, batch: int, checkpointed: bool) -> int:
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["no-ac", "ac"])
 def test_planned_flops_of_a_gpt_step_are_its_arithmetic_with_activation_checkpointing_recompute(checkpointed):
     """The step's FLOPs, and of them the recompute's, counted apart (MFU leaves it out)."""
-    cfg = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", f"model.activation_checkpointing={checkpointed}"])
-    recompute = gpt_step_flops(cfg, 16, True) - gpt_step_flops(cfg, 16, False) if checkpointed else 0
-    counted = [(device.flops, device.recomputed_flops) for device in simulate_devices(cfg)[0]]
-    assert counted == [(gpt_step_flops(cfg, 16, checkpointed), recompute)]
+    job = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", f"model.activation_checkpointing={checkpointed}"])
+    recompute = gpt_step_flops(job, 16, True) - gpt_step_flops(job, 16, False) if checkpointed else 0
+    counted = [(device.flops, device.recomputed_flops) for device in simulate_devices(job)[0]]
+    assert counted == [(gpt_step_flops(job, 16, checkpointed), recompute)]
 
 
 @pytest.mark.parametrize("layout", [["strategy=tensor_parallel"], ["strategy=fsdp", "strategy.tensor_parallel_size=2"]])
@@ -114,5 +115,5 @@ def test_each_tensor_parallel_rank_computes_half_the_gpts_step(layout):
     """Two tensor-parallel ranks split every linear, the attention heads and the head by vocabulary: each computes
     half the step's arithmetic. (DTensor runs each op whole on fake tensors of its own to infer the output's shape:
     those are not counted.)"""
-    cfg = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", "trainer.devices=2", *layout])
-    assert [device.flops for device in simulate_devices(cfg)[0]] == [gpt_step_flops(cfg, 16, False) // 2]
+    job = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", "trainer.devices=2", *layout])
+    assert [device.flops for device in simulate_devices(job)[0]] == [gpt_step_flops(job, 16, False) // 2]

@@ -1,14 +1,16 @@
-"""The step-time model (project/memory/step_time.py) on plans whose counts are set by hand, against the same
+"""The step-time model (project/plan/step_time.py) on plans whose counts are set by hand, against the same
 arithmetic done here step by step: compute at the calibrated share of the peak, ring collectives over the link
 their group crosses, data-parallel traffic hidden behind compute up to its length, the pipeline's bubble."""
 
 import pytest
 from test_memory_plan import resolved
 
-from project.distributed.dims import ParallelDims
-from project.memory.counts import Link
-from project.memory.plan import DevicePlan, MemoryPlan
-from project.memory.step_time import Cluster, predict_step
+from project.accounting.counts import Link
+from project.job.cluster import Cluster
+from project.parallel.dims import ParallelDims
+from project.plan.memory_plan import MemoryPlan
+from project.plan.simulate import DevicePlan
+from project.plan.step_time import predict_step
 
 # Round numbers: 100 TFLOPS at half efficiency is 5e13 FLOP/s; 100 GB/s in a node, 10 GB/s between nodes.
 CLUSTER = Cluster("test", 100, 80, 4, 100, 10, 0.5)
@@ -48,7 +50,7 @@ SECOND = device(
 )
 def test_a_step_is_the_slowest_rank_stretched_by_the_bubble(schedule, stages, microbatches, bubble_share):
     per_rank = stages // 4
-    cfg = resolved(
+    job = resolved(
         [
             *PIPELINE,
             f"strategy.schedule={schedule}",
@@ -58,15 +60,15 @@ def test_a_step_is_the_slowest_rank_stretched_by_the_bubble(schedule, stages, mi
             f"data.batch_size={microbatches}",
         ]
     )
-    dims = ParallelDims(8, pipeline=4, shard=True, pipelined=True)  # 2 replicas
+    assert job.dims == ParallelDims(8, pipeline=4, shard=True, pipelined=True)  # 2 replicas
     plan = MemoryPlan([FIRST, SECOND], 80 * 2**30, "test", False, 8)
-    step = predict_step(plan, cfg, dims, CLUSTER)
+    step = predict_step(plan, job, CLUSTER)
     busy = 2.4 + 0.05 + 0.1 + (3.0 - 2.4)  # the second rank: compute, tensor parallel, sends, what compute cannot hide
     assert step.compute == pytest.approx(2.4)
     assert step.exposed_communication == pytest.approx(busy - 2.4)
     assert step.seconds == pytest.approx(busy / (1 - bubble_share))
     assert step.bubble == pytest.approx(step.seconds - busy)
-    tokens = microbatches * cfg.data.seq_length * 2 / 8  # a replica's batch, 2 replicas, over 8 GPUs
+    tokens = microbatches * job.seq_length * 2 / 8  # a replica's batch, 2 replicas, over 8 GPUs
     assert step.tokens_per_device_per_s == pytest.approx(tokens / step.seconds)
     assert step.mfu == pytest.approx(12 * 10**13 / step.seconds / 10**14)
 
@@ -74,10 +76,10 @@ def test_a_step_is_the_slowest_rank_stretched_by_the_bubble(schedule, stages, mi
 def test_data_parallel_traffic_within_the_compute_costs_nothing():
     """FSDP alone: its gathers and reductions overlap the blocks' compute, so a step is its compute until the
     traffic outlasts it."""
-    cfg = resolved(["model=gpt", "data=tokens", "strategy=fsdp", "trainer.devices=4"])
-    dims = ParallelDims(4, shard=True)
+    job = resolved(["model=gpt", "data=tokens", "strategy=fsdp", "trainer.devices=4"])
+    assert job.dims == ParallelDims(4, shard=True)
     for wire_seconds, step_seconds in ((1.5, 2.0), (2.5, 2.5)):
         size = int(wire_seconds * 100 * 10**9 * 4 / 3)  # an all-gather of 4 ranks puts 3/4 on the wire
         rank = device("rank 0", 10**14, {Link("all_gather", "data_parallel", 4, 1): size})
-        step = predict_step(MemoryPlan([rank], 2**40, "test", False, 4), cfg, dims, CLUSTER)
+        step = predict_step(MemoryPlan([rank], 2**40, "test", False, 4), job, CLUSTER)
         assert step.seconds == pytest.approx(step_seconds, rel=1e-6)

@@ -12,13 +12,11 @@ from torch.distributed.tensor import distribute_tensor
 
 from project.checkpointing.files import is_sharded_checkpoint
 from project.checkpointing.hf import HFWeights, net_options, read_config
-from project.config.build import build_net
-from project.config.errors import ConfigError
-from project.distributed.parallelize import apply_fsdp, materialize
-from project.distributed.plans import apply_tensor_parallel
-from project.distributed.strategies import FSDPStrategy
-from project.memory.simulation import fake_process_group
 from project.models import GPT, Llama
+from project.options.errors import ConfigError
+from project.parallel.fake_process_group import fake_process_group
+from project.parallel.parallelize import apply_fsdp, materialize
+from project.parallel.tensor_parallel_plans import apply_tensor_parallel
 
 # Each layout's run (conftest) and its ranks: data-parallel replicas x tensor-parallel ranks (x pipeline stages).
 LAYOUTS = {
@@ -124,7 +122,7 @@ def test_a_tensor_parallel_group_stays_within_a_node_or_takes_whole_ones(devices
     """A group's ranks are consecutive: T dividing the devices of a node keeps it inside one, a multiple of them
     takes whole nodes; anything else would straddle nodes (checked before launch; the MLP's 96 units split 3, 4, 6
     and 8 ways)."""
-    cfg = resolved(
+    job = resolved(
         [
             *TINY,
             "model.net.hidden_dims=[96,32]",
@@ -136,11 +134,12 @@ def test_a_tensor_parallel_group_stays_within_a_node_or_takes_whole_ones(devices
             "logger=none",
         ]
     )
+    problem = job.layout.problem(job, job.meta_net())
     if fits:
-        FSDPStrategy.check_config(cfg, build_net(cfg), ckpt_path=None)
+        assert problem is None
     else:
-        with pytest.raises(ConfigError, match=f"groups of {size} consecutive ranks would straddle nodes of {devices}"):
-            FSDPStrategy.check_config(cfg, build_net(cfg), ckpt_path=None)
+        assert isinstance(problem, ConfigError)
+        assert f"groups of {size} consecutive ranks would straddle nodes of {devices}" in str(problem)
 
 
 @pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False)])

@@ -30,8 +30,8 @@ from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
 
-from project.config.errors import ConfigError, exit_with
 from project.launch.results import RESULT_FILE, mark_interrupted, read_result
+from project.options.errors import ConfigError, exit_with
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from project.config.errors import ConfigError
 from project.models import GPT, Llama
+from project.options.errors import ConfigError
 
 # This project's parameter name -> Hugging Face's, per family; {i} is a block index.
 NAMES = {

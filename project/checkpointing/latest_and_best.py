@@ -6,7 +6,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from project.config.errors import check_writable
+from project.options.errors import check_writable
 
 
 class LatestAndBestCheckpoint(ModelCheckpoint):
@@ -20,7 +20,7 @@ class LatestAndBestCheckpoint(ModelCheckpoint):
     """
 
     @staticmethod
-    def check_config(cfg: DictConfig, name: str, *layout: Any) -> None:
+    def check_config(cfg: DictConfig, name: str, *data: Any) -> None:
         """The checkpoints dir must be writable before any worker starts, not when the first epoch ends."""
         key = f"callbacks.{name}.dirpath"
         dirpath = OmegaConf.select(cfg, key)

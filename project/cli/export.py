@@ -18,7 +18,7 @@ from torch import nn
 from project.checkpointing.files import model_state
 from project.checkpointing.hf import NET_CLASSES, write_hf_dir
 from project.cli.usage import checkpoint_and_config, run_cli
-from project.config.errors import ConfigError, check_writable
+from project.options.errors import ConfigError, check_writable
 
 
 def export(

@@ -13,8 +13,8 @@ from hydra.utils import instantiate
 
 from project.checkpointing.files import model_state
 from project.cli.usage import checkpoint_and_config, run_cli
-from project.config.errors import ConfigError
-from project.tasks.decoding import check_settings, generate
+from project.models.generation import check_settings, generate
+from project.options.errors import ConfigError
 
 
 def innermost(error: BaseException) -> str:

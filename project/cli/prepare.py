@@ -27,9 +27,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from project.cli.usage import run_cli
-from project.config.errors import ConfigError, check_writable
+from project.data.codecs import TokenizerCodec
 from project.data.shards import token_dtype, write_shard
-from project.tasks.decoding import TokenizerCodec
+from project.options.errors import ConfigError, check_writable
 
 SEPARATORS = ["<|endoftext|>", "<|end_of_text|>", "</s>"]  # GPT-2's, Llama 3's, Llama 2's and others'
 ENCODE_BATCH = 256  # documents per call: HF tokenizers spreads a batch over all cores

@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 from plotly.colors import qualitative, sample_colorscale
 
 from project.cli.usage import run_cli
-from project.config.errors import ConfigError, check_writable
 from project.launch.results import RESULT_FILE, sweep_rows
+from project.options.errors import ConfigError, check_writable
 
 # Curves drawn when the runs logged them, one chart each.
 CURVES = ["train/loss", "val/loss", "train/acc", "val/acc", "val/perplexity"]

@@ -13,7 +13,7 @@ import yaml
 from omegaconf import DictConfig
 
 from project.checkpointing.files import checkpoint_shapes, job_config, job_config_file
-from project.config.errors import ConfigError
+from project.options.errors import ConfigError
 
 
 def run_cli(prog: str, main: Callable[[], None]) -> None:

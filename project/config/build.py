@@ -1,13 +1,23 @@
-"""The objects a config names, built as the workers build them: the plain model on the meta device and the
-Lightning strategy."""
+"""The objects a config names, built as the workers build them (the plain model on the meta device, the Lightning
+strategy), and the typed ``Job`` of a config (``build_job``), or of the same config with a few keys changed
+(``changed_job``: the candidates the memory plan and ``plan=search`` try)."""
 
+import functools
+from dataclasses import fields
+from pathlib import Path
 from typing import Any, cast
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from hydra.utils import get_class, instantiate
+from lightning.fabric.connector import _convert_precision_to_unified_args
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from project.distributed.dims import ParallelDims
+from project.job.cluster import Cluster
+from project.job.job import Job, Layout, SearchSettings
+from project.layouts.data_parallel_layout import DataParallelLayout
+from project.strategies.laid_out import LaidOutStrategy
+
+STRATEGY_OPTIONS = Path(__file__).resolve().parents[2] / "conf" / "strategy"
 
 
 def build_net(cfg: DictConfig) -> torch.nn.Module:
@@ -30,8 +40,79 @@ def build_strategy(strategy_cfg: DictConfig) -> Any:
     return instantiate(OmegaConf.masked_copy(strategy_cfg, keys))
 
 
-def parallel_dims(strategy: Any, world_size: int) -> ParallelDims:
-    """How ``world_size`` ranks divide under ``strategy`` (a built one): its own ``dims``, or for Lightning's
-    (auto, DDP, one device) every rank a data-parallel replica holding the whole model."""
-    dims = getattr(strategy, "dims", None)
-    return dims(world_size) if dims is not None else ParallelDims(world_size)
+def layout_of(strategy: Any, strategy_cfg: DictConfig) -> Layout:
+    """The layout of ``strategy`` (a built one): its own, or for Lightning's (auto, DDP, one device) every rank a
+    data-parallel replica holding the whole model."""
+    if isinstance(strategy, LaidOutStrategy):
+        return strategy.layout
+    return DataParallelLayout(gradient_as_bucket_view=bool(strategy_cfg.get("gradient_as_bucket_view")))
+
+
+def strategy_class(cfg: DictConfig) -> type | None:
+    """The configured Lightning strategy class (None for ``auto``, where Lightning chooses)."""
+    target = OmegaConf.select(cfg, "strategy._target_")
+    return None if target is None else get_class(target)
+
+
+def uses_cuda(cfg: DictConfig) -> bool:
+    """Whether the trainer will run on CUDA devices (accelerator gpu/cuda, or auto with GPUs present)."""
+    accelerator = str(cfg.trainer.accelerator)
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def build_job(cfg: DictConfig, strategy: Any, ckpt_path: str | None, train_samples: int, val_samples: int) -> Job:
+    """The typed job of ``cfg`` (resolved, and checked by ``project.config.checks.check_config``, which calls
+    this), its strategy already built; ``ckpt_path`` resolved; the data's training and validation samples."""
+    choices = cfg.get("choices") or {}
+    return Job(
+        cfg=cfg,
+        layout=layout_of(strategy, cfg.strategy),
+        strategy_class=strategy_class(cfg),
+        model_name=choices.get("model", "?"),
+        strategy_name=choices.get("strategy", "?"),
+        devices=cfg.trainer.devices,
+        nodes=cfg.trainer.num_nodes,
+        batch_size=cfg.data.batch_size,
+        accumulate=cfg.trainer.accumulate_grad_batches,
+        # None only for trainer.precision=null, which the checks refuse first.
+        precision=cast(str, _convert_precision_to_unified_args(cfg.trainer.precision)),
+        uses_cuda=uses_cuda(cfg),
+        activation_checkpointing=bool(
+            cfg.model.get("activation_checkpointing") or OmegaConf.select(cfg, "strategy.activation_checkpointing")
+        ),
+        seq_length=cfg.data.get("seq_length"),
+        num_layers=OmegaConf.select(cfg, "model.net.num_layers"),
+        train_samples=train_samples,
+        val_samples=val_samples,
+        ckpt_path=ckpt_path,
+        cluster=None
+        if cfg.get("cluster") is None
+        else Cluster(**{field.name: cfg.cluster[field.name] for field in fields(Cluster)}),
+        device_memory_gb=cfg.memory_plan.device_memory_gb,
+        if_over=cfg.memory_plan.if_over,
+        search=SearchSettings(
+            tuple(cfg.plan_search.strategies), cfg.plan_search.max_pipeline_ranks, cfg.plan_search.prune
+        ),
+        plan_cache=Path(cfg.paths.log_dir) / "plan_cache",
+    )
+
+
+def changed_job(job: Job, changes: dict[str, Any], strategy: str | None = None) -> Job:
+    """``job`` with ``strategy`` replaced by that option of the ``strategy`` group, as its file in ``conf/strategy``
+    sets it, and dotted keys set (of its layout, batch, devices or model; the data's samples stay the job's). Not
+    checked: ``project.config.checks.layout_problem`` says whether the change can run."""
+    container = cast(dict[str, Any], OmegaConf.to_container(job.cfg))  # a copy: the job's config stays as it is
+    if strategy is not None:
+        container["strategy"] = _strategy_option(strategy)
+    cfg = OmegaConf.create(container)
+    with open_dict(cfg):
+        for key, value in changes.items():
+            OmegaConf.update(cfg, key, value, force_add=True)
+    OmegaConf.resolve(cfg)  # in place: a search builds dozens of these, and each new DictConfig is costly
+    return build_job(cfg, build_strategy(cfg.strategy), job.ckpt_path, job.train_samples, job.val_samples)
+
+
+@functools.cache
+def _strategy_option(name: str) -> dict[str, Any]:
+    """The ``strategy`` group's option ``name``, as its file in ``conf/strategy`` sets it (unresolved)."""
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.load(STRATEGY_OPTIONS / f"{name}.yaml")))

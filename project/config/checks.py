@@ -1,8 +1,9 @@
 """Checks of a composed config that run before any worker process or W&B run starts.
 
 Each failure is a ``ConfigError`` whose message names the key, what is wrong and the fix, in one paragraph. The
-checks here hold for every run; each strategy of this project adds its own rules (``check_config`` on its class),
-and the model and data modules check their options when they are built.
+checks here hold for every run; each layout adds its own rules (``Layout.problem``), each callback and logger its
+own (``check_config`` on its class), and the model and data modules check their options when they are built. What
+passes is the run's typed ``Job``, built once (``project.config.build.build_job``).
 """
 
 import json
@@ -10,7 +11,6 @@ import logging
 import math
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,17 +20,19 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.accelerators import AcceleratorRegistry
-from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from torch import nn
 
 from project.checkpointing.files import checkpoint_shapes
 from project.checkpointing.hf import HFWeights, check_matches
-from project.config.build import build_strategy, parallel_dims
-from project.config.errors import ConfigError, positive_int
+from project.config.build import build_job, build_strategy, layout_of, uses_cuda
 from project.config.schema import check_types
-from project.distributed.dims import ParallelDims
+from project.job.job import Job, Layout
+from project.models.sequence import BlockSequence
+from project.observability.text_sample import TextSample
+from project.options.errors import ConfigError, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -170,16 +172,24 @@ def _check_process_group(cfg: DictConfig) -> None:
             )
 
 
-def uses_cuda(cfg: DictConfig) -> bool:
-    """Whether the trainer will run on CUDA devices (accelerator gpu/cuda, or auto with GPUs present)."""
-    accelerator = str(cfg.trainer.accelerator)
-    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
-
-
-def shards_model(strategy: type | None) -> bool:
-    """Whether ``strategy`` (a class; None: auto) is a ModelParallelStrategy (fsdp, pipeline, tensor_parallel): it
-    saves and loads sharded checkpoints."""
-    return strategy is not None and issubclass(strategy, ModelParallelStrategy)
+def _gpus_problem(cfg: DictConfig, devices: int) -> ConfigError | None:
+    """On CUDA: what is wrong with asking this machine for ``devices`` GPUs, or None."""
+    if not uses_cuda(cfg):
+        return None
+    available = torch.cuda.device_count()
+    if available == 0:
+        return ConfigError(
+            "trainer.accelerator",
+            f"is {cfg.trainer.accelerator!r} but this machine has no CUDA GPU.",
+            "use trainer.accelerator=cpu (or auto), or run on a machine with GPUs.",
+        )
+    if devices > available:
+        return ConfigError(
+            "trainer.devices",
+            f"asks for {devices} GPUs but this machine has {available}.",
+            f"set trainer.devices={available} or fewer, or trainer.accelerator=cpu for CPU processes.",
+        )
+    return None
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
@@ -253,12 +263,6 @@ def _check_precision(cfg: DictConfig) -> None:
             f"is {precision!r}, but this GPU has no bfloat16 support.",
             "use trainer.precision=16-mixed or 32-true.",
         )
-
-
-def strategy_class(cfg: DictConfig) -> type | None:
-    """The configured Lightning strategy class (None for ``auto``, where Lightning chooses)."""
-    target = OmegaConf.select(cfg, "strategy._target_")
-    return None if target is None else get_class(target)
 
 
 def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None) -> None:
@@ -393,7 +397,7 @@ def _train_batches(cfg: DictConfig, batches_per_epoch: int) -> int:
     return batches_per_epoch
 
 
-def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
+def _val_interval_problem(cfg: DictConfig, batches_per_epoch: int) -> ConfigError | None:
     """``trainer.val_check_interval``: null (each epoch's end), a fraction of an epoch, or every N training batches,
     which within an epoch (``check_val_every_n_epoch`` set) Lightning refuses past the epoch's length, late.
 
@@ -407,21 +411,21 @@ def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
     )
     every_epoch = cfg.trainer.check_val_every_n_epoch
     if every_epoch is None and not _is_int(interval):
-        raise ConfigError(
+        return ConfigError(
             "trainer.val_check_interval",
             f"is {interval!r}, but with trainer.check_val_every_n_epoch="
             "null validation is counted in training batches only.",
             "set trainer.val_check_interval=N (batches), or trainer.check_val_every_n_epoch=1.",
         )
     if interval is None:
-        return
+        return None
     if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
-        raise ConfigError("trainer.val_check_interval", f"is {interval!r}.", fix)
+        return ConfigError("trainer.val_check_interval", f"is {interval!r}.", fix)
     if isinstance(interval, float) and interval > 1:
-        raise ConfigError("trainer.val_check_interval", f"is {interval}, a fraction of an epoch above 1.", fix)
+        return ConfigError("trainer.val_check_interval", f"is {interval}, a fraction of an epoch above 1.", fix)
     batches = _train_batches(cfg, batches_per_epoch)
     if _is_int(interval) and every_epoch is not None and interval > batches:
-        raise ConfigError(
+        return ConfigError(
             "trainer.val_check_interval",
             f"is {interval} batches, but an epoch has {batches}.",
             f"use at most {batches}, or trainer.check_val_every_n_epoch=null to count batches across "
@@ -429,11 +433,11 @@ def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
         )
     accumulate = cfg.trainer.accumulate_grad_batches
     if accumulate == 1 or (isinstance(interval, float) and interval == 1.0):
-        return
+        return None
     every = interval if _is_int(interval) else max(1, int(batches * interval))  # Lightning's val_check_batch
     if every % accumulate and not (every == batches and every_epoch is not None):  # an epoch's end is a step's
         multiple = max(accumulate, every - every % accumulate)
-        raise ConfigError(
+        return ConfigError(
             "trainer.val_check_interval",
             f"validates every {every} training batches, inside an "
             f"optimizer step of trainer.accumulate_grad_batches={accumulate} batches: its checkpoints "
@@ -441,13 +445,14 @@ def _check_val_interval(cfg: DictConfig, batches_per_epoch: int) -> None:
             f"validate every multiple of {accumulate} batches, e.g. trainer.val_check_interval={multiple}.",
         )
     if every_epoch is None and batches % accumulate:
-        raise ConfigError(
+        return ConfigError(
             "trainer.val_check_interval",
             f"counts batches across epochs, but an epoch's {batches} "
             f"batches are no multiple of trainer.accumulate_grad_batches={accumulate} (each epoch ends "
             "with a shorter step), so validations would fall inside steps.",
             f"set trainer.check_val_every_n_epoch=1, or trainer.limit_train_batches to a multiple of {accumulate}.",
         )
+    return None
 
 
 def _check_mode(cfg: DictConfig) -> None:
@@ -472,13 +477,13 @@ def _check_mode(cfg: DictConfig) -> None:
         )
 
 
-def _check_processes(cfg: DictConfig, strategy: Any, devices: int) -> None:
+def _check_processes(cfg: DictConfig, strategy: Any, layout: Layout, devices: int) -> None:
     """``strategy.processes``, the workers the launcher starts per node: one per device for a strategy that runs a
     process per device (Lightning's ``ParallelStrategy``: ddp, fsdp, pipeline, tensor_parallel, and auto), one for
     a strategy that drives every device from one process (model_parallel)."""
-    one_process = isinstance(strategy, SingleDeviceStrategy)
-    expected, processes = (1 if one_process else devices), cfg.strategy.processes
+    expected, processes = layout.processes_per_node(devices), cfg.strategy.processes
     if processes != expected:
+        one_process = isinstance(strategy, SingleDeviceStrategy)
         what = "drives every device from one process" if one_process else "runs one process per device"
         name = OmegaConf.select(cfg, "choices.strategy", default=type(strategy).__name__)
         raise ConfigError(
@@ -488,24 +493,14 @@ def _check_processes(cfg: DictConfig, strategy: Any, devices: int) -> None:
         )
 
 
-@dataclass(frozen=True)
-class CheckedConfig:
-    """What checking a config found out, for the stages after it: the strategy class (None for Lightning's
-    ``auto``), how the job's ranks divide, and the checkpoint to load (``ckpt_path`` resolved)."""
-
-    strategy: type | None
-    dims: ParallelDims
-    ckpt_path: str | None
-
-
-def check_config(cfg: DictConfig) -> CheckedConfig:
-    """Raise ``ConfigError`` for the first setting that cannot work; what the checks resolved otherwise."""
+def check_config(cfg: DictConfig) -> Job:
+    """Raise ``ConfigError`` for the first setting that cannot work; the checked job otherwise."""
     _check_mode(cfg)
     devices = positive_int_at(
         cfg, "trainer.devices", "set trainer.devices to the number of devices, e.g. trainer.devices=2."
     )
     positive_int_at(cfg, "trainer.num_nodes", "set trainer.num_nodes=1 for a single machine.")
-    batch_size = positive_int_at(
+    positive_int_at(
         cfg, "data.batch_size", "set data.batch_size to the samples per device per step, e.g. data.batch_size=32."
     )
     positive_int_at(
@@ -513,21 +508,9 @@ def check_config(cfg: DictConfig) -> CheckedConfig:
         "strategy.processes",
         "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.",
     )
-
-    if uses_cuda(cfg):
-        available = torch.cuda.device_count()
-        if available == 0:
-            raise ConfigError(
-                "trainer.accelerator",
-                f"is {cfg.trainer.accelerator!r} but this machine has no CUDA GPU.",
-                "use trainer.accelerator=cpu (or auto), or run on a machine with GPUs.",
-            )
-        if devices > available:
-            raise ConfigError(
-                "trainer.devices",
-                f"asks for {devices} GPUs but this machine has {available}.",
-                f"set trainer.devices={available} or fewer, or trainer.accelerator=cpu for CPU processes.",
-            )
+    problem = _gpus_problem(cfg, devices)
+    if problem is not None:
+        raise problem
 
     _check_numbers(cfg)
     _check_accelerator(cfg)
@@ -541,50 +524,86 @@ def check_config(cfg: DictConfig) -> CheckedConfig:
         check_files()
     net, module = _meta_model(cfg)
     strategy = _build("strategy", lambda: build_strategy(cfg.strategy))  # checks its options; no process group yet
-    _check_processes(cfg, strategy, devices)
+    _check_processes(cfg, strategy, layout_of(strategy, cfg.strategy), devices)
     ckpt_path = resolve_ckpt_path(cfg)
     _check_checkpoint(cfg, module, ckpt_path)
     _check_init_from(cfg, net)
     _check_vocabulary(cfg, datamodule)
-    cls = strategy_class(cfg)
-    strategy_rules = getattr(cls, "check_config", None)
-    if strategy_rules is not None:  # each strategy of this project checks what it needs (its own module)
-        strategy_rules(cfg, net, ckpt_path)
-    dims = parallel_dims(strategy, cfg.strategy.processes * cfg.trainer.num_nodes)
-    for name, callback in (cfg.callbacks or {}).items():  # and so does each callback, of the data and layout
+    job = build_job(cfg, strategy, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
+    problem = layout_problem(job)
+    if problem is not None:
+        raise problem
+    for name, callback in (cfg.callbacks or {}).items():  # each callback checks its own options, of the data too
         callback_rules = getattr(get_class(callback._target_), "check_config", None)
         if callback_rules is not None:
-            callback_rules(cfg, name, datamodule, cls, dims)
+            callback_rules(cfg, name, datamodule)
     for name, logger in (cfg.logger or {}).items():  # and each logger, of where it writes
         logger_rules = getattr(get_class(logger._target_), "check_config", None)
         if logger_rules is not None:
             logger_rules(cfg, name)
+    return job
 
-    data_parallel = dims.data_parallel
-    global_batch = batch_size * data_parallel
-    if data_parallel > datamodule.num_train_samples:  # no batch size helps: blame the replicas
-        raise ConfigError(
+
+def layout_problem(job: Job) -> ConfigError | None:
+    """The first rule of a run that depends on how its devices divide the work and its batch that ``job`` breaks, or
+    None: the devices this machine has, the layout's own rules, a text sample's need for ranks that run the whole
+    model, and the batches each replica gets. ``check_config`` raises it; the memory plan and ``plan=search`` ask it
+    of every layout they try."""
+    net = cast(BlockSequence, _meta_model(job.cfg)[0])
+    return (
+        _gpus_problem(job.cfg, job.devices)
+        or job.layout.problem(job, net)
+        or _text_sample_problem(job)
+        or _batch_problem(job)
+        or _val_interval_problem(job.cfg, job.train_samples // (job.batch_size * job.dims.data_parallel))
+        or _val_samples_problem(job)
+    )
+
+
+def _text_sample_problem(job: Job) -> ConfigError | None:
+    """A text sample (``TextSample``'s prompt set) needs a layout whose ranks each run the whole model."""
+    for name, callback in (job.cfg.callbacks or {}).items():
+        key = f"callbacks.{name}.prompt"
+        sampled = issubclass(get_class(callback._target_), TextSample) and callback.get("prompt") is not None
+        if sampled and not job.dims.runs_whole_model:
+            strategy = job.strategy_class.__name__ if job.strategy_class is not None else "auto"
+            return ConfigError(
+                key,
+                f"is set, but under {strategy} as configured no rank runs the whole model (pipeline stages, "
+                "tensor-parallel splits).",
+                f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.",
+            )
+    return None
+
+
+def _batch_problem(job: Job) -> ConfigError | None:
+    """Each data-parallel replica needs a training sample a step, and an epoch a full global batch."""
+    data_parallel, samples = job.dims.data_parallel, job.train_samples
+    global_batch = job.batch_size * data_parallel
+    if data_parallel > samples:  # no batch size helps: blame the replicas
+        return ConfigError(
             "trainer.devices",
             f"x trainer.num_nodes gives {data_parallel} data-parallel replicas, more than the "
-            f"{datamodule.num_train_samples} training samples: each replica needs one a step.",
-            f"use at most {datamodule.num_train_samples} replicas, or more training data.",
+            f"{samples} training samples: each replica needs one a step.",
+            f"use at most {samples} replicas, or more training data.",
         )
-    if global_batch > datamodule.num_train_samples:
-        raise ConfigError(
+    if global_batch > samples:
+        return ConfigError(
             "data.batch_size",
-            f"gives a global batch of {batch_size} x {data_parallel} data-parallel replicas = {global_batch} samples, "
-            f"more than the {datamodule.num_train_samples} training samples, so an epoch would have no full batch.",
-            f"lower data.batch_size to at most {datamodule.num_train_samples // data_parallel}, or use more training "
-            "data.",
+            f"gives a global batch of {job.batch_size} x {data_parallel} data-parallel replicas = {global_batch} "
+            f"samples, more than the {samples} training samples, so an epoch would have no full batch.",
+            f"lower data.batch_size to at most {samples // data_parallel}, or use more training data.",
         )
+    return None
 
-    _check_val_interval(cfg, datamodule.num_train_samples // global_batch)
 
-    if datamodule.num_val_samples < data_parallel:
-        raise ConfigError(
+def _val_samples_problem(job: Job) -> ConfigError | None:
+    data_parallel = job.dims.data_parallel
+    if job.val_samples < data_parallel:
+        return ConfigError(
             "data.num_val",
-            f"gives {datamodule.num_val_samples} validation samples, fewer than the {data_parallel} data-parallel "
+            f"gives {job.val_samples} validation samples, fewer than the {data_parallel} data-parallel "
             "replicas that each need one.",
             f"use at least {data_parallel} validation samples, or fewer devices.",
         )
-    return CheckedConfig(cls, dims, ckpt_path)
+    return None

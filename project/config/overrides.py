@@ -1,7 +1,7 @@
 """The command line's overrides parsed as Hydra parses them, before Hydra does: a malformed one is a config error in
 one sentence (which override, what is wrong, the form that works), not the lexer's report."""
 
-from project.config.errors import ConfigError, exit_with
+from project.options.errors import ConfigError, exit_with
 
 _OPENERS = {"[": "]", "(": ")", "{": "}"}
 

@@ -1,12 +1,9 @@
 """OmegaConf resolvers that configs use to derive one setting from others. OmegaConf only: ``train.py`` registers
 them before Hydra composes anything, so ``--help`` stays fast."""
 
-import json
-from pathlib import Path
-
 from omegaconf import OmegaConf
 
-from project.config.errors import ConfigError
+from project.data.prepared import prepared_meta
 
 
 def optuna_direction(mode: str) -> str:
@@ -24,18 +21,6 @@ def wandb_x_axis(val_check_interval: int | float | None) -> str:
     one: several rows an epoch, or runs shorter than one), else by epoch."""
     at_epoch_end = val_check_interval is None or (isinstance(val_check_interval, float) and val_check_interval == 1.0)
     return "epoch" if at_epoch_end else "step"
-
-
-def prepared_meta(path: str | Path) -> dict:
-    """The ``meta.json`` of a corpus prepared by ``python -m project.cli.prepare`` (``data.path``)."""
-    meta = Path(path) / "meta.json"
-    if not meta.is_file():
-        raise ConfigError(
-            "data.path",
-            f"{path} has no meta.json: it is not a prepared corpus (or its preparation has not finished).",
-            "run python -m project.cli.prepare <corpus> --out DIR, then data.path=DIR.",
-        )
-    return json.loads(meta.read_text())
 
 
 def prepared_vocab_size(path: str) -> int:

@@ -5,7 +5,7 @@ Why the constructors' type hints rather than a second schema (Hydra structured c
 what each option is, in one place, for every class the config names (ours, Lightning's, torch's), so a new option
 is checked the moment it is declared. Hydra passes an override it cannot parse as a number or bool on as text
 (``model.compile=no``), so without this check a string reaches a bool option, where any non-empty text is true.
-Ranges and paths are declared with the ``Annotated`` aliases of ``project.config.option_types`` (``PositiveInt``,
+Ranges and paths are declared with the ``Annotated`` aliases of ``project.options.option_types`` (``PositiveInt``,
 ``OpenFraction``, ``ExistingFile``...). Only plain types are judged (bool, int, float, str, ``Literal``, those
 aliases, lists of them, and unions of them); an option of any other type is left to its constructor, as is null.
 The key-specific checks of ``project.config.checks`` run first and keep their more precise messages; what remains
@@ -24,7 +24,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from project.config.errors import ConfigError
+from project.options.errors import ConfigError
 
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
 # The train config's own keys (conf/train.yaml), which no ``_target_`` declares; the others (seed, mode, ckpt_path)
@@ -133,7 +133,7 @@ def _check_value(key: str, value: Any, hint: Any) -> None:
 def _mismatch(value: Any, hint: Any) -> str | None:
     """What ``value`` should have been, or None if it is of type ``hint`` (or ``hint`` is not a plain type)."""
     origin = typing.get_origin(hint)
-    if origin is Annotated:  # a type and its constraints (project.config.option_types)
+    if origin is Annotated:  # a type and its constraints (project.options.option_types)
         base, *constraints = typing.get_args(hint)
         constraint = next((c for c in constraints if hasattr(c, "holds")), None)
         if constraint is None:

@@ -9,9 +9,9 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, Dataset
 
-from project.config.option_types import NonNegativeInt, PositiveInt, Seed
+from project.data.codecs import TextCodec
 from project.data.sampling import EpochShuffle, GlobalBatchSampler, data_parallel_rank_and_size
-from project.tasks.decoding import TextCodec
+from project.options.option_types import NonNegativeInt, PositiveInt, Seed
 
 # The data module resumes its loader mid-epoch itself (``InMemoryDataModule.state_dict``); Lightning, looking only
 # for a DataLoader with a state_dict, would warn that it cannot.

@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from project.config.errors import ConfigError
-from project.config.option_types import NonNegativeInt, PositiveInt, Seed
-from project.config.resolvers import prepared_meta
+from project.data.codecs import TokenizerCodec
 from project.data.datamodule import InMemoryDataModule
-from project.tasks.decoding import TokenizerCodec
+from project.data.prepared import prepared_meta
+from project.options.errors import ConfigError
+from project.options.option_types import NonNegativeInt, PositiveInt, Seed
 
 MAGIC = 20261122
 VERSION = 1

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch.utils.data import TensorDataset
 
-from project.config.option_types import NonNegativeFloat, PositiveInt, Seed
 from project.data.datamodule import GeneratedDataModule
+from project.options.option_types import NonNegativeFloat, PositiveInt, Seed
 
 
 def make_cluster_data(

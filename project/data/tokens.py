@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from torch.utils.data import TensorDataset
 
-from project.config.errors import ConfigError
-from project.config.option_types import ExistingFile, OpenFraction, PositiveInt, Seed
+from project.data.codecs import BytesCodec
 from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
-from project.tasks.decoding import BytesCodec
+from project.options.errors import ConfigError
+from project.options.option_types import ExistingFile, OpenFraction, PositiveInt, Seed
 
 
 def random_markov_chain(vocab_size: int, branching: int, generator: torch.Generator) -> torch.Tensor:

@@ -8,9 +8,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from project.config.errors import ConfigError, exit_with
 from project.launch.job_dir import hold_job_dir
 from project.launch.results import write_sweep_summary
+from project.options.errors import ConfigError, exit_with
 
 
 class JobDirCheck(Callback):

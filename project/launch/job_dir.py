@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from project.config.errors import ConfigError
+from project.options.errors import ConfigError
 
 LOCK_FILE = ".job.lock"
 

@@ -10,7 +10,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from project.data.sampling import data_parallel_rank_and_size
 from project.launch.results import job_result, write_result
 from project.launch.trial import PruneTrial
-from project.memory.measure import DeviceMemory
+from project.observability.device_memory import DeviceMemory
 from project.observability.loggers import EpochWandbLogger
 from project.observability.throughput import EpochThroughput
 

@@ -1,4 +1,4 @@
-"""From a composed Hydra config to a running job: resolve it once (``project.config.job``), then train in this
+"""From a composed Hydra config to a running job: resolve it once (``project.launch.resolution``), then train in this
 process or start one worker per device.
 
 Why not Lightning's own launcher: for DDP it re-executes ``sys.argv``, so each worker of a Hydra multirun job
@@ -28,9 +28,7 @@ from hydra.utils import instantiate
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from project.config.checks import uses_cuda
-from project.config.errors import ConfigError, JobFailed
-from project.config.job import print_memory_plan, resolve_job
+from project.config.build import uses_cuda
 from project.config.schema import check_train_keys
 from project.launch.failures import failure_report
 from project.launch.job_dir import job_dir_lock
@@ -44,11 +42,13 @@ from project.launch.processes import (
     launched_by_torchrun,
     stop_on_early_warning,
 )
+from project.launch.resolution import print_memory_plan, resolve_job
 from project.launch.results import read_result
 from project.launch.training import result_file, train
 from project.launch.watchdog import HeartbeatWatchdog
-from project.memory.plan import write_plan
 from project.observability.console import lightning_logs_through_root, print_config_tree, print_outputs
+from project.options.errors import ConfigError, JobFailed
+from project.plan.memory_plan import write_plan
 
 log = logging.getLogger(__name__)
 
@@ -240,20 +240,22 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
-    job = resolve_job(cfg, torchrun)
-    cfg = job.cfg
+    launch = resolve_job(cfg, torchrun)
+    cfg = launch.cfg
     if is_rank_zero() and cfg.print_config:
         print_config_tree(cfg)
     if not torchrun or is_rank_zero():
-        job.config_file.parent.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, job.config_file)
-        if job.plan is not None and job.node.rank == 0:
-            write_plan(job.plan, Path(cfg.paths.output_dir))  # DeviceMemory logs it next to what it measures
-    if job.in_process:
+        launch.config_file.parent.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, launch.config_file)
+        if launch.plan is not None and launch.node.rank == 0:
+            write_plan(launch.plan, Path(cfg.paths.output_dir))  # DeviceMemory logs it next to what it measures
+    if launch.in_process:
         if concurrent_jobs() > 1 and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(threads_per_process(1))  # this job's share of the cores
         train(cfg)
     else:
         heartbeat_timeout = cfg.strategy.get("heartbeat_timeout")
-        launch_workers(job.config_file, cfg.strategy.processes, job.workers_dir, job.node, heartbeat_timeout)
+        launch_workers(
+            launch.config_file, launch.job.processes_per_node, launch.workers_dir, launch.node, heartbeat_timeout
+        )
     return read_result(result_file(cfg)) if is_rank_zero() else None

@@ -10,7 +10,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from project.config.errors import JobFailed
+from project.options.errors import JobFailed
 
 log = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")  # where Lightning says it
 

@@ -12,9 +12,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from project.config.errors import ConfigError
-from project.config.option_types import PositiveInt, Probability
 from project.models.sequence import BlockSequence
+from project.options.errors import ConfigError
+from project.options.option_types import PositiveInt, Probability
 
 
 class CausalSelfAttention(nn.Module):

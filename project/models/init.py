@@ -3,7 +3,7 @@
 Every parameter draws from a generator of its own, seeded from the run's seed and the parameter's name, and each
 model says how one parameter starts (``init_parameter``). So a rank that keeps a shard or a stage computes exactly
 the values a single device would hold there, without ever building the whole model
-(``project.distributed.parallelize.materialize``).
+(``project.parallel.parallelize.materialize``).
 """
 
 import hashlib

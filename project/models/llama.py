@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from project.config.errors import ConfigError
-from project.config.option_types import PositiveFloat, PositiveInt
 from project.models.gpt import LMHead
 from project.models.sequence import BlockSequence
+from project.options.errors import ConfigError
+from project.options.option_types import PositiveFloat, PositiveInt
 
 
 def rope_frequencies(

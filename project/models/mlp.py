@@ -10,8 +10,8 @@ from typing import cast
 import torch
 from torch import nn
 
-from project.config.option_types import PositiveInt
 from project.models.sequence import BlockSequence
+from project.options.option_types import PositiveInt
 
 
 class MLP(BlockSequence):

@@ -12,8 +12,8 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
-from project.config.errors import check_writable
-from project.config.option_types import PositiveFloat
+from project.options.errors import check_writable
+from project.options.option_types import PositiveFloat
 
 
 def _has_wandb_credentials(host: str) -> bool:

@@ -5,7 +5,7 @@ import time
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
-from project.config.option_types import NonNegativeFloat
+from project.options.option_types import NonNegativeFloat
 
 
 class TimedRichProgressBar(RichProgressBar):

@@ -5,11 +5,10 @@ from typing import TYPE_CHECKING, Any, cast
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
-from project.config.errors import ConfigError
-from project.config.option_types import NonNegativeFloat, PositiveInt, Seed
-from project.distributed.dims import ParallelDims
+from project.models.generation import generate
 from project.observability.loggers import EpochWandbLogger
-from project.tasks.decoding import generate
+from project.options.errors import ConfigError
+from project.options.option_types import NonNegativeFloat, PositiveInt, Seed
 
 if TYPE_CHECKING:
     from project.tasks.base import TrainingModule
@@ -17,7 +16,7 @@ if TYPE_CHECKING:
 
 class TextSample(L.Callback):
     """After each validation (not the sanity check), ``max_new_tokens`` tokens the model writes after ``prompt``
-    (``project.tasks.decoding.generate``: ``temperature``, ``top_k``, ``seed``), printed and kept in the W&B run's
+    (``project.models.generation.generate``: ``temperature``, ``top_k``, ``seed``), printed and kept in the W&B run's
     table ``samples`` (epoch, step, prompt, text: one row per validation). ``prompt`` null: no sample.
 
     Every rank generates (an FSDP forward needs them all), drawing the same tokens; rank 0 prints and logs. The
@@ -42,10 +41,9 @@ class TextSample(L.Callback):
         self.rows: list[dict[str, Any]] = []
 
     @staticmethod
-    def check_config(
-        cfg: DictConfig, name: str, datamodule: L.LightningDataModule, strategy: type | None, dims: ParallelDims
-    ) -> None:
-        """A prompt (``callbacks.<name>.prompt``) needs text data and a layout whose ranks run the whole model."""
+    def check_config(cfg: DictConfig, name: str, datamodule: L.LightningDataModule) -> None:
+        """A prompt (``callbacks.<name>.prompt``) needs text data. (And ranks that each run the whole model: a rule
+        of the layout, ``project.config.checks.layout_problem``.)"""
         key = f"callbacks.{name}.prompt"
         prompt = OmegaConf.select(cfg, key)
         if prompt is None:
@@ -57,13 +55,6 @@ class TextSample(L.Callback):
                 key,
                 f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
                 f"use data=text or data=shards, or {key}=null.",
-            )
-        if not dims.runs_whole_model:
-            raise ConfigError(
-                key,
-                f"is set, but under {getattr(strategy, '__name__', 'auto')} as configured no rank runs the whole model "
-                "(pipeline stages, tensor-parallel splits).",
-                f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.",
             )
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

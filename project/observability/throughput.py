@@ -7,8 +7,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from project.accounting.memory_trackers import gather_from_ranks
 from project.data.sampling import data_parallel_rank_and_size
-from project.memory.measure import gather_from_ranks
 from project.observability.flops import peak_tflops, training_flops_per_sample
 
 

@@ -11,10 +11,11 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights
-from project.config.errors import ConfigError
-from project.config.option_types import Seed
-from project.distributed.parallelize import apply_activation_checkpointing, compile_blocks, materialize
 from project.models.sequence import BlockSequence
+from project.options.errors import ConfigError
+from project.options.option_types import Seed
+from project.parallel.parallelize import apply_activation_checkpointing, compile_blocks, materialize
+from project.strategies.laid_out import LaidOutStrategy
 from project.tasks.metrics import SampleMean
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
@@ -46,7 +47,7 @@ class TrainingModule(L.LightningModule):
     """Trains ``net`` (a plain model, ``head(blocks(stem(x)))``) on ``(inputs, targets)`` batches.
 
     ``net`` is normally built on the meta device; ``configure_model`` lets the strategy shard or split it, then
-    materialises what this rank keeps, initialised from ``init_seed`` (``project.distributed.parallelize.materialize``).
+    materialises what this rank keeps, initialised from ``init_seed`` (``project.parallel.parallelize.materialize``).
 
     Subclasses set ``criterion`` (loss of a batch or micro-batch), ``train_metrics`` and ``val_metrics``
     (ModuleDicts of torchmetrics with a ``loss`` SampleMean, reduced across ranks once at epoch end) and may
@@ -56,7 +57,7 @@ class TrainingModule(L.LightningModule):
     The protocol strategies use: ``configure_model`` hands ``net`` to ``strategy.parallelize`` (FSDP shards it,
     model/pipeline parallelism split it); a pipeline strategy runs the steps itself with ``criterion`` per
     micro-batch, feeds ``update_metrics`` where outputs exist and calls ``log_metrics`` on every rank; a strategy
-    with ``clip_grad_norm_`` clips gradients by norm itself.
+    that returns a norm from ``clip_grad_norm_`` clips gradients by norm itself.
     """
 
     criterion: nn.Module
@@ -107,9 +108,9 @@ class TrainingModule(L.LightningModule):
             apply_activation_checkpointing(self.net)
         if self.compile_each_block:
             compile_blocks(self.net)
-        parallelize = getattr(self.trainer.strategy, "parallelize", None)
-        if parallelize is not None:  # DDP and one device keep the whole model
-            parallelize(self.net)
+        strategy = self.trainer.strategy
+        if isinstance(strategy, LaidOutStrategy):  # Lightning's own (DDP, one device) keep the whole model
+            strategy.parallelize(self.net)
         weights = HFWeights(self.init_from) if self.init_from else None
         materialize(self.net, self.trainer.strategy.root_device, self.init_seed, weights)
         self._configured = True
@@ -226,13 +227,16 @@ class TrainingModule(L.LightningModule):
         (``16-mixed``): it skips the steps whose gradients overflow, as it should early in training."""
         if gradient_clip_val and getattr(self.trainer.precision_plugin, "scaler", None) is None:
             self.gradients_finite = local_gradients_finite(optimizer)
-        clip_grad_norm_ = getattr(self.trainer.strategy, "clip_grad_norm_", None)
+        strategy = self.trainer.strategy
         algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
-        if clip_grad_norm_ is None or not gradient_clip_val or algorithm != "norm":
-            return super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        clip_grad_norm_(
-            [parameter for group in optimizer.param_groups for parameter in group["params"]], gradient_clip_val
-        )
+        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+        if (
+            not isinstance(strategy, LaidOutStrategy)
+            or not gradient_clip_val
+            or algorithm != "norm"
+            or strategy.clip_grad_norm_(parameters, gradient_clip_val) is None
+        ):
+            super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def parameter_groups(self) -> list[list[str]]:
         """Names of the parameters in each optimizer group, in order: weight-decayed, then spared (the

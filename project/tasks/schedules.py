@@ -10,8 +10,8 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from project.config.errors import ConfigError
-from project.config.option_types import Fraction, NonNegativeInt, PositiveInt
+from project.options.errors import ConfigError
+from project.options.option_types import Fraction, NonNegativeInt, PositiveInt
 
 
 def warmup_steps_of(run_steps: int, warmup_steps: int | None, warmup_fraction: float | None) -> int:

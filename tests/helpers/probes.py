@@ -164,7 +164,7 @@ class FusedAdamW(L.Callback):
 
 class CollectiveBytesPerBatch(L.Callback):
     """Counts the collectives of each training batch's step on every rank, with the memory plan's own counter
-    (``project.memory.counts.StepCounts``) over this run's real process group: those of the strategy's
+    (``project.accounting.counts.StepCounts``) over this run's real process group: those of the strategy's
     ``training_step`` and ``backward`` (forward and backward, a pipeline's schedule), not the other callbacks'
     (the memory callback measures the model state with collectives of its own). Each rank writes every batch's
     epoch, index in the epoch and bytes by link (kind, mesh dimension, ranks, nodes) to
@@ -174,11 +174,13 @@ class CollectiveBytesPerBatch(L.Callback):
         self.batches: list[dict] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        from project.distributed.dims import DATA_PARALLEL
-        from project.memory.counts import StepCounts
+        from project.accounting.counts import StepCounts
+        from project.parallel.dims import DATA_PARALLEL
+        from project.strategies.laid_out import LaidOutStrategy
 
-        dims = getattr(trainer.strategy, "dims", None)  # DDP: every rank a replica
-        world_dim = dims(trainer.world_size).world_dim if dims else DATA_PARALLEL
+        strategy = trainer.strategy
+        laid_out = isinstance(strategy, LaidOutStrategy)  # Lightning's DDP: every rank a replica
+        world_dim = strategy.layout.dims(trainer.world_size).world_dim if laid_out else DATA_PARALLEL
 
         def counted(method):
             def run(*args, **kwargs):

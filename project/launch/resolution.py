@@ -1,6 +1,6 @@
-"""One step from the composed Hydra config to a checked, resolved job description (``resolve_job``), which every
-later stage reads instead of checking or resolving again: the resolved config (the checkpoint to load, the W&B run),
-the strategy class and how the ranks divide (``ParallelDims``), the memory plan, and how the job launches.
+"""One step from the composed Hydra config to a launch (``resolve_job``), which every later stage reads instead of
+checking or resolving again: the checked, typed ``Job`` (its config resolved: the checkpoint to load, the W&B run),
+the memory plan, and how the job launches.
 
 Each check and resolution runs once per launch (``tests/test_config.py`` counts them). ``plan=true`` stops after
 the plan (``print_memory_plan``).
@@ -23,28 +23,26 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
 from project.checkpointing.hf import NET_CLASSES, net_options, read_config
-from project.config.build import build_net
-from project.config.checks import CheckedConfig, check_config, shards_model
-from project.config.errors import ConfigError
-from project.distributed.dims import ParallelDims
+from project.config.checks import check_config
+from project.job.job import Job
 from project.launch.processes import NodeTask, is_rank_zero, node_task
 from project.launch.trial import job_trial
-from project.memory.plan import MemoryPlan, check_fits, format_plan, plan_memory
-from project.memory.search import format_search, search
-from project.memory.step_time import Cluster, format_step, predict_step
+from project.options.errors import ConfigError
+from project.plan.memory_plan import MemoryPlan, check_fits, format_plan, plan_memory
+from project.plan.search import format_search, search, suggest_fastest
+from project.plan.step_time import format_step, predict_step
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Job:
+class Launch:
     """A launch's checked and resolved job: ``cfg`` resolved (``ckpt_path`` the file or dir this strategy loads,
-    or None; the W&B run's name and id set), the strategy class (None: Lightning's auto), how the ranks divide,
-    the memory plan it was launched with (None under torchrun and for evaluations), and how it launches."""
+    or None; the W&B run's name and id set), the typed ``job`` checked from it, the memory plan it was launched with
+    (None under torchrun and for evaluations), and how it launches."""
 
     cfg: DictConfig
-    strategy: type | None
-    dims: ParallelDims
+    job: Job
     plan: MemoryPlan | None
     torchrun: bool
     node: NodeTask
@@ -53,7 +51,7 @@ class Job:
     def in_process(self) -> bool:
         """Whether this process trains itself (one device, or a rank torchrun started) rather than start a
         worker per device."""
-        return self.torchrun or (self.cfg.strategy.processes == 1 and self.node.count == 1)
+        return self.torchrun or (self.job.processes_per_node == 1 and self.node.count == 1)
 
     @property
     def config_file(self) -> Path:
@@ -69,16 +67,16 @@ class Job:
         return job_dir / "workers" if self.node.rank == 0 else job_dir / "workers" / f"node{self.node.rank}"
 
 
-def resolve_job(cfg: DictConfig, torchrun: bool) -> Job:
+def resolve_job(cfg: DictConfig, torchrun: bool) -> Launch:
     """The composed config resolved, checked (``ConfigError`` for the first setting that cannot work, before any
     worker or W&B run starts) and planned, once."""
     cfg = resolved_config(cfg)
-    checked = check_config(cfg)
+    job = check_config(cfg)
     node = node_task()
-    check_launch(cfg, torchrun, node)
-    name_wandb_run(cfg, checked)
-    cfg.ckpt_path = checkpoint_to_load(cfg, checked.ckpt_path, checked.strategy)
-    return Job(cfg, checked.strategy, checked.dims, planned_memory(cfg, torchrun), torchrun, node)
+    check_launch(job, torchrun, node)
+    name_wandb_run(job)
+    cfg.ckpt_path = checkpoint_to_load(job)
+    return Launch(cfg, job, planned_memory(job, torchrun), torchrun, node)
 
 
 def print_memory_plan(cfg: DictConfig) -> None:
@@ -86,26 +84,15 @@ def print_memory_plan(cfg: DictConfig) -> None:
     if it does not fit, the smallest change that does, and with a ``cluster`` its predicted step time.
     ``plan=search``: every layout of the job's devices ranked by predicted step time. Nothing is trained."""
     cfg = resolved_config(cfg)
-    dims = check_config(cfg).dims
+    job = check_config(cfg)
     if cfg.plan == "search":
-        print(format_search(cfg, search(cfg)))
+        print(format_search(job, search(job)))
         return
-    plan = plan_memory(cfg, suggest=cfg.get("cluster") is None, alternatives=True)
-    suggest_fastest(plan, cfg)
-    print(format_plan(plan, cfg))
-    if cfg.get("cluster") is not None:
-        cluster = Cluster.of(cfg)
-        print(format_step(predict_step(plan, cfg, dims, cluster), cluster, cfg))
-
-
-def suggest_fastest(plan: MemoryPlan, cfg: DictConfig) -> None:
-    """With a ``cluster``, a plan that does not fit suggests the fastest layout of the job's devices that fits
-    (``plan=search``'s), rather than the smallest change."""
-    if plan.fits or cfg.get("cluster") is None:
-        return
-    fastest = search(cfg).fastest_fitting()
-    if fastest is not None:
-        plan.suggestion, plan.suggested_as = fastest.overrides, f"Fastest layout that fits on {cfg.cluster.name}"
+    plan = plan_memory(job, suggest=job.cluster is None, alternatives=True)
+    suggest_fastest(plan, job)
+    print(format_plan(plan, job))
+    if job.cluster is not None:
+        print(format_step(predict_step(plan, job, job.cluster), job.cluster, job))
 
 
 def resolved_config(cfg: DictConfig) -> DictConfig:
@@ -182,26 +169,25 @@ def shape_from_init_dir(cfg: DictConfig) -> None:
                 cfg.model.net[key] = value
 
 
-def check_launch(cfg: DictConfig, torchrun: bool, node: NodeTask) -> None:
-    """Process counts this launcher can honour: torchrun's world size must match the config, and several
-    nodes need a launcher on each (torchrun, or the node tasks of ``launcher=slurm``)."""
-    expected = cfg.strategy.processes * cfg.trainer.num_nodes
-    if torchrun and int(os.environ["WORLD_SIZE"]) != expected:
+def check_launch(job: Job, torchrun: bool, node: NodeTask) -> None:
+    """Process counts this launcher can honour: torchrun's world size must match the job's, and several nodes need
+    a launcher on each (torchrun, or the node tasks of ``launcher=slurm``)."""
+    if torchrun and int(os.environ["WORLD_SIZE"]) != job.world_size:
         raise ConfigError(
             "trainer.devices",
-            f"asks for {cfg.strategy.processes} processes per node x {cfg.trainer.num_nodes} nodes, but torchrun "
-            f"started {os.environ['WORLD_SIZE']} in all.",
+            f"asks for {job.processes_per_node} processes per node x {job.nodes} nodes, but "
+            f"torchrun started {os.environ['WORLD_SIZE']} in all.",
             "give both the same counts: torchrun --nnodes N --nproc-per-node D train.py trainer.num_nodes=N "
             "trainer.devices=D.",
         )
-    if node.job_id and node.count != cfg.trainer.num_nodes:
+    if node.job_id and node.count != job.nodes:
         raise ConfigError(
             "trainer.num_nodes",
-            f"is {cfg.trainer.num_nodes}, but the cluster launcher started this job on {node.count} nodes: it sizes "
+            f"is {job.nodes}, but the cluster launcher started this job on {node.count} nodes: it sizes "
             "every job of a sweep from the command line's values.",
             "run each value of trainer.num_nodes (and of trainer.devices) as a sweep of its own.",
         )
-    if not torchrun and not node.job_id and cfg.trainer.num_nodes > 1:
+    if not torchrun and not node.job_id and job.nodes > 1:
         raise ConfigError(
             "trainer.num_nodes",
             "is more than 1, which needs a launcher on every machine.",
@@ -210,54 +196,55 @@ def check_launch(cfg: DictConfig, torchrun: bool, node: NodeTask) -> None:
         )
 
 
-def name_wandb_run(cfg: DictConfig, checked: CheckedConfig) -> None:
+def name_wandb_run(job: Job) -> None:
     """A job resuming its own dir (``ckpt_path=last`` or ``auto`` with a checkpoint there) continues its W&B run:
     the id is the one the previous attempt recorded in the job dir's ``config.yaml``; any other job gets a new one.
     So a preempted and requeued job is one W&B run with every epoch once. A run without a name is named after the
     model, the strategy and its layout (``ParallelDims.run_name_tag``), the devices and the nodes."""
+    cfg = job.cfg
     wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
     if wandb_cfg is None:
         return
     if wandb_cfg.get("name") is None:
         with open_dict(wandb_cfg):
             wandb_cfg.name = (
-                f"{cfg.choices.model}-{cfg.choices.strategy}{checked.dims.run_name_tag()}-"
-                f"{cfg.trainer.devices}dev-{cfg.trainer.num_nodes}node"
+                f"{job.model_name}-{job.strategy_name}{job.dims.run_name_tag()}-{job.devices}dev-{job.nodes}node"
             )
     if wandb_cfg.get("id") is not None:
         return
     previous_config = Path(cfg.paths.output_dir) / "config.yaml"
     previous_id = None
-    if cfg.ckpt_path in ("last", "auto") and checked.ckpt_path is not None and previous_config.is_file():
+    if cfg.ckpt_path in ("last", "auto") and job.ckpt_path is not None and previous_config.is_file():
         previous_id = OmegaConf.select(OmegaConf.load(previous_config), "logger.wandb.id")
     with open_dict(wandb_cfg):
         wandb_cfg.id = previous_id or uuid.uuid4().hex[:12]  # what W&B would pick: a short random id
 
 
-def checkpoint_to_load(cfg: DictConfig, path: str | None, strategy: type | None) -> str | None:
-    """The checkpoint ``path`` (resolved) as a path ``strategy`` can load: a sharded checkpoint is consolidated into
+def checkpoint_to_load(job: Job) -> str | None:
+    """The job's checkpoint (resolved) as a path its strategy can load: a sharded checkpoint is consolidated into
     ``<job dir>/consolidated.ckpt`` (by one process) for strategies that load single files."""
-    if path is None or not is_sharded_checkpoint(path) or shards_model(strategy):
+    path = job.ckpt_path
+    if path is None or not is_sharded_checkpoint(path) or job.layout.saves_sharded_checkpoints:
         return path
-    target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
+    target = Path(job.cfg.paths.output_dir) / "consolidated.ckpt"
     if is_rank_zero():
-        module = instantiate(cfg.model, net=build_net(cfg))  # on the meta device: only its parameter names count
+        module = instantiate(job.cfg.model, net=job.meta_net())  # on the meta device: only its parameter names count
         consolidate_checkpoint(path, target, module.parameter_groups())
     if dist.is_initialized():
         dist.barrier()  # torchrun: the other ranks wait for rank 0's file
     return str(target)
 
 
-def planned_memory(cfg: DictConfig, torchrun: bool) -> MemoryPlan | None:
+def planned_memory(job: Job, torchrun: bool) -> MemoryPlan | None:
     """The job's memory plan, computed before any worker starts; a run predicted not to fit is refused here
     (``memory_plan.if_over``). Under torchrun the ranks already hold a process group, which the plan's
     simulation needs to itself: ``plan=true`` on a machine without torchrun checks such a job beforehand. An
     evaluation (``mode=eval``) trains no step, which is what a plan simulates."""
-    if torchrun or cfg.mode == "eval":
+    if torchrun or job.cfg.mode == "eval":
         return None
-    plan = plan_memory(cfg, suggest=cfg.get("cluster") is None)
-    suggest_fastest(plan, cfg)
+    plan = plan_memory(job, suggest=job.cluster is None)
+    suggest_fastest(plan, job)
     if is_rank_zero():
-        log.info(format_plan(plan, cfg))
-    check_fits(plan, cfg)
+        log.info(format_plan(plan, job))
+    check_fits(plan, job)
     return plan

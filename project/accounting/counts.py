@@ -81,7 +81,7 @@ FLOP_FORMULAS = {
 @dataclass(frozen=True)
 class Link:
     """Where a collective runs: its ``kind``, the mesh dimension of its group (``data_parallel``,
-    ``tensor_parallel``, ``pipeline``, as ``project.distributed.dims`` names them),
+    ``tensor_parallel``, ``pipeline``, as ``project.parallel.dims`` names them),
     the group's ranks and the nodes they span (what sets the bandwidth: a node's links, or the network's). As text,
     a key of ``DevicePlan.collectives``: ``all_gather|data_parallel|8|1``."""
 

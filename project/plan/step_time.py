@@ -1,5 +1,5 @@
 """How long a training step takes: predicted from what a memory plan's simulation counted on each device (its
-FLOPs and every collective's bytes, ``project.memory.counts``) and a cluster's datasheet figures (``conf/cluster``).
+FLOPs and every collective's bytes, ``project.accounting.counts``) and a cluster's datasheet figures (``conf/cluster``).
 
 The model, per device of the plan:
 
@@ -11,42 +11,23 @@ The model, per device of the plan:
   parameters and reduces the last one's gradients while a block computes; DDP all-reduces its buckets during
   backward), so only what exceeds the compute shows; tensor parallelism's and a pipeline's sends wait for their
   results, so all of theirs shows;
-- a pipeline's idle share (its bubble, ``bubble_fraction`` on the strategy class) stretches the slowest stage.
+- a pipeline's idle share (its bubble, ``Layout.bubble_fraction``) stretches the slowest stage.
 
 The step is the slowest device's. What it leaves out: elementwise kernels, norms and the optimizer (not counted as
 FLOPs: the efficiency absorbs them), collectives' latency (only bandwidth), and contention between overlapped
 collectives and compute.
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from omegaconf import DictConfig
-
-from project.config.checks import strategy_class
-from project.distributed.dims import DATA_PARALLEL, ParallelDims
-from project.memory.counts import Link
-from project.memory.plan import DevicePlan, MemoryPlan
+from project.accounting.counts import Link
+from project.job.cluster import Cluster
+from project.job.job import Job
+from project.parallel.dims import DATA_PARALLEL
+from project.plan.memory_plan import MemoryPlan
+from project.plan.simulate import DevicePlan
 
 GB = 1e9  # network and NVLink figures are decimal gigabytes per second, as datasheets give them
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """One kind of GPU node (``conf/cluster``): each GPU's dense peak in TFLOPS and memory in GB, the GPUs a node
-    joins with NVLink, the bandwidth each GPU has each way inside a node and to other nodes (GB/s), and the share of
-    the peak a training step's matmuls reach."""
-
-    name: str
-    peak_tflops: float
-    memory_gb: float
-    devices_per_node: int
-    intra_node_gb_per_s: float
-    inter_node_gb_per_s: float
-    compute_efficiency: float
-
-    @classmethod
-    def of(cls, cfg: DictConfig) -> "Cluster":
-        return cls(**{field.name: cfg.cluster[field.name] for field in fields(cls)})
 
 
 def wire_bytes(link: Link, size: int) -> float:
@@ -105,37 +86,27 @@ class StepTime:
     mfu: float
 
 
-def tokens_per_step(cfg: DictConfig) -> int:
-    """Tokens (or samples) one data-parallel replica trains in a step: ``data.batch_size`` sequences."""
-    return int(cfg.data.batch_size * (cfg.data.get("seq_length") or 1))
+def throughput_unit(job: Job) -> str:
+    return "tokens" if job.seq_length else "samples"
 
 
-def throughput_unit(cfg: DictConfig) -> str:
-    return "tokens" if cfg.data.get("seq_length") else "samples"
-
-
-def bubble_fraction(cfg: DictConfig) -> float:
-    """The share of a step the layout's devices wait idle: a pipeline's bubble (``bubble_fraction`` on the strategy
-    class), else none."""
-    return getattr(strategy_class(cfg), "bubble_fraction", lambda cfg: 0.0)(cfg)
-
-
-def throughput_bound(cfg: DictConfig, dims: ParallelDims, cluster: Cluster, flops_per_device: float) -> float:
+def throughput_bound(job: Job, cluster: Cluster, flops_per_device: float) -> float:
     """The most tokens/s per device ``predict_step`` can give a layout whose devices compute ``flops_per_device`` on
     average: its slowest device computes at least that, and its step is at least that compute, with nothing
     exposed, stretched by its bubble."""
     compute = flops_per_device / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
-    return tokens_per_step(cfg) * dims.data_parallel / dims.world_size * (1 - bubble_fraction(cfg)) / compute
+    dims = job.dims
+    return job.tokens_per_step * dims.data_parallel / dims.world_size * (1 - job.layout.bubble_fraction()) / compute
 
 
-def predict_step(plan: MemoryPlan, cfg: DictConfig, dims: ParallelDims, cluster: Cluster) -> StepTime:
-    """The step of ``plan``'s layout (its ranks divided as ``dims``) on ``cluster``; its MFU counts the slowest
-    device's FLOPs but activation checkpointing's recompute."""
+def predict_step(plan: MemoryPlan, job: Job, cluster: Cluster) -> StepTime:
+    """The step of ``job``'s layout, as ``plan`` counts it, on ``cluster``; its MFU counts the slowest device's
+    FLOPs but activation checkpointing's recompute."""
     times = [device_time(device, cluster) for device in plan.devices]
     slowest = max(range(len(times)), key=lambda index: times[index].busy)
     busy = times[slowest]
-    seconds = busy.busy / (1 - bubble_fraction(cfg))
-    tokens = tokens_per_step(cfg) * dims.data_parallel / plan.world_size
+    seconds = busy.busy / (1 - job.layout.bubble_fraction())
+    tokens = job.tokens_per_step * job.dims.data_parallel / plan.world_size
     flops = plan.devices[slowest].flops - plan.devices[slowest].recomputed_flops
     return StepTime(
         seconds,
@@ -147,10 +118,10 @@ def predict_step(plan: MemoryPlan, cfg: DictConfig, dims: ParallelDims, cluster:
     )
 
 
-def format_step(step: StepTime, cluster: Cluster, cfg: DictConfig) -> str:
+def format_step(step: StepTime, cluster: Cluster, job: Job) -> str:
     return (
         f"Predicted on {cluster.name}: {step.seconds:.3g} s a step ({step.compute:.3g} s compute, "
         f"{step.exposed_communication:.2g} s exposed communication, {step.bubble:.2g} s pipeline bubble), "
-        f"{step.tokens_per_device_per_s:,.0f} {throughput_unit(cfg)}/s per GPU, MFU {100 * step.mfu:.1f}% "
+        f"{step.tokens_per_device_per_s:,.0f} {throughput_unit(job)}/s per GPU, MFU {100 * step.mfu:.1f}% "
         "(docs/step-time.md)."
     )

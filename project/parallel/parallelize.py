@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from project.accounting.counts import recomputing
 from project.checkpointing.hf import HFWeights
-from project.memory.counts import recomputing
 from project.models.init import initial_value
 from project.models.sequence import BlockSequence
 
@@ -68,6 +68,19 @@ def split_blocks(
         ranges.append(range(start, end))
         end = start
     return ranges[::-1]
+
+
+def block_inputs(net: BlockSequence, inputs: torch.Tensor) -> list[torch.Tensor]:
+    """The meta tensors entering each block and the head, in order, for ``inputs`` (a meta tensor): the shapes a
+    stage boundary carries."""
+    seen: list[torch.Tensor] = []
+    with torch.no_grad():
+        x = net.stem(inputs)
+        for block in net.blocks:
+            seen.append(x)
+            x = block(x)
+        seen.append(x)
+    return seen
 
 
 def stage_modules(model: BlockSequence, stages: Sequence[range], stage: int) -> list[nn.Module]:

@@ -14,43 +14,38 @@ third depth would go unseen, so ``plan=search`` simulates the layout it names in
 
 from dataclasses import fields
 
-from omegaconf import DictConfig, OmegaConf
-
-from project.config.build import build_net
-from project.config.checks import strategy_class
-from project.memory.plan import DevicePlan, MemoryPlan, _changed, plan_memory
+from project.config.build import changed_job
+from project.job.job import Job
+from project.plan.memory_plan import MemoryPlan, plan_memory
+from project.plan.simulate import DevicePlan
 
 DEPTHS = (3, 4, 5)  # blocks per stage of the shallow copies: from 3, FSDP's prefetching and checkpointing
 # buffers have stopped growing (at 1 block there is no next block to prefetch)
 LINEAR = [f.name for f in fields(DevicePlan) if f.type in (int, "int")]  # params, grads, ..., peak, flops
 
 
-def blocks_per_device(cfg: DictConfig) -> list[int]:
-    """Blocks each device of the plan runs (``blocks_per_device`` on the strategy class: a pipeline rank's stages;
-    any other strategy's devices run every block)."""
-    per_device = getattr(strategy_class(cfg), "blocks_per_device", None)
-    return per_device(cfg, build_net(cfg)) if per_device else [cfg.model.net.num_layers]
+def blocks_per_device(job: Job) -> list[int]:
+    """Blocks each device of the job's plan runs (``Layout.blocks_per_device``: a pipeline rank's stages; the
+    devices of a layout without stages run every block)."""
+    return job.layout.blocks_per_device(job.meta_net())
 
 
-def shallow_copy(cfg: DictConfig, depth: int) -> DictConfig:
-    """``cfg`` with ``depth`` blocks per stage (each stage of a pipeline or model-parallel split, else the net)."""
-    stages = OmegaConf.select(cfg, "strategy.num_stages")
-    if stages is None:
-        return _changed(cfg, {"model.net.num_layers": depth})
-    return _changed(cfg, {"model.net.num_layers": depth * stages, "strategy.blocks_per_stage": [depth] * stages})
+def shallow_copy(job: Job, depth: int) -> Job:
+    """``job`` with ``depth`` blocks per stage (each stage of a pipeline or model-parallel split, else the net)."""
+    return changed_job(job, job.layout.depth_changes(depth))
 
 
-def extrapolated_plan(cfg: DictConfig) -> MemoryPlan | None:
-    """``cfg``'s memory plan (no suggestion) from its shallow copies, or None where that cannot be: a net without
+def extrapolated_plan(job: Job) -> MemoryPlan | None:
+    """``job``'s memory plan (no suggestion) from its shallow copies, or None where that cannot be: a net without
     ``num_layers`` (blocks not all alike), a device with too few blocks to gain from it (no more than the
     copies' together), or figures that are not on a line."""
-    if OmegaConf.select(cfg, "model.net.num_layers") is None:
+    if job.num_layers is None:
         return None
-    blocks = blocks_per_device(cfg)
-    stages = blocks_per_device(shallow_copy(cfg, 1))  # the stages each device runs: its blocks at one a stage
+    blocks = blocks_per_device(job)
+    stages = blocks_per_device(shallow_copy(job, 1))  # the stages each device runs: its blocks at one a stage
     if any(full <= sum(DEPTHS) * count for full, count in zip(blocks, stages)):
         return None  # simulating it whole runs fewer blocks
-    shallow = [plan_memory(shallow_copy(cfg, depth), suggest=False) for depth in DEPTHS]
+    shallow = [plan_memory(shallow_copy(job, depth), suggest=False) for depth in DEPTHS]
     devices = []
     for index, full in enumerate(blocks):
         device = _extend([plan.devices[index] for plan in shallow], full / stages[index])

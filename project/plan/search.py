@@ -1,11 +1,11 @@
 """What is the fastest way to train this? ``plan=search``: every layout of the job's devices, each simulated (its
 memory plan, with its FLOPs and collective bytes) and timed by the step-time model on ``cluster``, ranked.
 
-The layouts: each strategy's own (``search_layouts`` on its class: FSDP's tensor-parallel sizes, a pipeline's
-sizes, schedules and micro-batches) and DDP's one, each with activation checkpointing off and on, each at the
+The layouts: each strategy's own (``Layout.search_space``: DDP's one, FSDP's tensor-parallel sizes, a pipeline's
+sizes, schedules and micro-batches), each with activation checkpointing off and on, each at the
 config's global batch (``data.batch_size`` per replica x replicas x ``trainer.accumulate_grad_batches``) cut into
 the layout's replicas. Those that fail the run's checks are dropped. A deep model's plans are extended from
-shallow copies (``project.memory.depth``), and the layout named fastest is simulated whole before it is named. The
+shallow copies (``project.plan.depth``), and the layout named fastest is simulated whole before it is named. The
 simulations run in parallel, one process per core, and are cached on disk (``${paths.log_dir}/plan_cache``), keyed
 by everything a simulation reads and the project's source.
 
@@ -28,85 +28,60 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from project.config.checks import check_config, strategy_class
-from project.config.errors import ConfigError
-from project.distributed.dims import ParallelDims
-from project.memory.depth import extrapolated_plan
-from project.memory.plan import DevicePlan, MemoryPlan, _changed, _checkpointing, _size, device_capacity, plan_memory
-from project.memory.step_time import (
-    Cluster,
-    StepTime,
-    bubble_fraction,
-    predict_step,
-    throughput_bound,
-    throughput_unit,
-)
+from project.config.build import changed_job
+from project.config.checks import layout_problem
+from project.job.cluster import Cluster
+from project.job.job import Job
+from project.layouts.fsdp_layout import FSDPLayout
+from project.options.errors import ConfigError
+from project.plan.depth import extrapolated_plan
+from project.plan.memory_plan import MemoryPlan, _size, device_capacity, plan_memory
+from project.plan.simulate import DevicePlan
+from project.plan.step_time import StepTime, predict_step, throughput_bound, throughput_unit
 
 SEARCHABLE = ("ddp", "fsdp", "pipeline")  # the strategy group's options a search can lay out (conf/strategy)
-SIMULATED_KEYS = ("model", "data", "strategy", "trainer")  # what a simulation reads of a config
 SOURCE = Path(__file__).resolve().parents[1]  # the project package: a change to it invalidates the cache
 
 
 @dataclass
-class Layout:
-    """One candidate: the overrides that make it (as a user types them), its config, how its ranks divide, and
-    its overrides but activation checkpointing's (what it shares with its twin, checkpointing the other way)."""
+class Candidate:
+    """One layout the search tries: the overrides that make it (as a user types them), its job, and its overrides
+    but activation checkpointing's (what it shares with its twin, checkpointing the other way)."""
 
     overrides: str
-    cfg: DictConfig
-    dims: ParallelDims
+    job: Job
     apart_from_checkpointing: str
     plan: MemoryPlan | None = None
-    extrapolated: bool = False  # the plan extended from shallow copies (project.memory.depth), not simulated whole
+    extrapolated: bool = False  # the plan extended from shallow copies (project.plan.depth), not simulated whole
     time: StepTime | None = None  # predicted from its plan, unless partial
     bound: float | None = None  # not simulated, or partial: the most tokens/s per device it could reach
 
 
-def global_batch(cfg: DictConfig) -> int:
-    """Samples per optimizer step: a replica's batch x replicas x gradient accumulation."""
-    dims = check_config(cfg).dims
-    return cfg.data.batch_size * dims.data_parallel * cfg.trainer.accumulate_grad_batches
-
-
-def candidate_layouts(cfg: DictConfig) -> Iterator[Layout]:
-    """Every layout of ``cfg``'s devices at its global batch that passes the run's checks."""
-    batch = global_batch(cfg)
-    world = cfg.strategy.processes * cfg.trainer.num_nodes
-    for name in cfg.plan_search.strategies:
-        strategy = _changed(cfg, {}, name)
-        layouts = getattr(strategy_class(strategy), "search_layouts", None)
-        # DDP (Lightning's class): every rank a replica.
-        options = layouts(strategy, batch) if layouts else [("", {"data.batch_size": batch // world})]
-        for text, changes in options:
+def candidate_layouts(job: Job) -> Iterator[Candidate]:
+    """Every layout of ``job``'s devices at its global batch that can run (``layout_problem``)."""
+    batch = job.global_batch
+    for name in job.search.strategies:
+        base = changed_job(job, {}, name)
+        for text, changes in base.layout.search_space(base, batch):
             for checkpointing in (False, True):
                 overrides = {
                     **changes,
                     "trainer.accumulate_grad_batches": 1,
                     "model.activation_checkpointing": checkpointing,
                 }
-                if "activation_checkpointing" in strategy.strategy:  # FSDP's own key: the model's says it for all
+                if isinstance(base.layout, FSDPLayout):  # FSDP's own key: the model's says it for all
                     overrides["strategy.activation_checkpointing"] = False
-                candidate = _changed(cfg, overrides, name)
-                dims = check_dims(candidate)
-                if dims is None or candidate.data.batch_size * dims.data_parallel != batch:
+                candidate = changed_job(job, overrides, name)
+                if layout_problem(candidate) is not None or candidate.global_batch != batch:
                     continue
-                words = [f"strategy={name}", text, f"data.batch_size={candidate.data.batch_size}"]
-                if cfg.trainer.accumulate_grad_batches != 1:
+                words = [f"strategy={name}", text, f"data.batch_size={candidate.batch_size}"]
+                if job.accumulate != 1:
                     words.append("trainer.accumulate_grad_batches=1")
                 apart = " ".join(word for word in words if word)
                 typed = f"{apart} model.activation_checkpointing={str(checkpointing).lower()}"
-                yield Layout(typed, candidate, dims, apart)
-
-
-def check_dims(cfg: DictConfig) -> ParallelDims | None:
-    """How ``cfg``'s ranks divide, or None if it fails the run's checks."""
-    try:
-        return check_config(cfg).dims
-    except ConfigError:
-        return None
+                yield Candidate(typed, candidate, apart)
 
 
 def _source_digest() -> str:
@@ -116,22 +91,19 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-def cache_key(cfg: DictConfig, source: str) -> str:
-    """What the simulation reads of ``cfg`` and the project's ``source`` digest, hashed; the job's own dir (in
-    ``trainer.default_root_dir``: each run has its own) left out."""
-    simulated = {key: OmegaConf.to_container(cfg[key], resolve=True) for key in SIMULATED_KEYS}
-    text = json.dumps([simulated, source], sort_keys=True, default=str).replace(str(cfg.paths.output_dir), "<job>")
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+def cache_key(job: Job, source: str) -> str:
+    """What the simulation reads of ``job`` (``Job.simulated_config``) and the project's ``source`` digest,
+    hashed."""
+    return hashlib.sha256(json.dumps([job.simulated_config(), source]).encode()).hexdigest()[:32]
 
 
-def _simulate(container: Any, whole: bool) -> dict[str, Any]:
-    """In a worker process: the layout's plan (its config as a plain dict: ``OmegaConf.to_container``), as JSON,
-    from its shallow copies where they are on a line and cheaper, else (or if ``whole``) simulated whole, device by
-    device up to the first moment one does not fit (a layout that does not fit cannot be the answer)."""
+def _simulate(job: Job, whole: bool) -> dict[str, Any]:
+    """In a worker process: the plan of ``job``'s layout, as JSON, from its shallow copies where they are on a line
+    and cheaper, else (or if ``whole``) simulated whole, device by device up to the first moment one does not fit (a
+    layout that does not fit cannot be the answer)."""
     torch.set_num_threads(1)  # fake tensors compute nothing; one core per worker
-    cfg = OmegaConf.create(container)
-    plan = None if whole else extrapolated_plan(cfg)
-    simulated = plan or plan_memory(cfg, suggest=False, stop_over_capacity=True)
+    plan = None if whole else extrapolated_plan(job)
+    simulated = plan or plan_memory(job, suggest=False, stop_over_capacity=True)
     return {"plan": simulated.to_json(), "extrapolated": plan is not None}
 
 
@@ -140,19 +112,21 @@ def _plan_of(saved: dict[str, Any]) -> MemoryPlan:
     return MemoryPlan(**{**fields, "devices": [DevicePlan(**device) for device in saved["devices"]]})
 
 
-def _keep(layout: Layout, saved: dict[str, Any]) -> None:
+def _keep(layout: Candidate, saved: dict[str, Any]) -> None:
     layout.plan, layout.extrapolated = _plan_of(saved["plan"]), saved["extrapolated"]
 
 
-def from_cache(layouts: list[Layout], cache_dir: Path, capacity: int, whole: bool = False) -> dict[str, list[Layout]]:
+def from_cache(
+    layouts: list[Candidate], cache_dir: Path, capacity: int, whole: bool = False
+) -> dict[str, list[Candidate]]:
     """Each layout's plan from the cache where it is there (``whole``: simulated whole) and holds for a device of
     ``capacity`` bytes (a partial plan only says its layout needs more than its peak); returns the others, by the
     file their plan will be cached in."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     source = _source_digest()
-    missing: dict[str, list[Layout]] = {}
+    missing: dict[str, list[Candidate]] = {}
     for layout in layouts:
-        path = cache_dir / f"{cache_key(layout.cfg, source)}{'-whole' if whole else ''}.json"
+        path = cache_dir / f"{cache_key(layout.job, source)}{'-whole' if whole else ''}.json"
         saved = json.loads(path.read_text()) if path.exists() else None
         if saved is not None and not (saved["plan"]["partial"] and saved["plan"]["peak"] <= capacity):
             _keep(layout, saved)
@@ -178,7 +152,7 @@ class Simulations:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def run(self, layouts: list[Layout], whole: list[Layout]) -> None:
+    def run(self, layouts: list[Candidate], whole: list[Candidate]) -> None:
         """Each layout's plan, and that of each in ``whole`` simulated whole (not extrapolated), with a progress
         bar."""
         missing = [
@@ -191,7 +165,7 @@ class Simulations:
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
         futures = {
-            self._pool.submit(_simulate, OmegaConf.to_container(same[0].cfg), simulated_whole): (name, same)
+            self._pool.submit(_simulate, same[0].job, simulated_whole): (name, same)
             for name, same, simulated_whole in missing
         }
         bar = tqdm(total=len(futures), desc="Simulating layouts", unit="layout", leave=False)
@@ -206,15 +180,15 @@ class Simulations:
         self.simulated += len(missing)
 
 
-def rank_layouts(layouts: list[Layout], cluster: Cluster, capacity: int) -> list[Layout]:
+def rank_layouts(layouts: list[Candidate], cluster: Cluster, capacity: int) -> list[Candidate]:
     """Each layout's step time; those that fit first, fastest first (the smaller peak first among equals), then
     the others (a partial plan by its ``bound``)."""
     for layout in layouts:
         assert layout.plan is not None
         # A partial plan's step was not simulated through (the fastest's whole simulation may stop too).
-        layout.time = None if layout.plan.partial else predict_step(layout.plan, layout.cfg, layout.dims, cluster)
+        layout.time = None if layout.plan.partial else predict_step(layout.plan, layout.job, cluster)
 
-    def order(layout: Layout) -> tuple[bool, float, int]:
+    def order(layout: Candidate) -> tuple[bool, float, int]:
         assert layout.plan is not None
         throughput = layout.time.tokens_per_device_per_s if layout.time else layout.bound or 0.0
         return layout.plan.peak > capacity, -throughput, layout.plan.peak
@@ -228,50 +202,50 @@ class Search:
     (each with its ``bound``); on which cluster, a device's bytes, how many layouts were simulated (the others
     came from the cache), in how many seconds."""
 
-    ranked: list[Layout]
-    pruned: list[Layout]
+    ranked: list[Candidate]
+    pruned: list[Candidate]
     cluster: Cluster
     capacity: int = 0
     simulated: int = 0
     seconds: float = 0.0
 
-    def fastest_fitting(self, capacity: int | None = None) -> Layout | None:
+    def fastest_fitting(self, capacity: int | None = None) -> Candidate | None:
         """The first of the ranked layouts that fits in ``capacity`` bytes (the search's device's when None)."""
         capacity = self.capacity if capacity is None else capacity
         return next((layout for layout in self.ranked if layout.plan and layout.plan.peak <= capacity), None)
 
 
-def search(cfg: DictConfig, workers: int | None = None) -> Search:
-    """``plan=search``: the layouts of ``cfg``'s devices, simulated (``workers`` processes: one per core) and
+def search(job: Job, workers: int | None = None) -> Search:
+    """``plan=search``: the layouts of ``job``'s devices, simulated (``workers`` processes: one per core) and
     ranked."""
     start = time.perf_counter()
-    if cfg.get("cluster") is None:
+    cluster = job.cluster
+    if cluster is None:
         raise ConfigError(
             "cluster",
             "is not set: plan=search predicts step times on a cluster's GPUs and network.",
             "choose one: cluster=h100_sxm_8x, h200_8x or a100_80g_8x (conf/cluster), and override its keys as needed.",
         )
-    cluster = Cluster.of(cfg)
-    if cfg.trainer.devices > cluster.devices_per_node:
+    if job.devices > cluster.devices_per_node:
         raise ConfigError(
             "trainer.devices",
-            f"is {cfg.trainer.devices}, more than the {cluster.devices_per_node} GPUs of one {cluster.name} node.",
+            f"is {job.devices}, more than the {cluster.devices_per_node} GPUs of one {cluster.name} node.",
             f"use trainer.devices={cluster.devices_per_node} and trainer.num_nodes for more.",
         )
-    unknown = sorted(set(cfg.plan_search.strategies) - set(SEARCHABLE))
+    unknown = sorted(set(job.search.strategies) - set(SEARCHABLE))
     if unknown:
         raise ConfigError(
             "plan_search.strategies",
             f"names {', '.join(unknown)}, which plan=search cannot lay out.",
             f"choose among {', '.join(SEARCHABLE)}, e.g. plan_search.strategies=[fsdp,pipeline].",
         )
-    layouts = list(candidate_layouts(cfg))
-    cache, workers = Path(cfg.paths.log_dir) / "plan_cache", workers or os.cpu_count() or 1
-    capacity, _ = device_capacity(cfg)
+    layouts = list(candidate_layouts(job))
+    cache, workers = job.plan_cache, workers or os.cpu_count() or 1
+    capacity, _ = device_capacity(job)
     from_cache(layouts, cache, capacity)
     # Without pruning, every layout; with it, first those without a bubble, then those that could still be faster.
-    waiting = [layout for layout in layouts if not cfg.plan_search.prune or bubble_fraction(layout.cfg) == 0]
-    to_check: list[Layout] = []
+    waiting = [layout for layout in layouts if not job.search.prune or layout.job.layout.bubble_fraction() == 0]
+    to_check: list[Candidate] = []
     with Simulations(cache, capacity, workers) as simulations:
         while True:
             simulations.run([layout for layout in waiting if layout.plan is None], to_check)
@@ -291,7 +265,7 @@ def search(cfg: DictConfig, workers: int | None = None) -> Search:
     return found
 
 
-def set_bounds(layouts: list[Layout], cluster: Cluster) -> None:
+def set_bounds(layouts: list[Candidate], cluster: Cluster) -> None:
     """Sets the ``bound`` of each layout not simulated, or simulated only in part: its ``throughput_bound`` at the
     least FLOPs per device of any layout simulated through with its activation checkpointing (every layout
     computes the same step: at the same global batch, its devices share its FLOPs; checked in
@@ -300,15 +274,15 @@ def set_bounds(layouts: list[Layout], cluster: Cluster) -> None:
     for layout in layouts:
         if layout.plan is not None and not layout.plan.partial:
             mean = sum(device.flops for device in layout.plan.devices) / len(layout.plan.devices)
-            checkpointing = _checkpointing(layout.cfg)
+            checkpointing = layout.job.activation_checkpointing
             least[checkpointing] = min(mean, least.get(checkpointing, mean))
     for layout in layouts:
-        flops = least.get(_checkpointing(layout.cfg))
+        flops = least.get(layout.job.activation_checkpointing)
         if (layout.plan is None or layout.plan.partial) and flops is not None:
-            layout.bound = throughput_bound(layout.cfg, layout.dims, cluster, flops)
+            layout.bound = throughput_bound(layout.job, cluster, flops)
 
 
-def unbeaten(layouts: list[Layout], fastest: Layout | None) -> list[Layout]:
+def unbeaten(layouts: list[Candidate], fastest: Candidate | None) -> list[Candidate]:
     """The layouts not simulated that could be faster than ``fastest`` (the fastest that fits so far): those
     without a ``bound`` (``set_bounds``), and those whose bound is above its throughput."""
     if fastest is None or fastest.time is None:
@@ -320,14 +294,14 @@ def unbeaten(layouts: list[Layout], fastest: Layout | None) -> list[Layout]:
     ]
 
 
-def format_search(cfg: DictConfig, found: Search) -> str:
+def format_search(job: Job, found: Search) -> str:
     """The ranked table and the overrides of the fastest layout that fits."""
     ranked, cluster, capacity = found.ranked, found.cluster, found.capacity
-    unit = throughput_unit(cfg)
-    world = cfg.strategy.processes * cfg.trainer.num_nodes
+    unit = throughput_unit(job)
+    world = job.world_size
     lines = [
-        f"Layouts of {world} {cluster.name} GPU(s) ({cfg.trainer.devices} x {cfg.trainer.num_nodes} node(s)), "
-        f"model={(cfg.get('choices') or {}).get('model', '?')}, global batch {global_batch(cfg)}, ranked by predicted "
+        f"Layouts of {world} {cluster.name} GPU(s) ({job.devices} x {job.nodes} node(s)), "
+        f"model={job.model_name}, global batch {job.global_batch}, ranked by predicted "
         f"{unit}/s per GPU ({len(ranked) + len(found.pruned)} layouts, {found.simulated} simulated, "
         f"{len(found.pruned)} bounded, the others cached; {found.seconds:.0f} s):"
     ]
@@ -379,3 +353,13 @@ def format_search(cfg: DictConfig, found: Search) -> str:
     else:
         lines.append(f"No layout of {world} GPU(s) fits in {_size(capacity)}: more nodes or a smaller batch may.")
     return "\n".join(lines)
+
+
+def suggest_fastest(plan: MemoryPlan, job: Job) -> None:
+    """With a ``cluster``, a plan that does not fit suggests the fastest layout of the job's devices that fits
+    (``plan=search``'s), rather than the smallest change."""
+    if plan.fits or job.cluster is None:
+        return
+    fastest = search(job).fastest_fitting()
+    if fastest is not None:
+        plan.suggestion, plan.suggested_as = fastest.overrides, f"Fastest layout that fits on {job.cluster.name}"

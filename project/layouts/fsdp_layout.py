@@ -1,0 +1,73 @@
+"""``strategy=fsdp``: FSDP2 (``fully_shard``) per block over the data-parallel ranks, optionally inside groups of
+``tensor_parallel_size`` ranks that each split every layer (2D), in torchtitan's order: tensor parallelism,
+activation checkpointing, then FSDP. The model's own activation checkpointing and compilation (``model.*``) wrap
+the blocks before the layout acts."""
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from project.job.job import Change, Job
+from project.layouts.sharded_layout import ShardedLayout
+from project.models.sequence import BlockSequence
+from project.options.errors import ConfigError
+from project.parallel.dims import DATA_PARALLEL, ParallelDims, divisors
+from project.parallel.parallelize import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDPLayout(ShardedLayout):
+    """Fully sharded data parallel: parameters, gradients and optimizer state split across the data-parallel ranks
+    (all of them, or the groups of ``tensor_parallel.size`` ranks that each split every layer)."""
+
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False  # the strategy's own (strategy.activation_checkpointing)
+    cpu_offload: bool = False
+    reduce_dtype: torch.dtype = torch.float32
+
+    def dims(self, world_size: int) -> ParallelDims:
+        return ParallelDims(world_size, tensor_parallel=self.tensor_parallel.size, shard=True)
+
+    def problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
+        problem = super().problem(job, net)
+        if problem is None and self.cpu_offload and not job.uses_cuda:
+            return ConfigError(
+                "strategy.cpu_offload",
+                "moves parameter shards from GPU to CPU memory, but this run has no GPU.",
+                "set strategy.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
+            )
+        return problem
+
+    def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> list[nn.Module]:
+        """Tensor parallelism if asked, then activation checkpointing if asked, then FSDP2 per block over the
+        data-parallel dimension, gathering parameters in the precision's compute dtype."""
+        self.tensor_parallel.apply(model, mesh)
+        param_dtype = fsdp_param_dtype(precision)
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        apply_fsdp(
+            model,
+            mesh[DATA_PARALLEL],
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=param_dtype,
+            reduce_dtype=self.reduce_dtype if param_dtype is not None else None,
+            cpu_offload=self.cpu_offload,
+        )
+        return [model]
+
+    def bubble_fraction(self) -> float:
+        return 0.0
+
+    def memory_saving_changes(self, job: Job) -> Iterator[Change]:
+        return iter(())  # the planner's own changes (checkpointing, a smaller batch, more devices) are FSDP's
+
+    def search_space(self, job: Job, global_batch: int) -> Iterator[Change]:
+        """FSDP alone, and over groups of each tensor-parallel size within a node."""
+        for size in divisors(job.devices):
+            replicas = ParallelDims(job.world_size, tensor_parallel=size, shard=True).data_parallel
+            if global_batch % replicas == 0:
+                text = f"strategy.tensor_parallel_size={size}" if size > 1 else ""
+                yield text, {"strategy.tensor_parallel_size": size, "data.batch_size": global_batch // replicas}

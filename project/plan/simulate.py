@@ -1,0 +1,333 @@
+"""One device's training step on fake tensors (``simulate``): what the memory plan runs for each distinct device of
+a job, as its layout lays the device out (``Layout.simulated_devices``).
+
+The device's parameters are allocated as fake tensors (shapes and dtypes, no memory), the optimizer makes its state,
+and a training step runs on them under PyTorch's ``MemTracker``, in Lightning's order (forward, zero_grad, backward,
+optimizer step), at the job's batch, sequence length and precision. The tracker follows every tensor's storage as
+it is made and freed: its peak is the device's peak; parameters, gradients and optimizer state are counted from the
+device's tensors after the step, as ``project.observability.DeviceMemory`` counts a real run's. The step's FLOPs and
+collectives are counted beside (``project.accounting.counts``).
+"""
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining.stage import _PipelineStageBase
+from torch.distributed.tensor import DTensor, _sharding_prop
+from torch.distributed.tensor.parallel import loss_parallel
+
+from project.accounting.counts import StepCounts
+from project.accounting.memory_trackers import (
+    OverCapacity,
+    StepFSDPMemTracker,
+    StepMemoryTracker,
+    held_bytes,
+    model_state_bytes_per_device,
+)
+from project.job.job import DeviceWork, Job, TaskModule
+from project.parallel.parallelize import allocate
+
+# What FSDPMemTracker counts as FSDP's communication: gathered parameters and the buffers of the collectives.
+FSDP_COMMUNICATION = (_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER, _FSDPRefType.REDUCE_SCATTER)
+# The compute dtype of Lightning's mixed precisions (autocast): on the CPU's kernels in the simulation.
+AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+@dataclass
+class DevicePlan:
+    """Bytes one device needs. ``activations``: what autograd saves for backward over the forwards in flight;
+    ``comm_buffers``: held for communication (DDP's buckets, a pipeline's receive buffers; FSDP's gathered
+    parameters and collective buffers at the peak); ``peak``: the most the device holds at once in a step."""
+
+    name: str
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    comm_buffers: int
+    peak: int
+    activations_checkpointed: int | None = None  # the same with the other activation checkpointing setting...
+    peak_checkpointed: int | None = None  # ...and its peak (plan=true only)
+    flops: int = 0  # floating-point operations of the step on this device (project.accounting.counts)...
+    recomputed_flops: int = 0  # ...of which activation checkpointing's recompute
+    collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by Link key
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
+
+
+def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None = None) -> DevicePlan:
+    """A training step of ``work`` on fake tensors under ``MemTracker``, the optimizer's state already made (so,
+    a second step, which holds the most): the device's bytes, FLOPs and collectives (``world_dim``: the mesh
+    dimension of the collectives over every rank, ``ParallelDims.world_dim``). With ``stop_above``, the step stops
+    at the first moment the device holds more: its peak is then just above it, and its activations, FLOPs and
+    collectives those counted up to there."""
+    precision = job.precision
+    module, net = work.module, work.module.net
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        allocate(net, torch.device("cpu"))
+        if precision in ("bf16-true", "16-true"):  # Lightning's HalfPrecision converts the module
+            net.to(torch.bfloat16 if precision == "bf16-true" else torch.float16)
+        optimizer = module.optimizer_factory(params=module._optimizer_groups())
+        # As after a first step: the optimizer's state (a step on zero gradients makes it, without a forward) and
+        # the gradients, which Lightning frees only after the next forward.
+        for parameter in net.parameters():
+            parameter.grad = torch.zeros_like(parameter)
+        optimizer.step()
+        tracker: MemTracker
+        if isinstance(net, FSDPModule):  # the same counts, and which of them are FSDP's gathers and reductions
+            tracker = StepFSDPMemTracker(net, optimizer)
+        else:
+            tracker = StepMemoryTracker()
+            tracker.track_external(net, optimizer)
+        tracker.stop_above = stop_above
+        saved: dict[Any, int] = {}  # storage -> bytes, of the tensors saved for backward that are not parameters
+        held: list[torch.Tensor] = []  # for the whole run: communication buffers
+        input_buffers: list[torch.Tensor] = []
+        grad_buffers: list[torch.Tensor] = []
+        # Counted: the forward and backward (what a run's training_step and backward run); not the optimizer's
+        # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
+        counts = StepCounts(job.devices, world_dim, fake_mode)
+        activations: int | None = None
+        with tracker, _dtensor_shapes_inferred_apart():
+            try:
+                if work.extra_buffer_bytes:
+                    held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
+                # A pipeline stage's receive buffers, one per micro-batch: for its inputs, and for its outputs'
+                # gradients.
+                input_buffers, grad_buffers = (
+                    [torch.empty_like(meta, device="cpu") for _ in range(work.microbatches)]
+                    if work.receive_buffers and meta is not None
+                    else []
+                    for meta in (work.stage_input, work.stage_output)
+                )
+                # The batch on the device: Lightning moves the whole batch to every rank's device, and on a CPU the
+                # data loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
+                batches = [job.example_batch(module, job.batch_size) for _ in range(1 if job.uses_cuda else 2)]
+                microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
+                with counts:
+                    activations = _step(
+                        work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, counts, job, saved
+                    )
+                optimizer.step()
+            except OverCapacity:  # it does not fit, whatever the rest of the step holds
+                pass
+            comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
+            if work.grads_persist:
+                comm_bytes += sum(_storage_bytes([p.grad]) for p in net.parameters() if p.grad is not None)
+        if activations is None:  # stopped within the step: what was saved up to there
+            activations = sum(saved.values())
+        sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
+        at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+        peak = held_bytes(tracker, "peak")
+        comm_bytes += sum(at_peak.get(kind, 0) for kind in FSDP_COMMUNICATION)
+    # What the simulation does not run: DDP's all-reduce of the gradients (no DDP wrapper), a pipeline's sends.
+    counted = counts.collectives + Counter(work.unsimulated_collectives)
+    return DevicePlan(
+        work.name,
+        sizes["params"],
+        sizes["grads"],
+        sizes["optimizer"],
+        activations,
+        comm_bytes,
+        peak,
+        flops=counts.flops,
+        recomputed_flops=counts.recomputed_flops,
+        collectives={kind: counted[kind] for kind in sorted(counted) if counted[kind]},
+    )
+
+
+@contextmanager
+def _dtensor_shapes_inferred_apart() -> Iterator[None]:
+    """DTensor infers each op's output shape by running the op on fake tensors of the fake mode in force (torch
+    2.13: ``detect_fake_mode() or FakeTensorMode()``): here the simulation's own, where the tracker would count
+    them as the step's memory, at global shapes (for Llama 3 8B split 8 ways: a whole vocabulary's logits, twice).
+    Outside a simulation DTensor makes a fresh mode for it, which no tracker sees; so it does here."""
+    detect_fake_mode = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda: None  # type: ignore[assignment,misc]  # torch calls it without arguments
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = detect_fake_mode
+
+
+def _step(
+    work: DeviceWork,
+    module: TaskModule,
+    optimizer: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, ...],  # (inputs, targets)
+    input_buffers: list[torch.Tensor],
+    grad_buffers: list[torch.Tensor],
+    tracker: MemTracker,
+    counts: StepCounts,
+    job: Job,
+    saved: dict[Any, int],
+) -> int:
+    """A training step in Lightning's order up to the optimizer's step (the caller's): forward
+    (``training_step``), ``zero_grad``, backward; a pipeline's forwards run inside its backward, after
+    ``zero_grad``, in its schedule's order, its micro-batches outside ``simulated_microbatches`` replayed.
+    Returns the bytes autograd saved for backward in the forwards in flight at once (each storage once,
+    parameters and views of them not counted); ``saved`` gathers them, storage by storage."""
+    data_inputs, target = batch
+    autocast_dtype = AUTOCAST_DTYPES.get(job.precision)
+    autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    # With gradient accumulation, the step that holds the most is a later one of the accumulation: Lightning does
+    # not zero the gradients there, so the previous batches' are held through the forward and backward.
+    accumulating = job.accumulate > 1
+    zero_grad = lambda: accumulating or optimizer.zero_grad(set_to_none=not work.grads_persist)  # noqa: E731
+    if work.forward_in_backward:
+        zero_grad()
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):  # a linear saves W.T
+            # A tensor-parallel activation is a DTensor: its bytes are this rank's part (its local tensor).
+            storage = (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
+            saved[storage._cdata] = storage.nbytes()
+        return tensor
+
+    pending: list[tuple[int, torch.Tensor]] = []  # micro-batches whose backward is still to run, oldest first
+    kept: list[torch.Tensor] = []
+    simulated = simulated_microbatches(work.microbatches, min(work.in_flight, work.microbatches))
+    repeat = _Repeat()  # micro-batch 1's effects, which a replayed micro-batch repeats
+
+    def forward(index: int) -> None:
+        if index not in simulated:
+            repeat.forward(index, pending, kept, saved, counts)
+            return
+        if index == 1:
+            repeat.before(tracker, counts, saved)
+        if work.stage_input is None:
+            x = data_inputs
+        elif input_buffers:
+            x = input_buffers[index].detach().requires_grad_()
+        else:  # arrives from the previous device
+            x = torch.empty_like(work.stage_input, device="cpu").requires_grad_()
+        with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            for stage in work.stages:
+                x = stage(x)
+            if work.keeps_outputs:
+                kept.append(x.detach())
+            pending.append((index, module.criterion(x, target) / work.microbatches if work.last else x))
+        if index == 1:
+            repeat.after_forward(tracker, counts, saved, kept[-1] if work.keeps_outputs else None)
+
+    def backward() -> None:
+        index, output = pending.pop(0)
+        if index not in simulated:
+            repeat.backward(counts)
+            return
+        if index == 1:
+            repeat.before(tracker, counts, saved)
+        if work.last:
+            with loss_parallel() if work.loss_parallel else nullcontext():
+                output.backward()
+        else:  # the gradient comes from the next device
+            output.backward(grad_buffers[index] if grad_buffers else torch.empty_like(output))
+        if index == 1:
+            repeat.after_backward(counts)
+
+    # A pipeline schedule keeps a sharded stage's gradients unreduced, and its parameters gathered, through every
+    # micro-batch's backward (torch's backward_maybe_with_nosync), then reduces them once (perform_reduce_grad).
+    sharded = [stage for stage in work.stages if isinstance(stage, FSDPModule)] if work.forward_in_backward else []
+    for stage in sharded:
+        stage.set_is_last_backward(False)
+        stage.set_reshard_after_backward(False)
+        stage.set_requires_gradient_sync(False)
+    for index in range(min(work.in_flight, work.microbatches)):
+        forward(index)
+    activations = sum(saved.values())
+    if not work.forward_in_backward:
+        zero_grad()
+    for index in range(work.in_flight, work.microbatches):
+        backward()
+        forward(index)
+    while pending:
+        backward()
+    for stage in sharded:  # torch's own method, which reads only the stage's submodule
+        _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=stage), grad_scale_factor=1)  # type: ignore[arg-type]
+    if kept:
+        merged = torch.cat(kept)  # the schedule merges the micro-batches' outputs for the metrics
+        del merged, kept[:]
+    return activations
+
+
+def simulated_microbatches(microbatches: int, in_flight: int) -> set[int]:
+    """The micro-batches of a device's step that its simulation runs; the others are replayed.
+
+    A step's micro-batches are alike: each forward leaves the same bytes held (what autograd saves, and a last
+    stage's output kept for the metrics) and counts the same FLOPs and collectives, and each backward frees what its
+    forward left. What differs is the moment: how many micro-batches are in flight, whether the gradients exist yet,
+    how many outputs are kept. So the simulation runs the first (the stage's first gathers and gradients), the
+    second (what the others repeat: the first may differ), and the two at the fullest moments: the last forward (the
+    most outputs kept, the gradients made, all but one in flight) and the backward after it (all in flight). The
+    others are replayed: a forward holds a tensor of the bytes the second left and counts its FLOPs and
+    collectives; a backward frees it and counts the second's. Checked against every micro-batch simulated
+    (``tests/test_plan_shortcuts.py``). A 1F1B rank of 8 stages at 16 micro-batches runs 4 of them, not 16."""
+    return {0, 1, microbatches - in_flight, microbatches - 1} & set(range(microbatches))
+
+
+class _Repeat:
+    """What a simulated micro-batch (the second) held and counted, and its replay for the others."""
+
+    def __init__(self) -> None:
+        self.held = self.kept = self.saved = self.flops = self.backward_flops = self.backward_recomputed_flops = 0
+        self.collectives: Counter[str] = Counter()
+        self.backward_collectives: Counter[str] = Counter()
+        self.kept_like: torch.Tensor | None = None
+        self._start: tuple[int, int, Counter[str], set[int]] = (0, 0, Counter(), set())
+        self._recomputed_start = 0
+
+    def before(self, tracker: MemTracker, counts: StepCounts, saved: dict[Any, int]) -> None:
+        self._start = (held_bytes(tracker), counts.flops, Counter(counts.collectives), set(saved))
+        self._recomputed_start = counts.recomputed_flops
+
+    def after_forward(
+        self, tracker: MemTracker, counts: StepCounts, saved: dict[Any, int], kept: torch.Tensor | None
+    ) -> None:
+        held, flops, collectives, seen = self._start
+        self.kept_like = kept
+        self.kept = kept.untyped_storage().nbytes() if kept is not None else 0
+        self.held = held_bytes(tracker) - held - self.kept
+        self.saved = sum(size for storage, size in saved.items() if storage not in seen)
+        self.flops, self.collectives = counts.flops - flops, counts.collectives - collectives
+
+    def after_backward(self, counts: StepCounts) -> None:
+        _, flops, collectives, _ = self._start
+        self.backward_flops = counts.flops - flops
+        self.backward_recomputed_flops = counts.recomputed_flops - self._recomputed_start
+        self.backward_collectives = counts.collectives - collectives
+
+    def forward(
+        self,
+        index: int,
+        pending: list[tuple[int, torch.Tensor]],
+        kept: list[torch.Tensor],
+        saved: dict[Any, int],
+        counts: StepCounts,
+    ) -> None:
+        pending.append((index, torch.empty(self.held, dtype=torch.uint8)))
+        if self.kept_like is not None:
+            kept.append(torch.empty_like(self.kept_like))
+        saved[("replayed", index)] = self.saved
+        counts.flops += self.flops
+        counts.collectives.update(self.collectives)
+
+    def backward(self, counts: StepCounts) -> None:
+        counts.flops += self.backward_flops
+        counts.recomputed_flops += self.backward_recomputed_flops
+        counts.collectives.update(self.backward_collectives)

@@ -1,0 +1,41 @@
+"""``strategy=fsdp``: FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy, optionally with tensor
+parallelism inside each data-parallel replica (2D); the layout is ``project.layouts.fsdp_layout``'s.
+
+Lightning's ``FSDPStrategy`` wraps the legacy FSDP1 and refuses CPUs; ``ModelParallelStrategy`` hosts FSDP2, runs on
+CPU (gloo) as on GPU (nccl), and saves distributed checkpoints (each rank writes its own shards, swapped in
+atomically by ``ShardedStrategy``).
+"""
+
+from typing import Any, Literal
+
+import torch
+
+from project.layouts.fsdp_layout import FSDPLayout
+from project.layouts.sharded_layout import TensorParallel
+from project.options.option_types import PositiveInt
+from project.strategies.sharded import ShardedStrategy
+
+
+class FSDPStrategy(ShardedStrategy):
+    """Fully sharded data parallel: parameters, gradients and optimizer state split across the data-parallel ranks
+    (all of them, or the groups of ``tensor_parallel_size`` ranks that each split every layer)."""
+
+    def __init__(
+        self,
+        reshard_after_forward: bool = True,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
+        tensor_parallel_size: PositiveInt = 1,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        layout = FSDPLayout(
+            tensor_parallel=TensorParallel(tensor_parallel_size, sequence_parallel, loss_parallel),
+            reshard_after_forward=reshard_after_forward,
+            activation_checkpointing=activation_checkpointing,
+            cpu_offload=cpu_offload,
+            reduce_dtype=getattr(torch, reduce_dtype),
+        )
+        super().__init__(layout, **kwargs)

@@ -1,0 +1,208 @@
+"""``strategy=pipeline``: one process per pipeline stage, micro-batches flowing through them
+(torch.distributed.pipelining); the layout (stages, mesh, FSDP and tensor parallelism per stage) is
+``project.layouts.pipeline_layout``'s.
+
+Lightning has no pipeline strategy; this one runs the schedule (forward and backward of every micro-batch
+together) in place of the ``loss.backward()`` of Lightning's backward (its hooks, gradient accumulation and autocast
+stay), and forward-only in ``validation_step``; gradient clipping by norm takes the norm over all stages. Everything
+else (optimizers, metrics, loggers, checkpoints) is Lightning's, unchanged. The model arrives on the meta device, so
+a rank allocates only its own stages.
+"""
+
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast, get_args
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from project.checkpointing.files import META_FILE, is_sharded_checkpoint
+from project.job.job import TaskModule
+from project.layouts.pipeline_layout import PipelineLayout, ScheduleName, StageModule
+from project.layouts.sharded_layout import TensorParallel
+from project.models.sequence import BlockSequence
+from project.options.option_types import PositiveInt
+from project.parallel.dims import PIPELINE
+from project.parallel.parallelize import clip_grad_norm_
+from project.strategies.sharded import ShardedStrategy
+
+if TYPE_CHECKING:  # torch's private base class of the schedules, for annotations
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+assert list(SCHEDULES) == list(get_args(ScheduleName))
+
+# Ranks that hold no outputs update no metrics but must join their epoch-end reduction; torchmetrics warns then.
+warnings.filterwarnings("ignore", message=r".*was called before the ``update`` method.*")
+
+
+class PipelineStrategy(ShardedStrategy):
+    """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline, each stage split over
+    ``tensor_parallel_size`` ranks; batches must be ``(inputs, targets)``."""
+
+    layout: PipelineLayout
+
+    def __init__(
+        self,
+        num_stages: PositiveInt,
+        schedule: ScheduleName = "1f1b",
+        microbatches: PositiveInt = 4,
+        stages_per_rank: PositiveInt = 1,
+        blocks_per_stage: list[PositiveInt] | None = None,
+        tensor_parallel_size: PositiveInt = 1,
+        sequence_parallel: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        layout = PipelineLayout(
+            # The last stage's logits go through the schedule, which passes plain tensors: gathered, not split.
+            tensor_parallel=TensorParallel(tensor_parallel_size, sequence_parallel, loss_parallel=False),
+            num_stages=num_stages,
+            schedule=schedule,
+            microbatches=microbatches,
+            stages_per_rank=stages_per_rank,
+            blocks_per_stage=tuple(blocks_per_stage) if blocks_per_stage is not None else None,
+        )
+        super().__init__(layout, **kwargs)
+        self.stage_modules: list[StageModule] = []
+        self._train_schedule: _PipelineSchedule | None = None
+        self._eval_schedule: _PipelineSchedule | None = None
+        self._eval_batch_size = 0
+        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def stage_ids(self) -> list[int]:
+        """This rank's stages."""
+        return self.layout.stages_of(self.device_mesh[PIPELINE].get_local_rank())
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.layout.num_stages - 1 in self.stage_ids
+
+    def parallelize(self, model: BlockSequence) -> None:
+        if not self.stage_modules:
+            self.stage_modules = self.layout.lay_out(model, self.device_mesh, self.precision_plugin.precision)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Each rank reads its own blocks and their optimizer state from a sharded checkpoint.
+
+        Lightning's loader insists on DTensor parameters, which a stage has only when sharded or split; and the
+        optimizer's parameter groups differ per rank, so only their tensors are read back: the groups'
+        hyperparameters come from the config, and their learning rates from where the LR schedules left them.
+        """
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not is_sharded_checkpoint(path):
+            raise ValueError(f"strategy=pipeline resumes from the sharded checkpoints it saves; {path} is not one")
+        assert self.model is not None  # (as in Lightning's own load_checkpoint)
+        model_state = get_model_state_dict(self.model)
+        dcp.load({"state_dict": model_state}, checkpoint_id=path)
+        self.model.load_state_dict(model_state)
+        for index, optimizer in enumerate(self.optimizers):
+            optimizer_state = get_optimizer_state_dict(self.model, optimizer)
+            dcp.load({f"optimizer_{index}": {"state": optimizer_state["state"]}}, checkpoint_id=path)
+            set_optimizer_state_dict(self.model, optimizer, optimizer_state)
+        checkpoint = torch.load(path / META_FILE, weights_only=weights_only)
+        # Lightning restores the schedules' own state, but a group's current rate lives in the optimizer's groups;
+        # without this, the first steps after a resume would run at the config's rate.
+        for optimizer, schedule in zip(self.optimizers, checkpoint.get("lr_schedulers", [])):
+            for group, rate in zip(optimizer.param_groups, schedule.get("_last_lr", [])):
+                group["lr"] = rate
+        return checkpoint
+
+    def _make_schedule(self, loss_fn) -> "_PipelineSchedule":
+        stages = [
+            PipelineStage(
+                module, stage, self.layout.num_stages, self.root_device, group=self.device_mesh[PIPELINE].get_group()
+            )
+            for module, stage in zip(self.stage_modules, self.stage_ids)
+        ]
+        schedule_class = SCHEDULES[self.layout.schedule]
+        stage_arg = stages if self.layout.stages_per_rank > 1 else stages[0]  # the multi-stage schedules take a list
+        # scale_grads=False: the schedule would divide all of .grad by the micro-batches after each step, also
+        # what earlier batches of a gradient accumulation put there; the loss is scaled instead (_microbatch_loss).
+        return schedule_class(stage_arg, n_microbatches=self.layout.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    @property
+    def _loss_divisor(self) -> int:
+        """What each micro-batch's mean loss is divided by, so that the gradients add up to those Lightning takes
+        from one batch: the micro-batches of the batch, times the batches accumulated per optimizer step."""
+        return self.layout.microbatches * cast(TaskModule, self.lightning_module).trainer.accumulate_grad_batches
+
+    def _microbatch_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cast(TaskModule, self.lightning_module).criterion(outputs, target) / self._loss_divisor
+
+    def _run_schedule(self, schedule, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
+        """Feed the inputs on the first stage; the last stage returns the merged outputs, other ranks None."""
+        args = (inputs,) if self.holds_first_stage else ()
+        return schedule(*args, **kwargs)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Only registers the metrics: Lightning zeroes gradients between ``training_step`` and ``backward``, so
+        the schedule (forward and backward of every micro-batch) runs in ``backward``."""
+        self._batch = batch
+        cast(TaskModule, self.lightning_module).log_metrics("train")
+        return torch.zeros((), device=self.root_device)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Lightning's ``Strategy.backward`` (the ``on_before_backward`` / ``on_after_backward`` hooks around it),
+        with the pipeline schedule where the precision plugin would call ``loss.backward()``."""
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        assert module is not None  # (as in Lightning's own backward)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._train_schedule_step()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _train_schedule_step(self) -> None:
+        module = cast(TaskModule, self.lightning_module)
+        if self._train_schedule is None:
+            self._train_schedule = self._make_schedule(loss_fn=self._microbatch_loss)
+        assert self._batch is not None  # set by training_step
+        (inputs, target), self._batch = self._batch, None
+        losses: list[torch.Tensor] = []
+        with self.precision_plugin.train_step_context():  # autocast under bf16-mixed, as Lightning's training_step
+            logits = self._run_schedule(
+                self._train_schedule.step, inputs, target=target if self.holds_last_stage else None, losses=losses
+            )
+        if self.holds_last_stage:
+            # Equal micro-batches: their scaled losses add up to the batch's mean loss over the accumulation.
+            batch_loss = torch.stack(losses).sum() * module.trainer.accumulate_grad_batches
+            assert logits is not None  # the last stage's merged outputs
+            module.update_metrics("train", logits, target, batch_loss)
+
+    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient: every stage's, every data-parallel shard's."""
+        return clip_grad_norm_(parameters, max_norm, self.device_mesh[PIPELINE].get_group())
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        """Forward only. Stages fix their activation shapes on first use, so every evaluation batch is padded to
+        one size (the first, largest batch, rounded up to equal micro-batches) and the padding's outputs are dropped
+        before the metrics see them."""
+        module = cast(TaskModule, self.lightning_module)
+        inputs, target = batch
+        if self._eval_schedule is None:
+            self._eval_schedule = self._make_schedule(loss_fn=None)
+            microbatches = self.layout.microbatches
+            self._eval_batch_size = -(-len(inputs) // microbatches) * microbatches
+        size = len(inputs)
+        padding = self._eval_batch_size - size
+        if padding:
+            inputs = torch.cat([inputs, inputs[:1].expand(padding, *inputs.shape[1:])])
+        with self.precision_plugin.val_step_context():
+            logits = self._run_schedule(self._eval_schedule.eval, inputs)
+        if self.holds_last_stage:
+            assert logits is not None  # the last stage's merged outputs
+            logits = logits[:size]
+            module.update_metrics("val", logits, target, module.criterion(logits, target))
+        module.log_metrics("val")

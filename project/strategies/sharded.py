@@ -1,0 +1,81 @@
+"""What the strategies whose ranks each hold a part of the model share (fsdp, pipeline, tensor_parallel):
+``ShardedStrategy``, Lightning's ModelParallelStrategy on the mesh of the strategy's layout (``ShardedLayout``), each
+rank laying out its own part of the plain (meta) model, with checkpoint saves that a killed run cannot leave
+half-written."""
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from project.layouts.sharded_layout import ShardedLayout
+from project.models.sequence import BlockSequence
+from project.strategies.laid_out import LaidOutStrategy
+
+
+class ShardedStrategy(ModelParallelStrategy, LaidOutStrategy):
+    """Lightning's ModelParallelStrategy on the device mesh of ``layout``, which lays out this rank's part of the
+    model (``ShardedLayout.lay_out``); ``kwargs`` are ModelParallelStrategy's (process group backend, timeout...)."""
+
+    layout: ShardedLayout
+
+    def __init__(self, layout: ShardedLayout, **kwargs: Any) -> None:
+        super().__init__(tensor_parallel_size=layout.tensor_parallel.size, **kwargs)
+        self.layout = layout
+
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy's, on this strategy's mesh (Lightning's own is (data_parallel, tensor_parallel) with
+        # one data-parallel replica per node).
+        super(ModelParallelStrategy, self).setup_environment()
+        self._setup_distributed()
+        self._device_mesh = self.layout.dims(self.world_size).build_mesh(self.root_device.type)
+        assert self.lightning_module is not None  # (as in Lightning's own setup_environment)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def parallelize(self, model: BlockSequence) -> None:
+        self.layout.lay_out(model, self.device_mesh, self.precision_plugin.precision)
+
+    def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor | None:
+        return None  # Lightning's: the norm of DTensor gradients adds up over their mesh
+
+    @property
+    def parameter_stage(self) -> dict[int, int]:
+        return {}
+
+    def backward(self, closure_loss: torch.Tensor, optimizer, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # The loss of vocabulary-split logits has its own backward, which torch runs only inside loss_parallel.
+        with self.layout.tensor_parallel.loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
+        """Write into ``<name>.partial`` and swap it in only once every rank has finished.
+
+        Lightning writes a sharded checkpoint in place, over the previous one of the same name (``last.ckpt``);
+        a run killed meanwhile would leave ``last`` half old, half new. Here ``last`` is the old checkpoint until
+        the new one is complete, then the new one.
+        """
+        final = Path(self.broadcast(str(filepath)))
+        partial = final.with_name(final.name + ".partial")
+        if self.global_rank == 0:
+            _remove(partial)  # left over from a run killed while saving
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier()
+        if self.global_rank == 0:
+            previous = final.with_name(final.name + ".previous")
+            _remove(previous)
+            if final.exists():
+                os.replace(final, previous)
+            os.replace(partial, final)
+            _remove(previous)
+        self.barrier()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
