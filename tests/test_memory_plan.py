@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from test_config import compose_train
 
-from project.config.build import build_job, build_strategy
+from project.config.build import build_job, build_strategy, layout_of
 from project.job.job import Job
 from project.parallel.parallelize import block_sizes, split_blocks, stage_modules
 from project.plan.memory_plan import candidate_changes, plan_memory
@@ -98,7 +98,8 @@ def resolved(overrides: list[str]) -> Job:
         del cfg["hydra"]
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     data = instantiate(cfg.data)
-    return build_job(cfg, build_strategy(cfg.strategy), None, data.num_train_samples, data.num_val_samples)
+    layout = layout_of(build_strategy(cfg.strategy), cfg.strategy)
+    return build_job(cfg, layout, None, data.num_train_samples, data.num_val_samples)
 
 
 def sharded_bytes(parameters, shards: int) -> int:

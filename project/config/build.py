@@ -60,13 +60,14 @@ def uses_cuda(cfg: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
-def build_job(cfg: DictConfig, strategy: Any, ckpt_path: str | None, train_samples: int, val_samples: int) -> Job:
+def build_job(cfg: DictConfig, layout: Layout, ckpt_path: str | None, train_samples: int, val_samples: int) -> Job:
     """The typed job of ``cfg`` (resolved, and checked by ``project.config.checks.check_config``, which calls
-    this), its strategy already built; ``ckpt_path`` resolved; the data's training and validation samples."""
+    this), laid out as ``layout`` (its strategy's); ``ckpt_path`` resolved; the data's training and validation
+    samples."""
     choices = cfg.get("choices") or {}
     return Job(
         cfg=cfg,
-        layout=layout_of(strategy, cfg.strategy),
+        layout=layout,
         strategy_class=strategy_class(cfg),
         model_name=choices.get("model", "?"),
         strategy_name=choices.get("strategy", "?"),
@@ -109,7 +110,8 @@ def changed_job(job: Job, changes: dict[str, Any], strategy: str | None = None) 
         for key, value in changes.items():
             OmegaConf.update(cfg, key, value, force_add=True)
     OmegaConf.resolve(cfg)  # in place: a search builds dozens of these, and each new DictConfig is costly
-    return build_job(cfg, build_strategy(cfg.strategy), job.ckpt_path, job.train_samples, job.val_samples)
+    layout = layout_of(build_strategy(cfg.strategy), cfg.strategy)
+    return build_job(cfg, layout, job.ckpt_path, job.train_samples, job.val_samples)
 
 
 @functools.cache

@@ -524,12 +524,13 @@ def check_config(cfg: DictConfig) -> Job:
         check_files()
     net, module = _meta_model(cfg)
     strategy = _build("strategy", lambda: build_strategy(cfg.strategy))  # checks its options; no process group yet
-    _check_processes(cfg, strategy, layout_of(strategy, cfg.strategy), devices)
+    layout = layout_of(strategy, cfg.strategy)
+    _check_processes(cfg, strategy, layout, devices)
     ckpt_path = resolve_ckpt_path(cfg)
     _check_checkpoint(cfg, module, ckpt_path)
     _check_init_from(cfg, net)
     _check_vocabulary(cfg, datamodule)
-    job = build_job(cfg, strategy, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
+    job = build_job(cfg, layout, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
     problem = layout_problem(job)
     if problem is not None:
         raise problem
