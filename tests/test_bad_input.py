@@ -165,6 +165,14 @@ CASES = [
     ),
     (["strategy=model_parallel", "trainer.devices=4"], "strategy.num_stages: cannot split the model: 4 stages"),
     (
+        ["strategy=model_parallel", "trainer.devices=2", "strategy.blocks_per_stage=[]"],
+        "strategy.blocks_per_stage: cannot split the model",
+    ),
+    (
+        ["+strategy._target_=lightning.pytorch.strategies.SingleDeviceStrategy"],
+        "strategy._target_: is SingleDeviceStrategy, which this project cannot lay out",
+    ),
+    (
         ["strategy=pipeline", "trainer.devices=2", "strategy.blocks_per_stage=[1,1]"],
         "strategy.blocks_per_stage: cannot split",
     ),

@@ -1,1 +1,2 @@
-"""From the composed Hydra config to a checked job: type and cross-key checks, resolvers, the error type."""
+"""From the composed Hydra config to the checked, typed job (``checks.check_config``): every run's checks, the
+schema of every option, building the net, the strategy and the job, resolvers, and the command line's overrides."""

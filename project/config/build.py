@@ -8,13 +8,15 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from lightning.fabric.connector import _convert_precision_to_unified_args
+from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from project.job.cluster import Cluster
 from project.job.job import Job, Layout, SearchSettings
 from project.layouts.data_parallel_layout import DataParallelLayout
+from project.options.errors import ConfigError
 from project.strategies.laid_out import LaidOutStrategy
 
 STRATEGY_OPTIONS = Path(__file__).resolve().parents[2] / "conf" / "strategy"
@@ -41,17 +43,18 @@ def build_strategy(strategy_cfg: DictConfig) -> Any:
 
 
 def layout_of(strategy: Any, strategy_cfg: DictConfig) -> Layout:
-    """The layout of ``strategy`` (a built one): its own, or for Lightning's (auto, DDP, one device) every rank a
-    data-parallel replica holding the whole model."""
+    """The layout of ``strategy`` (a built one): its own, or for Lightning's auto and DDP every rank a data-parallel
+    replica holding the whole model. Any other strategy is refused: nothing would say how its ranks divide."""
     if isinstance(strategy, LaidOutStrategy):
         return strategy.layout
-    return DataParallelLayout(gradient_as_bucket_view=bool(strategy_cfg.get("gradient_as_bucket_view")))
-
-
-def strategy_class(cfg: DictConfig) -> type | None:
-    """The configured Lightning strategy class (None for ``auto``, where Lightning chooses)."""
-    target = OmegaConf.select(cfg, "strategy._target_")
-    return None if target is None else get_class(target)
+    if strategy == "auto" or isinstance(strategy, DDPStrategy):
+        return DataParallelLayout(gradient_as_bucket_view=bool(strategy_cfg.get("gradient_as_bucket_view")))
+    raise ConfigError(
+        "strategy._target_",
+        f"is {type(strategy).__name__}, which this project cannot lay out: its checks and memory plan would not "
+        "know how its ranks divide the model.",
+        "choose a strategy option: strategy=auto, ddp, fsdp, tensor_parallel, pipeline or model_parallel.",
+    )
 
 
 def uses_cuda(cfg: DictConfig) -> bool:
@@ -61,14 +64,13 @@ def uses_cuda(cfg: DictConfig) -> bool:
 
 
 def build_job(cfg: DictConfig, layout: Layout, ckpt_path: str | None, train_samples: int, val_samples: int) -> Job:
-    """The typed job of ``cfg`` (resolved, and checked by ``project.config.checks.check_config``, which calls
-    this), laid out as ``layout`` (its strategy's); ``ckpt_path`` resolved; the data's training and validation
-    samples."""
+    """The typed job of ``cfg`` (resolved), laid out as ``layout`` (its strategy's); ``ckpt_path`` resolved; the
+    data's training and validation samples. ``project.config.checks.check_config`` builds the job of a checked
+    config; ``changed_job`` those of the changes the planner tries, unchecked."""
     choices = cfg.get("choices") or {}
     return Job(
         cfg=cfg,
         layout=layout,
-        strategy_class=strategy_class(cfg),
         model_name=choices.get("model", "?"),
         strategy_name=choices.get("strategy", "?"),
         devices=cfg.trainer.devices,

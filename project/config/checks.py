@@ -556,7 +556,7 @@ def layout_problem(job: Job) -> ConfigError | None:
         or job.layout.problem(job, net)
         or _text_sample_problem(job)
         or _batch_problem(job)
-        or _val_interval_problem(job.cfg, job.train_samples // (job.batch_size * job.dims.data_parallel))
+        or _val_interval_problem(job.cfg, job.train_samples // job.samples_per_step)
         or _val_samples_problem(job)
     )
 
@@ -567,7 +567,7 @@ def _text_sample_problem(job: Job) -> ConfigError | None:
         key = f"callbacks.{name}.prompt"
         sampled = issubclass(get_class(callback._target_), TextSample) and callback.get("prompt") is not None
         if sampled and not job.dims.runs_whole_model:
-            strategy = job.strategy_class.__name__ if job.strategy_class is not None else "auto"
+            strategy = str(job.cfg.strategy._target_).rpartition(".")[2]  # only strategies of ours split the model
             return ConfigError(
                 key,
                 f"is set, but under {strategy} as configured no rank runs the whole model (pipeline stages, "
@@ -579,8 +579,7 @@ def _text_sample_problem(job: Job) -> ConfigError | None:
 
 def _batch_problem(job: Job) -> ConfigError | None:
     """Each data-parallel replica needs a training sample a step, and an epoch a full global batch."""
-    data_parallel, samples = job.dims.data_parallel, job.train_samples
-    global_batch = job.batch_size * data_parallel
+    data_parallel, samples, global_batch = job.dims.data_parallel, job.train_samples, job.samples_per_step
     if data_parallel > samples:  # no batch size helps: blame the replicas
         return ConfigError(
             "trainer.devices",

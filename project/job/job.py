@@ -152,7 +152,6 @@ class Job:
 
     cfg: DictConfig
     layout: Layout
-    strategy_class: type | None  # the Lightning strategy (None: Lightning's auto, which picks its own)
     model_name: str  # the options chosen in the model and strategy groups (what the plan's header names)
     strategy_name: str
     devices: int  # per node
@@ -188,9 +187,14 @@ class Job:
         return self.layout.dims(self.world_size)
 
     @property
+    def samples_per_step(self) -> int:
+        """Samples per training step, over every replica: a replica's batch x replicas."""
+        return self.batch_size * self.dims.data_parallel
+
+    @property
     def global_batch(self) -> int:
-        """Samples per optimizer step: a replica's batch x replicas x gradient accumulation."""
-        return self.batch_size * self.dims.data_parallel * self.accumulate
+        """Samples per optimizer step: the samples of a step x gradient accumulation."""
+        return self.samples_per_step * self.accumulate
 
     @property
     def tokens_per_step(self) -> int:

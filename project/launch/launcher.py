@@ -42,7 +42,7 @@ from project.launch.processes import (
     launched_by_torchrun,
     stop_on_early_warning,
 )
-from project.launch.resolution import print_memory_plan, resolve_job
+from project.launch.resolution import print_memory_plan, resolve_launch
 from project.launch.results import read_result
 from project.launch.training import result_file, train
 from project.launch.watchdog import HeartbeatWatchdog
@@ -240,8 +240,8 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
-    launch = resolve_job(cfg, torchrun)
-    cfg = launch.cfg
+    launch = resolve_launch(cfg, torchrun)
+    cfg = launch.job.cfg
     if is_rank_zero() and cfg.print_config:
         print_config_tree(cfg)
     if not torchrun or is_rank_zero():

@@ -1,4 +1,4 @@
-"""One step from the composed Hydra config to a launch (``resolve_job``), which every later stage reads instead of
+"""One step from the composed Hydra config to a launch (``resolve_launch``), which every later stage reads instead of
 checking or resolving again: the checked, typed ``Job`` (its config resolved: the checkpoint to load, the W&B run),
 the memory plan, and how the job launches.
 
@@ -10,7 +10,7 @@ import logging
 import os
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import cast
 
@@ -37,11 +37,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch's checked and resolved job: ``cfg`` resolved (``ckpt_path`` the file or dir this strategy loads,
-    or None; the W&B run's name and id set), the typed ``job`` checked from it, the memory plan it was launched with
-    (None under torchrun and for evaluations), and how it launches."""
+    """A launch: its checked, typed ``job`` (its config resolved, ``ckpt_path`` the file or dir its strategy
+    loads, or None; the W&B run's name and id set), the memory plan it was launched with (None under torchrun and
+    for evaluations), and how it launches."""
 
-    cfg: DictConfig
     job: Job
     plan: MemoryPlan | None
     torchrun: bool
@@ -58,25 +57,27 @@ class Launch:
         """The resolved config this job trains with: the job's record, and what launched workers load. Other nodes
         keep a copy of their own (the same but for the W&B id, which only rank 0, on node 0, uses)."""
         return (
-            Path(self.cfg.paths.output_dir) / "config.yaml" if self.node.rank == 0 else self.workers_dir / "config.yaml"
+            Path(self.job.cfg.paths.output_dir) / "config.yaml"
+            if self.node.rank == 0
+            else self.workers_dir / "config.yaml"
         )
 
     @property
     def workers_dir(self) -> Path:
-        job_dir = Path(self.cfg.paths.output_dir)
+        job_dir = Path(self.job.cfg.paths.output_dir)
         return job_dir / "workers" if self.node.rank == 0 else job_dir / "workers" / f"node{self.node.rank}"
 
 
-def resolve_job(cfg: DictConfig, torchrun: bool) -> Launch:
+def resolve_launch(cfg: DictConfig, torchrun: bool) -> Launch:
     """The composed config resolved, checked (``ConfigError`` for the first setting that cannot work, before any
     worker or W&B run starts) and planned, once."""
-    cfg = resolved_config(cfg)
-    job = check_config(cfg)
+    job = check_config(resolved_config(cfg))
     node = node_task()
     check_launch(job, torchrun, node)
     name_wandb_run(job)
-    cfg.ckpt_path = checkpoint_to_load(job)
-    return Launch(cfg, job, planned_memory(job, torchrun), torchrun, node)
+    job = replace(job, ckpt_path=checkpoint_to_load(job))
+    job.cfg.ckpt_path = job.ckpt_path  # what the workers load
+    return Launch(job, planned_memory(job, torchrun), torchrun, node)
 
 
 def print_memory_plan(cfg: DictConfig) -> None:

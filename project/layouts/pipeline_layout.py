@@ -251,7 +251,7 @@ class PipelineLayout(ShardedLayout):
             {
                 "strategy.num_stages": 2 * self.num_stages,
                 "trainer.devices": 2 * job.devices,
-                "strategy.processes": 2 * job.devices,
+                "strategy.processes": 2 * job.devices,  # as the option's file makes it: one per device
             },
         )
 

@@ -53,7 +53,7 @@ class TensorParallel:
     def problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
         """What is wrong with ``strategy.tensor_parallel_size`` for this model (``net`` on the meta device) and the
         job's ranks, or None."""
-        size, per_node = self.size, job.layout.processes_per_node(job.devices)
+        size, per_node = self.size, job.processes_per_node
         if size > 1:
             plan = model_plan(net)
             if plan is None:

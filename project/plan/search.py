@@ -73,15 +73,15 @@ def candidate_layouts(job: Job) -> Iterator[Candidate]:
                 }
                 if isinstance(base.layout, FSDPLayout):  # FSDP's own key: the model's says it for all
                     overrides["strategy.activation_checkpointing"] = False
-                candidate = changed_job(job, overrides, name)
-                if layout_problem(candidate) is not None or candidate.global_batch != batch:
+                laid_out = changed_job(job, overrides, name)
+                if layout_problem(laid_out) is not None or laid_out.global_batch != batch:
                     continue
-                words = [f"strategy={name}", text, f"data.batch_size={candidate.batch_size}"]
+                words = [f"strategy={name}", text, f"data.batch_size={laid_out.batch_size}"]
                 if job.accumulate != 1:
                     words.append("trainer.accumulate_grad_batches=1")
                 apart = " ".join(word for word in words if word)
                 typed = f"{apart} model.activation_checkpointing={str(checkpointing).lower()}"
-                yield Candidate(typed, candidate, apart)
+                yield Candidate(typed, laid_out, apart)
 
 
 def _source_digest() -> str:
@@ -112,12 +112,12 @@ def _plan_of(saved: dict[str, Any]) -> MemoryPlan:
     return MemoryPlan(**{**fields, "devices": [DevicePlan(**device) for device in saved["devices"]]})
 
 
-def _keep(layout: Candidate, saved: dict[str, Any]) -> None:
-    layout.plan, layout.extrapolated = _plan_of(saved["plan"]), saved["extrapolated"]
+def _keep(candidate: Candidate, saved: dict[str, Any]) -> None:
+    candidate.plan, candidate.extrapolated = _plan_of(saved["plan"]), saved["extrapolated"]
 
 
 def from_cache(
-    layouts: list[Candidate], cache_dir: Path, capacity: int, whole: bool = False
+    candidates: list[Candidate], cache_dir: Path, capacity: int, whole: bool = False
 ) -> dict[str, list[Candidate]]:
     """Each layout's plan from the cache where it is there (``whole``: simulated whole) and holds for a device of
     ``capacity`` bytes (a partial plan only says its layout needs more than its peak); returns the others, by the
@@ -125,13 +125,13 @@ def from_cache(
     cache_dir.mkdir(parents=True, exist_ok=True)
     source = _source_digest()
     missing: dict[str, list[Candidate]] = {}
-    for layout in layouts:
-        path = cache_dir / f"{cache_key(layout.job, source)}{'-whole' if whole else ''}.json"
+    for candidate in candidates:
+        path = cache_dir / f"{cache_key(candidate.job, source)}{'-whole' if whole else ''}.json"
         saved = json.loads(path.read_text()) if path.exists() else None
         if saved is not None and not (saved["plan"]["partial"] and saved["plan"]["peak"] <= capacity):
-            _keep(layout, saved)
+            _keep(candidate, saved)
         else:
-            missing.setdefault(path.name, []).append(layout)
+            missing.setdefault(path.name, []).append(candidate)
     return missing
 
 
@@ -152,12 +152,12 @@ class Simulations:
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
 
-    def run(self, layouts: list[Candidate], whole: list[Candidate]) -> None:
+    def run(self, candidates: list[Candidate], whole: list[Candidate]) -> None:
         """Each layout's plan, and that of each in ``whole`` simulated whole (not extrapolated), with a progress
         bar."""
         missing = [
             (name, same, simulated_whole)
-            for group, simulated_whole in ((layouts, False), (whole, True))
+            for group, simulated_whole in ((candidates, False), (whole, True))
             for name, same in from_cache(group, self.cache_dir, self.capacity, simulated_whole).items()
         ]
         if not missing:
@@ -173,27 +173,27 @@ class Simulations:
             name, same = futures[future]
             saved = future.result()
             (self.cache_dir / name).write_text(json.dumps(saved))
-            for layout in same:
-                _keep(layout, saved)
+            for candidate in same:
+                _keep(candidate, saved)
             bar.update()
         bar.close()
         self.simulated += len(missing)
 
 
-def rank_layouts(layouts: list[Candidate], cluster: Cluster, capacity: int) -> list[Candidate]:
+def rank_layouts(candidates: list[Candidate], cluster: Cluster, capacity: int) -> list[Candidate]:
     """Each layout's step time; those that fit first, fastest first (the smaller peak first among equals), then
     the others (a partial plan by its ``bound``)."""
-    for layout in layouts:
-        assert layout.plan is not None
+    for candidate in candidates:
+        assert candidate.plan is not None
         # A partial plan's step was not simulated through (the fastest's whole simulation may stop too).
-        layout.time = None if layout.plan.partial else predict_step(layout.plan, layout.job, cluster)
+        candidate.time = None if candidate.plan.partial else predict_step(candidate.plan, candidate.job, cluster)
 
-    def order(layout: Candidate) -> tuple[bool, float, int]:
-        assert layout.plan is not None
-        throughput = layout.time.tokens_per_device_per_s if layout.time else layout.bound or 0.0
-        return layout.plan.peak > capacity, -throughput, layout.plan.peak
+    def order(candidate: Candidate) -> tuple[bool, float, int]:
+        assert candidate.plan is not None
+        throughput = candidate.time.tokens_per_device_per_s if candidate.time else candidate.bound or 0.0
+        return candidate.plan.peak > capacity, -throughput, candidate.plan.peak
 
-    return sorted(layouts, key=order)
+    return sorted(candidates, key=order)
 
 
 @dataclass
@@ -212,7 +212,9 @@ class Search:
     def fastest_fitting(self, capacity: int | None = None) -> Candidate | None:
         """The first of the ranked layouts that fits in ``capacity`` bytes (the search's device's when None)."""
         capacity = self.capacity if capacity is None else capacity
-        return next((layout for layout in self.ranked if layout.plan and layout.plan.peak <= capacity), None)
+        return next(
+            (candidate for candidate in self.ranked if candidate.plan and candidate.plan.peak <= capacity), None
+        )
 
 
 def search(job: Job, workers: int | None = None) -> Search:
@@ -239,58 +241,63 @@ def search(job: Job, workers: int | None = None) -> Search:
             f"names {', '.join(unknown)}, which plan=search cannot lay out.",
             f"choose among {', '.join(SEARCHABLE)}, e.g. plan_search.strategies=[fsdp,pipeline].",
         )
-    layouts = list(candidate_layouts(job))
+    candidates = list(candidate_layouts(job))
     cache, workers = job.plan_cache, workers or os.cpu_count() or 1
     capacity, _ = device_capacity(job)
-    from_cache(layouts, cache, capacity)
+    from_cache(candidates, cache, capacity)
     # Without pruning, every layout; with it, first those without a bubble, then those that could still be faster.
-    waiting = [layout for layout in layouts if not job.search.prune or layout.job.layout.bubble_fraction() == 0]
+    waiting = [
+        candidate for candidate in candidates if not job.search.prune or candidate.job.layout.bubble_fraction() == 0
+    ]
     to_check: list[Candidate] = []
     with Simulations(cache, capacity, workers) as simulations:
         while True:
-            simulations.run([layout for layout in waiting if layout.plan is None], to_check)
-            set_bounds(layouts, cluster)
-            found = Search(rank_layouts([layout for layout in layouts if layout.plan], cluster, capacity), [], cluster)
+            simulations.run([candidate for candidate in waiting if candidate.plan is None], to_check)
+            set_bounds(candidates, cluster)
+            found = Search(
+                rank_layouts([candidate for candidate in candidates if candidate.plan], cluster, capacity), [], cluster
+            )
             fastest = found.fastest_fitting(capacity)
             # The fastest that fits is simulated whole before it is named (an extrapolated peak may miss a late
             # rise), beside the layouts that could beat it: its throughput is the same either way.
             to_check = [fastest] if fastest is not None and fastest.extrapolated else []
-            waiting = unbeaten(layouts, fastest)
+            waiting = unbeaten(candidates, fastest)
             if not waiting and not to_check:
                 break
     found.pruned = sorted(
-        (layout for layout in layouts if layout.plan is None), key=lambda layout: -(layout.bound or 0)
+        (candidate for candidate in candidates if candidate.plan is None), key=lambda candidate: -(candidate.bound or 0)
     )
     found.simulated, found.seconds, found.capacity = simulations.simulated, time.perf_counter() - start, capacity
     return found
 
 
-def set_bounds(layouts: list[Candidate], cluster: Cluster) -> None:
+def set_bounds(candidates: list[Candidate], cluster: Cluster) -> None:
     """Sets the ``bound`` of each layout not simulated, or simulated only in part: its ``throughput_bound`` at the
     least FLOPs per device of any layout simulated through with its activation checkpointing (every layout
     computes the same step: at the same global batch, its devices share its FLOPs; checked in
     ``tests/test_plan_search.py``), if there is one."""
     least: dict[bool, float] = {}
-    for layout in layouts:
-        if layout.plan is not None and not layout.plan.partial:
-            mean = sum(device.flops for device in layout.plan.devices) / len(layout.plan.devices)
-            checkpointing = layout.job.activation_checkpointing
+    for candidate in candidates:
+        if candidate.plan is not None and not candidate.plan.partial:
+            mean = sum(device.flops for device in candidate.plan.devices) / len(candidate.plan.devices)
+            checkpointing = candidate.job.activation_checkpointing
             least[checkpointing] = min(mean, least.get(checkpointing, mean))
-    for layout in layouts:
-        flops = least.get(layout.job.activation_checkpointing)
-        if (layout.plan is None or layout.plan.partial) and flops is not None:
-            layout.bound = throughput_bound(layout.job, cluster, flops)
+    for candidate in candidates:
+        flops = least.get(candidate.job.activation_checkpointing)
+        if (candidate.plan is None or candidate.plan.partial) and flops is not None:
+            candidate.bound = throughput_bound(candidate.job, cluster, flops)
 
 
-def unbeaten(layouts: list[Candidate], fastest: Candidate | None) -> list[Candidate]:
+def unbeaten(candidates: list[Candidate], fastest: Candidate | None) -> list[Candidate]:
     """The layouts not simulated that could be faster than ``fastest`` (the fastest that fits so far): those
     without a ``bound`` (``set_bounds``), and those whose bound is above its throughput."""
     if fastest is None or fastest.time is None:
-        return [layout for layout in layouts if layout.plan is None]
+        return [candidate for candidate in candidates if candidate.plan is None]
     return [
-        layout
-        for layout in layouts
-        if layout.plan is None and (layout.bound is None or layout.bound > fastest.time.tokens_per_device_per_s)
+        candidate
+        for candidate in candidates
+        if candidate.plan is None
+        and (candidate.bound is None or candidate.bound > fastest.time.tokens_per_device_per_s)
     ]
 
 
@@ -307,14 +314,14 @@ def format_search(job: Job, found: Search) -> str:
     ]
     columns = ["#", f"{unit}/s/GPU", "MFU", "step s", "bubble s", "exposed comm s", "peak", "fits", "overrides"]
     rows = []
-    for index, layout in enumerate(ranked, 1):
-        assert layout.plan is not None
-        if layout.plan.partial:
-            throughput = "-" if layout.bound is None else f"<={layout.bound:,.0f}"
-            peak = f">={_size(layout.plan.peak)}"
-            rows.append([str(index), throughput, "-", "-", "-", "-", peak, "no", layout.overrides])
+    for index, candidate in enumerate(ranked, 1):
+        assert candidate.plan is not None
+        if candidate.plan.partial:
+            throughput = "-" if candidate.bound is None else f"<={candidate.bound:,.0f}"
+            peak = f">={_size(candidate.plan.peak)}"
+            rows.append([str(index), throughput, "-", "-", "-", "-", peak, "no", candidate.overrides])
             continue
-        step = layout.time
+        step = candidate.time
         assert step is not None
         rows.append(
             [
@@ -324,20 +331,20 @@ def format_search(job: Job, found: Search) -> str:
                 f"{step.seconds:.3g}",
                 f"{step.bubble:.2g}",
                 f"{step.exposed_communication:.2g}",
-                ("~" if layout.extrapolated else "") + _size(layout.plan.peak),
-                "yes" if layout.plan.peak <= capacity else "no",
-                layout.overrides,
+                ("~" if candidate.extrapolated else "") + _size(candidate.plan.peak),
+                "yes" if candidate.plan.peak <= capacity else "no",
+                candidate.overrides,
             ]
         )
-    for index, layout in enumerate(found.pruned, len(rows) + 1):
-        assert layout.bound is not None
-        rows.append([str(index), f"<={layout.bound:,.0f}", "-", "-", "-", "-", "-", "-", layout.overrides])
+    for index, candidate in enumerate(found.pruned, len(rows) + 1):
+        assert candidate.bound is not None
+        rows.append([str(index), f"<={candidate.bound:,.0f}", "-", "-", "-", "-", "-", "-", candidate.overrides])
     widths = [max(len(row[i]) for row in rows + [columns]) for i in range(len(columns))]
     lines.append("  ".join(name.rjust(width) for name, width in zip(columns[:-1], widths)) + "  " + columns[-1])
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
-    if any(layout.extrapolated for layout in ranked):
+    if any(candidate.extrapolated for candidate in ranked):
         lines.append("~: extended from copies of 3 to 5 blocks a stage, not simulated whole (docs/step-time.md).")
-    if any(layout.plan and layout.plan.partial for layout in ranked):
+    if any(candidate.plan and candidate.plan.partial for candidate in ranked):
         lines.append(
             ">=: simulated up to the first moment a device held more than the GPU's memory, so the peak is at "
             "least this; its throughput at most its share of the step's FLOPs with its bubble (<=)."

@@ -30,7 +30,8 @@ class ManualModelParallelStrategy(SingleDeviceStrategy, LaidOutStrategy):
         self, num_stages: PositiveInt, devices: PositiveInt, blocks_per_stage: Sequence[PositiveInt] | None = None
     ) -> None:
         super().__init__(device="cpu")
-        self.layout = ModelParallelLayout(num_stages, tuple(blocks_per_stage) if blocks_per_stage else None)
+        split = tuple(blocks_per_stage) if blocks_per_stage is not None else None
+        self.layout = ModelParallelLayout(num_stages, split)
         self.num_stage_devices = devices
         self._parameter_stage: dict[int, int] = {}
         self._staged_model: BlockSequence | None = None

@@ -229,14 +229,11 @@ class TrainingModule(L.LightningModule):
             self.gradients_finite = local_gradients_finite(optimizer)
         strategy = self.trainer.strategy
         algorithm = gradient_clip_algorithm or self.trainer.gradient_clip_algorithm or "norm"
-        parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-        if (
-            not isinstance(strategy, LaidOutStrategy)
-            or not gradient_clip_val
-            or algorithm != "norm"
-            or strategy.clip_grad_norm_(parameters, gradient_clip_val) is None
-        ):
-            super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if isinstance(strategy, LaidOutStrategy) and gradient_clip_val and algorithm == "norm":
+            parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+            if strategy.clip_grad_norm_(parameters, gradient_clip_val) is not None:
+                return  # clipped by the strategy, over the whole model
+        super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def parameter_groups(self) -> list[list[str]]:
         """Names of the parameters in each optimizer group, in order: weight-decayed, then spared (the
