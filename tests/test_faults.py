@@ -74,6 +74,36 @@ def test_a_damaged_last_checkpoint_resumes_from_the_newest_intact_one(home, tmp_
     assert "holds no intact checkpoint" in refused.output and "Traceback" not in refused.output
 
 
+def test_a_kill_during_the_first_last_checkpoint_resumes_from_the_best_one_and_keeps_it(home, tmp_path):
+    """SIGKILL while the first last.ckpt is written (after epoch000.ckpt): ckpt_path=auto, as a requeued job runs,
+    resumes from epoch000.ckpt and leaves it as it was; a fresh start into that dir is refused, nothing written."""
+    job_dir = tmp_path / "job"
+    run = [
+        *TINY,
+        f"hydra.run.dir={job_dir}",
+        "logger=csv",
+        "callbacks.model_checkpoint.monitor=step",
+        "callbacks.model_checkpoint.mode=min",
+        "trainer.max_epochs=2",
+    ]
+    killed = train([*run, "+callbacks.kill._target_=helpers.probes.KillWhileWritingLast"], home, expect_ok=False)
+    assert killed.returncode == -signal.SIGKILL, killed.output[-3000:]
+    checkpoints = job_dir / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["epoch000.ckpt", "last.ckpt.partial"]
+    best = (checkpoints / "epoch000.ckpt").read_bytes()
+    refused = train(run, home, expect_ok=False)  # ckpt_path=null: from scratch, over the checkpoints
+    assert refused.returncode == 1 and "Traceback" not in refused.output, refused.output[-3000:]
+    assert f"ckpt_path: is null (start from scratch), but {checkpoints} holds checkpoints" in refused.output
+    assert "Fix: resume them with ckpt_path=auto" in refused.output
+    resumed = train([*run, "ckpt_path=auto"], home)
+    assert f"{checkpoints / 'last.ckpt'} does not exist: resuming from {checkpoints / 'epoch000.ckpt'}" in (
+        resumed.output
+    )
+    assert f"Restored all states from the checkpoint at {checkpoints / 'epoch000.ckpt'}" in resumed.output
+    assert (checkpoints / "epoch000.ckpt").read_bytes() == best  # never written over
+    assert saved_epoch(checkpoints / "last.ckpt") == 1  # only epoch 1 trained
+
+
 def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
     """The dir turns unwritable when epoch 1 starts; saving epoch 1 must fail the run, naming the path and cause."""
     job_dir = tmp_path / "job"

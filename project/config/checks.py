@@ -193,25 +193,25 @@ def _gpus_problem(cfg: DictConfig, devices: int) -> ConfigError | None:
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
-    """``ckpt_path=last`` means this job dir's ``checkpoints/last.ckpt``; ``auto`` the same if it exists, else a
-    fresh start (what a requeued job wants); any other value is a file path.
-
-    A damaged ``last.ckpt`` (truncated, empty: a disk that filled, a copy cut short) is passed over for the newest
-    intact checkpoint beside it, with a warning; with none intact, the run is refused."""
+    """``ckpt_path=last`` and ``auto`` mean this job dir's newest intact checkpoint: ``checkpoints/last.ckpt``, or,
+    where it is missing or damaged, the newest other intact checkpoint beside it, with a warning. That is what a run
+    killed while writing its first ``last.ckpt`` leaves (its ``epochNNN.ckpt`` is written first), and what a requeued
+    job resumes. With no checkpoint there, ``auto`` is a fresh start and ``last`` is refused (``_check_checkpoint``);
+    with checkpoints there but none intact, both are refused: a fresh start would write over them. Any other value
+    is a file path."""
     if cfg.ckpt_path is None:
         return None
     if cfg.ckpt_path not in ("last", "auto"):
         return str(cfg.ckpt_path)
-    checkpoints = Path(cfg.paths.output_dir) / "checkpoints"
+    checkpoints = checkpoints_dir(cfg)
     last = checkpoints / "last.ckpt"
-    if not last.exists():
+    saved = _saved_checkpoints(checkpoints)
+    if not saved:
         return None if cfg.ckpt_path == "auto" else str(last)
-    damage = _damage(last)
+    damage = _damage(last) if last.exists() else "does not exist"
     if damage is None:
         return str(last)
-    others = sorted(
-        (path for path in checkpoints.glob("*.ckpt") if path != last), key=lambda path: path.stat().st_mtime
-    )
+    others = sorted((path for path in saved if path != last), key=lambda path: path.stat().st_mtime)
     intact = next((path for path in reversed(others) if _damage(path) is None), None)
     if intact is None:
         raise ConfigError(
@@ -222,6 +222,34 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
         )
     log.warning(f"{last} {damage}: resuming from {intact}, the newest intact checkpoint of the job instead.")
     return str(intact)
+
+
+def checkpoints_dir(cfg: DictConfig) -> Path:
+    """Where the job's checkpoints go: the checkpoint callback's dir, by default ``<job dir>/checkpoints``."""
+    dirpath = OmegaConf.select(cfg, "callbacks.model_checkpoint.dirpath")
+    return Path(dirpath) if dirpath is not None else Path(cfg.paths.output_dir) / "checkpoints"
+
+
+def _saved_checkpoints(checkpoints: Path) -> list[Path]:
+    """The checkpoints in ``checkpoints`` (files, or sharded checkpoints' dirs), whole or not; a ``.partial``, which
+    a write cut short leaves, is not one."""
+    return sorted(checkpoints.glob("*.ckpt")) if checkpoints.is_dir() else []
+
+
+def check_fresh_start(cfg: DictConfig) -> None:
+    """A run that starts from scratch (``ckpt_path=null``) in a job dir that already holds checkpoints would write
+    over them (the callback reuses their names): refused, naming the resume."""
+    if cfg.ckpt_path is not None or cfg.mode != "train":
+        return
+    checkpoints = checkpoints_dir(cfg)
+    saved = _saved_checkpoints(checkpoints)
+    if saved:
+        raise ConfigError(
+            "ckpt_path",
+            f"is null (start from scratch), but {checkpoints} holds checkpoints of an earlier run "
+            f"({', '.join(path.name for path in saved)}), which this run would write over.",
+            "resume them with ckpt_path=auto, or start in another dir (drop hydra.run.dir, or set it elsewhere).",
+        )
 
 
 def _damage(checkpoint: Path) -> str | None:

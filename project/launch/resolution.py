@@ -23,7 +23,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
 from project.checkpointing.hf import NET_CLASSES, net_options, read_config
-from project.config.checks import check_config
+from project.config.checks import check_config, check_fresh_start
 from project.job.job import Job
 from project.launch.processes import NodeTask, is_rank_zero, node_task
 from project.launch.trial import job_trial
@@ -72,6 +72,7 @@ def resolve_launch(cfg: DictConfig, torchrun: bool) -> Launch:
     """The composed config resolved, checked (``ConfigError`` for the first setting that cannot work, before any
     worker or W&B run starts) and planned, once."""
     job = check_config(resolved_config(cfg))
+    check_fresh_start(job.cfg)
     node = node_task()
     check_launch(job, torchrun, node)
     name_wandb_run(job)

@@ -4,6 +4,7 @@ each logs what it saw as per-epoch ``probe/*`` metrics, which the tests read bac
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -201,3 +202,20 @@ class CollectiveBytesPerBatch(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         path = Path(trainer.default_root_dir) / f"collectives_rank{trainer.global_rank}.json"
         path.write_text(json.dumps(self.batches))
+
+
+class KillWhileWritingLast(L.Callback):
+    """SIGKILLs this process while it writes its first ``last.ckpt``: the whole file is in ``last.ckpt.partial``, not
+    yet renamed (``AtomicCheckpointIO``), and the epoch's best checkpoint, written just before, is on disk. What a
+    node failure or a SLURM kill at that moment leaves."""
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        checkpoint_io = trainer.strategy.checkpoint_io
+        save = checkpoint_io.save_checkpoint
+
+        def save_then_die(checkpoint, path, storage_options=None) -> None:
+            if Path(path).name == "last.ckpt":
+                os.fsync = lambda fd: os.kill(os.getpid(), signal.SIGKILL)  # after the write, before the rename
+            save(checkpoint, path, storage_options)
+
+        checkpoint_io.save_checkpoint = save_then_die
