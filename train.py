@@ -3,6 +3,7 @@
 See README.md; ``python train.py --help`` lists the config groups.
 """
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ from omegaconf import DictConfig
 from project.config.overrides import check_overrides
 from project.config.resolvers import register_resolvers
 from project.launch.results import record_failure
-from project.options.errors import ConfigError, JobFailed, exit_with
+from project.options.errors import ConfigError, JobFailed, WriteFailed, exit_with
 
 register_resolvers()
 
@@ -30,7 +31,9 @@ def main(cfg: DictConfig) -> float | list[float | None] | None:
         if HydraConfig.get().mode != RunMode.MULTIRUN:
             if isinstance(error, ConfigError):
                 exit_with(error)  # one paragraph naming key and fix, before any worker or W&B run starts
-            sys.exit(1)  # the failed job's report is already on the console and in train.log
+            if isinstance(error, WriteFailed):  # raised in this process: its path, cause and fix, once
+                logging.getLogger(__name__).error(str(error))
+            sys.exit(1)  # the failed job's report is on the console and in train.log
         # In a sweep, the job is recorded as failed (result.json, the summary) and the sweep goes on; None tells
         # Optuna the trial failed. The sweep's summary exits 1 at the end if any job failed.
         if is_rank_zero():

@@ -97,6 +97,31 @@ def kill_process_tree(root: int, signum: int = signal.SIGKILL) -> None:
             os.kill(pid, signum)
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A function mounting a tmpfs of ``size`` (mount's syntax: ``2m``) at a new dir and returning the dir: a real
+    file system that fills, for the full-disk tests; ``resize(dir, size)`` grows it. Unmounted after the test.
+    Needs the right to mount (root, as on this project's machines and CI); skipped without it."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        target = tmp_path / f"disk{len(mounted)}"
+        target.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(target)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount
+    for target in mounted:
+        subprocess.run(["umount", "--lazy", str(target)], check=True)
+
+
+def resize(disk: Path, size: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
+
+
 # One per HOME (tests/helpers/preloaded.py), started on first use, the least recently used closed past 3 (each holds
 # torch).
 TRAIN_SERVERS: dict[Path, TrainServer] = {}

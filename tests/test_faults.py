@@ -133,6 +133,40 @@ def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
     assert saved_epoch(checkpoints / "last.ckpt") == 0
 
 
+@pytest.mark.parametrize("layout", [[], ["strategy=fsdp", "trainer.devices=2"]], ids=["auto", "fsdp_x2"])
+def test_a_full_disk_stops_the_run_with_the_path_and_no_partial_file(home, small_disk, layout):
+    """The job dir on a 24 MiB file system: two checkpoints of 8.6 MiB fit, the third does not. The run ends with
+    the documented message naming the file, exit code 1, no traceback on the console; the partial checkpoint is
+    gone, the earlier ones are whole and result.json says failed, with the message."""
+    job_dir = small_disk("24m") / "job"
+    result = train(
+        [
+            *TINY,
+            "model.net.hidden_dims=[1024,1024]",
+            f"hydra.run.dir={job_dir}",
+            "logger=csv",
+            "callbacks.model_checkpoint.save_top_k=-1",
+            *layout,
+        ],
+        home,
+        expect_ok=False,
+    )
+    checkpoints = job_dir / "checkpoints"
+    message = re.search(r"Could not write checkpoint (\S+): No space left on device \(ENOSPC\)\. (.*)", result.output)
+    assert result.returncode == 1 and message, result.output[-3000:]
+    assert "Traceback" not in result.output
+    assert message.group(2).startswith("Training stopped so that no later epoch goes unsaved")
+    assert "Free space on that disk (or make the checkpoints dir writable), then resume with ckpt_path=auto" in (
+        message.group(2)
+    )
+    assert not list(job_dir.rglob("*.partial")), sorted(job_dir.rglob("*"))
+    saved = sorted(path.name for path in checkpoints.iterdir())
+    assert saved == ["epoch000.ckpt", "last.ckpt"], saved
+    assert all(saved_epoch(path) == 0 for path in checkpoints.iterdir() if path.is_file())  # whole (fsdp: dirs)
+    recorded = json.loads((job_dir / "result.json").read_text())
+    assert recorded["status"] == "failed" and recorded["error"].startswith("WriteFailed: Could not write checkpoint")
+
+
 # Runs that go on until the test stops them: a ddp job of 2 workers.
 ENDLESS_DDP = [*TINY, "logger=csv", "strategy=ddp", "trainer.devices=2", "trainer.max_epochs=100000"]
 

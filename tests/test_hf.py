@@ -161,6 +161,19 @@ def test_a_sharded_checkpoint_exported_gives_transformers_its_val_loss(gpt_ddp_f
     assert transformers_val_loss(exported, list(overrides)) == pytest.approx(run_loss, rel=1e-5)
 
 
+@pytest.mark.slow
+def test_an_export_to_a_full_disk_ends_with_the_path_and_leaves_no_partial_file(gpt_ddp_fsdp_sweep, small_disk, home):
+    """The weights do not fit the 16 KiB file system: the documented message naming the file, exit code 1, no
+    traceback, and nothing half-written left."""
+    out = small_disk("16k") / "hf"
+    checkpoint = gpt_ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt"
+    result = run_command([sys.executable, "-m", "project.cli.export", str(checkpoint), str(out)], home)
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output[-3000:]
+    assert f"Could not write weights {out / 'model.safetensors'}: No space left on device (ENOSPC)" in result.output
+    assert "Free space on that disk, then export again." in result.output
+    assert not list(out.iterdir())
+
+
 # model=llama on token data of LLAMA's vocabulary; its shape comes from the model dir (model.init_from).
 LLAMA_EVAL = [
     *(item for item in TINY_GPT[1:] if not item.startswith("model.")),

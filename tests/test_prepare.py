@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, PreloadedRun, isolated_env, kill_process_tree, train
+from conftest import REPO, PreloadedRun, isolated_env, kill_process_tree, resize, train
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from project.checkpointing.files import META_FILE
@@ -143,6 +144,36 @@ def test_an_interrupted_prepare_continues_without_redoing_finished_shards(corpus
     for path in straight.glob("*.bin"):
         assert (out / path.name).read_bytes() == path.read_bytes(), path.name
     assert json.loads((out / "meta.json").read_text()) == json.loads((straight / "meta.json").read_text())
+
+
+def test_a_full_disk_stops_prepare_with_the_path_and_a_rerun_with_space_finishes_it(corpus, tmp_path, small_disk):
+    """--out on a 64 KiB file system: prepare ends with the documented message naming the shard it could not write,
+    exit code 1 and no traceback, and leaves no partial file; with the disk grown, the same command finishes the
+    shards an uninterrupted run writes, byte for byte."""
+    for copy in range(12):
+        (corpus / f"copy{copy}.jsonl").write_text(
+            (corpus / "notes.jsonl").read_text().replace("Document", f"Copy {copy}")
+        )
+    straight = tmp_path / "straight"
+    prepare([corpus], straight, vocab_size=600, shard_tokens=2000, val_fraction=0.05)
+    disk = small_disk("64k")
+    out = disk / "out"
+    command = [sys.executable, "-m", "project.cli.prepare", str(corpus), "--vocab-size", "600", "--shard-tokens"]
+    command += ["2000", "--val-fraction", "0.05", "--out", str(out)]
+    full = subprocess.run(command, cwd=REPO, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    message = re.search(
+        r"Could not write (token shard|progress file|tokenizer) (\S+): No space left on device", full.stderr
+    )
+    assert message and Path(message.group(2)).parent == out, full.stderr
+    assert "Free space on that disk (or make --out writable), then run the same command again" in full.stderr
+    assert not list(out.glob("*.partial"))
+    resize(disk, "16m")
+    rerun = subprocess.run(command, cwd=REPO, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert sorted(path.name for path in out.glob("*.bin")) == sorted(path.name for path in straight.glob("*.bin"))
+    for path in straight.glob("*.bin"):
+        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
 
 
 def test_shard_windows_are_the_token_stream_across_shard_ends_and_batch_alike_on_any_device_count(corpus, tmp_path):

@@ -21,11 +21,16 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
 
+from project.options.files import written
+
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 
 
-class CheckpointNotSaved(RuntimeError):
-    """A checkpoint file could not be written; the run stops rather than go on without it."""
+# What a checkpoint that cannot be written stops the run with, after the path and the cause.
+CHECKPOINT_NOT_SAVED = (
+    "Training stopped so that no later epoch goes unsaved; the checkpoints already there are intact. Free space on "
+    "that disk (or make the checkpoints dir writable), then resume with ckpt_path=auto."
+)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -33,26 +38,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     the old file once complete, so ``last.ckpt`` is always a whole checkpoint, old or new.
 
     Why not Lightning's own: its ``_atomic_save`` catches ``PermissionError`` and goes on, so a checkpoints dir
-    that turns unwritable mid-run would lose every later checkpoint without a word. Here any failed write stops
-    the run with the path and the cause. Local paths only, as this project's checkpoints dirs are.
+    that turns unwritable mid-run would lose every later checkpoint without a word. Here any failed write (a full
+    disk included) removes the partial file and stops the run with the path and the cause (``WriteFailed``). Local
+    paths only, as this project's checkpoints dirs are.
     """
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any = None) -> None:
-        path = Path(path)
-        partial = path.with_name(path.name + ".partial")
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(partial, "wb") as file:  # opened here, so that a refusal is an OSError naming its cause
-                torch.save(checkpoint, file)
-                file.flush()
-                os.fsync(file.fileno())  # on disk before it replaces the old one
-            os.replace(partial, path)
-        except OSError as error:
-            raise CheckpointNotSaved(
-                f"Could not write checkpoint {path}: {error.strerror or error} ({type(error).__name__}). Training "
-                "stopped so that no later epoch goes unsaved; the checkpoints already there are intact. Make the "
-                "checkpoints dir writable (or free space), then resume with ckpt_path=last."
-            ) from error
+        # Opened here, so that a refusal is an OSError naming its cause.
+        with written(path, "checkpoint", CHECKPOINT_NOT_SAVED) as partial, open(partial, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())  # on disk before it replaces the old one
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:

@@ -13,13 +13,14 @@ this project's ``q``, ``k`` and ``v`` are thirds (``FUSED``).
 """
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -27,6 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from project.models import GPT, Llama
 from project.options.errors import ConfigError
+from project.options.files import written
 
 # This project's parameter name -> Hugging Face's, per family; {i} is a block index.
 NAMES = {
@@ -323,9 +325,17 @@ def write_hf_dir(
         value = value.T if TRANSPOSED.search(key) else value
         tensors[key] = value.to(dtype).contiguous()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(_hf_config(family, net_cfg, dtype), indent=2) + "\n")
+    fix = "The export stopped; nothing half-written is left in it. Free space on that disk, then export again."
+    with written(out / "model.safetensors", "weights", fix) as partial:
+        try:
+            save_file(tensors, partial, metadata={"format": "pt"})
+        except SafetensorError as error:  # the library's own type for its I/O errors, the OS's code in the text
+            code = re.search(r"os error (\d+)", str(error))
+            if code is None:
+                raise
+            raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from error
+    with written(out / "config.json", "config", fix) as partial:
+        partial.write_text(json.dumps(_hf_config(family, net_cfg, dtype), indent=2) + "\n")
     return out
 
 

@@ -16,7 +16,6 @@ unwritten tokens begin (document and token), and finished shards are not written
 import argparse
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +27,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from project.cli.usage import run_cli
 from project.data.codecs import TokenizerCodec
-from project.data.shards import token_dtype, write_shard
+from project.data.shards import PREPARE_AGAIN, token_dtype, write_shard
 from project.options.errors import ConfigError, check_writable
+from project.options.files import written
 
 SEPARATORS = ["<|endoftext|>", "<|end_of_text|>", "</s>"]  # GPT-2's, Llama 3's, Llama 2's and others'
 ENCODE_BATCH = 256  # documents per call: HF tokenizers spreads a batch over all cores
@@ -190,6 +190,11 @@ def read_tokenizer(path: Path) -> Tokenizer:
         ) from None
 
 
+def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
+    with written(path, "tokenizer", PREPARE_AGAIN) as partial:
+        tokenizer.save(str(partial))
+
+
 def is_validation(document: int, val_fraction: float) -> bool:
     """A fixed, well-spread share of the documents, the same whatever the batching."""
     return (document * 2654435761 % 2**32) / 2**32 < val_fraction
@@ -266,12 +271,12 @@ def prepare(
 
     tokenizer_file = out / "tokenizer.json"
     if tokenizer is not None:
-        tokenizer.save(str(tokenizer_file))
+        save_tokenizer(tokenizer, tokenizer_file)
     elif progress is not None and tokenizer_file.is_file():
         tokenizer = Tokenizer.from_file(str(tokenizer_file))  # trained by the interrupted run
     else:
         tokenizer = train_bpe(documents(files, text_key), vocab_size)
-        tokenizer.save(str(tokenizer_file))
+        save_tokenizer(tokenizer, tokenizer_file)
     separator_id = tokenizer.token_to_id(separator_text)
     dtype = token_dtype(tokenizer.get_vocab_size())
 
@@ -283,9 +288,8 @@ def prepare(
 
     def save_progress() -> None:
         state = {name: {"shards": s.shards, "start": list(s.start)} for name, s in splits.items()}
-        partial = progress_file.with_name(progress_file.name + ".partial")
-        partial.write_text(json.dumps({"fingerprint": key, "splits": state}))
-        os.replace(partial, progress_file)
+        with written(progress_file, "progress file", PREPARE_AGAIN) as partial:
+            partial.write_text(json.dumps({"fingerprint": key, "splits": state}))
 
     def flush(split: Split, final: bool) -> None:
         while split.pending_tokens() >= shard_tokens or (final and split.pending_tokens()):
@@ -343,7 +347,8 @@ def prepare(
             for name, split in splits.items()
         },
     }
-    (out / "meta.json").write_text(json.dumps(meta, indent=2))
+    with written(out / "meta.json", "metadata", PREPARE_AGAIN) as partial:
+        partial.write_text(json.dumps(meta, indent=2))
     return meta
 
 

@@ -13,14 +13,15 @@ import yaml
 from omegaconf import DictConfig
 
 from project.checkpointing.files import checkpoint_shapes, job_config, job_config_file
-from project.options.errors import ConfigError
+from project.options.errors import ConfigError, WriteFailed
 
 
 def run_cli(prog: str, main: Callable[[], None]) -> None:
-    """``main()``, with a ``ConfigError`` it raises printed as ``<prog>: <argument>: <problem> Fix: <fix>``."""
+    """``main()``, with a ``ConfigError`` it raises printed as ``<prog>: <argument>: <problem> Fix: <fix>``, and a
+    file it could not write (``WriteFailed``: a full disk) as ``<prog>: Could not write <what> <path>: ...``."""
     try:
         main()
-    except ConfigError as error:
+    except (ConfigError, WriteFailed) as error:
         sys.exit(f"{prog}: {error}")
 
 

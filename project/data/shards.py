@@ -17,12 +17,18 @@ from project.data.codecs import TokenizerCodec
 from project.data.datamodule import InMemoryDataModule
 from project.data.prepared import prepared_meta
 from project.options.errors import ConfigError
+from project.options.files import written
 from project.options.option_types import NonNegativeInt, PositiveInt, Seed
 
 MAGIC = 20261122
 VERSION = 1
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
+# What a preparation that cannot write its files stops with, after the path and the cause.
+PREPARE_AGAIN = (
+    "Preparation stopped; the shards written before are whole. Free space on that disk (or make --out writable), "
+    "then run the same command again: it goes on from those shards."
+)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -34,13 +40,11 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
     """Write ``tokens`` (uint16 or uint32) as a shard, whole or not at all (a ``.partial`` file renamed)."""
     header = np.zeros(HEADER_INTS, dtype="<i4")
     header[:4] = [MAGIC, VERSION, len(tokens), tokens.dtype.itemsize]
-    partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as file:
+    with written(path, "token shard", PREPARE_AGAIN) as partial, open(partial, "wb") as file:
         file.write(header.tobytes())
         file.write(tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes())
         file.flush()
         os.fsync(file.fileno())
-    os.replace(partial, path)
 
 
 def shard_header(path: Path) -> tuple[int, np.dtype]:

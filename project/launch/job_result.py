@@ -1,5 +1,6 @@
 """The job's result, for sweeps and for people: ``<job dir>/result.json``, written by rank 0 after every epoch."""
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ from project.launch.trial import PruneTrial
 from project.observability.device_memory import DeviceMemory
 from project.observability.loggers import EpochWandbLogger
 from project.observability.throughput import EpochThroughput
+from project.options.errors import WriteFailed
+
+log = logging.getLogger(__name__)
 
 
 class JobResult(L.Callback):
@@ -54,7 +58,10 @@ class JobResult(L.Callback):
             self._write(trainer, "completed")
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._write(trainer, "failed", error=f"{type(exception).__name__}: {exception}")
+        try:
+            self._write(trainer, "failed", error=f"{type(exception).__name__}: {exception}")
+        except WriteFailed as failure:  # the disk still full: say so, and let the job fail with its own error
+            log.error(f"The job failed, but result.json could not say so: {failure}")
 
     def state_dict(self) -> dict[str, Any]:
         return {"epochs": self.epochs}

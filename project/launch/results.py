@@ -4,9 +4,10 @@ import csv
 import json
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any
+
+from project.options.files import written
 
 RESULT_FILE = "result.json"
 
@@ -45,10 +46,8 @@ def job_result(
 
 def write_result(path: Path, result: dict[str, Any]) -> None:
     """Whole or not at all: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(result, indent=2))
-    os.replace(partial, path)
+    with written(path, "result", "Free space on that disk; the job's checkpoints are intact.") as partial:
+        partial.write_text(json.dumps(result, indent=2))
 
 
 def read_result(path: str | Path) -> dict[str, Any] | None:

@@ -20,7 +20,13 @@ class ConfigError(ValueError):
 
 
 class JobFailed(RuntimeError):
-    """A job's workers failed; the launcher has printed and logged which rank failed and how (the message)."""
+    """A job failed, and has printed and logged why (the message): its workers (the launcher names which rank and
+    how), a diverged step, a file it could not write."""
+
+
+class WriteFailed(JobFailed):
+    """A file could not be written (a full disk, a dir turned read-only); the message names it, the cause and the
+    fix, and the half-written file is gone (``project.options.files.written``)."""
 
 
 def positive_int(key: str, value: object, fix: str) -> int:

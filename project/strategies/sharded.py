@@ -4,15 +4,17 @@ rank laying out its own part of the plain (meta) model, with checkpoint saves th
 half-written."""
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.api import CheckpointException
 
+from project.checkpointing.files import CHECKPOINT_NOT_SAVED
 from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
+from project.options.files import full_disk, os_error, remove, write_failed
 from project.strategies.laid_out import LaidOutStrategy
 
 
@@ -55,27 +57,37 @@ class ShardedStrategy(ModelParallelStrategy, LaidOutStrategy):
 
         Lightning writes a sharded checkpoint in place, over the previous one of the same name (``last.ckpt``);
         a run killed meanwhile would leave ``last`` half old, half new. Here ``last`` is the old checkpoint until
-        the new one is complete, then the new one.
+        the new one is complete, then the new one. A write that fails (a full disk) removes the partial dir and
+        stops the run with the path and the cause (``WriteFailed``).
         """
         final = Path(self.broadcast(str(filepath)))
         partial = final.with_name(final.name + ".partial")
         if self.global_rank == 0:
-            _remove(partial)  # left over from a run killed while saving
+            remove(partial)  # left over from a run killed while saving
         self.barrier()
-        super().save_checkpoint(checkpoint, partial, storage_options)
+        try:
+            super().save_checkpoint(checkpoint, partial, storage_options)
+        except (Exception, CheckpointException) as error:  # DCP's gathers every rank's failures, its own base class
+            cause = _os_error(error) or full_disk(partial)
+            if isinstance(error, CheckpointException):
+                self.barrier()  # DCP raised it on every rank: each has seen the full disk before any frees it
+            remove(partial)  # on every rank: whichever does it first frees the space
+            if cause is None:
+                raise
+            raise write_failed(final, "checkpoint", cause, CHECKPOINT_NOT_SAVED) from error
         self.barrier()
         if self.global_rank == 0:
             previous = final.with_name(final.name + ".previous")
-            _remove(previous)
+            remove(previous)
             if final.exists():
                 os.replace(final, previous)
             os.replace(partial, final)
-            _remove(previous)
+            remove(previous)
         self.barrier()
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
+def _os_error(error: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``error``: in its chain, or, for DCP's ``CheckpointException``, any rank's."""
+    if isinstance(error, CheckpointException):
+        return next((os_error(cause) for cause, _ in error.failures.values() if os_error(cause)), None)
+    return os_error(error)
