@@ -216,6 +216,32 @@ def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight
     assert gpipe.devices[3].activations == activations[3] * 8 // (8 - 3)
 
 
+def test_a_pipelines_last_stage_keeps_no_outputs_so_its_plan_is_flat_in_the_micro_batch_count():
+    """The last stage feeds the metrics one micro-batch at a time: at 32 micro-batches of 4 samples it holds what it
+    holds at 4 (a micro-batch's logits are 8 KiB here; what grows is torch's bookkeeping, 512 bytes a micro-batch, and
+    the receive buffers torch's stages allocate per micro-batch, counted as comm buffers)."""
+    plans = {
+        count: plan_memory(
+            resolved(
+                [
+                    *TINY_GPT,
+                    "model.net.num_layers=4",
+                    f"data.batch_size={4 * count}",
+                    "strategy=pipeline",
+                    "trainer.devices=2",
+                    f"strategy.microbatches={count}",
+                ]
+            ),
+            suggest=False,
+        )
+        for count in (4, 32)
+    }
+    few, many = (plans[count].devices[-1] for count in (4, 32))
+    logits = 4 * 16 * 32 * 4  # a micro-batch's: samples x positions x vocabulary x float32
+    assert many.activations - few.activations <= 28 * 512 < 28 * logits
+    assert many.peak - many.comm_buffers - (few.peak - few.comm_buffers) <= 28 * 512 * 2
+
+
 def test_model_parallel_plan_holds_each_stage_on_its_device():
     plan, stage_parameters = plan_of_stages(
         [*LARGE, "strategy=model_parallel", "trainer.num_nodes=1", "model.net.tie_weights=false"]

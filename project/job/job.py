@@ -68,7 +68,6 @@ class DeviceWork:
     stage_output: torch.Tensor | None = None  # meta tensor of one micro-batch's output, when another device takes it
     last: bool = True  # holds the head: computes the loss
     receive_buffers: bool = False  # a pipeline stage: a buffer per micro-batch for its inputs and output gradients
-    keeps_outputs: bool = False  # a pipeline's last stage: every micro-batch's outputs, merged for the metrics
     forward_in_backward: bool = False  # a pipeline: the schedule runs the forwards after Lightning's zero_grad
     grads_persist: bool = False  # DDP with gradient_as_bucket_view: gradients live in its buckets throughout
     extra_buffer_bytes: int = 0  # held throughout besides (DDP's buckets, when gradients are not views of them)

@@ -222,7 +222,6 @@ class PipelineLayout(ShardedLayout):
                     stage_output=None if last else boundaries[stages[stage_ids[-1]].stop],
                     last=last,
                     receive_buffers=True,
-                    keeps_outputs=last,
                     forward_in_backward=True,
                     unsimulated_collectives={link.key: sent * microbatches},
                 )

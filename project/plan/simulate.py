@@ -201,13 +201,12 @@ def _step(
         return tensor
 
     pending: list[tuple[int, torch.Tensor]] = []  # micro-batches whose backward is still to run, oldest first
-    kept: list[torch.Tensor] = []
     simulated = simulated_microbatches(work.microbatches, min(work.in_flight, work.microbatches))
     repeat = _Repeat()  # micro-batch 1's effects, which a replayed micro-batch repeats
 
     def forward(index: int) -> None:
         if index not in simulated:
-            repeat.forward(index, pending, kept, saved, counts)
+            repeat.forward(index, pending, saved, counts)
             return
         if index == 1:
             repeat.before(tracker, counts, saved)
@@ -220,11 +219,10 @@ def _step(
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             for stage in work.stages:
                 x = stage(x)
-            if work.keeps_outputs:
-                kept.append(x.detach())
             pending.append((index, module.criterion(x, target) / work.microbatches if work.last else x))
+        del x  # a last stage's logits: what the loss saved of them stays, the rest is freed, as in the strategy
         if index == 1:
-            repeat.after_forward(tracker, counts, saved, kept[-1] if work.keeps_outputs else None)
+            repeat.after_forward(tracker, counts, saved)
 
     def backward() -> None:
         index, output = pending.pop(0)
@@ -260,21 +258,18 @@ def _step(
         backward()
     for stage in sharded:  # torch's own method, which reads only the stage's submodule
         _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=stage), grad_scale_factor=1)  # type: ignore[arg-type]
-    if kept:
-        merged = torch.cat(kept)  # the schedule merges the micro-batches' outputs for the metrics
-        del merged, kept[:]
     return activations
 
 
 def simulated_microbatches(microbatches: int, in_flight: int) -> set[int]:
     """The micro-batches of a device's step that its simulation runs; the others are replayed.
 
-    A step's micro-batches are alike: each forward leaves the same bytes held (what autograd saves, and a last
-    stage's output kept for the metrics) and counts the same FLOPs and collectives, and each backward frees what its
-    forward left. What differs is the moment: how many micro-batches are in flight, whether the gradients exist yet,
-    how many outputs are kept. So the simulation runs the first (the stage's first gathers and gradients), the
-    second (what the others repeat: the first may differ), and the two at the fullest moments: the last forward (the
-    most outputs kept, the gradients made, all but one in flight) and the backward after it (all in flight). The
+    A step's micro-batches are alike: each forward leaves the same bytes held (what autograd saves) and counts the
+    same FLOPs and collectives, and each backward frees what its forward left. What differs is the moment: how many
+    micro-batches are in flight, whether the gradients exist yet. So the simulation runs the first (the stage's
+    first gathers and gradients), the second (what the others repeat: the first may differ), and the two at the
+    fullest moments: the last forward (the gradients made, all but one in flight) and the backward after it (all in
+    flight). The
     others are replayed: a forward holds a tensor of the bytes the second left and counts its FLOPs and
     collectives; a backward frees it and counts the second's. Checked against every micro-batch simulated
     (``tests/test_plan_shortcuts.py``). A 1F1B rank of 8 stages at 16 micro-batches runs 4 of them, not 16."""
@@ -285,10 +280,9 @@ class _Repeat:
     """What a simulated micro-batch (the second) held and counted, and its replay for the others."""
 
     def __init__(self) -> None:
-        self.held = self.kept = self.saved = self.flops = self.backward_flops = self.backward_recomputed_flops = 0
+        self.held = self.saved = self.flops = self.backward_flops = self.backward_recomputed_flops = 0
         self.collectives: Counter[str] = Counter()
         self.backward_collectives: Counter[str] = Counter()
-        self.kept_like: torch.Tensor | None = None
         self._start: tuple[int, int, Counter[str], set[int]] = (0, 0, Counter(), set())
         self._recomputed_start = 0
 
@@ -296,13 +290,9 @@ class _Repeat:
         self._start = (held_bytes(tracker), counts.flops, Counter(counts.collectives), set(saved))
         self._recomputed_start = counts.recomputed_flops
 
-    def after_forward(
-        self, tracker: MemTracker, counts: StepCounts, saved: dict[Any, int], kept: torch.Tensor | None
-    ) -> None:
+    def after_forward(self, tracker: MemTracker, counts: StepCounts, saved: dict[Any, int]) -> None:
         held, flops, collectives, seen = self._start
-        self.kept_like = kept
-        self.kept = kept.untyped_storage().nbytes() if kept is not None else 0
-        self.held = held_bytes(tracker) - held - self.kept
+        self.held = held_bytes(tracker) - held
         self.saved = sum(size for storage, size in saved.items() if storage not in seen)
         self.flops, self.collectives = counts.flops - flops, counts.collectives - collectives
 
@@ -316,13 +306,10 @@ class _Repeat:
         self,
         index: int,
         pending: list[tuple[int, torch.Tensor]],
-        kept: list[torch.Tensor],
         saved: dict[Any, int],
         counts: StepCounts,
     ) -> None:
         pending.append((index, torch.empty(self.held, dtype=torch.uint8)))
-        if self.kept_like is not None:
-            kept.append(torch.empty_like(self.kept_like))
         saved[("replayed", index)] = self.saved
         counts.flops += self.flops
         counts.collectives.update(self.collectives)

@@ -4,9 +4,11 @@
 
 Lightning has no pipeline strategy; this one runs the schedule (forward and backward of every micro-batch
 together) in place of the ``loss.backward()`` of Lightning's backward (its hooks, gradient accumulation and autocast
-stay), and forward-only in ``validation_step``; gradient clipping by norm takes the norm over all stages. Everything
-else (optimizers, metrics, loggers, checkpoints) is Lightning's, unchanged. The model arrives on the meta device, so
-a rank allocates only its own stages.
+stay), and forward-only in ``validation_step``; gradient clipping by norm takes the norm over all stages. The last
+stage adds each micro-batch to the metrics as the schedule computes its loss, so it keeps no micro-batch's outputs
+past its backward (torch's schedule would merge them all: a vocabulary's logits per sample of the whole batch).
+Everything else (optimizers, metrics, loggers, checkpoints) is Lightning's, unchanged. The model arrives on the meta
+device, so a rank allocates only its own stages.
 """
 
 import warnings
@@ -73,6 +75,7 @@ class PipelineStrategy(ShardedStrategy):
         self._train_schedule: _PipelineSchedule | None = None
         self._eval_schedule: _PipelineSchedule | None = None
         self._eval_batch_size = 0
+        self._eval_samples_left = 0  # of the validation batch, before its padding: the micro-batches metered so far
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -140,10 +143,35 @@ class PipelineStrategy(ShardedStrategy):
     def _microbatch_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return cast(TaskModule, self.lightning_module).criterion(outputs, target) / self._loss_divisor
 
-    def _run_schedule(self, schedule, inputs: torch.Tensor, **kwargs: Any) -> torch.Tensor | None:
-        """Feed the inputs on the first stage; the last stage returns the merged outputs, other ranks None."""
+    def _metered(self, schedule: "_PipelineSchedule", split: str) -> "_PipelineSchedule":
+        """``schedule``, adding each micro-batch to ``split``'s metrics as it computes the micro-batch's loss.
+
+        torch calls a schedule's loss function also on placeholder tensors, when its first step infers the stages'
+        shapes; only the schedule's ``_compute_loss`` (private) sees the micro-batches, so the metrics are fed there.
+        """
+        compute = schedule._compute_loss
+        module = cast(TaskModule, self.lightning_module)
+
+        def compute_and_meter(outputs: torch.Tensor, target: torch.Tensor, loss_kwargs=None) -> torch.Tensor:
+            loss = compute(outputs, target, loss_kwargs)
+            if split == "train":
+                module.update_metrics("train", outputs, target, loss.detach() * self._loss_divisor)
+                return loss
+            real = min(len(outputs), self._eval_samples_left)  # the rest is the batch's padding, at its end
+            self._eval_samples_left -= real
+            if real:
+                real_loss = loss if real == len(outputs) else module.criterion(outputs[:real], target[:real])
+                module.update_metrics("val", outputs[:real], target[:real], real_loss)
+            return loss
+
+        schedule._compute_loss = compute_and_meter  # type: ignore[method-assign]
+        return schedule
+
+    def _run_schedule(self, schedule, inputs: torch.Tensor, target: torch.Tensor) -> None:
+        """Feed the inputs on the first stage and the targets on the last; the last stage's loss function adds each
+        micro-batch to the metrics, so no outputs are kept to return."""
         args = (inputs,) if self.holds_first_stage else ()
-        return schedule(*args, **kwargs)
+        schedule(*args, target=target if self.holds_last_stage else None, losses=[], return_outputs=False)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Only registers the metrics: Lightning zeroes gradients between ``training_step`` and ``backward``, so
@@ -165,21 +193,12 @@ class PipelineStrategy(ShardedStrategy):
         return closure_loss
 
     def _train_schedule_step(self) -> None:
-        module = cast(TaskModule, self.lightning_module)
         if self._train_schedule is None:
-            self._train_schedule = self._make_schedule(loss_fn=self._microbatch_loss)
+            self._train_schedule = self._metered(self._make_schedule(loss_fn=self._microbatch_loss), "train")
         assert self._batch is not None  # set by training_step
         (inputs, target), self._batch = self._batch, None
-        losses: list[torch.Tensor] = []
         with self.precision_plugin.train_step_context():  # autocast under bf16-mixed, as Lightning's training_step
-            logits = self._run_schedule(
-                self._train_schedule.step, inputs, target=target if self.holds_last_stage else None, losses=losses
-            )
-        if self.holds_last_stage:
-            # Equal micro-batches: their scaled losses add up to the batch's mean loss over the accumulation.
-            batch_loss = torch.stack(losses).sum() * module.trainer.accumulate_grad_batches
-            assert logits is not None  # the last stage's merged outputs
-            module.update_metrics("train", logits, target, batch_loss)
+            self._run_schedule(self._train_schedule.step, inputs, target)
 
     def clip_grad_norm_(self, parameters: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the norm of the whole model's gradient: every stage's, every data-parallel shard's."""
@@ -187,22 +206,19 @@ class PipelineStrategy(ShardedStrategy):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Forward only. Stages fix their activation shapes on first use, so every evaluation batch is padded to
-        one size (the first, largest batch, rounded up to equal micro-batches) and the padding's outputs are dropped
-        before the metrics see them."""
+        one size (the first, largest batch, rounded up to equal micro-batches); the micro-batches come in order, so
+        the padding's outputs, at the end, are left out of the metrics (``_metered``)."""
         module = cast(TaskModule, self.lightning_module)
         inputs, target = batch
         if self._eval_schedule is None:
-            self._eval_schedule = self._make_schedule(loss_fn=None)
+            self._eval_schedule = self._metered(self._make_schedule(loss_fn=module.criterion), "val")
             microbatches = self.layout.microbatches
             self._eval_batch_size = -(-len(inputs) // microbatches) * microbatches
-        size = len(inputs)
-        padding = self._eval_batch_size - size
+        self._eval_samples_left = len(inputs)
+        padding = self._eval_batch_size - len(inputs)
         if padding:
             inputs = torch.cat([inputs, inputs[:1].expand(padding, *inputs.shape[1:])])
+            target = torch.cat([target, target[:1].expand(padding, *target.shape[1:])])
         with self.precision_plugin.val_step_context():
-            logits = self._run_schedule(self._eval_schedule.eval, inputs)
-        if self.holds_last_stage:
-            assert logits is not None  # the last stage's merged outputs
-            logits = logits[:size]
-            module.update_metrics("val", logits, target, module.criterion(logits, target))
+            self._run_schedule(self._eval_schedule.eval, inputs, target)
         module.log_metrics("val")
