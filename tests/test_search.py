@@ -18,7 +18,7 @@ from html import unescape
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, isolated_env, only_run, require_extra, train
+from conftest import REPO, TINY, PreloadedRun, isolated_env, only_run, require_extra, train
 from hydra.utils import instantiate
 from test_config import compose_train
 from test_report import CHROMIUM, CHROMIUM_FLAGS, render_report
@@ -290,3 +290,63 @@ def test_the_report_colours_trials_by_objective_and_shows_the_completed_ones_alo
     strokes = charts.strokes["curve-val-loss"]  # a line per completed trial, in job order
     best, other = sorted(study.trials[:2], key=lambda trial: trial.value)
     assert best.value < other.value and luminance(strokes[best.number]) < luminance(strokes[other.number])
+
+
+@pytest.mark.slow
+def test_a_study_is_continued_only_by_its_own_search_for_its_own_objective_with_new_parameters(tmp_path, home):
+    """Search A (2 trials, one journal shared by path) is training when search B, in another sweep dir, names the
+    same study: B is refused before any trial, naming A as running, and A ends with its 2 trials completed (B used
+    to mark A's running trial failed, and A then died telling it). Continuing A with another direction or metric is
+    refused; with n_trials=4 it runs 2 new trials whose parameters are not the first two's (a seeded sampler used to
+    ask them again)."""
+    optuna = require_extra("optuna", "optuna")
+    storage = tmp_path / "shared.journal"
+    search = [
+        *(item for item in TINY if not item.startswith("model.optimizer.lr=")),
+        "hparams_search=optuna",
+        "model.optimizer.lr=interval(0.01,0.3)",
+        "model.net.hidden_dims=choice([64,32],[32,32],[16,16])",
+        f"hydra.sweeper.storage={storage}",
+        "hydra.sweeper.study_name=shared",
+        "hydra.sweeper.n_trials=2",
+    ]
+    first = [*search, f"hydra.sweep.dir={tmp_path / 'a'}"]
+    running = PreloadedRun(
+        [*first, "+callbacks.slow._target_=helpers.probes.SlowEpochs", "+callbacks.slow.seconds=2"], home
+    )
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "a" / "0" / "result.json").exists():  # trial 0 has trained an epoch
+        assert time.monotonic() < deadline and running.poll() is None, running.communicate()[0][-3000:]
+        time.sleep(0.1)
+    other = train([*search, f"hydra.sweep.dir={tmp_path / 'b'}"], home, expect_ok=False)
+    assert other.returncode == 1 and "Traceback" not in other.output, other.output[-3000:]
+    assert (
+        f"Config error: hydra.sweeper.study_name: names study shared in {storage}, whose trials are the jobs of the "
+        f"search in {tmp_path / 'a'}, running now (pid {running.pid}" in other.output
+    )
+    assert f"Fix: give this search its own study name (hydra.sweeper.study_name=...), or continue that one" in (
+        other.output
+    )
+    assert not list((tmp_path / "b").glob("[0-9]*"))  # no trial of its own either
+    output, _ = running.communicate(timeout=300)
+    assert running.returncode == 0, output[-3000:]
+    study = optuna.load_study(
+        study_name="shared",
+        storage=optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(storage))),
+    )
+    assert [trial.state for trial in study.trials] == [optuna.trial.TrialState.COMPLETE] * 2
+
+    for changed, key in (
+        ("optimized_metric.name=val/loss", "optimized_metric.name"),
+        ("optimized_metric.mode=min", "hydra.sweeper.direction"),
+    ):
+        refused = train([*first, changed], home, expect_ok=False)
+        assert refused.returncode == 1 and f"Config error: {key}: " in refused.output, refused.output[-3000:]
+        assert "its values would not compare" in refused.output
+    assert len(optuna.load_study(study_name="shared", storage=study._storage).trials) == 2
+
+    train([*first, "hydra.sweeper.n_trials=4"], home)
+    trials = optuna.load_study(study_name="shared", storage=study._storage).trials
+    assert [trial.state for trial in trials] == [optuna.trial.TrialState.COMPLETE] * 4
+    first_lrs = {trial.params["model.optimizer.lr"] for trial in trials[:2]}
+    assert not first_lrs & {trial.params["model.optimizer.lr"] for trial in trials[2:]}

@@ -8,8 +8,13 @@ config surface is kept (``params`` in Hydra's sweep grammar, ``direction``, ``n_
 - ``pruner`` (by ``_target_``): each job's rank 0 reports the optimized metric after every validation, and a job
   the pruner stops records ``pruned``, which the study records as PRUNED (``project.launch.trial``);
 - the same command in the same sweep dir continues an interrupted study: trials that ended count towards
-  ``n_trials``, those that were running are recorded as failed (and their jobs as interrupted), and new jobs are
-  numbered after every earlier one, so that job N is trial N and its dir ``<sweep dir>/N``.
+  ``n_trials``, those that were running are recorded as failed (and their jobs as interrupted), new jobs are
+  numbered after every earlier one, so that job N is trial N and its dir ``<sweep dir>/N``, and a seeded sampler
+  is seeded with its seed plus the trials already there (with its own seed it would ask their parameters again);
+- a study belongs to the search (the sweep dir) that made it: a search in another sweep dir, or with another
+  direction or ``optimized_metric``, is refused before any trial starts, so no search touches another's trials. The
+  owner's liveness, named in the refusal, is its sweep dir's lock (``project.launch.job_dir``): held by the live
+  sweep process, free once it has ended however it ended.
 
 It lives in the ``hydra_plugins`` namespace because Hydra finds sweepers only there. Hydra imports every plugin
 module at start-up, so optuna is imported only when a search starts.
@@ -28,6 +33,7 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from project.launch.results import RESULT_FILE, mark_interrupted, read_result
@@ -139,6 +145,7 @@ class OptunaSweeper(Sweeper):
             directions=self.directions,
             load_if_exists=True,
         )
+        self._check_study(study)
         to_go, job_num = self._continue(study)
         log.info(
             f"Study {study.study_name} ({self.storage or 'in memory'}): {to_go} trials to run, {self.n_jobs} at a time."
@@ -198,13 +205,69 @@ class OptunaSweeper(Sweeper):
                 )
             )
 
+    def _check_study(self, study: Any) -> None:
+        """A study another search made, or made for another objective, is refused: its trials are that search's
+        jobs (trial N is ``<its sweep dir>/N``), and values of another metric or direction do not compare. A new
+        study records what it is for."""
+        from optuna.study import StudyDirection
+
+        from project.launch.job_dir import live_holder
+
+        metric = [OmegaConf.select(self.config, "optimized_metric.name")]
+        metric += list(OmegaConf.select(self.config, "optimized_metric.also", default=None) or [])
+        owner = {"sweep_dir": str(self.sweep_dir.resolve()), "optimized_metric": metric}
+        if not study.get_trials(deepcopy=False) and not study.user_attrs:
+            for key, value in owner.items():
+                study.set_user_attr(key, value)
+            return
+        where = f"study {study.study_name} in {self.storage}"
+        directions = [direction.name.lower() for direction in study.directions]
+        if [StudyDirection[d.upper()] for d in self.directions] != list(study.directions):
+            exit_with(
+                ConfigError(
+                    "hydra.sweeper.direction",
+                    f"is {self.directions}, but {where} was made to {directions}: its values would not compare.",
+                    "continue it as it was made, or give this search a study of its own (hydra.sweeper.study_name, "
+                    "or a new hydra.sweep.dir).",
+                )
+            )
+        made_for = study.user_attrs.get("optimized_metric", metric)
+        if made_for != metric:
+            exit_with(
+                ConfigError(
+                    "optimized_metric.name",
+                    f"is {metric[0]} (with also: {metric[1:]}), but {where} ranks trials by {made_for[0]} (with "
+                    f"also: {made_for[1:]}): its values would not compare.",
+                    f"continue it with optimized_metric.name={made_for[0]}, or give this search a study of its own "
+                    "(hydra.sweeper.study_name, or a new hydra.sweep.dir).",
+                )
+            )
+        sweep_dir = study.user_attrs.get("sweep_dir", owner["sweep_dir"])
+        if sweep_dir != owner["sweep_dir"]:
+            holder = live_holder(sweep_dir)
+            state = f"running now ({holder})" if holder else "not running"
+            exit_with(
+                ConfigError(
+                    "hydra.sweeper.study_name",
+                    f"names {where}, whose trials are the jobs of the search in {sweep_dir}, {state}; a search "
+                    "continues its own study only, so that no trial of another is touched.",
+                    f"give this search its own study name (hydra.sweeper.study_name=...), or continue that one "
+                    f"from its dir (hydra.sweep.dir={sweep_dir}).",
+                )
+            )
+
     def _continue(self, study: Any) -> tuple[int, int]:
-        """Trials to go and the next job's number, where the study already has trials."""
+        """Trials to go and the next job's number, where the study already has trials: this search's (the study's
+        sweep dir is this one, whose lock this process holds, so none of its trials is another's live one)."""
         from optuna.trial import TrialState
 
         trials = study.get_trials(deepcopy=False)
         if not trials:
             return self.n_trials, 0
+        sampler = OmegaConf.select(self.config, "hydra.sweeper.sampler")
+        if sampler is not None and sampler.get("seed") is not None:
+            # Seeded as configured, it would ask the first trials' parameters again: seeded after them instead.
+            study.sampler = instantiate(sampler, seed=int(sampler.seed) + len(trials))
         for trial in trials:
             if trial.state == TrialState.RUNNING:
                 study.tell(trial.number, state=TrialState.FAIL)

@@ -65,6 +65,22 @@ def _take_lock(job_dir: Path, key: str) -> int:
     return fd
 
 
+def live_holder(job_dir: str | Path) -> str | None:
+    """Who holds ``job_dir``'s lock (``pid ... on <host>, since ...``) if a live process does, else None: the lock
+    goes with its process, so a dir whose job was killed is free. This process's own lock counts as held."""
+    path = Path(job_dir) / LOCK_FILE
+    if not path.is_file():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(path)
+    finally:
+        os.close(fd)  # releases the shared lock if it was taken
+    return None
+
+
 def _holder(path: Path) -> str:
     try:
         holder = json.loads(path.read_text())
