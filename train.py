@@ -16,17 +16,19 @@ from omegaconf import DictConfig
 from project.config.overrides import check_overrides
 from project.config.resolvers import register_resolvers
 from project.launch.results import record_failure
-from project.options.errors import ConfigError, JobFailed, WriteFailed, exit_with
+from project.options.errors import ConfigError, JobFailed, JobStopped, WriteFailed, exit_with
 
 register_resolvers()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | list[float | None] | None:
-    from project.launch.launcher import is_rank_zero, run  # imported here so that --help and --cfg stay fast
+    from project.launch.launcher import is_rank_zero, report_stop, run  # here, so that --help and --cfg stay fast
 
     try:
         result = run(cfg)
+    except JobStopped as stop:  # a preemption or Ctrl-C: the run, or the whole sweep, stops and says how to resume
+        report_stop(cfg, stop)
     except (ConfigError, JobFailed) as error:
         if HydraConfig.get().mode != RunMode.MULTIRUN:
             if isinstance(error, ConfigError):

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shlex
 import signal
 import time
 from contextlib import contextmanager, suppress
@@ -165,6 +166,36 @@ def test_a_full_disk_stops_the_run_with_the_path_and_no_partial_file(home, small
     assert all(saved_epoch(path) == 0 for path in checkpoints.iterdir() if path.is_file())  # whole (fsdp: dirs)
     recorded = json.loads((job_dir / "result.json").read_text())
     assert recorded["status"] == "failed" and recorded["error"].startswith("WriteFailed: Could not write checkpoint")
+
+
+def test_sigterm_stops_a_sweep_with_its_summary_and_the_command_that_resumes_it(home, tmp_path):
+    """SIGTERM to a plain -m sweep of one-device jobs during job 0 (it used to exit 0, the next job dropped without a
+    word): exit code 143, job 0 recorded interrupted in the summary, job 1 not started, and the printed command
+    resumes job 0 from its checkpoint and runs job 1."""
+    sweep_dir = tmp_path / "sweep"
+    command = ["-m", *TINY, "logger=csv", f"hydra.sweep.dir={sweep_dir}", "model.optimizer.lr=0.1,0.05"]
+    sweep = PreloadedRun(
+        [*command, "+callbacks.slow._target_=helpers.probes.SlowEpochs", "+callbacks.slow.seconds=2"], home
+    )
+    deadline = time.monotonic() + 120
+    while not (sweep_dir / "0" / "checkpoints" / "last.ckpt").exists():
+        assert time.monotonic() < deadline and sweep.poll() is None, "job 0 saved no checkpoint"
+        time.sleep(0.1)
+    sweep.send_signal(signal.SIGTERM)
+    output, _ = sweep.communicate(timeout=120)
+    assert sweep.returncode == 128 + signal.SIGTERM and "Traceback" not in output, output[-3000:]
+    assert re.search(r"Stopped by SIGTERM in epoch \d, after \d+ optimizer steps\.", output)
+    assert "| 0 |  | interrupted |" in (sweep_dir / "summary.md").read_text() and not (sweep_dir / "1").exists()
+    resume = re.search(r"Resume the sweep with:\n  (python train\.py .*)", output)
+    assert resume and resume.group(1).endswith(f"hydra.sweep.dir={sweep_dir} ckpt_path=auto"), output[-3000:]
+    program, *args = shlex.split(resume.group(1))[1:]
+    assert program == "train.py"
+    resumed = train(args, home)
+    assert (
+        f"Restored all states from the checkpoint at {sweep_dir / '0' / 'checkpoints' / 'last.ckpt'}" in resumed.output
+    )
+    rows = (sweep_dir / "summary.md").read_text()
+    assert "| completed |" in rows and rows.count("completed") == 2, rows
 
 
 # Runs that go on until the test stops them: a ddp job of 2 workers.

@@ -324,7 +324,7 @@ def test_a_study_is_continued_only_by_its_own_search_for_its_own_objective_with_
         f"Config error: hydra.sweeper.study_name: names study shared in {storage}, whose trials are the jobs of the "
         f"search in {tmp_path / 'a'}, running now (pid {running.pid}" in other.output
     )
-    assert f"Fix: give this search its own study name (hydra.sweeper.study_name=...), or continue that one" in (
+    assert "Fix: give this search its own study name (hydra.sweeper.study_name=...), or continue that one" in (
         other.output
     )
     assert not list((tmp_path / "b").glob("[0-9]*"))  # no trial of its own either

@@ -162,8 +162,9 @@ def preempt(command: list[str], home, signum: int, after_epochs: int, job_dir) -
     output, _ = job.communicate(timeout=120)
     name = signal.Signals(signum).name
     # Every rank stops after the same batch (StopTogether): none is left in a collective its peer quit.
-    assert job.returncode == 1 and "Traceback" not in output, output[-3000:]
-    assert f"Stopped by {name}: all 2 workers were stopped." in output and "ckpt_path=auto" in output
+    assert job.returncode == 128 + signum and "Traceback" not in output, output[-3000:]
+    assert f"Stopped by {name}: all 2 workers were stopped." in output
+    assert f"hydra.run.dir={job_dir} ckpt_path=auto" in output  # the command that resumes it
     return output
 
 

@@ -9,7 +9,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from project.launch.job_dir import hold_job_dir
-from project.launch.results import write_sweep_summary
+from project.launch.results import print_sweep_summary
 from project.options.errors import ConfigError, exit_with
 
 
@@ -48,8 +48,6 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if int(os.environ.get("RANK", "0")) > 0:
             return  # under torchrun every rank ran the sweep; rank 0 summarises it
-        sweep_dir = Path(config.hydra.sweep.dir)
-        table, failed, jobs = write_sweep_summary(sweep_dir)
-        print(f"\nSweep summary ({sweep_dir}/summary.csv, summary.md):\n{table}", flush=True)
+        failed, jobs = print_sweep_summary(Path(config.hydra.sweep.dir))
         if failed:
             sys.exit(f"{failed} of {jobs} jobs failed; see the summary above and their train.log files.")

@@ -11,6 +11,7 @@ The workers see torchelastic's environment, so Lightning joins them into one pro
 import atexit
 import logging
 import os
+import shlex
 import shutil
 import sys
 import uuid
@@ -18,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from project.config.build import uses_cuda
+from project.config.checks import checkpoints_dir
 from project.config.schema import check_train_keys
 from project.launch.failures import failure_report
 from project.launch.job_dir import job_dir_lock
@@ -43,11 +45,11 @@ from project.launch.processes import (
     stop_on_early_warning,
 )
 from project.launch.resolution import print_memory_plan, resolve_launch
-from project.launch.results import read_result
+from project.launch.results import print_sweep_summary, read_result, record_stop
 from project.launch.training import result_file, train
 from project.launch.watchdog import HeartbeatWatchdog
 from project.observability.console import lightning_logs_through_root, print_config_tree, print_outputs
-from project.options.errors import ConfigError, JobFailed
+from project.options.errors import ConfigError, JobFailed, JobStopped
 from project.plan.memory_plan import write_plan
 
 log = logging.getLogger(__name__)
@@ -156,12 +158,9 @@ def launch_workers(
         log.error(report)  # on the console and in the job's log
         raise JobFailed(report) from None
     except SignalException as error:  # SIGTERM or SIGUSR1 (a cluster preempting the job), SIGINT...: torchelastic's
-        report = (
-            f"Stopped by {error.sigval.name}: all {num_workers} workers were stopped. checkpoints/last.ckpt holds "
-            "the last finished epoch; run the same command with ckpt_path=auto to resume it."
-        )
-        log.warning(report)
-        raise JobFailed(report) from None
+        raise JobStopped(
+            f"Stopped by {error.sigval.name}: all {num_workers} workers were stopped.", error.sigval
+        ) from None
 
 
 def process_group_settings(cfg: DictConfig) -> tuple[str, timedelta]:
@@ -237,6 +236,32 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     if is_rank_zero():
         print_outputs(Path(cfg.paths.output_dir), result)
     return result
+
+
+def report_stop(cfg: DictConfig, stop: JobStopped) -> NoReturn:
+    """A job a signal stopped: its result marked interrupted, the command that resumes it logged (in a sweep, after
+    the summary of what ran: the sweep stops too); the process exits 128 + the signal's number."""
+    if is_rank_zero():
+        job_dir = Path(cfg.paths.output_dir)
+        multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+        record_stop(job_dir, stop)
+        if multirun:
+            print_sweep_summary(job_dir.parent)
+        checkpoints = checkpoints_dir(cfg)
+        log.warning(
+            f"{stop} The checkpoints in {checkpoints} hold the last finished epoch (and any mid-epoch save after it). "
+            f"Resume {'the sweep' if multirun else 'it'} with:\n  {resume_command(multirun)}"
+        )
+    sys.exit(128 + stop.signum)
+
+
+def resume_command(multirun: bool) -> str:
+    """This process's command line with its dir named and ``ckpt_path=auto``: it resumes the run (or each job of the
+    sweep, an Optuna search continuing its study) where it stopped."""
+    job_dir = Path(HydraConfig.get().runtime.output_dir)
+    key, directory = ("hydra.sweep.dir", job_dir.parent) if multirun else ("hydra.run.dir", job_dir)
+    kept = [arg for arg in sys.argv[1:] if arg.split("=", 1)[0].lstrip("+~") not in (key, "ckpt_path")]
+    return shlex.join(["python", Path(sys.argv[0]).name, *kept, f"{key}={directory}", "ckpt_path=auto"])
 
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:

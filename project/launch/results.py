@@ -70,6 +70,11 @@ def record_failure(job_dir: Path, error: BaseException) -> None:
     logging.getLogger(__name__).error(f"Job failed ({job_dir}): {result['error']}")
 
 
+def record_stop(job_dir: Path, stop: BaseException) -> None:
+    """Mark the job's result as interrupted by ``stop``, a signal: not a failure, and resumable."""
+    _mark(job_dir, "interrupted", str(stop))
+
+
 def mark_interrupted(job_dir: Path) -> None:
     """Mark the job's result as interrupted: its sweep stopped while it ran, and a continued sweep replaced it."""
     _mark(job_dir, "interrupted", "the sweep stopped while this job ran; the continued sweep ran another trial.")
@@ -112,6 +117,13 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
         pick = max if scored[0]["mode"] == "max" else min
         pick(scored, key=lambda row: row["objective"])["best"] = True
     return rows
+
+
+def print_sweep_summary(sweep_dir: str | Path) -> tuple[int, int]:
+    """Write the sweep's summary (``write_sweep_summary``) and print it; returns (failed jobs, jobs)."""
+    table, failed, jobs = write_sweep_summary(sweep_dir)
+    print(f"\nSweep summary ({sweep_dir}/summary.csv, summary.md):\n{table}", flush=True)
+    return failed, jobs
 
 
 def write_sweep_summary(sweep_dir: str | Path) -> tuple[str, int, int]:

@@ -4,6 +4,7 @@ Every process of a job runs this: the single process of a one-device run, each w
 each rank that torchrun starts.
 """
 
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpointing.files import AtomicCheckpointIO
@@ -21,6 +23,7 @@ from project.launch.job_result import JobResult
 from project.launch.results import RESULT_FILE
 from project.launch.stop_together import StopTogether
 from project.launch.trial import PruneTrial
+from project.options.errors import JobStopped
 
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecated; the warning is theirs and says nothing to users.
 warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
@@ -81,6 +84,17 @@ def train(cfg: DictConfig) -> None:
             trainer.validate(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
         else:
             trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    except SystemExit as stop:
+        # Lightning ends a run stopped by SIGTERM with SIGTERMException and one stopped by Ctrl-C with sys.exit(1):
+        # both SystemExit, so without this a preempted run would exit 0 as if it had finished.
+        if trainer.state.status != TrainerStatus.INTERRUPTED:
+            raise
+        signum = signal.SIGTERM if isinstance(stop, SIGTERMException) else signal.SIGINT
+        raise JobStopped(
+            f"Stopped by {signal.Signals(signum).name} in epoch {trainer.current_epoch}, after "
+            f"{trainer.global_step} optimizer steps.",
+            signum,
+        ) from None
     finally:
         # Close the W&B run in this process, also on failure, so none is left half-open and the next job of
         # an in-process sweep starts a new one.

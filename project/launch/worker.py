@@ -6,7 +6,6 @@ MASTER_ADDR...).
 
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import cast
@@ -17,12 +16,12 @@ die_with_parent()  # before the slow imports below, so that a launcher killed du
 start_heartbeat(int(os.environ["RANK"]))
 stop_on_early_warning()
 
-from lightning.pytorch.utilities.exceptions import SIGTERMException  # noqa: E402 (after die_with_parent)
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
 
 from project.launch.training import train  # noqa: E402
 from project.observability.console import lightning_logs_through_root  # noqa: E402
+from project.options.errors import JobStopped  # noqa: E402
 
 
 def log_to_job(log_file: Path, rank: int) -> logging.Logger:
@@ -48,8 +47,8 @@ def main(config_file: str) -> None:
     file_log = log_to_job(Path(os.environ[JOB_LOG_VARIABLE]), rank)
     try:
         train(cast(DictConfig, OmegaConf.load(config_file)))  # the job's config: a mapping
-    except SIGTERMException:  # stopped on request (a preemption): the launcher says so, no traceback needed
-        sys.exit(128 + signal.SIGTERM)
+    except JobStopped as stop:  # stopped on request (a preemption): the launcher says so, no traceback needed
+        sys.exit(128 + stop.signum)
     except BaseException:
         file_log.exception(f"Rank {rank} failed")  # the traceback; the console gets the launcher's report
         raise

@@ -24,6 +24,18 @@ class JobFailed(RuntimeError):
     how), a diverged step, a file it could not write."""
 
 
+class JobStopped(JobFailed):
+    """A signal stopped the job (a preemption's SIGTERM, Ctrl-C's SIGINT); the message says how to resume. A sweep
+    stops with it, and the process exits with 128 + the signal's number, as a shell reports a signalled command."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+    def __reduce__(self) -> tuple:
+        return JobStopped, (str(self), self.signum)
+
+
 class WriteFailed(JobFailed):
     """A file could not be written (a full disk, a dir turned read-only); the message names it, the cause and the
     fix, and the half-written file is gone (``project.options.files.written``)."""
