@@ -109,6 +109,23 @@ CASES = [
         ["plan=search", "cluster=h100_sxm_8x", "strategy=ddp", "trainer.devices=16"],
         "trainer.devices: is 16, more than the 8 GPUs of one h100_sxm_8x node",
     ),
+    (["plan=true", "cluster=h100_sxm_8x", "trainer.devices=9"], "trainer.devices: is 9, more than the 8 GPUs"),
+    (["plan=search", "cluster=h100_sxm_8x", "cluster.peak_tflops=0"], "cluster.peak_tflops: must be a positive number"),
+    (["plan=true", "cluster=a100_80g_8x", "cluster.memory_gb=lots"], "cluster.memory_gb: must be a positive number"),
+    (
+        ["plan=search", "cluster=h100_sxm_8x", "cluster.devices_per_node=0"],
+        "cluster.devices_per_node: must be a positive integer, got 0",
+    ),
+    (["plan=search", "cluster=h200_8x", "cluster.compute_efficiency=1.5"], "cluster.compute_efficiency: must be"),
+    (
+        ["plan=search", "cluster=h100_sxm_8x", "plan_search.max_pipeline_ranks=0"],
+        "plan_search.max_pipeline_ranks: must be a positive integer, got 0",
+    ),
+    (["plan=search", "cluster=h100_sxm_8x", "plan_search.strategies=fsdp"], "plan_search.strategies: must be a list"),
+    (
+        ["plan=search", "cluster=h100_sxm_8x", "plan_search.strategies=[]"],
+        "plan_search.strategies: is [], which lays out no layout of the job's 1 device(s)",
+    ),
     (["tags=5"], "tags: must be a list, got 5"),
     # Devices, nodes, precision, process groups
     (

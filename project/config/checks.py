@@ -559,6 +559,12 @@ def check_config(cfg: DictConfig) -> Job:
     _check_init_from(cfg, net)
     _check_vocabulary(cfg, datamodule)
     job = build_job(cfg, layout, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
+    if job.cluster is not None and job.devices > job.cluster.devices_per_node:
+        raise ConfigError(
+            "trainer.devices",
+            f"is {job.devices}, more than the {job.cluster.devices_per_node} GPUs of one {job.cluster.name} node.",
+            f"use trainer.devices={job.cluster.devices_per_node} and trainer.num_nodes for more.",
+        )
     problem = layout_problem(job)
     if problem is not None:
         raise problem

@@ -24,12 +24,16 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from project.job.cluster import Cluster
+from project.job.job import SearchSettings
 from project.options.errors import ConfigError
 
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
 # The train config's own keys (conf/train.yaml), which no ``_target_`` declares; the others (seed, mode, ckpt_path)
 # have checks of their own in project.config.checks.
 TRAIN_KEYS = {"task_name": str, "tags": list[str], "plan": bool | Literal["search"], "print_config": bool}
+# Sections that no ``_target_`` builds, checked against the fields of the class they become (``build_job``).
+TYPED_SECTIONS = {"cluster": Cluster, "plan_search": SearchSettings}
 
 
 def check_train_keys(cfg: DictConfig) -> None:
@@ -43,10 +47,15 @@ def check_train_keys(cfg: DictConfig) -> None:
 
 def check_types(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` naming the first non-finite number, or the first option whose value is not of its
-    constructor's declared type."""
+    constructor's declared type (or, for the sections without one, ``TYPED_SECTIONS``' field's)."""
     for key, value in _leaves(cfg, ""):
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(key, f"is {value}, not a finite number.", f"give {key} a finite number.")
+    for section, cls in TYPED_SECTIONS.items():
+        node = cfg.get(section)
+        if node is not None:
+            for name, hint in typing.get_type_hints(cls, include_extras=True).items():
+                _check_value(f"{section}.{name}", node.get(name), hint)
     # The data's nodes first: the model takes sizes from them (model.net.input_dim: ${data.num_features}), so a
     # bad size is blamed on the data key the user set.
     for key, node in sorted(_target_nodes(cfg, ""), key=lambda item: item[0] != "data"):

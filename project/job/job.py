@@ -5,7 +5,7 @@ strategy; ``project.config.checks.check_config`` builds the job from the compose
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +19,7 @@ from torch import nn
 from project.job.cluster import Cluster
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
+from project.options.option_types import PositiveInt
 from project.parallel.dims import ParallelDims
 from project.parallel.parallelize import apply_activation_checkpointing
 
@@ -137,8 +138,8 @@ class SearchSettings:
     """``plan_search``: the strategy options ``plan=search`` lays out, its deepest pipeline, and whether it leaves
     out the layouts its bound shows slower than the fastest that fits."""
 
-    strategies: tuple[str, ...]
-    max_pipeline_ranks: int
+    strategies: Sequence[str]  # a tuple (``build_job``); in the config, a list
+    max_pipeline_ranks: PositiveInt
     prune: bool
 
 

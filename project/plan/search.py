@@ -228,12 +228,6 @@ def search(job: Job, workers: int | None = None) -> Search:
             "is not set: plan=search predicts step times on a cluster's GPUs and network.",
             "choose one: cluster=h100_sxm_8x, h200_8x or a100_80g_8x (conf/cluster), and override its keys as needed.",
         )
-    if job.devices > cluster.devices_per_node:
-        raise ConfigError(
-            "trainer.devices",
-            f"is {job.devices}, more than the {cluster.devices_per_node} GPUs of one {cluster.name} node.",
-            f"use trainer.devices={cluster.devices_per_node} and trainer.num_nodes for more.",
-        )
     unknown = sorted(set(job.search.strategies) - set(SEARCHABLE))
     if unknown:
         raise ConfigError(
@@ -242,6 +236,13 @@ def search(job: Job, workers: int | None = None) -> Search:
             f"choose among {', '.join(SEARCHABLE)}, e.g. plan_search.strategies=[fsdp,pipeline].",
         )
     candidates = list(candidate_layouts(job))
+    if not candidates:
+        raise ConfigError(
+            "plan_search.strategies",
+            f"is {list(job.search.strategies)}, which lays out no layout of the job's {job.world_size} device(s) "
+            f"(plan_search.max_pipeline_ranks={job.search.max_pipeline_ranks}).",
+            "search more strategies, e.g. plan_search.strategies=[ddp,fsdp,pipeline].",
+        )
     cache, workers = job.plan_cache, workers or os.cpu_count() or 1
     capacity, _ = device_capacity(job)
     from_cache(candidates, cache, capacity)
