@@ -50,6 +50,22 @@ CASES = [
         ],
         "hydra.sweeper.pruner: is set, but Optuna prunes single-objective studies only",
     ),
+    (
+        ["hparams_search=optuna", "hydra.sweeper.direction=[maximise]", "hydra.sweep.dir={files}/typo"],
+        "hydra.sweeper.direction: has 'maximise', which is neither minimize nor maximize",
+    ),
+    (
+        ["hparams_search=optuna", "hydra.sweeper.n_trials=0", "hydra.sweep.dir={files}/none"],
+        "hydra.sweeper.n_trials: must be a positive integer, got 0",
+    ),
+    (
+        ["hparams_search=optuna", "hydra.sweeper.max_failure_rate=2", "hydra.sweep.dir={files}/rate"],
+        "hydra.sweeper.max_failure_rate: is 2.0, but it is a share of a batch's trials: from 0 to 1",
+    ),
+    (
+        ["hparams_search=optuna", "hydra.sweeper.storage=nosuchdb://x/y", "hydra.sweep.dir={files}/url"],
+        "hydra.sweeper.storage: nosuchdb://x/y cannot be opened: Can't load plugin",
+    ),
     (["optimized_metric.also=val/loss"], "optimized_metric.also: must be a list of metric names, got 'val/loss'"),
     # Overrides Hydra cannot parse (project/config/overrides.py)
     (["trainer.devices: 2"], "override 'trainer.devices: 2': has no '=' ... Fix: write trainer.devices=2."),

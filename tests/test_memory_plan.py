@@ -242,6 +242,17 @@ def test_a_pipelines_last_stage_keeps_no_outputs_so_its_plan_is_flat_in_the_micr
     assert many.peak - many.comm_buffers - (few.peak - few.comm_buffers) <= 28 * 512 * 2
 
 
+@pytest.mark.parametrize("devices", [1, 2], ids=["auto", "fsdp_x2"])
+def test_a_bf16_true_plan_holds_two_bytes_a_parameter(devices):
+    """trainer.precision=bf16-true, which the plan used to crash on ("Couldn't swap Linear.weight"): the model
+    converted, 2 bytes a parameter, each of fsdp's 2 ranks half of them (every TINY layer splits evenly)."""
+    strategy = ["strategy=fsdp", f"trainer.devices={devices}"] if devices > 1 else []
+    job = resolved([*TINY, "trainer.precision=bf16-true", *strategy])
+    parameters = sum(parameter.numel() for parameter in job.meta_net().parameters())
+    (device, *_) = plan_memory(job, suggest=False).devices
+    assert device.params == device.grads == 2 * parameters // devices
+
+
 def test_model_parallel_plan_holds_each_stage_on_its_device():
     plan, stage_parameters = plan_of_stages(
         [*LARGE, "strategy=model_parallel", "trainer.num_nodes=1", "model.net.tie_weights=false"]

@@ -37,7 +37,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from project.launch.results import RESULT_FILE, mark_interrupted, read_result
-from project.options.errors import ConfigError, exit_with
+from project.options.errors import ConfigError, check_writable, exit_with
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class OptunaSweeper(Sweeper):
         self._check_setup()
         study = optuna.create_study(
             study_name=self.study_name,
-            storage=None if self.storage is None else open_storage(self.storage),
+            storage=None if self.storage is None else self._open_storage(open_storage),
             sampler=self.sampler,
             pruner=self.pruner,
             directions=self.directions,
@@ -176,6 +176,32 @@ class OptunaSweeper(Sweeper):
 
     def _check_setup(self) -> None:
         """Settings that cannot work, refused before any trial starts, naming the key and the fix."""
+        wrong = [direction for direction in self.directions if direction not in ("minimize", "maximize")]
+        if wrong:
+            exit_with(
+                ConfigError(
+                    "hydra.sweeper.direction",
+                    f"has {wrong[0]!r}, which is neither minimize nor maximize.",
+                    "use minimize or maximize (a list of them for several objectives), or leave it to "
+                    "optimized_metric.mode.",
+                )
+            )
+        if isinstance(self.n_trials, bool) or not isinstance(self.n_trials, int) or self.n_trials < 1:
+            exit_with(
+                ConfigError(
+                    "hydra.sweeper.n_trials",
+                    f"must be a positive integer, got {self.n_trials!r}.",
+                    "set hydra.sweeper.n_trials=20, say.",
+                )
+            )
+        if not 0 <= self.max_failure_rate <= 1:
+            exit_with(
+                ConfigError(
+                    "hydra.sweeper.max_failure_rate",
+                    f"is {self.max_failure_rate}, but it is a share of a batch's trials: from 0 to 1.",
+                    "use 0 (stop at the first failed trial) up to 1 (never stop for failures).",
+                )
+            )
         returned = 1 + len(OmegaConf.select(self.config, "optimized_metric.also", default=None) or [])
         if "optimized_metric" in self.config and len(self.directions) != returned:
             exit_with(
@@ -255,6 +281,21 @@ class OptunaSweeper(Sweeper):
                     f"from its dir (hydra.sweep.dir={sweep_dir}).",
                 )
             )
+
+    def _open_storage(self, open_storage: Any) -> Any:
+        """The study storage, or a refusal naming it: an RDB URL that does not open, a journal it cannot write."""
+        assert self.storage is not None
+        fix = (
+            "give a journal file in a dir you can write (the default: <sweep dir>/optuna.journal), or an RDB URL "
+            "that opens: sqlite:///<file>, postgresql://user:password@host/db."
+        )
+        if "://" not in self.storage:
+            check_writable("hydra.sweeper.storage", Path(self.storage).parent, fix)
+        try:
+            return open_storage(self.storage)
+        except Exception as error:  # SQLAlchemy's, a driver's, the journal's: whatever says why it does not open
+            message = " ".join(str(error).split())[:300]
+            exit_with(ConfigError("hydra.sweeper.storage", f"{self.storage} cannot be opened: {message}", fix))
 
     def _continue(self, study: Any) -> tuple[int, int]:
         """Trials to go and the next job's number, where the study already has trials: this search's (the study's

@@ -79,10 +79,11 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
     collectives those counted up to there."""
     precision = job.precision
     module, net = work.module, work.module.net
+    if precision in ("bf16-true", "16-true"):  # Lightning's HalfPrecision converts the module
+        # On the meta device, before the fake tensors: torch cannot swap a fake parameter for its converted copy.
+        net.to(torch.bfloat16 if precision == "bf16-true" else torch.float16)
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
         allocate(net, torch.device("cpu"))
-        if precision in ("bf16-true", "16-true"):  # Lightning's HalfPrecision converts the module
-            net.to(torch.bfloat16 if precision == "bf16-true" else torch.float16)
         optimizer = module.optimizer_factory(params=module._optimizer_groups())
         # As after a first step: the optimizer's state (a step on zero gradients makes it, without a forward) and
         # the gradients, which Lightning frees only after the next forward.
