@@ -173,3 +173,34 @@ def test_the_report_shows_fsdp_holding_half_of_ddps_model_state_per_device(rende
         assert pipeline < ddp  # each stage holds its own blocks
     assert sum(trace[2] for trace in per_device) == pytest.approx(whole, rel=1e-3)  # the stages hold it all once
     assert len(charts.bar_labels["throughput"]) == 2
+
+
+@pytest.mark.slow
+def test_a_sweep_with_broken_job_records_is_reported_and_summarised_without_them(ddp_fsdp_sweep, tmp_path, home):
+    """A copy of the ddp/fsdp/pipeline sweep with job 1's result.json truncated and job 2's overrides.yaml broken:
+    the report draws job 0 and names the two it left out; the summary has a row for each, saying which is
+    unreadable and why."""
+    require_extra("plotly", "report")
+    sweep_dir = tmp_path / "sweep"
+    shutil.copytree(ddp_fsdp_sweep[0].parent, sweep_dir, ignore=shutil.ignore_patterns("checkpoints", "wandb"))
+    result = sweep_dir / "1" / "result.json"
+    result.write_text(result.read_text()[:100])
+    (sweep_dir / "2" / ".hydra" / "overrides.yaml").write_text("- [strategy=fsdp\n")
+    report = tmp_path / "report.html"
+    made = subprocess.run(
+        [sys.executable, "-m", "project.cli.report", str(sweep_dir), "-o", str(report)],
+        cwd=REPO,
+        env=isolated_env(home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert made.returncode == 0 and "Traceback" not in made.stderr, made.stderr
+    assert made.stderr.count("Left out") == 1 and f"Left out {sweep_dir / '1'}: " in made.stderr
+    from project.launch.results import write_sweep_summary
+
+    table, failed, jobs = write_sweep_summary(sweep_dir)
+    rows = table.splitlines()[2:]
+    assert jobs == 3 and rows[0].split("|")[3].strip() == "completed", table
+    assert rows[1].split("|")[3].strip().startswith("unreadable: "), table
+    assert rows[2].split("|")[3].strip().startswith("unreadable: while parsing"), table

@@ -10,6 +10,7 @@ import argparse
 import html
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ class Job:
     group: str = ""  # the value of the --by key: runs with the same value share a colour
 
 
+LEFT_OUT: set[Path] = set()  # the job dirs whose records could not be read, named once
+
+
 def find_jobs(paths: list[Path]) -> list[Job]:
     """Each path is a job dir (it has a result.json) or a sweep dir (its job subdirs do), in job order."""
     jobs = []
@@ -52,8 +56,13 @@ def find_jobs(paths: list[Path]) -> list[Job]:
         dirs = [path] if (path / RESULT_FILE).is_file() else [path / row["job"] for row in sweep_rows(path)]
         for job_dir in dirs:
             if (job_dir / RESULT_FILE).is_file() and (job_dir / "config.yaml").is_file():
-                result = json.loads((job_dir / RESULT_FILE).read_text())
-                jobs.append(Job(job_dir, result, OmegaConf.load(job_dir / "config.yaml")))
+                try:
+                    result = json.loads((job_dir / RESULT_FILE).read_text())
+                    jobs.append(Job(job_dir, result, OmegaConf.load(job_dir / "config.yaml")))
+                except Exception as error:  # a truncated file: the report shows the others and names this one
+                    if job_dir not in LEFT_OUT:  # said once, though main finds the jobs twice
+                        LEFT_OUT.add(job_dir)
+                        print(f"Left out {job_dir}: {' '.join(str(error).split())[:200]}", file=sys.stderr)
     if not jobs:
         raise ConfigError(
             "paths",

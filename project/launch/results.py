@@ -91,18 +91,29 @@ def sweep_rows(sweep_dir: str | Path) -> list[dict[str, Any]]:
     from omegaconf import OmegaConf  # Hydra's own dependency, imported only when a sweep ends
 
     jobs = sorted((d for d in Path(sweep_dir).iterdir() if (d / ".hydra" / "overrides.yaml").is_file()), key=_job_order)
-    overrides = {job: list(OmegaConf.load(job / ".hydra" / "overrides.yaml")) for job in jobs}
-    shared = set.intersection(*(set(items) for items in overrides.values())) if jobs else set()
-    rows = []
+    overrides: dict[Path, list[str]] = {}
+    results: dict[Path, dict[str, Any]] = {}
+    broken: dict[Path, str] = {}  # a job whose records cannot be read (a truncated file): the others are summarised
     for job in jobs:
-        result = read_result(job / RESULT_FILE) or {}
+        try:
+            overrides[job] = [str(item) for item in OmegaConf.load(job / ".hydra" / "overrides.yaml")]
+            results[job] = read_result(job / RESULT_FILE) or {}
+        except Exception as error:  # YAML's or JSON's own error, which says where the file breaks
+            overrides.setdefault(job, [])
+            results[job] = {}
+            broken[job] = f"unreadable: {' '.join(str(error).split())[:200]}"
+    readable = [items for job, items in overrides.items() if job not in broken]
+    shared = set.intersection(*(set(items) for items in readable)) if readable else set()
+    rows: list[dict[str, Any]] = []
+    for job in jobs:
+        result = results[job]
         metric = result.get("metric")
         final = result.get("final") or {}
         rows.append(
             {
                 "job": job.name,
                 "overrides": " ".join(item for item in overrides[job] if item not in shared),
-                "status": result.get("status", "no result"),
+                "status": broken.get(job) or result.get("status", "no result"),
                 "metric": metric,
                 "mode": result.get("mode"),
                 "objective": result.get("objective"),
