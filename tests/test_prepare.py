@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, PreloadedRun, isolated_env, kill_process_tree, resize, train
+from conftest import REPO, PreloadedRun, isolated_env, kill_process_tree, require_extra, resize, train
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from project.checkpointing.files import META_FILE
@@ -246,6 +246,18 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
     train([*common, *runs["fsdp"], f"hydra.run.dir={tmp_path / 'whole'}"], tmp_path / "home")
     whole = csv_rows(tmp_path / "whole", 0)
     assert [row["step"] for row in whole] == sorted(row["step"] for row in whole)  # rows in order
+    # Its export carries the corpus's tokenizer: transformers' AutoTokenizer reads it back and encodes alike.
+    exported = tmp_path / "exported"
+    checkpoint = tmp_path / "whole" / "checkpoints" / "last.ckpt"
+    command = [sys.executable, "-m", "project.cli.export", str(checkpoint), str(exported)]
+    done = subprocess.run(command, cwd=REPO, env=isolated_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "tokenizer.json, tokenizer_config.json" in done.stdout, done.stderr
+    tokenizer = require_extra("transformers", "dev").AutoTokenizer.from_pretrained(exported)
+    prepared = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = "def main(argv):\n    return json.dumps({'naïve': 1})"
+    assert len(tokenizer) == prepared.get_vocab_size() == 300
+    assert tokenizer.encode(text, add_special_tokens=False) == prepared.encode(text, add_special_tokens=False).ids
+    assert tokenizer.eos_token == json.loads((out / "meta.json").read_text())["separator"]["token"]
     for name, args in runs.items():
         tolerance = 1e-6 if name == "fsdp" else 1e-5
         job = tmp_path / f"{name}-killed"

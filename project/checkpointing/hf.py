@@ -300,6 +300,10 @@ class HFWeights:
         return (value.T if transposed else value).float().contiguous()
 
 
+# What an export that cannot write its files stops with, after the path and the cause.
+EXPORT_AGAIN = "The export stopped; nothing half-written is left in it. Free space on that disk, then export again."
+
+
 def write_hf_dir(
     state_dict: dict[str, torch.Tensor],
     net: nn.Module,
@@ -325,8 +329,7 @@ def write_hf_dir(
         value = value.T if TRANSPOSED.search(key) else value
         tensors[key] = value.to(dtype).contiguous()
     out = Path(out)
-    fix = "The export stopped; nothing half-written is left in it. Free space on that disk, then export again."
-    with written(out / "model.safetensors", "weights", fix) as partial:
+    with written(out / "model.safetensors", "weights", EXPORT_AGAIN) as partial:
         try:
             save_file(tensors, partial, metadata={"format": "pt"})
         except SafetensorError as error:  # the library's own type for its I/O errors, the OS's code in the text
@@ -334,7 +337,7 @@ def write_hf_dir(
             if code is None:
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from error
-    with written(out / "config.json", "config", fix) as partial:
+    with written(out / "config.json", "config", EXPORT_AGAIN) as partial:
         partial.write_text(json.dumps(_hf_config(family, net_cfg, dtype), indent=2) + "\n")
     return out
 

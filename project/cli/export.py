@@ -3,22 +3,29 @@
 The checkpoint is a file (auto, ddp, model_parallel) or a sharded dir (fsdp, pipeline); its model is built from the
 job's ``config.yaml`` (found beside ``checkpoints/``, or given with ``--config``). Only the model's tensors are
 read, not the optimizer state. The dir holds ``config.json`` and ``model.safetensors``, for
-``transformers.AutoModelForCausalLM.from_pretrained(<out dir>)``.
+``transformers.AutoModelForCausalLM.from_pretrained(<out dir>)``, and the run's tokenizer, for
+``AutoTokenizer.from_pretrained(<out dir>)``: ``data=shards``' (the one its token ids are of), else the tokenizer
+files of ``model.init_from``'s dir (its chat template included); byte-level and synthetic data have none.
 """
 
 import argparse
+import json
+import shutil
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from hydra.utils import get_class, instantiate
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from project.checkpointing.files import model_state
-from project.checkpointing.hf import NET_CLASSES, write_hf_dir
+from project.checkpointing.hf import EXPORT_AGAIN, NET_CLASSES, write_hf_dir
 from project.cli.usage import checkpoint_and_config, run_cli
+from project.data.prepared import prepared_meta
+from project.data.shards import ShardsDataModule
 from project.options.errors import ConfigError, check_writable
+from project.options.files import written
 
 
 def export(
@@ -46,7 +53,42 @@ def export(
             f"{checkpoint} lacks {sorted(expected - set(state))[:3]}: it is not a checkpoint of the job's model.",
             "pass the job's own config with --config <job dir>/config.yaml.",
         )
-    return write_hf_dir(state, net, net_cfg, out, dtype)
+    write_hf_dir(state, net, net_cfg, out, dtype)
+    return Path(out)
+
+
+# A Hugging Face model dir's tokenizer files (transformers' names), those of model.init_from's dir copied as they are.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+def export_tokenizer(cfg: DictConfig, out: Path) -> list[str]:
+    """The run's tokenizer written into ``out`` (the files' names; none for data without one)."""
+    data_class = get_class(cfg.data._target_)
+    if issubclass(data_class, ShardsDataModule):
+        meta = prepared_meta(cfg.data.path)
+        with written(out / "tokenizer.json", "tokenizer", EXPORT_AGAIN) as partial:
+            shutil.copyfile(Path(cfg.data.path) / meta["tokenizer_file"], partial)
+        # transformers' fast tokenizer over that file, the corpus's document separator as its end of text
+        settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": meta["separator"]["token"]}
+        with written(out / "tokenizer_config.json", "tokenizer config", EXPORT_AGAIN) as partial:
+            partial.write_text(json.dumps(settings, indent=2) + "\n")
+        return ["tokenizer.json", "tokenizer_config.json"]
+    init_from = OmegaConf.select(cfg, "model.init_from")
+    if init_from is None:
+        return []
+    copied = [name for name in TOKENIZER_FILES if (Path(init_from) / name).is_file()]
+    for name in copied:
+        with written(out / name, "tokenizer file", EXPORT_AGAIN) as partial:
+            shutil.copyfile(Path(init_from) / name, partial)
+    return copied
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,7 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     out = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
-    print(f"Wrote {out}/config.json and {out}/model.safetensors")
+    tokenizer = export_tokenizer(checkpoint_and_config(args.checkpoint, args.config), out)
+    files = ", ".join(["config.json", "model.safetensors", *tokenizer])
+    none = "" if tokenizer else " (no tokenizer: the run's data has none, its token ids are bytes or synthetic)"
+    print(f"Wrote {out}: {files}{none}")
 
 
 if __name__ == "__main__":
