@@ -73,6 +73,12 @@ CASES = [
     (["trainer.devices=2=3"], "override 'trainer.devices=2=3': is not an override Hydra can read: mismatched input"),
     # Every other option against its constructor's type hints (project/config/schema.py); no number non-finite
     (["model.compile=no"], "model.compile: must be true or false, got 'no'"),
+    # A misspelt key added with + (as Hydra's own message advises): refused before Lightning sees it
+    (
+        ["+trainer.max_epoch=3"],
+        "trainer.max_epoch: is not an option of lightning.pytorch.Trainer. Fix: did you mean trainer.max_epochs?",
+    ),
+    (["+data.batchsize=8"], "data.batchsize: is not an option of project.data.synthetic.SyntheticDataModule"),
     (["data.shuffle=off"], "data.shuffle: must be true or false, got 'off'"),
     (["trainer.deterministic=yes"], "trainer.deterministic: must be true or false or one of 'warn', got 'yes'"),
     (["model=gpt", "model.net.num_heads=2.5"], "model.net.num_heads: must be a positive integer, got 2.5"),

@@ -13,6 +13,7 @@ there are the rules between keys.
 """
 
 import collections.abc
+import difflib
 import inspect
 import math
 import types
@@ -119,7 +120,31 @@ def _declared_types(target: str) -> dict[str, Any]:
     return declared
 
 
+def _own_parameters(target: str) -> list[str] | None:
+    """The keyword arguments ``target`` (a class: its constructor) takes, or None where it takes any
+    (``**kwargs``) or cannot be inspected."""
+    try:
+        built = get_object(target)
+        parameters = inspect.signature(built.__init__ if inspect.isclass(built) else built).parameters
+    except Exception:
+        return None
+    if any(parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in parameters.values()):
+        return None
+    return [name for name in parameters if name != "self"]
+
+
 def _check_node(key: str, node: dict) -> None:
+    accepted = _own_parameters(node["_target_"])
+    unknown = [name for name in node if not name.startswith("_") and accepted is not None and name not in accepted]
+    if unknown:  # a misspelt key, added with + as Hydra advises: refused now, not by the constructor after start-up
+        close = difflib.get_close_matches(unknown[0], accepted or [], n=1)
+        raise ConfigError(
+            f"{key}.{unknown[0]}",
+            f"is not an option of {node['_target_']}.",
+            f"did you mean {key}.{close[0]}? Remove the + and set that key."
+            if close
+            else f"remove it; its options are {', '.join(accepted or [])}.",
+        )
     declared = _declared_types(node["_target_"])
     for name, value in node.items():
         if name.startswith("_") or name not in declared:
