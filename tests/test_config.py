@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from project.config.checks import check_config
 from project.config.resolvers import register_resolvers
+from project.observability.console import program
 from project.options.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -174,3 +175,15 @@ def test_bf16_check_opens_no_cuda_context(monkeypatch, capability, supported):
     else:
         with pytest.raises(ConfigError, match="this GPU has no bfloat16 support"):
             check_config(cfg)
+
+
+def test_closing_hints_name_the_environments_programs_as_the_shell_finds_them(monkeypatch):
+    """With this environment's bin dir not on PATH (make made .venv, nobody activated it), a hint names its
+    python by path (relative to the current dir, under it); activated, plain python."""
+    monkeypatch.chdir("/")
+    own = Path(sys.executable).parent / "python"
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert program("python") == str(own.absolute().relative_to("/"))
+    monkeypatch.setenv("PATH", str(own.parent))
+    assert program("python") == "python"
+    assert program("no-such-program") == "no-such-program"

@@ -369,7 +369,9 @@ class OptunaSweeper(Sweeper):
             log.info(f"Pareto front: trials {sorted(t['trial'] for t in front)}")
         OmegaConf.save(OmegaConf.create(results), self.sweep_dir / "optimization_results.yaml")
         if self.storage is not None:
-            log.info(f"Browse the study: optuna-dashboard {shlex.quote(str(self.storage))}")
+            from project.observability.console import program
+
+            log.info(f"Browse the study: {program('optuna-dashboard')} {shlex.quote(str(self.storage))}")
 
 
 def _status(job_dir: Path) -> str | None:

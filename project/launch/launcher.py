@@ -48,7 +48,7 @@ from project.launch.resolution import print_memory_plan, resolve_launch
 from project.launch.results import print_sweep_summary, read_result, record_stop
 from project.launch.training import result_file, train
 from project.launch.watchdog import HeartbeatWatchdog
-from project.observability.console import lightning_logs_through_root, print_config_tree, print_outputs
+from project.observability.console import lightning_logs_through_root, print_config_tree, print_outputs, program
 from project.options.errors import ConfigError, JobFailed, JobStopped
 from project.plan.memory_plan import write_plan
 
@@ -261,7 +261,7 @@ def resume_command(multirun: bool) -> str:
     job_dir = Path(HydraConfig.get().runtime.output_dir)
     key, directory = ("hydra.sweep.dir", job_dir.parent) if multirun else ("hydra.run.dir", job_dir)
     kept = [arg for arg in sys.argv[1:] if arg.split("=", 1)[0].lstrip("+~") not in (key, "ckpt_path")]
-    return shlex.join(["python", Path(sys.argv[0]).name, *kept, f"{key}={directory}", "ckpt_path=auto"])
+    return shlex.join([program("python"), Path(sys.argv[0]).name, *kept, f"{key}={directory}", "ckpt_path=auto"])
 
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:

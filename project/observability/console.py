@@ -2,6 +2,8 @@
 finished job's results went."""
 
 import logging
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,6 +37,20 @@ def lightning_logs_through_root() -> None:
         logger.propagate = True
 
 
+def program(name: str) -> str:
+    """``name`` (``python``, ``wandb``, ``optuna-dashboard``) as a user types it in their shell to get this
+    environment's: the bare name where the shell finds this one, else its path in this interpreter's bin dir (a
+    ``.venv`` that ``make`` made but nobody activated), relative to the current dir when under it."""
+    own = Path(sys.executable).parent / name
+    found = shutil.which(name)
+    if not own.exists() or (found is not None and Path(found).absolute() == own.absolute()):
+        return name
+    try:
+        return str(own.relative_to(Path.cwd()))
+    except ValueError:
+        return str(own)
+
+
 def print_outputs(job_dir: Path, result: dict[str, Any] | None) -> None:
     """Where the job's results went: its dir and the files in it that matter, with the objective."""
     lines = [f"Results in {job_dir}:"]
@@ -49,11 +65,12 @@ def print_outputs(job_dir: Path, result: dict[str, Any] | None) -> None:
     lines.append("  train.log      the job's log, every rank's records")
     for run_dir in sorted((job_dir / "wandb").glob("*run-*"))[-1:]:
         if run_dir.name.startswith("offline-"):
-            lines.append(f"  W&B (offline)  {run_dir.relative_to(job_dir)}: see it with wandb leet {run_dir.parent}")
-            lines.append(f"                 upload it with wandb sync {run_dir}")
+            wandb = program("wandb")
+            lines.append(f"  W&B (offline)  {run_dir.relative_to(job_dir)}: see it with {wandb} leet {run_dir.parent}")
+            lines.append(f"                 upload it with {wandb} sync {run_dir}")
         else:
             lines.append(f"  W&B            {run_dir.relative_to(job_dir)}")
     for metrics in sorted((job_dir / "csv").glob("version_*/metrics.csv"))[-1:]:
         lines.append(f"  CSV            {metrics}")
-    lines.append(f"  report         python -m project.cli.report {job_dir}")
+    lines.append(f"  report         {program('python')} -m project.cli.report {job_dir}")
     print("\n".join(lines), flush=True)
