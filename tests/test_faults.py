@@ -105,6 +105,22 @@ def test_a_kill_during_the_first_last_checkpoint_resumes_from_the_best_one_and_k
     assert saved_epoch(checkpoints / "last.ckpt") == 1  # only epoch 1 trained
 
 
+def test_a_resume_with_other_settings_keeps_the_first_attempts_records_and_says_what_changed(home, tmp_path):
+    """Resumed with another batch size, a job says which setting changed and that its numbers will differ; the
+    first attempt's overrides and config stay in .hydra/attempts/0/ (they used to be overwritten)."""
+    job_dir = tmp_path / "job"
+    run = [*TINY, f"hydra.run.dir={job_dir}", "logger=csv"]
+    train([*run, "trainer.max_epochs=1"], home)
+    first_config = (job_dir / "config.yaml").read_text()
+    resumed = train([*run, "trainer.max_epochs=2", "data.batch_size=32", "ckpt_path=auto"], home)
+    assert f"Resuming {job_dir} with data.batch_size=32 (was 64): training goes on" in resumed.output
+    kept = job_dir / ".hydra" / "attempts" / "0"
+    assert "trainer.max_epochs=1" in (kept / "overrides.yaml").read_text()
+    assert "data.batch_size=32" not in (kept / "overrides.yaml").read_text()
+    assert (kept / "job_config.yaml").read_text() == first_config
+    assert "data.batch_size=32" in (job_dir / ".hydra" / "overrides.yaml").read_text()
+
+
 def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
     """The dir turns unwritable when epoch 1 starts; saving epoch 1 must fail the run, naming the path and cause."""
     job_dir = tmp_path / "job"

@@ -1,6 +1,7 @@
 """Hydra callbacks of ``train.py``: checks before Hydra makes a job dir, and a sweep's summary. Light imports only."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,31 @@ class JobDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_dir(config.hydra.run.dir, "hydra.run.dir")
+        if int(os.environ.get("RANK", "0")) == 0:
+            keep_records(Path(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
+        if int(os.environ.get("RANK", "0")) == 0:
+            for job_dir in Path(config.hydra.sweep.dir).iterdir():
+                keep_records(job_dir)
+
+
+def keep_records(job_dir: Path) -> None:
+    """A job dir run again (a resume, a continued sweep) keeps what each earlier attempt ran with: Hydra's
+    ``.hydra/*.yaml`` and the job's resolved ``config.yaml``, copied into ``.hydra/attempts/<n>/`` before they are
+    rewritten (Hydra writes its own before any job code runs, so this is done as the run or sweep starts)."""
+    hydra_dir = job_dir / ".hydra"
+    if not (hydra_dir / "overrides.yaml").is_file():
+        return
+    attempts = hydra_dir / "attempts"
+    target = attempts / str(len(list(attempts.iterdir())) if attempts.is_dir() else 0)
+    target.mkdir(parents=True)
+    for source, name in [(hydra_dir / n, n) for n in ("config.yaml", "hydra.yaml", "overrides.yaml")] + [
+        (job_dir / "config.yaml", "job_config.yaml")
+    ]:
+        if source.is_file():
+            shutil.copyfile(source, target / name)
 
 
 def _check_dir(path: str | None, key: str) -> None:

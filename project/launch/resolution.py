@@ -75,6 +75,7 @@ def resolve_launch(cfg: DictConfig, torchrun: bool) -> Launch:
     check_fresh_start(job.cfg)
     node = node_task()
     check_launch(job, torchrun, node)
+    warn_if_resumed_differently(job)
     name_wandb_run(job)
     job = replace(job, ckpt_path=checkpoint_to_load(job))
     job.cfg.ckpt_path = job.ckpt_path  # what the workers load
@@ -195,6 +196,31 @@ def check_launch(job: Job, torchrun: bool, node: NodeTask) -> None:
             "is more than 1, which needs a launcher on every machine.",
             "use launcher=slurm (one task per node starts its ranks), or start train.py on each machine with "
             "torchrun (on SLURM: srun ... torchrun), as docs/launching.md shows.",
+        )
+
+
+# The settings whose change makes a resumed run's numbers differ from the uninterrupted run's.
+LAYOUT_KEYS = ("choices.strategy", "trainer.devices", "trainer.num_nodes", "data.batch_size")
+
+
+def warn_if_resumed_differently(job: Job) -> None:
+    """A job resuming its own dir with another strategy, device count or batch size than the earlier attempt's
+    (its ``config.yaml``) trains on, but no longer gives the uninterrupted run's numbers: said, naming the keys."""
+    cfg = job.cfg
+    previous_config = Path(cfg.paths.output_dir) / "config.yaml"
+    if cfg.ckpt_path not in ("last", "auto") or job.ckpt_path is None or not previous_config.is_file():
+        return
+    previous = OmegaConf.load(previous_config)
+    changed = [
+        f"{key.removeprefix('choices.')}={OmegaConf.select(cfg, key)} (was {OmegaConf.select(previous, key)})"
+        for key in LAYOUT_KEYS
+        if OmegaConf.select(cfg, key) != OmegaConf.select(previous, key)
+    ]
+    if changed:
+        log.warning(
+            f"Resuming {cfg.paths.output_dir} with {', '.join(changed)}: training goes on, but the global batch "
+            "or its split differs from the earlier attempt's, so the numbers will not be the uninterrupted run's. "
+            "Its own settings are in .hydra/attempts/ (resume with its overrides to keep them)."
         )
 
 
