@@ -172,14 +172,22 @@ CASES = [
         ["strategy=ddp", "trainer.devices=2", "strategy.process_group_backend=pigeon"],
         "strategy.process_group_backend: is 'pigeon', not a torch.distributed backend",
     ),
-    (["strategy=ddp", "trainer.devices=2", "strategy.timeout.minutes=0"], "strategy.timeout: is 0:00:00"),
+    (["strategy=ddp", "trainer.devices=2", "strategy.timeout.minutes=0"], "strategy.timeout: is 0:00:00, under 10 s"),
+    (
+        ["strategy=fsdp", "trainer.devices=2", "strategy.timeout.minutes=0.0005"],
+        "strategy.timeout: is 0:00:00.030000, under 10 s: the ranks' first collectives",
+    ),
+    (
+        ["strategy=ddp", "trainer.devices=2", "strategy.heartbeat_timeout=0.5"],
+        "strategy.heartbeat_timeout: must be a number of seconds from 10 (ten of a worker's heartbeats",
+    ),
     (
         ["strategy=ddp", "trainer.devices=2", "strategy.heartbeat_timeout=0"],
-        "strategy.heartbeat_timeout: must be a positive number of seconds or null, got 0",
+        "strategy.heartbeat_timeout: must be a number of seconds from 10",
     ),
     (
         ["strategy=fsdp", "trainer.devices=2", "strategy.heartbeat_timeout=inf"],
-        "strategy.heartbeat_timeout: must be a positive number of seconds or null, got inf",
+        "strategy.heartbeat_timeout: must be a number of seconds from 10 ... or null, got inf",
     ),
     # Strategies' own rules and options
     (

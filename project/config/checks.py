@@ -129,6 +129,11 @@ def _check_accelerator(cfg: DictConfig) -> None:
         raise ConfigError("trainer.accelerator", f"is {accelerator!r}, which this machine does not have.", fix)
 
 
+# The shortest collective timeout and hang watchdog timeout taken: ten of a worker's heartbeats (one a second,
+# project.launch.processes), and more than a process group's start-up.
+MIN_TIMEOUT_S = 10.0
+
+
 def _check_process_group(cfg: DictConfig) -> None:
     """The strategy's process group and hang watchdog settings, where it has some (ddp, fsdp, pipeline...)."""
     backend = OmegaConf.select(cfg, "strategy.process_group_backend")
@@ -149,11 +154,12 @@ def _check_process_group(cfg: DictConfig) -> None:
     if heartbeat_timeout is not None and (
         isinstance(heartbeat_timeout, bool)
         or not isinstance(heartbeat_timeout, (int, float))
-        or not 0 < heartbeat_timeout < math.inf
+        or not MIN_TIMEOUT_S <= heartbeat_timeout < math.inf
     ):
         raise ConfigError(
             "strategy.heartbeat_timeout",
-            f"must be a positive number of seconds or null, got {heartbeat_timeout!r}.",
+            f"must be a number of seconds from {MIN_TIMEOUT_S:.0f} (ten of a worker's heartbeats, one a second: "
+            f"less would fail healthy workers as stuck), or null, got {heartbeat_timeout!r}.",
             "e.g. strategy.heartbeat_timeout=60 (long enough for the slowest checkpoint or compile), or null for no "
             "hang watchdog.",
         )
@@ -164,10 +170,11 @@ def _check_process_group(cfg: DictConfig) -> None:
             raise ConfigError(
                 "strategy.timeout", f"cannot be built: {error.__cause__ or error}.", "e.g. strategy.timeout.minutes=5."
             ) from None
-        if timeout.total_seconds() <= 0:
+        if timeout.total_seconds() < MIN_TIMEOUT_S:
             raise ConfigError(
                 "strategy.timeout",
-                f"is {timeout}, so every collective would fail at once.",
+                f"is {timeout}, under {MIN_TIMEOUT_S:.0f} s: the ranks' first collectives (joining the group, laying "
+                "out the model) take longer than that, and each would fail.",
                 "e.g. strategy.timeout.minutes=5.",
             )
 
