@@ -239,6 +239,16 @@ CASES = [
         ["strategy=pipeline", "trainer.devices=2", "strategy.schedule=zigzag"],
         "strategy.schedule: must be one of 'gpipe', '1f1b', 'interleaved_1f1b', got 'zigzag'",
     ),
+    (
+        [
+            "strategy=pipeline",
+            "strategy.num_stages=2",
+            "strategy.stages_per_rank=2",
+            "strategy.schedule=interleaved_1f1b",
+            "trainer.devices=1",
+        ],
+        "strategy.stages_per_rank: is 2 of 2 stages: one pipeline rank, which interleaved_1f1b cannot run",
+    ),
     # Tensor parallelism: the sizes each plan splits, and the mesh (tiny GPT: 2 heads of 16; tiny Llama: 1 kv head)
     (
         ["model=gpt", "strategy=tensor_parallel", "trainer.devices=4"],

@@ -121,6 +121,30 @@ def test_a_resume_with_other_settings_keeps_the_first_attempts_records_and_says_
     assert "data.batch_size=32" in (job_dir / ".hydra" / "overrides.yaml").read_text()
 
 
+def test_a_one_device_checkpoint_resumed_under_fsdp_x_2_goes_on_as_the_uninterrupted_run(home, tmp_path):
+    """Epoch 0 on one device, epoch 1 under fsdp x 2 from its last.ckpt (the same global batch of 64): epoch 1's
+    numbers are those of one device training both epochs, SGD's momentum buffers included (it used to fail with
+    'The size of tensor a (64) must match the size of tensor b (32)': the optimizer state keyed in the wrong order)."""
+    run = [*TINY, "logger=csv", "trainer.max_epochs=2"]
+    straight = train([*run, f"hydra.run.dir={tmp_path / 'straight'}"], home)
+    assert straight.returncode == 0
+    train([*TINY, "logger=csv", "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}"], home)
+    resumed = [
+        *run,
+        "strategy=fsdp",
+        "trainer.devices=2",
+        "data.batch_size=32",
+        f"hydra.run.dir={tmp_path / 'resumed'}",
+        f"ckpt_path={tmp_path / 'first' / 'checkpoints' / 'last.ckpt'}",
+    ]
+    train(resumed, home)
+    expected, got = (
+        json.loads((tmp_path / name / "result.json").read_text())["history"] for name in ("straight", "resumed")
+    )
+    for key in ("train/loss", "val/loss", "val/acc"):
+        assert [row[key] for row in got] == pytest.approx([row[key] for row in expected], rel=1e-5), key
+
+
 def test_an_unwritable_checkpoints_dir_stops_the_run(home, tmp_path):
     """The dir turns unwritable when epoch 1 starts; saving epoch 1 must fail the run, naming the path and cause."""
     job_dir = tmp_path / "job"

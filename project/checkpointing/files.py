@@ -78,6 +78,20 @@ def _optimizer_state_by_position(state: dict, group_names: list[list[str]]) -> d
     return {"state": {positions[name]: value for name, value in state["state"].items()}, "param_groups": groups}
 
 
+def optimizer_state_by_name(state: dict, group_names: list[list[str]]) -> dict:
+    """A plain optimizer's state (by position: a parameter's place in its group list, groups one after the other)
+    keyed by parameter name instead, ``group_names`` naming each group's parameters in order
+    (``TrainingModule.parameter_groups``): what a sharded strategy loads from a one-file checkpoint. (Lightning would
+    key it by the module's parameter order, which is not the groups' when weight decay spares some.)"""
+    names = [name for group in group_names for name in group]
+    if len(names) < len(state["state"]) or any(position >= len(names) for position in state["state"]):
+        raise ValueError(
+            f"the checkpoint's optimizer has state for {len(state['state'])} parameters, this model {len(names)}"
+        )
+    groups = [{**saved, "params": list(group)} for saved, group in zip(state["param_groups"], group_names)]
+    return {"state": {names[position]: value for position, value in state["state"].items()}, "param_groups": groups}
+
+
 def consolidate_checkpoint(sharded_dir: str | Path, output_file: str | Path, group_names: list[list[str]]) -> Path:
     """Gather every shard of ``sharded_dir`` into full tensors and write one Lightning checkpoint file, with the
     optimizer state laid out for an optimizer whose groups hold the parameters ``group_names`` names.

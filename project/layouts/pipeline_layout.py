@@ -145,6 +145,13 @@ class PipelineLayout(ShardedLayout):
                 "in flight per rank.",
                 f"use strategy.microbatches={ranks} or more (a multiple of {ranks} for interleaved_1f1b).",
             )
+        if schedule == "interleaved_1f1b" and ranks < 2:
+            return ConfigError(
+                key + "stages_per_rank",
+                f"is {stages_per_rank} of {self.num_stages} stages: one pipeline rank, which interleaved_1f1b cannot "
+                "run (torch's schedule passes each stage's work to another rank).",
+                "use at least 2 pipeline ranks (strategy.num_stages = 2 x stages_per_rank or more), or schedule=1f1b.",
+            )
         if schedule == "interleaved_1f1b" and microbatches % ranks:
             return ConfigError(
                 key + "microbatches",

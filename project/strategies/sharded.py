@@ -5,13 +5,16 @@ half-written."""
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-from project.checkpointing.files import CHECKPOINT_NOT_SAVED
+from project.checkpointing.files import CHECKPOINT_NOT_SAVED, optimizer_state_by_name
+from project.job.job import TaskModule
 from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
 from project.options.files import full_disk, os_error, remove, write_failed
@@ -51,6 +54,24 @@ class ShardedStrategy(ModelParallelStrategy, LaidOutStrategy):
         # The loss of vocabulary-split logits has its own backward, which torch runs only inside loss_parallel.
         with self.layout.tensor_parallel.loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's, and a one-file checkpoint (auto, ddp, model_parallel saved it) besides: its model state
+        scattered to this layout, its optimizer state keyed by parameter name through the optimizer's groups
+        (``optimizer_state_by_name``; Lightning's own keying assumed the module's order and failed on shapes)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            return super().load_checkpoint(path, weights_only)
+        assert self.model is not None and self.lightning_module is not None  # (as in Lightning's own)
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=bool(weights_only))
+        strict = self.lightning_module.strict_loading
+        _load_raw_module_state(checkpoint.pop("state_dict"), self.model, strict=strict)
+        options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
+        group_names = cast(TaskModule, self.lightning_module).parameter_groups()
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            by_name = optimizer_state_by_name(state, group_names)
+            set_optimizer_state_dict(self.model, optimizer, optim_state_dict=by_name, options=options)
+        return checkpoint
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
         """Write into ``<name>.partial`` and swap it in only once every rank has finished.
