@@ -465,6 +465,9 @@ IDS = [" ".join(overrides) for overrides, _ in CASES]
 CLI_CASES = [
     ("prepare", ["{files}/empty.txt", "--out", "{out}"], "inputs: hold no text."),
     ("prepare", ["/nonexistent", "--out", "{out}"], "inputs: /nonexistent does not exist."),
+    ("prepare", ["{files}/random.ckpt", "--out", "{out}"], "inputs: {files}/random.ckpt is not text (not UTF-8"),
+    ("prepare", ["{files}/loop", "--out", "{out}"], "inputs: {files}/loop is a link that loops or leads nowhere."),
+    ("prepare", ["{files}/fifo", "--out", "{out}"], "inputs: {files}/fifo is not a regular file (a FIFO, a device)."),
     ("prepare", ["{files}/tiny.txt", "--out", "{out}"], "inputs: hold 1 document, which give the train split none"),
     ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--vocab-size", "10"], "--vocab-size: is 10, fewer than"),
     ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--val-fraction", "2"], "--val-fraction: is 2.0"),
@@ -520,6 +523,8 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
     (files / "bad.yaml").write_text("data: [1, 2")
     (files / "tiny.txt").write_text("hello world")
     (files / "random.ckpt").write_bytes(random.Random(0).randbytes(5000))
+    (files / "loop").symlink_to(files / "loop")
+    os.mkfifo(files / "fifo")
     (files / "corpus.txt").write_text("the cat sat on the mat. " * 800)  # 19200 bytes
     # A prepared corpus of a few shards, and copies of it broken in the ways a disk or a copy breaks them.
     documents = [json.dumps({"text": f"Note {i}: the cat sat on the mat. " * (1 + i % 5)}) for i in range(200)]

@@ -307,3 +307,13 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         assert 0 < last_epoch[0]["perf/epoch_time_s"] < resumed_for  # the part of epoch 1 the resumed run ran
         expected_epoch = [row for row in whole if "train/loss" in row][1]
         assert last_epoch[0]["train/loss"] == pytest.approx(expected_epoch["train/loss"], rel=tolerance, abs=0)
+
+
+def test_binary_files_in_an_input_dir_are_left_out_and_named(corpus, capsys):
+    """An executable and random bytes beside the corpus's text are not tokenized as documents: left out, and said."""
+    (corpus / "json" / "python.bin").write_bytes(Path(sys.executable).resolve().read_bytes()[:100_000])
+    (corpus / "noise.dat").write_bytes(bytes(range(256)) * 10)
+    files = input_files([corpus])
+    assert not {corpus / "json" / "python.bin", corpus / "noise.dat"} & set(files)
+    assert corpus / "notes.jsonl" in files and all(path.suffix in (".py", ".jsonl") for path in files)
+    assert "Left out 2 binary file(s), not UTF-8 text:" in capsys.readouterr().err

@@ -14,8 +14,11 @@ unwritten tokens begin (document and token), and finished shards are not written
 """
 
 import argparse
+import codecs
 import hashlib
 import json
+import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,19 +43,48 @@ def _skipped(relative: Path) -> bool:
     return any(part.startswith(".") or part == "__pycache__" for part in relative.parts)
 
 
+def is_binary(path: Path) -> bool:
+    """Whether ``path`` (not a .parquet file) is not UTF-8 text, by its first 64 KiB: a NUL byte, or bytes UTF-8
+    cannot decode (an executable, an image, random bytes). Such a file would be tokenized as noise."""
+    if path.suffix == ".parquet":
+        return False
+    with open(path, "rb") as file:
+        head = file.read(65536)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError:
+        return True
+    return b"\0" in head
+
+
 def input_files(paths: list[Path]) -> list[Path]:
-    files = []
+    """The corpus's files: those given, and the text files under the dirs given (hidden ones, byte-code caches and
+    binary files left out, the last said on the console); ``ConfigError`` for a path that is not one."""
+    fix = "give text, .jsonl or .parquet files, or dirs of them."
+    files, binary = [], []
     for path in paths:
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.is_file() and not _skipped(p.relative_to(path)))
+            found = sorted(p for p in path.rglob("*") if p.is_file() and not _skipped(p.relative_to(path)))
+            binary += [p for p in found if is_binary(p)]
+            files += [p for p in found if p not in binary]
         elif path.is_file():
+            if is_binary(path):
+                raise ConfigError("inputs", f"{path} is not text (not UTF-8: binary data).", fix)
             files.append(path)
-        else:
-            raise ConfigError(
-                "inputs", f"{path} does not exist.", "give text, .jsonl or .parquet files, or dirs of them."
+        elif os.path.lexists(path):
+            what = (
+                "a link that loops or leads nowhere" if path.is_symlink() else "not a regular file (a FIFO, a device)"
             )
+            raise ConfigError("inputs", f"{path} is {what}.", fix)
+        else:
+            raise ConfigError("inputs", f"{path} does not exist.", fix)
+    if binary:
+        names = ", ".join(str(p) for p in binary[:3]) + (f" and {len(binary) - 3} more" if len(binary) > 3 else "")
+        print(f"Left out {len(binary)} binary file(s), not UTF-8 text: {names}", file=sys.stderr)
     if not files:
-        raise ConfigError("inputs", f"{', '.join(map(str, paths))} holds no files.", "give dirs that hold the corpus.")
+        raise ConfigError(
+            "inputs", f"{', '.join(map(str, paths))} holds no text files.", "give dirs that hold the corpus."
+        )
     return files
 
 
