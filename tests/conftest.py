@@ -376,6 +376,7 @@ def ddp_fsdp_sweep(runs_dir, home):
         home,
     )
     assert "distributed_backend=gloo" in result and "Starting with 2 processes" in result
+    assert "sync_dist=True" not in result  # no Lightning advice on every ddp/fsdp run
     return jobs
 
 

@@ -110,9 +110,8 @@ class DeviceMemory(L.Callback):
         plan = json.loads(self.plan_file.read_text()) if self.plan_file and self.plan_file.is_file() else None
         if plan is not None:  # the same rule: the device with the most model state, and the highest peak
             planned = max(plan["devices"], key=lambda device: device["params"] + device["grads"] + device["optimizer"])
-            for name in ("params", "grads", "optimizer"):
-                pl_module.log(f"memory/planned_{name}_mb", planned[name] / MB)
-            pl_module.log(
-                "memory/planned_model_state_mb", (planned["params"] + planned["grads"] + planned["optimizer"]) / MB
-            )
-            pl_module.log("memory/planned_peak_mb", plan["peak"] / MB)
+            state = planned["params"] + planned["grads"] + planned["optimizer"]
+            figures = {**{name: planned[name] for name in ("params", "grads", "optimizer")}, "model_state": state}
+            # The same on every rank; reduced all the same, as Lightning warns five times a run otherwise.
+            for name, value in {**figures, "peak": plan["peak"]}.items():
+                pl_module.log(f"memory/planned_{name}_mb", value / MB, sync_dist=True, reduce_fx="max")
