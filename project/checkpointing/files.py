@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load
 
-from project.options.files import written
+from project.options.writes import written
 
 META_FILE = "meta.pt"  # Lightning's name for the non-tensor part of a sharded checkpoint
 

@@ -28,7 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from project.models import GPT, Llama
 from project.options.errors import ConfigError
-from project.options.files import written
+from project.options.writes import written
 
 # This project's parameter name -> Hugging Face's, per family; {i} is a block index.
 NAMES = {

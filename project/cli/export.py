@@ -25,7 +25,7 @@ from project.cli.usage import checkpoint_and_config, run_cli
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
 from project.options.errors import ConfigError, check_writable
-from project.options.files import written
+from project.options.writes import written
 
 
 def export(

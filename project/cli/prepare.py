@@ -32,7 +32,7 @@ from project.cli.usage import run_cli
 from project.data.codecs import TokenizerCodec
 from project.data.shards import PREPARE_AGAIN, token_dtype, write_shard
 from project.options.errors import ConfigError, check_writable
-from project.options.files import written
+from project.options.writes import written
 
 SEPARATORS = ["<|endoftext|>", "<|end_of_text|>", "</s>"]  # GPT-2's, Llama 3's, Llama 2's and others'
 ENCODE_BATCH = 256  # documents per call: HF tokenizers spreads a batch over all cores

@@ -17,8 +17,8 @@ from project.data.codecs import TokenizerCodec
 from project.data.datamodule import InMemoryDataModule
 from project.data.prepared import prepared_meta
 from project.options.errors import ConfigError
-from project.options.files import written
 from project.options.option_types import NonNegativeInt, PositiveInt, Seed
+from project.options.writes import written
 
 MAGIC = 20261122
 VERSION = 1

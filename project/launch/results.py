@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from project.options.files import written
+from project.options.writes import written
 
 RESULT_FILE = "result.json"
 

@@ -38,7 +38,7 @@ class JobStopped(JobFailed):
 
 class WriteFailed(JobFailed):
     """A file could not be written (a full disk, a dir turned read-only); the message names it, the cause and the
-    fix, and the half-written file is gone (``project.options.files.written``)."""
+    fix, and the half-written file is gone (``project.options.writes.written``)."""
 
 
 def positive_int(key: str, value: object, fix: str) -> int:

@@ -17,7 +17,7 @@ from project.checkpointing.files import CHECKPOINT_NOT_SAVED, optimizer_state_by
 from project.job.job import TaskModule
 from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
-from project.options.files import full_disk, os_error, remove, write_failed
+from project.options.writes import full_disk, os_error, remove, write_failed
 from project.strategies.laid_out import LaidOutStrategy
 
 
