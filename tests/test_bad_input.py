@@ -67,6 +67,12 @@ CASES = [
         "hydra.sweeper.storage: nosuchdb://x/y cannot be opened: Can't load plugin",
     ),
     (["optimized_metric.also=val/loss"], "optimized_metric.also: must be a list of metric names, got 'val/loss'"),
+    # Launchers this machine cannot honour (no SLURM here)
+    (["launcher=slurm", "hydra.sweep.dir={files}/slurm"], "launcher: is slurm, but this machine has no SLURM"),
+    (
+        ["hydra.mode=MULTIRUN", "launcher=joblib", "hydra.launcher.n_jobs=0", "hydra.sweep.dir={files}/joblib"],
+        "hydra.launcher.n_jobs: is 0: joblib runs N jobs at once for N > 0",
+    ),
     # Overrides Hydra cannot parse (project/config/overrides.py)
     (["trainer.devices: 2"], "override 'trainer.devices: 2': has no '=' ... Fix: write trainer.devices=2."),
     (["model.net.hidden_dims=[32"], "override 'model.net.hidden_dims=[32': opens [ and never closes it."),

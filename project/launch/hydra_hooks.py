@@ -26,6 +26,7 @@ class JobDirCheck(Callback):
             keep_records(Path(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        _check_launcher(config.hydra.launcher)
         _check_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
         if int(os.environ.get("RANK", "0")) == 0:
             for job_dir in Path(config.hydra.sweep.dir).iterdir():
@@ -47,6 +48,30 @@ def keep_records(job_dir: Path) -> None:
     ]:
         if source.is_file():
             shutil.copyfile(source, target / name)
+
+
+def _check_launcher(launcher: DictConfig) -> None:
+    """Launcher settings this machine cannot honour, refused before the sweep makes its dir (the launchers would
+    raise from their own depths)."""
+    target = str(launcher.get("_target_", ""))
+    if target.endswith("SlurmLauncher") and shutil.which("srun") is None:
+        exit_with(
+            ConfigError(
+                "launcher",
+                "is slurm, but this machine has no SLURM (no srun on the PATH) to submit the jobs to.",
+                "run the sweep on the cluster's login node, or use launcher=slurm_local to run its jobs here as "
+                "SLURM would.",
+            )
+        )
+    n_jobs = launcher.get("n_jobs")
+    if target.endswith("JoblibLauncher") and (isinstance(n_jobs, bool) or not isinstance(n_jobs, int) or n_jobs == 0):
+        exit_with(
+            ConfigError(
+                "hydra.launcher.n_jobs",
+                f"is {n_jobs!r}: joblib runs N jobs at once for N > 0, or one per core for -1 (all but N-1 for -N).",
+                "use hydra.launcher.n_jobs=2, say, or -1.",
+            )
+        )
 
 
 def _check_dir(path: str | None, key: str) -> None:
