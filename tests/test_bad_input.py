@@ -405,6 +405,7 @@ CASES = [
     # Where the job writes
     (["hydra.run.dir="], "hydra.run.dir: is empty, so the job would write into the dir it was launched from"),
     (["hydra.run.dir={files}/a_file/job"], "hydra.run.dir: {files}/a_file/job cannot be created: Not a directory"),
+    (["hydra.run.dir={files}/frozen"], "hydra.run.dir: {files}/frozen is not writable by this process."),
     (
         ["callbacks.model_checkpoint.dirpath={files}/frozen/checkpoints"],
         "callbacks.model_checkpoint.dirpath: {files}/frozen/checkpoints is not writable by this process",

@@ -82,6 +82,8 @@ def _check_dir(path: str | None, key: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)  # what Hydra does next; here a failure gets a clear message
     except OSError as error:
         exit_with(ConfigError(key, f"{path} cannot be created: {error.strerror or error}.", fix))
+    if not os.access(path, os.W_OK | os.X_OK):  # it exists, on a read-only file system or without the rights
+        exit_with(ConfigError(key, f"{path} is not writable by this process.", fix))
     if int(os.environ.get("RANK", "0")) == 0:
         try:
             hold_job_dir(path, key)
