@@ -28,19 +28,22 @@ def saved_epoch(path) -> int:
     return torch.load(path, map_location="cpu", weights_only=False)["epoch"]
 
 
+def first_epoch_stays_best(job_dir) -> list[str]:
+    """A TINY run in ``job_dir`` whose checkpoint callback monitors the step count with mode=min: every epoch after
+    the first is worse than the best, which stays epoch000.ckpt."""
+    return [
+        *TINY,
+        f"hydra.run.dir={job_dir}",
+        "logger=csv",
+        "callbacks.model_checkpoint.monitor=step",
+        "callbacks.model_checkpoint.mode=min",
+    ]
+
+
 def test_last_is_the_latest_epoch_when_the_metric_gets_worse(home, tmp_path):
     """Monitoring the step count with mode=min makes every epoch after the first worse than the best."""
     job_dir = tmp_path / "job"
-    train(
-        [
-            *TINY,
-            f"hydra.run.dir={job_dir}",
-            "logger=csv",
-            "callbacks.model_checkpoint.monitor=step",
-            "callbacks.model_checkpoint.mode=min",
-        ],
-        home,
-    )
+    train(first_epoch_stays_best(job_dir), home)
     checkpoints = job_dir / "checkpoints"
     assert sorted(path.name for path in checkpoints.iterdir()) == ["epoch000.ckpt", "last.ckpt"]
     assert saved_epoch(checkpoints / "epoch000.ckpt") == 0  # the best stays the first epoch...
@@ -53,13 +56,7 @@ def test_a_damaged_last_checkpoint_resumes_from_the_newest_intact_one(home, tmp_
     """A truncated last.ckpt (epoch 1) is passed over for epoch000.ckpt, the best and only intact one, and the run
     goes on from there; with that one emptied too, ckpt_path=last is refused before launch."""
     job_dir = tmp_path / "job"
-    run = [
-        *TINY,
-        f"hydra.run.dir={job_dir}",
-        "logger=csv",
-        "callbacks.model_checkpoint.monitor=step",
-        "callbacks.model_checkpoint.mode=min",
-    ]
+    run = first_epoch_stays_best(job_dir)
     train([*run, "trainer.max_epochs=2"], home)
     checkpoints = job_dir / "checkpoints"
     last = checkpoints / "last.ckpt"
@@ -79,14 +76,7 @@ def test_a_kill_during_the_first_last_checkpoint_resumes_from_the_best_one_and_k
     """SIGKILL while the first last.ckpt is written (after epoch000.ckpt): ckpt_path=auto, as a requeued job runs,
     resumes from epoch000.ckpt and leaves it as it was; a fresh start into that dir is refused, nothing written."""
     job_dir = tmp_path / "job"
-    run = [
-        *TINY,
-        f"hydra.run.dir={job_dir}",
-        "logger=csv",
-        "callbacks.model_checkpoint.monitor=step",
-        "callbacks.model_checkpoint.mode=min",
-        "trainer.max_epochs=2",
-    ]
+    run = [*first_epoch_stays_best(job_dir), "trainer.max_epochs=2"]
     killed = train([*run, "+callbacks.kill._target_=helpers.probes.KillWhileWritingLast"], home, expect_ok=False)
     assert killed.returncode == -signal.SIGKILL, killed.output[-3000:]
     checkpoints = job_dir / "checkpoints"
