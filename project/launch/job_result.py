@@ -14,7 +14,7 @@ from project.launch.trial import PruneTrial
 from project.observability.device_memory import DeviceMemory
 from project.observability.loggers import EpochWandbLogger
 from project.observability.throughput import EpochThroughput
-from project.options.errors import WriteFailed
+from project.options.errors import ConfigError, WriteFailed
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,22 @@ class JobResult(L.Callback):
         self.epochs: list[dict[str, float]] = []
         self.devices: list[dict[str, Any]] = []
         self.started = time.time()
+        self.validated = False  # a validation (not Lightning's sanity check) has run
+
+    def _check_metric_logged(self, trainer: L.Trainer) -> None:
+        """``ConfigError`` once an epoch with a validation has logged everything, if ``metric`` is not among it: every
+        epoch would end without an objective (a search's trials all failing at their end, silently before)."""
+        if self.metric not in trainer.callback_metrics:
+            logged = ", ".join(sorted(name for name in trainer.callback_metrics if not name.startswith("step/")))
+            raise ConfigError(
+                "optimized_metric.name",
+                f"is {self.metric!r}, which this run does not log.",
+                f"name one it logs: {logged}.",
+            )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.validated:
+            self._check_metric_logged(trainer)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         self.epochs.append({"epoch": trainer.current_epoch, **metrics})
         self.devices = per_device_rows(trainer)
@@ -53,7 +67,9 @@ class JobResult(L.Callback):
         self._write(trainer, "pruned" if self.pruning is not None and self.pruning.pruned else "completed")
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.VALIDATING:  # mode=eval: the one validation is the result
+        self.validated = self.validated or not trainer.sanity_checking
+        if trainer.state.fn == TrainerFn.VALIDATING:
+            self._check_metric_logged(trainer)  # mode=eval: the one validation is the result
             self.epochs = [{"epoch": 0, **{name: float(value) for name, value in trainer.callback_metrics.items()}}]
             self._write(trainer, "completed")
 
