@@ -32,7 +32,12 @@ from project.options.errors import ConfigError
 _EXPECTED = {bool: "true or false", int: "an integer", float: "a number", str: "text"}
 # The train config's own keys (conf/train.yaml), which no ``_target_`` declares; the others (seed, mode, ckpt_path)
 # have checks of their own in project.config.checks.
-TRAIN_KEYS = {"task_name": str, "tags": list[str], "plan": bool | Literal["search"], "print_config": bool}
+TRAIN_KEYS = {
+    "task_name": str,
+    "tags": list[str],
+    "plan": bool | Literal["search"],
+    "print_config": bool | Literal["full"],
+}
 # Sections that no ``_target_`` builds, checked against the fields of the class they become (``build_job``).
 TYPED_SECTIONS = {"cluster": Cluster, "plan_search": SearchSettings}
 

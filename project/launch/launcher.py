@@ -48,7 +48,13 @@ from project.launch.resolution import print_memory_plan, resolve_launch
 from project.launch.results import print_sweep_summary, read_result, record_stop
 from project.launch.training import result_file, train
 from project.launch.watchdog import HeartbeatWatchdog
-from project.observability.console import lightning_logs_through_root, print_config_tree, print_outputs, program
+from project.observability.console import (
+    lightning_logs_through_root,
+    print_config_tree,
+    print_job_summary,
+    print_outputs,
+    program,
+)
 from project.options.errors import ConfigError, JobFailed, JobStopped
 from project.plan.memory_plan import write_plan
 
@@ -267,8 +273,10 @@ def resume_command(multirun: bool) -> str:
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
     launch = resolve_launch(cfg, torchrun)
     cfg = launch.job.cfg
-    if is_rank_zero() and cfg.print_config:
+    if is_rank_zero() and cfg.print_config == "full":
         print_config_tree(cfg)
+    elif is_rank_zero() and cfg.print_config:
+        print_job_summary(launch.job)
     if not torchrun or is_rank_zero():
         launch.config_file.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, launch.config_file)

@@ -12,8 +12,30 @@ import rich.syntax
 import rich.tree
 from omegaconf import DictConfig, OmegaConf
 
+from project.job.job import Job
+
 # Groups first in this order, then any other top-level keys.
 FIRST = ("choices", "overrides", "model", "data", "strategy", "trainer", "logger", "callbacks", "paths")
+
+
+def print_job_summary(job: Job) -> None:
+    """What a job trains, in three lines (``print_config=true``; ``full`` prints the whole config instead)."""
+    parameters = sum(parameter.numel() for parameter in job.meta_net().parameters())
+    dims = job.dims
+    split = [
+        f"{name} {size}"
+        for name, size in (("pipeline", dims.pipeline), ("tensor parallel", dims.tensor_parallel))
+        if size > 1
+    ]
+    layout = ", ".join([f"data parallel {dims.data_parallel}", *split])
+    print(
+        f"Job: model={job.model_name} ({parameters:,} parameters), strategy={job.strategy_name} ({layout}) on "
+        f"{job.devices} device(s) x {job.nodes} node(s), precision {job.precision}\n"
+        f"  data={job.cfg.choices.get('data')}: {job.batch_size} per replica, a global batch of {job.global_batch}, "
+        f"{job.cfg.trainer.max_epochs} epoch(s)\n"
+        f"  the whole config: {job.cfg.paths.output_dir}/config.yaml, or print_config=full",
+        flush=True,
+    )
 
 
 def print_config_tree(cfg: DictConfig) -> None:
