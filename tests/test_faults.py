@@ -230,7 +230,7 @@ def test_sigterm_stops_a_sweep_with_its_summary_and_the_command_that_resumes_it(
     assert sweep.returncode == 128 + signal.SIGTERM and "Traceback" not in output, output[-3000:]
     assert re.search(r"Stopped by SIGTERM in epoch \d, after \d+ optimizer steps\.", output)
     assert "| 0 |  | interrupted |" in (sweep_dir / "summary.md").read_text() and not (sweep_dir / "1").exists()
-    resume = re.search(r"Resume the sweep with:\n  (python train\.py .*)", output)
+    resume = re.search(r"Resume the sweep with:\n  ((?:\S*/)?python train\.py .*)", output)  # .venv/bin/python
     assert resume and resume.group(1).endswith(f"hydra.sweep.dir={sweep_dir} ckpt_path=auto"), output[-3000:]
     program, *args = shlex.split(resume.group(1))[1:]
     assert program == "train.py"

@@ -113,15 +113,15 @@ def test_diverging_ddp_trials_are_pruned_after_their_first_validation_and_end_so
     for number in (2, 3):
         assert f"Trial {number} pruned by optuna.pruners.MedianPruner after validation 0" in output
     assert "Study train: 4 trials (2 complete, 2 pruned)." in output and "jobs failed" not in output
-    # less wall time, on the job's own clock (from building the Trainer to the end of fit: the trial's whole time,
-    # but for the process start-up, whose noise on a busy machine is larger than the epochs saved)
-    assert max(result["runtime_s"] for result in results[2:]) < min(result["runtime_s"] for result in results[:2])
+    # sooner: one epoch where the others trained three (counted, not timed: a busy machine's clock once put a
+    # pruned trial's 4.6 s above a complete one's 4.4 s)
+    assert [result["epochs"] for result in results] == [3, 3, 1, 1]
     # every rank stopped after the same batch: the first epoch's last (16384 samples, 64 x 2 a step)
     for job in (2, 3):
         log = (sweep_dir / str(job) / "train.log").read_text()
         stops = re.findall(rf"\[rank (\d)\]\S* - Trial {job} pruned: this rank stops after global step (\d+)\.", log)
         assert sorted(stops) == [("0", "128"), ("1", "128")]
-    assert f"Browse the study: optuna-dashboard {sweep_dir}/optuna.journal" in output
+    assert re.search(rf"Browse the study: (\S*/)?optuna-dashboard {sweep_dir}/optuna.journal", output)
 
 
 @pytest.mark.slow

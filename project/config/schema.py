@@ -25,6 +25,7 @@ from hydra.utils import get_object
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import OmegaConfBaseException
 
+from project.config.build import LAUNCHER_KEYS
 from project.job.cluster import Cluster
 from project.job.job import SearchSettings
 from project.options.errors import ConfigError
@@ -140,7 +141,12 @@ def _own_parameters(target: str) -> list[str] | None:
 
 def _check_node(key: str, node: dict) -> None:
     accepted = _own_parameters(node["_target_"])
-    unknown = [name for name in node if not name.startswith("_") and accepted is not None and name not in accepted]
+    not_passed = LAUNCHER_KEYS if key == "strategy" else ()  # the launcher's, taken out before the strategy is built
+    unknown = [
+        name
+        for name in node
+        if not name.startswith("_") and accepted is not None and name not in accepted and name not in not_passed
+    ]
     if unknown:  # a misspelt key, added with + as Hydra advises: refused now, not by the constructor after start-up
         close = difflib.get_close_matches(unknown[0], accepted or [], n=1)
         raise ConfigError(
