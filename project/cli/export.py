@@ -30,9 +30,10 @@ from project.options.writes import written
 
 def export(
     checkpoint: str | Path, out: str | Path, config: str | Path | None = None, dtype: torch.dtype = torch.float32
-) -> Path:
-    """The model of ``checkpoint`` as a Hugging Face dir ``out``; ``ConfigError`` naming the argument to fix (before
-    anything is written) for a checkpoint, config or model it cannot export."""
+) -> tuple[Path, list[str]]:
+    """The model of ``checkpoint`` as a Hugging Face dir ``out``, with the run's tokenizer (``export_tokenizer``:
+    the dir and its tokenizer files' names); ``ConfigError`` naming the argument to fix (before anything is written)
+    for a checkpoint, config or model it cannot export."""
     cfg = checkpoint_and_config(str(checkpoint), None if config is None else str(config))
     check_writable("out", out, "give a dir you can write.")
     net_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.model.net, resolve=True))
@@ -54,7 +55,7 @@ def export(
             "pass the job's own config with --config <job dir>/config.yaml.",
         )
     write_hf_dir(state, net, net_cfg, out, dtype)
-    return Path(out)
+    return Path(out), export_tokenizer(cfg, Path(out))
 
 
 # A Hugging Face model dir's tokenizer files (transformers' names), those of model.init_from's dir copied as they are.
@@ -103,8 +104,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the saved tensors' type (default float32)",
     )
     args = parser.parse_args(argv)
-    out = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
-    tokenizer = export_tokenizer(checkpoint_and_config(args.checkpoint, args.config), out)
+    out, tokenizer = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
     files = ", ".join(["config.json", "model.safetensors", *tokenizer])
     none = "" if tokenizer else " (no tokenizer: the run's data has none, its token ids are bytes or synthetic)"
     print(f"Wrote {out}: {files}{none}")

@@ -40,9 +40,6 @@ class Job:
     group: str = ""  # the value of the --by key: runs with the same value share a colour
 
 
-LEFT_OUT: set[Path] = set()  # the job dirs whose records could not be read, named once
-
-
 def find_jobs(paths: list[Path]) -> list[Job]:
     """Each path is a job dir (it has a result.json) or a sweep dir (its job subdirs do), in job order."""
     jobs = []
@@ -60,9 +57,7 @@ def find_jobs(paths: list[Path]) -> list[Job]:
                     result = json.loads((job_dir / RESULT_FILE).read_text())
                     jobs.append(Job(job_dir, result, OmegaConf.load(job_dir / "config.yaml")))
                 except Exception as error:  # a truncated file: the report shows the others and names this one
-                    if job_dir not in LEFT_OUT:  # said once, though main finds the jobs twice
-                        LEFT_OUT.add(job_dir)
-                        print(f"Left out {job_dir}: {' '.join(str(error).split())[:200]}", file=sys.stderr)
+                    print(f"Left out {job_dir}: {' '.join(str(error).split())[:200]}", file=sys.stderr)
     if not jobs:
         raise ConfigError(
             "paths",
@@ -235,10 +230,13 @@ def runs_table(jobs: list[Job]) -> str:
     return f'<table id="runs"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
 
 
-def write_report(paths: list[Path], output: Path, by: str | None = None, statuses: list[str] | None = None) -> Path:
-    """The report of the jobs in ``paths`` whose status is one of ``statuses`` (all: None). Without ``by``, the
-    trials of an Optuna search are coloured by their objective, other jobs one colour each."""
-    jobs = [job for job in find_jobs(paths) if not statuses or job.result.get("status") in statuses]
+def write_report(
+    paths: list[Path], found: list[Job], output: Path, by: str | None = None, statuses: list[str] | None = None
+) -> Path:
+    """The report of the jobs ``found`` in ``paths`` (``find_jobs``) whose status is one of ``statuses`` (all:
+    None). Without ``by``, the trials of an Optuna search are coloured by their objective, other jobs one colour
+    each."""
+    jobs = [job for job in found if not statuses or job.result.get("status") in statuses]
     if not jobs:
         raise ConfigError("--status", f"matches none of the jobs in {', '.join(map(str, paths))}.", "drop it.")
     if by is None and all(job.config.get("trial") for job in jobs):
@@ -308,13 +306,13 @@ def main() -> None:
     )
     parser.add_argument("--output", "-o", type=Path, help="the HTML file (default: report.html in the first dir)")
     args = parser.parse_args()
-    find_jobs(args.paths)  # the paths first: a bad one is the problem, not where the report would go
+    jobs = find_jobs(args.paths)  # the paths first: a bad one is the problem, not where the report would go
     output = args.output or args.paths[0] / "report.html"
     fix = "give a file in a dir you can write: --output <file>.html."
     if output.is_dir():
         raise ConfigError("--output", f"{output} is a directory.", fix)
     check_writable("--output", output.parent, fix)
-    print(f"Report: {write_report(args.paths, output, args.by, args.status)}")
+    print(f"Report: {write_report(args.paths, jobs, output, args.by, args.status)}")
 
 
 if __name__ == "__main__":
