@@ -71,9 +71,10 @@ def require_extra(module: str, extra: str) -> ModuleType:
 
 
 def isolated_env(home: Path) -> dict[str, str]:
-    """No W&B credentials or mode from the developer's machine: runs must decide offline by themselves. The
-    tests folder is importable, so a run can load a probe callback from ``tests/helpers/probes.py``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    """No W&B credentials or mode from the developer's machine: runs must decide offline by themselves. Caches
+    under ``home`` (no ``XDG_CACHE_HOME``). The tests folder is importable, so a run can load a probe callback from
+    ``tests/helpers/probes.py``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "XDG_CACHE_HOME"}
     env.update(HOME=str(home), PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO / "tests"))
     return env
 

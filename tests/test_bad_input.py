@@ -154,6 +154,10 @@ CASES = [
         ["plan=search", "cluster=h100_sxm_8x", "plan_search.strategies=[]"],
         "plan_search.strategies: is [], which lays out no layout of the job's 1 device(s)",
     ),
+    (
+        ["plan=search", "cluster=h100_sxm_8x", "paths.cache_dir=/proc/plan"],  # /proc takes no new dirs, even root's
+        "paths.cache_dir: /proc/plan/plan_cache cannot be created",
+    ),
     (["tags=5"], "tags: must be a list, got 5"),
     # Devices, nodes, precision, process groups
     (

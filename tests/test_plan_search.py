@@ -55,16 +55,17 @@ def rows(output: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory, home):
     """The search, pruned, then again with every layout simulated (those the first left out), its simulations
-    cached in a log dir of its own; returns that dir and the two tables."""
-    logs = tmp_path_factory.mktemp("search-logs")
-    pruned = train([*SEARCH, "plan=search", f"paths.log_dir={logs}"], home).stdout
-    every = train([*SEARCH, "plan=search", "plan_search.prune=false", f"paths.log_dir={logs}"], home).stdout
-    return logs, pruned, every
+    cached in a cache dir of their own; returns that dir and the two tables."""
+    cache = tmp_path_factory.mktemp("search-cache")
+    pruned = train([*SEARCH, "plan=search", f"paths.cache_dir={cache}"], home).stdout
+    every = train([*SEARCH, "plan=search", "plan_search.prune=false", f"paths.cache_dir={cache}"], home).stdout
+    return cache, pruned, every
 
 
 def test_every_layout_is_ranked_by_predicted_throughput(searched):
-    _, _, output = searched
+    cache, _, output = searched
     table = rows(output)
+    assert len(list((cache / "plan_cache").glob("*.json"))) >= len(LAYOUTS)  # paths.cache_dir, not the launch dir
     assert {row["overrides"] for row in table} == LAYOUTS
     assert all(row["fits"] for row in table)  # in an H100's 80 GB
     assert [row["tokens"] for row in table] == sorted((row["tokens"] for row in table), reverse=True)
@@ -105,10 +106,10 @@ def test_a_smaller_device_reranks_from_the_cache_and_a_run_that_does_not_fit_is_
     """With a device between the smallest and the largest peak, the same search (all from the cache) puts the
     layouts that fit first. ``plan=true`` on one that does not fit names the fastest that does, and on that one
     predicts the throughput the search gave it."""
-    logs, _, output = searched
+    cache, _, output = searched
     peaks = sorted(row["peak"] for row in rows(output))
     gigabytes = (peaks[0] + peaks[-1]) / 2 / 2**30
-    small = [f"memory_plan.device_memory_gb={gigabytes}", f"paths.log_dir={logs}"]
+    small = [f"memory_plan.device_memory_gb={gigabytes}", f"paths.cache_dir={cache}"]
     again = train([*SEARCH, "plan=search", *small], home).stdout
     table = rows(again)
     assert "8 layouts, 0 simulated" in again

@@ -96,7 +96,7 @@ def build_job(cfg: DictConfig, layout: Layout, ckpt_path: str | None, train_samp
         search=SearchSettings(
             tuple(cfg.plan_search.strategies), cfg.plan_search.max_pipeline_ranks, cfg.plan_search.prune
         ),
-        plan_cache=Path(cfg.paths.log_dir) / "plan_cache",
+        plan_cache=Path(cfg.paths.cache_dir) / "plan_cache",
     )
 
 

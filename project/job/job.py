@@ -172,7 +172,7 @@ class Job:
     device_memory_gb: float | None  # memory_plan.device_memory_gb
     if_over: str  # memory_plan.if_over: error or warn
     search: SearchSettings
-    plan_cache: Path  # where plan=search keeps its simulations (${paths.log_dir}/plan_cache)
+    plan_cache: Path  # where plan=search keeps its simulations (${paths.cache_dir}/plan_cache)
 
     @property
     def processes_per_node(self) -> int:

@@ -6,8 +6,9 @@ sizes, schedules and micro-batches), each with activation checkpointing off and 
 config's global batch (``data.batch_size`` per replica x replicas x ``trainer.accumulate_grad_batches``) cut into
 the layout's replicas. Those that fail the run's checks are dropped. A deep model's plans are extended from
 shallow copies (``project.plan.depth``), and the layout named fastest is simulated whole before it is named. The
-simulations run in parallel, one process per core, and are cached on disk (``${paths.log_dir}/plan_cache``), keyed
-by everything a simulation reads and the project's source.
+simulations run in parallel, one process per core, and are cached on disk (``${paths.cache_dir}/plan_cache``:
+``~/.cache/project`` by default, shared by every search wherever it is launched), keyed by everything a simulation
+reads and the project's source.
 
 Branch and bound (``plan_search.prune``): the layouts without a pipeline bubble are simulated first. A layout's
 devices share the step's FLOPs, so none can be faster than its share of them at the cluster's efficiency, stretched
@@ -217,6 +218,18 @@ class Search:
         )
 
 
+def writable_cache(path: Path) -> Path:
+    """``path``, created; refused (naming ``paths.cache_dir``) where it cannot be created or written."""
+    fix = "set paths.cache_dir to a dir you can write to (or XDG_CACHE_HOME, which it defaults under)."
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError("paths.cache_dir", f"{path} cannot be created: {error.strerror or error}.", fix) from None
+    if not os.access(path, os.W_OK | os.X_OK):  # on a read-only file system, or without the rights
+        raise ConfigError("paths.cache_dir", f"{path} is not writable by this process.", fix)
+    return path
+
+
 def search(job: Job, workers: int | None = None) -> Search:
     """``plan=search``: the layouts of ``job``'s devices, simulated (``workers`` processes: one per core) and
     ranked."""
@@ -243,7 +256,7 @@ def search(job: Job, workers: int | None = None) -> Search:
             f"(plan_search.max_pipeline_ranks={job.search.max_pipeline_ranks}).",
             "search more strategies, e.g. plan_search.strategies=[ddp,fsdp,pipeline].",
         )
-    cache, workers = job.plan_cache, workers or os.cpu_count() or 1
+    cache, workers = writable_cache(job.plan_cache), workers or os.cpu_count() or 1
     capacity, _ = device_capacity(job)
     from_cache(candidates, cache, capacity)
     # Without pruning, every layout; with it, first those without a bubble, then those that could still be faster.
