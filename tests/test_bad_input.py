@@ -77,6 +77,19 @@ CASES = [
     (["trainer.devices: 2"], "override 'trainer.devices: 2': has no '=' ... Fix: write trainer.devices=2."),
     (["model.net.hidden_dims=[32"], "override 'model.net.hidden_dims=[32': opens [ and never closes it."),
     (["trainer.devices=2=3"], "override 'trainer.devices=2=3': is not an override Hydra can read: mismatched input"),
+    # Keys the config does not have: the nearest it has, not Hydra's advice to add them with + (a sweep's swept keys
+    # before the sweep dir is made: relative, it would land in the launch dir)
+    (["trainer.max_epoch=3"], "trainer.max_epoch: is not a key of trainer: did you mean trainer.max_epochs?"),
+    (["traner.max_epochs=3"], "traner.max_epochs: is not a key of the config: did you mean trainer.max_epochs?"),
+    (["trainer.max_epochs.x=3"], "trainer.max_epochs.x: goes below trainer.max_epochs, which is a value"),
+    (
+        ["hydra.mode=MULTIRUN", "trainer.max_epoch=3,4", "hydra.sweep.dir=sweep"],
+        "trainer.max_epoch: is not a key of trainer: did you mean trainer.max_epochs? Fix: write trainer.max_epochs=3,4",
+    ),
+    (
+        ["hparams_search=optuna", "model.optimizer.lrr=interval(0.01,0.1)", "hydra.sweep.dir=search"],
+        "model.optimizer.lrr: is not a key of model.optimizer: did you mean model.optimizer.lr?",
+    ),
     # Every other option against its constructor's type hints (project/config/schema.py); no number non-finite
     (["model.compile=no"], "model.compile: must be true or false, got 'no'"),
     # A misspelt key added with + (as Hydra's own message advises): refused before Lightning sees it
@@ -414,9 +427,9 @@ CASES = [
         ["callbacks.model_checkpoint.dirpath={files}/frozen/checkpoints"],
         "callbacks.model_checkpoint.dirpath: {files}/frozen/checkpoints is not writable by this process",
     ),
-    # Hydra's own: an option or key that does not exist
+    # Hydra's own: an option that does not exist (it lists those there are)
     (["model=nosuch"], "Could not find 'model/nosuch'"),
-    (["nosuchkey=1"], "Could not override 'nosuchkey'"),
+    (["nosuchkey=1"], "nosuchkey: is not a key of the config (python train.py --cfg job lists them)."),
     (
         [
             "model=gpt",

@@ -1,5 +1,11 @@
 """The command line's overrides parsed as Hydra parses them, before Hydra does: a malformed one is a config error in
-one sentence (which override, what is wrong, the form that works), not the lexer's report."""
+one sentence (which override, what is wrong, the form that works), not the lexer's report. A key the config does not
+have is named with the nearest one it does ("did you mean"), not with Hydra's advice to add it with ``+``."""
+
+import difflib
+from typing import Any
+
+from omegaconf import DictConfig
 
 from project.options.errors import ConfigError, exit_with
 
@@ -53,3 +59,79 @@ def check_overrides(argv: list[str]) -> None:
             parser.parse_overrides([override])
         except OverrideParseException as error:
             exit_with(override_error(override, str(error)))
+
+
+def unknown_key_error(key: str, value: str, cfg: DictConfig) -> ConfigError | None:
+    """The ``ConfigError`` for the override ``key=value`` where ``cfg`` has no ``key``, naming the nearest key it
+    has (each dotted part matched among its node's keys); None where ``key`` is there."""
+    node: Any = cfg
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the config"
+        if not isinstance(node, DictConfig):  # a value (or a list): it has no keys
+            return ConfigError(key, f"goes below {where}, which is a value, not a node of keys.", f"set {where}.")
+        if part in node:
+            node = node._get_node(part)  # the node itself: its value may be an interpolation not yet resolvable
+            continue
+        names = [str(name) for name in node]
+        close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+        meant = ".".join([*parts[:depth], close[0], *parts[depth + 1 :]]) if close else None
+        listed = f"its keys are {', '.join(names)}" if len(names) <= 12 else "python train.py --cfg job lists them"
+        return ConfigError(
+            key,
+            f"is not a key of {where}" + (f": did you mean {meant}?" if meant else f" ({listed})."),
+            f"write {meant}={value}." if meant else "set one of its keys (python train.py --cfg job shows them).",
+        )
+    return None
+
+
+def check_swept_keys(config: DictConfig) -> None:
+    """Exit with a config error if a sweep's swept key (``trainer.max_epochs=3,4``, or a key of an Optuna search
+    space, ``hydra.sweeper.params``) is not in ``config``, the sweep's config: Hydra applies those only as each job
+    starts, after the sweep dir is made. Keys below a swept group (``strategy=ddp,fsdp strategy.timeout=60``) are
+    left to each job: which keys there are depends on the option."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = OverridesParser.create().parse_overrides([str(line) for line in config.hydra.overrides.task])
+    groups = set(config.hydra.runtime.choices)  # strategy, model, hydra/launcher, ...
+    swept_groups = {
+        o.key_or_group.replace("/", ".") for o in overrides if o.key_or_group in groups and o.is_sweep_override()
+    }
+    params = config.hydra.sweeper.get("params") or {}
+    swept = [
+        (o.key_or_group, o.get_value_string())
+        for o in overrides
+        if o.is_sweep_override() and o.key_or_group not in groups and not (o.is_add() or o.is_force_add())
+    ] + [(str(key), str(value)) for key, value in params.items() if str(key) not in groups]
+    for key, value in swept:
+        if not any(key.startswith(f"{group}.") for group in swept_groups):
+            error = unknown_key_error(key, value, config)
+            if error is not None:
+                exit_with(error)
+
+
+def explain_unknown_keys() -> None:
+    """Make Hydra's composition name a key the config lacks with the nearest it has. Hydra has no hook for an
+    override that fails to apply (its message advises adding the key with +, which the constructor then refuses
+    after start-up), so its loader's override step is wrapped: each override applied in turn, as Hydra does, and a
+    missing key's error replaced by ours: the process exits 1 with it, as with every bad input."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    apply = ConfigLoaderImpl._apply_overrides_to_config
+
+    def apply_explained(overrides: list, cfg: DictConfig) -> None:
+        for override in overrides:
+            # Found before the override is applied: a failed update can leave a part of it in cfg. Only a plain
+            # key=value is explained: +, ++ and ~ get Hydra's own messages, which are about them.
+            plain = not (override.is_add() or override.is_force_add() or override.is_delete() or override.package)
+            explained = unknown_key_error(override.key_or_group, override.get_value_string(), cfg) if plain else None
+            try:
+                apply([override], cfg)
+            except ConfigCompositionException as error:
+                if explained is None or not isinstance(error.__cause__, (ConfigAttributeError, ConfigKeyError)):
+                    raise
+                exit_with(explained)  # SystemExit: Hydra would add its HYDRA_FULL_ERROR hint below ours
+
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_explained)  # type: ignore[method-assign]

@@ -9,6 +9,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from project.config.overrides import check_swept_keys
 from project.launch.job_dir import hold_job_dir
 from project.launch.results import print_sweep_summary
 from project.options.errors import ConfigError, exit_with
@@ -26,6 +27,7 @@ class JobDirCheck(Callback):
             keep_records(Path(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        check_swept_keys(config)
         _check_launcher(config.hydra.launcher)
         _check_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
         if int(os.environ.get("RANK", "0")) == 0:
