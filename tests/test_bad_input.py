@@ -84,7 +84,7 @@ CASES = [
     (["trainer.max_epochs.x=3"], "trainer.max_epochs.x: goes below trainer.max_epochs, which is a value"),
     (
         ["hydra.mode=MULTIRUN", "trainer.max_epoch=3,4", "hydra.sweep.dir=sweep"],
-        "trainer.max_epoch: is not a key of trainer: did you mean trainer.max_epochs? Fix: write trainer.max_epochs=3,4",
+        "trainer.max_epoch: is not a key of trainer ... Fix: write trainer.max_epochs=3,4",
     ),
     (
         ["hparams_search=optuna", "model.optimizer.lrr=interval(0.01,0.1)", "hydra.sweep.dir=search"],
