@@ -104,6 +104,9 @@ CASES = [
     (["model=gpt", "model.net.dropout=1.0"], "model.net.dropout: must be a number from 0 to 1 (1 excluded), got 1.0"),
     (["data.num_train=null"], "data.num_train: must be a positive integer, got None"),
     (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: must be one of 'none', 'tanh'"),
+    # Sizes the model must cover: every token id of the data (32 here), every position of a sequence (16)
+    (["model=gpt", "model.net.vocab_size=16"], "model.net.vocab_size: is 16, fewer than the 32 tokens of the data's"),
+    (["model=gpt", "model.net.max_length=8"], "data.seq_length: is 16, longer than the model's 8 learned positions"),
     (
         ["model=gpt", "model.scheduler.warmup_fraction=1.5"],
         "model.scheduler.warmup_fraction: must be a number from 0 to 1, got 1.5",

@@ -421,6 +421,20 @@ def _check_vocabulary(cfg: DictConfig, datamodule: Any) -> None:
         )
 
 
+def _check_positions(net: Any, datamodule: Any) -> None:
+    """A model with learned positions has one for every token of a sequence (``model.init_from`` gives it the
+    positions of its dir)."""
+    positions, length = getattr(net, "max_positions", None), getattr(datamodule, "seq_length", None)
+    if positions is not None and length is not None and length > positions:
+        raise ConfigError(
+            "data.seq_length",
+            f"is {length}, longer than the model's {positions} learned positions: positions past {positions - 1} "
+            "would have no embedding.",
+            f"use data.seq_length={positions} or less, or give the model more positions "
+            "(model.net.max_length=${data.seq_length}, its default, when it is not read from model.init_from).",
+        )
+
+
 def _train_batches(cfg: DictConfig, batches_per_epoch: int) -> int:
     """Training batches an epoch runs, as Lightning counts them with ``trainer.limit_train_batches`` (N batches or a
     fraction of the epoch)."""
@@ -565,6 +579,7 @@ def check_config(cfg: DictConfig) -> Job:
     _check_checkpoint(cfg, module, ckpt_path)
     _check_init_from(cfg, net)
     _check_vocabulary(cfg, datamodule)
+    _check_positions(net, datamodule)
     job = build_job(cfg, layout, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
     if job.cluster is not None and job.devices > job.cluster.devices_per_node:
         raise ConfigError(

@@ -123,6 +123,7 @@ class GPT(BlockSequence):
         if tie_weights:  # GPT-2's choice: the output projection reuses the token embedding
             self.head.output.weight = self.stem.tokens.weight
         self.num_layers = num_layers
+        self.max_positions = max_length
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """GPT-2's initialisation: weights and embeddings normal with std 0.02, the residual projections scaled

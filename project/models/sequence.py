@@ -12,6 +12,7 @@ class BlockSequence(nn.Module):
     stem: nn.Module
     blocks: nn.ModuleList
     head: nn.Module
+    max_positions: int | None = None  # the longest sequence it takes (learned positions); None: any (rotary)
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         raise NotImplementedError
