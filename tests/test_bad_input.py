@@ -495,7 +495,11 @@ CLI_CASES = [
     ("prepare", ["{files}/random.ckpt", "--out", "{out}"], "inputs: {files}/random.ckpt is not text (not UTF-8"),
     ("prepare", ["{files}/loop", "--out", "{out}"], "inputs: {files}/loop is a link that loops or leads nowhere."),
     ("prepare", ["{files}/fifo", "--out", "{out}"], "inputs: {files}/fifo is not a regular file (a FIFO, a device)."),
-    ("prepare", ["{files}/tiny.txt", "--out", "{out}"], "inputs: hold 1 document, which give the train split none"),
+    (
+        "prepare",
+        ["{files}/tiny.txt", "--out", "{out}"],
+        "inputs: hold 1 document (1 piece of up to 65,536 characters), which give the train split none",
+    ),
     ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--vocab-size", "10"], "--vocab-size: is 10, fewer than"),
     ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--val-fraction", "2"], "--val-fraction: is 2.0"),
     ("prepare", ["{files}/notes.jsonl", "--out", "{out}", "--shard-tokens", "0"], "--shard-tokens: is 0."),

@@ -15,8 +15,9 @@ import torch
 from conftest import REPO, PreloadedRun, isolated_env, kill_process_tree, require_extra, resize, train
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+import project.cli.prepare
 from project.checkpointing.files import META_FILE
-from project.cli.prepare import documents, input_files, is_validation, prepare
+from project.cli.prepare import input_files, is_validation, pieces, prepare
 from project.data.sampling import EpochShuffle, GlobalBatchSampler
 from project.data.shards import HEADER_BYTES, ShardsDataModule, read_shard
 from project.options.errors import ConfigError
@@ -58,7 +59,9 @@ def test_a_trained_byte_level_bpe_gives_back_every_document(corpus, tmp_path):
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     files = input_files([corpus])
     assert [path.name for path in files] == [*sorted(p.name for p in STDLIB_JSON.glob("*.py")), "notes.jsonl"]
-    texts = list(documents(files, "text"))
+    read = list(pieces(files, "text"))
+    assert all(last for _, last in read)  # no document longer than a piece: each whole, as it is in its file
+    texts = [text for text, _ in read]
     for split in ("train", "val"):
         shards = meta["splits"][split]["shards"]
         assert all(shard["tokens"] == 3000 for shard in shards[:-1]) and 0 < shards[-1]["tokens"] <= 3000
@@ -73,6 +76,31 @@ def test_a_trained_byte_level_bpe_gives_back_every_document(corpus, tmp_path):
     first.write_bytes(b"\0" * 8 + first.read_bytes()[8:])  # a damaged header is refused
     with pytest.raises(ValueError, match="not a token shard"):
         read_shard(first)
+
+
+def test_a_long_line_is_cut_into_pieces_that_the_splits_share(tmp_path, monkeypatch):
+    """One document of one line, 40 times a piece: read in pieces cut before a whitespace, spread over both
+    splits, each split's runs of consecutive pieces decoded back to their text, a separator after each run."""
+    monkeypatch.setattr(project.cli.prepare, "PIECE_CHARS", 500)
+    text = " ".join(f"word{i % 97}x{i}" for i in range(2000))
+    (tmp_path / "one_line.txt").write_text(text)
+    read = list(pieces([tmp_path / "one_line.txt"], "text"))
+    assert "".join(piece for piece, _ in read) == text and [last for _, last in read] == [False] * (len(read) - 1) + [
+        True
+    ]
+    assert len(read) >= 40 and all(len(piece) <= 500 for piece, _ in read)
+    assert all(piece.startswith(" ") for piece, _ in read[1:])  # cut before a space: the next word keeps its own
+    out = tmp_path / "out"
+    meta = prepare([tmp_path / "one_line.txt"], out, vocab_size=400, shard_tokens=5000, val_fraction=0.2)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    for split in ("train", "val"):
+        runs: list[str] = []
+        for index, (piece, _) in enumerate(read):
+            if is_validation(index, 0.2) == (split == "val"):
+                follows = index > 0 and is_validation(index - 1, 0.2) == (split == "val")
+                runs[-1:] = [runs[-1] + piece] if follows else [*runs[-1:], piece]
+        assert len(runs) > 2
+        assert decoded_documents(split_tokens(out, split), tokenizer, meta["separator"]["id"]) == runs
 
 
 def test_a_given_tokenizer_with_a_large_vocabulary_writes_uint32(tmp_path):

@@ -3,14 +3,16 @@
 
 Inputs: text files (one document each), ``.jsonl`` files (one document per line, its ``--text-key`` field) and
 ``.parquet`` files (the ``--text-key`` column; needs pyarrow), or directories of them, read in sorted order.
+A document longer than ``PIECE_CHARS`` is taken in pieces of about that length, cut before a whitespace (a text
+file is read a piece at a time), so that memory stays bounded whatever the length of a line.
 The tokenizer is a Hugging Face ``tokenizer.json`` (GPT-2's, Llama 3's...) or, without one, a byte-level BPE
 trained on the corpus with HF ``tokenizers``. Each document is followed by the separator token. A fixed share of
-the documents (chosen by a hash of their index) goes to the validation split. Tokens go into fixed-size shards
-(``project.data.shards``) per split; ``meta.json`` describes them. HF ``tokenizers`` encodes batches of
-documents on all cores.
+the pieces (chosen by a hash of their index: whole documents, where none is long) goes to the validation split.
+Tokens go into fixed-size shards (``project.data.shards``) per split; ``meta.json`` describes them. HF
+``tokenizers`` encodes batches of pieces on all cores.
 
 Interrupted, the same command continues: ``progress.json`` records, after every shard, where each split's
-unwritten tokens begin (document and token), and finished shards are not written again.
+unwritten tokens begin (piece and token), and finished shards are not written again.
 """
 
 import argparse
@@ -35,7 +37,11 @@ from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
 
 SEPARATORS = ["<|endoftext|>", "<|end_of_text|>", "</s>"]  # GPT-2's, Llama 3's, Llama 2's and others'
-ENCODE_BATCH = 256  # documents per call: HF tokenizers spreads a batch over all cores
+ENCODE_BATCH = 256  # pieces per call: HF tokenizers spreads a batch over all cores...
+ENCODE_CHARS = 4 * 2**20  # ...and at most this many characters, as its memory grows many times over with them
+# A longer document is tokenized, and shared between the splits, in pieces of about this many characters: HF
+# tokenizers would take gigabytes for one 50 MB line, and a corpus of a single long text needs a validation split.
+PIECE_CHARS = 2**16
 
 
 def _skipped(relative: Path) -> bool:
@@ -88,23 +94,45 @@ def input_files(paths: list[Path]) -> list[Path]:
     return files
 
 
-def documents(files: list[Path], text_key: str) -> Iterator[str]:
-    """Every document of the corpus, in a fixed order."""
+def pieces(files: list[Path], text_key: str) -> Iterator[tuple[str, bool]]:
+    """Every document of the corpus in a fixed order, in pieces of at most ``PIECE_CHARS`` characters, each with
+    whether it ends its document; a text file is read a piece at a time."""
     for path in files:
         if path.suffix == ".jsonl":
             with open(path, encoding="utf-8") as lines:
                 for number, line in enumerate(lines, 1):
                     if line.strip():
-                        yield _jsonl_text(path, number, line, text_key)
+                        yield from _cut(_slices(_jsonl_text(path, number, line, text_key)))
         elif path.suffix == ".parquet":
             try:
                 import pyarrow.parquet as parquet
             except ImportError:
                 raise ConfigError("inputs", f"{path}: reading parquet needs pyarrow.", "pip install pyarrow.") from None
             for batch in parquet.ParquetFile(path).iter_batches(columns=[text_key]):
-                yield from batch.column(0).to_pylist()
+                for text in batch.column(0).to_pylist():
+                    yield from _cut(_slices(text))
         else:
-            yield path.read_text(encoding="utf-8", errors="replace")
+            with open(path, encoding="utf-8", errors="replace") as file:
+                yield from _cut(iter(lambda: file.read(PIECE_CHARS), ""))
+
+
+def _slices(text: str) -> Iterator[str]:
+    return (text[start : start + PIECE_CHARS] for start in range(0, len(text), PIECE_CHARS))
+
+
+def _cut(chunks: Iterator[str]) -> Iterator[tuple[str, bool]]:
+    """One document, given as ``chunks`` of text, as pieces of at most ``PIECE_CHARS`` characters, each cut just
+    before a whitespace where there is one (a byte-level BPE's words begin with theirs, so the tokens hardly
+    change), with whether it is the last; an empty document is one empty piece."""
+    buffer = ""
+    for chunk in chunks:
+        buffer += chunk
+        while len(buffer) > PIECE_CHARS:
+            cut = max(buffer.rfind(space, 1, PIECE_CHARS + 1) for space in " \n\t")
+            cut = cut if cut > 0 else PIECE_CHARS
+            yield buffer[:cut], False
+            buffer = buffer[cut:]
+    yield buffer, True
 
 
 def _jsonl_text(path: Path, number: int, line: str, text_key: str) -> str:
@@ -144,12 +172,13 @@ def check_arguments(out: Path, vocab_size: int, shard_tokens: int, val_fraction:
 
 
 def check_documents(files: list[Path], text_key: str, val_fraction: float) -> None:
-    """``ConfigError`` unless the corpus gives each split a document with text (the validation split none when
-    ``val_fraction`` is 0): read until one of each is found (the first few hundred documents, for the default
+    """``ConfigError`` unless the corpus gives each split a piece with text (the validation split none when
+    ``val_fraction`` is 0): read until one of each is found (the first few hundred pieces, for the default
     share)."""
     found = {"train": False, "validation": val_fraction == 0}
-    count = 0
-    for count, text in enumerate(documents(files, text_key), 1):
+    count = documents = 0
+    for count, (text, last) in enumerate(pieces(files, text_key), 1):
+        documents += last
         if text.strip():
             found["validation" if is_validation(count - 1, val_fraction) else "train"] = True
         if all(found.values()):
@@ -159,9 +188,9 @@ def check_documents(files: list[Path], text_key: str, val_fraction: float) -> No
     missing = next(split for split, seen in found.items() if not seen)
     raise ConfigError(
         "inputs",
-        f"hold {count} document{'s' * (count != 1)}, which give the {missing} split none (--val-fraction "
-        f"{val_fraction} sends about 1 "
-        f"in {round(1 / val_fraction)} documents to validation).",
+        f"hold {documents} document{'s' * (documents != 1)} ({count} piece{'s' * (count != 1)} of up to "
+        f"{PIECE_CHARS:,} characters), which give the {missing} split none (--val-fraction {val_fraction} sends "
+        f"about 1 in {round(1 / val_fraction)} pieces to validation).",
         "give more documents, or a --val-fraction nearer 0.5.",
     )
 
@@ -227,28 +256,29 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
         tokenizer.save(str(partial))
 
 
-def is_validation(document: int, val_fraction: float) -> bool:
-    """A fixed, well-spread share of the documents, the same whatever the batching."""
-    return (document * 2654435761 % 2**32) / 2**32 < val_fraction
+def is_validation(piece: int, val_fraction: float) -> bool:
+    """A fixed, well-spread share of the pieces (of the documents, where none is longer than a piece), the same
+    whatever the batching."""
+    return (piece * 2654435761 % 2**32) / 2**32 < val_fraction
 
 
 @dataclass
 class Split:
-    """One split's shards, and its tokens not yet in one: ``start`` is where they begin (document, token), or the
-    document after the last one taken when none are pending."""
+    """One split's shards, and its tokens not yet in one: ``start`` is where they begin (piece, token), or the
+    piece after the last one taken when none are pending."""
 
     name: str
     shards: list[dict[str, Any]] = field(default_factory=list)
     start: tuple[int, int] = (0, 0)
     pending: list[np.ndarray] = field(default_factory=list, repr=False)
-    pending_from: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (document, first token)
+    pending_from: list[tuple[int, int]] = field(default_factory=list, repr=False)  # (piece, first token)
 
-    def add(self, document: int, tokens: np.ndarray, first: int = 0) -> None:
-        """Tokens ``first`` onwards of ``document``."""
+    def add(self, piece: int, tokens: np.ndarray, first: int = 0) -> None:
+        """Tokens ``first`` onwards of ``piece``."""
         if not self.pending:
-            self.start = (document, first)
+            self.start = (piece, first)
         self.pending.append(tokens)
-        self.pending_from.append((document, first))
+        self.pending_from.append((piece, first))
 
     def pending_tokens(self) -> int:
         return sum(len(tokens) for tokens in self.pending)
@@ -257,16 +287,16 @@ class Split:
         """The first ``count`` pending tokens; ``start`` moves to the token after them."""
         out, taken, last = [], 0, self.start[0]
         while taken < count:
-            tokens, (document, first) = self.pending[0], self.pending_from[0]
-            piece = tokens[: count - taken]
-            out.append(piece)
-            taken, last = taken + len(piece), document
-            if len(piece) == len(tokens):
+            tokens, (index, first) = self.pending[0], self.pending_from[0]
+            part = tokens[: count - taken]
+            out.append(part)
+            taken, last = taken + len(part), index
+            if len(part) == len(tokens):
                 self.pending.pop(0)
                 self.pending_from.pop(0)
             else:
-                self.pending[0] = tokens[len(piece) :]
-                self.pending_from[0] = (document, first + len(piece))
+                self.pending[0] = tokens[len(part) :]
+                self.pending_from[0] = (index, first + len(part))
         self.start = self.pending_from[0] if self.pending else (last + 1, 0)
         return np.concatenate(out)
 
@@ -290,6 +320,7 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     settings = {
         "tokenizer": str(tokenizer_path) if tokenizer_path else f"bpe-{vocab_size}",
+        "piece_chars": PIECE_CHARS,
         "text_key": text_key,
         "shard_tokens": shard_tokens,
         "val_fraction": val_fraction,
@@ -307,7 +338,7 @@ def prepare(
     elif progress is not None and tokenizer_file.is_file():
         tokenizer = Tokenizer.from_file(str(tokenizer_file))  # trained by the interrupted run
     else:
-        tokenizer = train_bpe(documents(files, text_key), vocab_size)
+        tokenizer = train_bpe((text for text, _ in pieces(files, text_key)), vocab_size)
         save_tokenizer(tokenizer, tokenizer_file)
     separator_id = tokenizer.token_to_id(separator_text)
     dtype = token_dtype(tokenizer.get_vocab_size())
@@ -336,31 +367,35 @@ def prepare(
     columns = [TextColumn("Tokenizing"), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
     with Progress(*columns) as bar:
         task = bar.add_task("tokenize", total=total_bytes)
-        batch: list[tuple[int, str]] = []
+        batch: list[tuple[int, str, bool]] = []
 
-        def encode(batch: list[tuple[int, str]]) -> None:
-            todo = [
-                (index, text)
-                for index, text in batch
-                if index >= splits["val" if is_validation(index, val_fraction) else "train"].start[0]
-            ]
-            encodings = tokenizer.encode_batch([text for _, text in todo], add_special_tokens=False)
-            for (index, _), encoding in zip(todo, encodings):
-                split = splits["val" if is_validation(index, val_fraction) else "train"]
-                tokens = np.array(encoding.ids + [separator_id], dtype=np.uint32)
+        def split_of(index: int) -> Split:
+            return splits["val" if is_validation(index, val_fraction) else "train"]
+
+        def encode(batch: list[tuple[int, str, bool]]) -> None:
+            todo = [(index, text, last) for index, text, last in batch if index >= split_of(index).start[0]]
+            encodings = tokenizer.encode_batch([text for _, text, _ in todo], add_special_tokens=False)
+            for (index, _, last), encoding in zip(todo, encodings):
+                split = split_of(index)
+                # The separator ends each document, and each run of its pieces in one split: the text that follows
+                # in this split is not what followed this piece.
+                ends = last or split_of(index + 1) is not split
+                tokens = np.array(encoding.ids + [separator_id] * ends, dtype=np.uint32)
                 first = split.start[1] if index == split.start[0] else 0  # a finished shard holds the tokens before
                 split.add(index, tokens[first:], first)
             for split in splits.values():
                 flush(split, final=False)
 
-        for index, text in enumerate(documents(files, text_key)):
+        characters = 0
+        for index, (text, last) in enumerate(pieces(files, text_key)):
             bar.advance(task, len(text.encode("utf-8", errors="replace")))
             if index < resume_from:
                 continue  # in finished shards of both splits
-            batch.append((index, text))
-            if len(batch) == ENCODE_BATCH:
+            batch.append((index, text, last))
+            characters += len(text)
+            if len(batch) == ENCODE_BATCH or characters >= ENCODE_CHARS:
                 encode(batch)
-                batch = []
+                batch, characters = [], 0
         encode(batch)
     for split in splits.values():
         flush(split, final=True)
