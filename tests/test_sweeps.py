@@ -38,6 +38,17 @@ def test_a_single_process_job_writes_its_result(single_run):
 
 
 @pytest.mark.slow
+def test_each_job_of_a_sweep_labels_its_progress_bars(tmp_path, home):
+    """Jobs that share a terminal (joblib runs them at once) say whose bar is whose: two jobs of one epoch, the
+    progress bar on (TINY takes it off), as a person at a terminal has it."""
+    with_bar = [item for item in TINY if "progress_bar" not in item and item != "trainer.max_epochs=3"]
+    output = train(
+        ["-m", *with_bar, "trainer.max_epochs=1", "logger=none", "seed=1,2", f"hydra.sweep.dir={tmp_path}"], home
+    ).output
+    for number in (0, 1):
+        assert f"job {number} · Epoch 0/0" in output
+
+
 def test_each_job_of_a_multi_process_sweep_writes_its_result_and_the_sweep_a_summary(ddp_fsdp_sweep):
     sweep_dir = ddp_fsdp_sweep[0].parent
     results = [assert_result_matches_run(sweep_dir / str(job)) for job in range(3)]

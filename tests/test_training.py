@@ -179,7 +179,7 @@ def test_default_run_learns_like_seed_002(runs_dir, home):
         result.output
     )
     assert "CONFIG" not in result.output
-    assert "Epoch 4/4" in result.output  # the Rich progress bar
+    assert "Epoch 4/4" in result.output and "· Epoch" not in result.output  # the Rich progress bar, no job label
     run = only_run(job_dir)
     assert_epoch_metrics(run, epochs=5)
     for key, sign in [("train/loss", -1), ("val/loss", -1), ("train/acc", 1), ("val/acc", 1)]:

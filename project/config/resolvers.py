@@ -28,8 +28,19 @@ def prepared_vocab_size(path: str) -> int:
     return prepared_meta(path)["vocab_size"]
 
 
+def sweep_job() -> str | None:
+    """``job N`` in a sweep's job N (Hydra's job number; an Optuna search's trial number), None in a single run."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    return f"job {HydraConfig.get().job.num}"
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("optuna_direction", optuna_direction, replace=True)
     OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node, replace=True)
     OmegaConf.register_new_resolver("prepared_vocab_size", prepared_vocab_size, replace=True)
     OmegaConf.register_new_resolver("wandb_x_axis", wandb_x_axis, replace=True)
+    OmegaConf.register_new_resolver("sweep_job", sweep_job, replace=True)

@@ -1,4 +1,5 @@
-"""The progress bar: Lightning's Rich bar, redrawn a few times a second rather than at every batch."""
+"""The progress bar: Lightning's Rich bar, redrawn a few times a second rather than at every batch, and labelled
+with its job in a sweep."""
 
 import time
 
@@ -16,10 +17,25 @@ class TimedRichProgressBar(RichProgressBar):
     4 s step. A person reading the bar needs no more than ~10 redraws a second.
     """
 
-    def __init__(self, min_interval_s: NonNegativeFloat = 0.1, **kwargs) -> None:
+    def __init__(self, min_interval_s: NonNegativeFloat = 0.1, label: str | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
         self.min_interval_s = min_interval_s
+        self.label = label  # before each bar's description: which job of a sweep (parallel jobs share a terminal)
         self._last_redraw = 0.0
+
+    def _labelled(self, description: str) -> str:
+        return description if self.label is None else f"{self.label} · {description}"
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        return self._labelled(super()._get_train_description(current_epoch))
+
+    @property
+    def validation_description(self) -> str:
+        return self._labelled(super().validation_description)
+
+    @property
+    def sanity_check_description(self) -> str:
+        return self._labelled(super().sanity_check_description)
 
     def _due(self, batch_idx: int, total: int | float) -> bool:
         now = time.monotonic()
