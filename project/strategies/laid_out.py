@@ -32,3 +32,9 @@ class LaidOutStrategy(ABC):
     def parameter_stage(self) -> dict[int, int]:
         """``id(parameter)`` -> the stage (and so the device) holding it, for a process that drives several
         devices; empty where a process has one."""
+
+    def summed_over_stages(self, counts: list[int]) -> list[int]:
+        """``counts`` of this rank's parameters, summed over the ranks that hold the model's other stages: the
+        model's own counts (for its summary). As they are where each rank holds every stage (a DTensor shard
+        counts as its whole tensor)."""
+        return counts

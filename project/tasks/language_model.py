@@ -47,9 +47,11 @@ class LanguageModelModule(TrainingModule):
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
         # Perplexity is exp of the mean token loss, which the loss metric already holds (reduced over all ranks):
-        # no second pass over the logits.
-        self.log("val/perplexity", torch.exp(cast(SampleMean, self.val_metrics["loss"]).compute()))
+        # no second pass over the logits. It and the floor are the same on every rank: sync_dist's max keeps them,
+        # where Lightning would warn about an epoch-level value not reduced.
+        perplexity = torch.exp(cast(SampleMean, self.val_metrics["loss"]).compute())
+        self.log("val/perplexity", perplexity, sync_dist=True, reduce_fx="max")
         # (datamodule: set on the Trainer by Lightning's data connector, not declared by its class.)
         floor = getattr(self.trainer.datamodule, "entropy_floor", None)  # type: ignore[attr-defined]
         if floor is not None:  # plotted beside val/loss: how far the model is from the best possible
-            self.log("data/entropy_floor", floor)
+            self.log("data/entropy_floor", floor, sync_dist=True, reduce_fx="max")
