@@ -4,7 +4,6 @@ See README.md; ``python train.py --help`` lists the config groups.
 """
 
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from omegaconf import DictConfig
 
 from project.config.overrides import check_overrides, explain_unknown_keys
 from project.config.resolvers import register_resolvers
+from project.launch.processes import torchrun_rank
 from project.launch.results import record_failure
 from project.options.errors import ConfigError, JobFailed, JobStopped, WriteFailed, exit_with
 
@@ -53,7 +53,7 @@ def main(cfg: DictConfig) -> float | list[float | None] | None:
 if __name__ == "__main__":
     check_overrides(sys.argv[1:])  # a malformed override: one sentence, not Hydra's lexer report
     explain_unknown_keys()  # a misspelt key: the nearest key there is, not Hydra's advice to add it with +
-    if int(os.environ.get("RANK", "0")) > 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+    if torchrun_rank() > 0:
         # torchrun ranks > 0: only rank 0 keeps Hydra's log file and .hydra/ record of the job.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
     main()

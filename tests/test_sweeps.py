@@ -5,12 +5,15 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import submitit
 import yaml
-from conftest import REPO, TINY, PreloadedRun, assert_close, only_run, require_extra, train
+from conftest import REPO, TINY, PreloadedRun, assert_close, isolated_env, only_run, require_extra, train
 from helpers.wandb_offline import offline_runs
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
@@ -37,18 +40,37 @@ def test_a_single_process_job_writes_its_result(single_run):
     assert_result_matches_run(single_run)
 
 
-@pytest.mark.slow
-def test_each_job_of_a_sweep_labels_its_progress_bars(tmp_path, home):
-    """Jobs that share a terminal (joblib runs them at once) say whose bar is whose: two jobs of one epoch, the
-    progress bar on (TINY takes it off), as a person at a terminal has it."""
+@pytest.fixture(scope="module")
+def plain_sweep(tmp_path_factory, home) -> tuple[str, Path]:
+    """Two single-process jobs of one epoch, the progress bar on (TINY takes it off) as a person at a terminal has
+    it, started from a shell that holds a distributed job's RANK and WORLD_SIZE: its output and sweep dir."""
+    sweep_dir = tmp_path_factory.mktemp("plain-sweep")
     with_bar = [item for item in TINY if "progress_bar" not in item and item != "trainer.max_epochs=3"]
-    output = train(
-        ["-m", *with_bar, "trainer.max_epochs=1", "logger=none", "seed=1,2", f"hydra.sweep.dir={tmp_path}"], home
-    ).output
+    args = ["-m", *with_bar, "trainer.max_epochs=1", "logger=none", "seed=1,2", f"hydra.sweep.dir={sweep_dir}"]
+    env = {**isolated_env(home), "RANK": "1", "WORLD_SIZE": "2"}
+    result = subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout + result.stderr, sweep_dir
+
+
+def test_each_job_of_a_sweep_labels_its_progress_bars(plain_sweep):
+    """Jobs that share a terminal (joblib runs them at once) say whose bar is whose."""
+    output, _ = plain_sweep
     for number in (0, 1):
         assert f"job {number} · Epoch 0/0" in output
 
 
+def test_a_stray_rank_in_the_environment_is_not_taken_for_a_torchrun_worker(plain_sweep):
+    """Outside torchrun, RANK=1 is not this process's rank: the sweep's dir is locked and its summary written, as
+    rank 0's are (a worker of a torchrun job would do neither)."""
+    output, sweep_dir = plain_sweep
+    assert (sweep_dir / ".job.lock").is_file() and (sweep_dir / "summary.csv").is_file()
+    assert "seed=2" in output.split("Sweep summary")[-1]
+
+
+@pytest.mark.slow
 def test_each_job_of_a_multi_process_sweep_writes_its_result_and_the_sweep_a_summary(ddp_fsdp_sweep):
     sweep_dir = ddp_fsdp_sweep[0].parent
     results = [assert_result_matches_run(sweep_dir / str(job)) for job in range(3)]

@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from project.config.overrides import check_swept_keys
 from project.launch.job_dir import hold_job_dir
+from project.launch.processes import torchrun_rank
 from project.launch.results import print_sweep_summary
 from project.options.errors import ConfigError, exit_with
 
@@ -23,14 +24,14 @@ class JobDirCheck(Callback):
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         _check_dir(config.hydra.run.dir, "hydra.run.dir")
-        if int(os.environ.get("RANK", "0")) == 0:
+        if torchrun_rank() == 0:
             keep_records(Path(config.hydra.run.dir))
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         check_swept_keys(config)
         _check_launcher(config.hydra.launcher)
         _check_dir(config.hydra.sweep.dir, "hydra.sweep.dir")
-        if int(os.environ.get("RANK", "0")) == 0:
+        if torchrun_rank() == 0:
             for job_dir in Path(config.hydra.sweep.dir).iterdir():
                 keep_records(job_dir)
 
@@ -86,7 +87,7 @@ def _check_dir(path: str | None, key: str) -> None:
         exit_with(ConfigError(key, f"{path} cannot be created: {error.strerror or error}.", fix))
     if not os.access(path, os.W_OK | os.X_OK):  # it exists, on a read-only file system or without the rights
         exit_with(ConfigError(key, f"{path} is not writable by this process.", fix))
-    if int(os.environ.get("RANK", "0")) == 0:
+    if torchrun_rank() == 0:
         try:
             hold_job_dir(path, key)
         except ConfigError as error:
@@ -98,7 +99,7 @@ class SweepSummary(Callback):
     the best job marked), printed and written to the sweep dir as ``summary.csv`` and ``summary.md``."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if int(os.environ.get("RANK", "0")) > 0:
+        if torchrun_rank() > 0:
             return  # under torchrun every rank ran the sweep; rank 0 summarises it
         failed, jobs = print_sweep_summary(Path(config.hydra.sweep.dir))
         if failed:

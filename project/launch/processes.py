@@ -93,6 +93,12 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def torchrun_rank() -> int:
+    """This process's rank under torchrun, else 0: a ``RANK`` left in the environment of a plain ``python
+    train.py`` (from a shell that ran a distributed job) does not make it a worker of another job."""
+    return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
+
+
 @dataclass(frozen=True)
 class NodeTask:
     """This process's node in its job: hydra-submitit-launcher (``launcher=slurm``) runs the Hydra job once per
@@ -116,4 +122,4 @@ def node_task() -> NodeTask:
 def is_rank_zero() -> bool:
     """This process is rank 0 of its job: always, unless torchrun started several ranks or a cluster launcher
     several node tasks."""
-    return int(os.environ.get("RANK", "0")) == 0 and node_task().rank == 0
+    return torchrun_rank() == 0 and node_task().rank == 0
