@@ -135,15 +135,26 @@ def test_a_one_device_checkpoint_resumed_under_fsdp_x_2_goes_on_as_the_uninterru
         assert [row[key] for row in got] == pytest.approx([row[key] for row in expected], rel=1e-5), key
 
 
-def test_an_optimized_metric_the_run_never_logs_fails_it_after_its_first_validated_epoch(home, tmp_path):
-    """optimized_metric.name=val/accuracy (the MLP logs val/acc): the job used to train every epoch and end
-    "completed" without an objective, each trial of a search recorded FAIL while the search exited 0."""
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("optimized_metric.name=val/accuracy", "optimized_metric.name: is 'val/accuracy', which this run does not log"),
+        (
+            "optimized_metric.also=[val/loss,val/accuracy]",
+            "optimized_metric.also: names 'val/accuracy', which this run does not log",
+        ),
+    ],
+)
+def test_an_optimized_metric_the_run_never_logs_fails_it_after_its_first_validated_epoch(
+    override, message, home, tmp_path
+):
+    """optimized_metric.name=val/accuracy (the MLP logs val/acc), or such a name among the metrics a multi-objective
+    search is returned (.also): the job used to train every epoch and end "completed" without an objective, each
+    trial of a search recorded FAIL while the search exited 0."""
     job_dir = tmp_path / "job"
-    result = train([*TINY, "optimized_metric.name=val/accuracy", f"hydra.run.dir={job_dir}"], home, expect_ok=False)
+    result = train([*TINY, override, f"hydra.run.dir={job_dir}"], home, expect_ok=False)
     assert result.returncode == 1 and "Traceback" not in result.output, result.output[-3000:]
-    assert "optimized_metric.name: is 'val/accuracy', which this run does not log. Fix: name one it logs:" in (
-        result.output
-    )
+    assert f"{message}. Fix: name one it logs:" in result.output
     assert "val/acc, val/loss" in result.output
     recorded = json.loads((job_dir / "result.json").read_text())
     assert recorded["status"] == "failed" and recorded["epochs"] == 0

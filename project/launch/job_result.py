@@ -2,6 +2,7 @@
 
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,18 @@ class JobResult(L.Callback):
     ran.
     """
 
-    def __init__(self, path: str | Path, metric: str, mode: str, pruning: PruneTrial | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        metric: str,
+        mode: str,
+        pruning: PruneTrial | None = None,
+        also: Sequence[str] = (),
+    ) -> None:
         if mode not in ("max", "min"):
             raise ValueError(f"mode must be max or min, got {mode!r}")
         self.path, self.metric, self.mode = Path(path), metric, mode
+        self.also = list(also)  # the other metrics a multi-objective search is returned (optimized_metric.also)
         self.pruning = pruning  # a trial's pruner: a job it stopped ends ``pruned``, not ``completed``
         self.epochs: list[dict[str, float]] = []
         self.devices: list[dict[str, Any]] = []
@@ -42,15 +51,18 @@ class JobResult(L.Callback):
         self.validated = False  # a validation (not Lightning's sanity check) has run
 
     def _check_metric_logged(self, trainer: L.Trainer) -> None:
-        """``ConfigError`` once an epoch with a validation has logged everything, if ``metric`` is not among it: every
-        epoch would end without an objective (a search's trials all failing at their end, silently before)."""
-        if self.metric not in trainer.callback_metrics:
-            logged = ", ".join(sorted(name for name in trainer.callback_metrics if not name.startswith("step/")))
-            raise ConfigError(
-                "optimized_metric.name",
-                f"is {self.metric!r}, which this run does not log.",
-                f"name one it logs: {logged}.",
-            )
+        """``ConfigError`` once an epoch with a validation has logged everything, if ``metric`` or one of ``also``
+        is not among it: every epoch would end without an objective (a search's trials all failing at their end,
+        silently before)."""
+        for key, names in (("optimized_metric.name", [self.metric]), ("optimized_metric.also", self.also)):
+            missing = [name for name in names if name not in trainer.callback_metrics]
+            if missing:
+                logged = ", ".join(sorted(name for name in trainer.callback_metrics if not name.startswith("step/")))
+                raise ConfigError(
+                    key,
+                    f"{'is' if key.endswith('name') else 'names'} {missing[0]!r}, which this run does not log.",
+                    f"name one it logs: {logged}.",
+                )
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.validated:

@@ -66,7 +66,15 @@ def train(cfg: DictConfig) -> None:
     trial = cfg.get("trial")
     pruning = PruneTrial(trial, cfg.optimized_metric.name) if trial is not None and trial.pruner else None
     # Whatever the callbacks group holds: sweeps read the result.
-    callbacks.append(JobResult(result_file(cfg), cfg.optimized_metric.name, cfg.optimized_metric.mode, pruning))
+    callbacks.append(
+        JobResult(
+            result_file(cfg),
+            cfg.optimized_metric.name,
+            cfg.optimized_metric.mode,
+            pruning,
+            cfg.optimized_metric.get("also") or (),
+        )
+    )
     if pruning is not None:
         callbacks.append(pruning)
     # Whatever the callbacks group holds: a preempted job must stop cleanly, a diverged one fail on every rank.
