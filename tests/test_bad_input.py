@@ -66,6 +66,10 @@ CASES = [
         ["hparams_search=optuna", "hydra.sweeper.storage=nosuchdb://x/y", "hydra.sweep.dir={files}/url"],
         "hydra.sweeper.storage: nosuchdb://x/y cannot be opened: Can't load plugin",
     ),
+    (
+        ["hparams_search=optuna", "hydra.sweeper.storage={files}/frozen/o.journal", "hydra.sweep.dir={files}/journal"],
+        "hydra.sweeper.storage: {files}/frozen is not writable by this process",
+    ),
     (["optimized_metric.also=val/loss"], "optimized_metric.also: must be a list of metric names, got 'val/loss'"),
     # Launchers this machine cannot honour (no SLURM here)
     (["launcher=slurm", "hydra.sweep.dir={files}/slurm"], "launcher: is slurm, but this machine has no SLURM"),

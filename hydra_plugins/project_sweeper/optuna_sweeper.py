@@ -290,7 +290,10 @@ class OptunaSweeper(Sweeper):
             "that opens: sqlite:///<file>, postgresql://user:password@host/db."
         )
         if "://" not in self.storage:
-            check_writable("hydra.sweeper.storage", Path(self.storage).parent, fix)
+            try:
+                check_writable("hydra.sweeper.storage", Path(self.storage).parent, fix)
+            except ConfigError as error:
+                exit_with(error)
         try:
             return open_storage(self.storage)
         except Exception as error:  # SQLAlchemy's, a driver's, the journal's: whatever says why it does not open
