@@ -1,7 +1,9 @@
 """OmegaConf resolvers that configs use to derive one setting from others. OmegaConf only: ``train.py`` registers
 them before Hydra composes anything, so ``--help`` stays fast."""
 
-from omegaconf import OmegaConf
+from typing import cast
+
+from omegaconf import DictConfig, OmegaConf
 
 from project.data.prepared import prepared_meta
 
@@ -35,7 +37,9 @@ def sweep_job() -> str | None:
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
-    return f"job {HydraConfig.get().job.num}"
+    # A DictConfig at run time, whatever its hint says; job.num is missing in the sweep's own config (its jobs' not).
+    number = OmegaConf.select(cast(DictConfig, HydraConfig.get()), "job.num")
+    return None if number is None else f"job {number}"
 
 
 def register_resolvers() -> None:
