@@ -431,6 +431,24 @@ def gpt_ddp_fsdp_sweep(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
+def gpt_fsdp_selective(runs_dir, home):
+    """The GPT under fsdp x 2 with selective activation checkpointing (torchtitan's per-op policy), 16 per device."""
+    return one_run(
+        "gpt-fsdp-selective",
+        [
+            *TINY_GPT,
+            "trainer.devices=2",
+            "data.batch_size=16",
+            "strategy=fsdp",
+            "model.activation_checkpointing=selective",
+            TRACKED,
+        ],
+        runs_dir,
+        home,
+    )
+
+
+@pytest.fixture(scope="session")
 def gpt_pipeline_compiled(runs_dir, home):
     """The GPT's blocks compiled (model.compile=true) and split into pipeline stages (1f1b)."""
     return one_run(

@@ -103,11 +103,15 @@ CASES = [
     ),
     (["+data.batchsize=8"], "data.batchsize: is not an option of project.data.synthetic.SyntheticDataModule"),
     (["data.shuffle=off"], "data.shuffle: must be true or false, got 'off'"),
-    (["trainer.deterministic=yes"], "trainer.deterministic: must be true or false or one of 'warn', got 'yes'"),
+    (["trainer.deterministic=yes"], "trainer.deterministic: must be true or false or 'warn', got 'yes'"),
     (["model=gpt", "model.net.num_heads=2.5"], "model.net.num_heads: must be a positive integer, got 2.5"),
     (["model=gpt", "model.net.dropout=1.0"], "model.net.dropout: must be a number from 0 to 1 (1 excluded), got 1.0"),
     (["data.num_train=null"], "data.num_train: must be a positive integer, got None"),
     (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: must be one of 'none', 'tanh'"),
+    (
+        ["model.activation_checkpointing=partial"],
+        "model.activation_checkpointing: must be true or false or 'selective', got 'partial'",
+    ),
     # Sizes the model must cover: every token id of the data (32 here), every position of a sequence (16)
     (["model=gpt", "model.net.vocab_size=16"], "model.net.vocab_size: is 16, fewer than the 32 tokens of the data's"),
     (["model=gpt", "model.net.max_length=8"], "data.seq_length: is 16, longer than the model's 8 learned positions"),
@@ -147,7 +151,7 @@ CASES = [
         ["strategy=ddp", "trainer.devices=2", "data.num_train=1"],
         "trainer.devices: x trainer.num_nodes gives 2 data-parallel replicas, more than the 1 training samples",
     ),
-    (["plan=no"], "plan: must be true or false or one of 'search', got 'no'"),
+    (["plan=no"], "plan: must be true or false or 'search', got 'no'"),
     (["plan=search"], "cluster: is not set: plan=search predicts step times on a cluster's GPUs and network"),
     (
         ["plan=search", "cluster=h100_sxm_8x", "plan_search.strategies=[fsdp,tensor_parallel]"],

@@ -29,6 +29,7 @@ PLANNED_RUNS = [
     ("gpt_auto", None),
     ("gpt_ddp_fsdp_sweep", 0),
     ("gpt_ddp_fsdp_sweep", 1),
+    ("gpt_fsdp_selective", None),
     ("gpt_pipeline_compiled", None),
     ("llama_auto", None),
     ("llama_fsdp", None),
@@ -272,6 +273,20 @@ SMALL_DEVICE = [
     "+trainer.limit_val_batches=1",
     "logger=csv",
 ]
+
+
+def test_selective_checkpointing_is_planned_between_none_and_full():
+    """What the plan holds for backward, and its peak: less than without checkpointing, more than with full."""
+    plans = [
+        plan_memory(
+            resolved([*TINY_GPT, "data.batch_size=16", "logger=none", f"model.activation_checkpointing={mode}"]),
+            suggest=False,
+        ).devices[0]
+        for mode in ("false", "selective", "true")
+    ]
+    none, selective, full = plans
+    assert none.activations > selective.activations > full.activations
+    assert none.peak > selective.peak > full.peak
 
 
 def test_a_suggested_strategy_is_set_as_its_config_file_sets_it():

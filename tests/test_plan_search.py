@@ -20,7 +20,7 @@ SEARCH = [
 ]
 # Written out by hand: DDP's one layout, FSDP alone and over 2 tensor-parallel ranks, a pipeline of 2 ranks under
 # 1F1B (4 micro-batches: 2 per rank; interleaving needs 4 stages, and there are 3 blocks), each at the global batch
-# of 8 and with activation checkpointing off and on.
+# of 8 and with activation checkpointing off, selective and full.
 LAYOUTS_WITHOUT_BUBBLE = [
     "strategy=ddp data.batch_size=4",
     "strategy=fsdp data.batch_size=4",
@@ -32,7 +32,7 @@ LAYOUTS = {
         *LAYOUTS_WITHOUT_BUBBLE,
         "strategy=pipeline strategy.num_stages=2 strategy.microbatches=4 data.batch_size=8",
     ]
-    for checkpointing in ("false", "true")
+    for checkpointing in ("false", "selective", "true")
 }
 ROW = re.compile(r"^\s*(\d+)\s+([\d,]+)\s+([\d.]+)%\s+\S+\s+\S+\s+\S+\s+~?([\d.]+ [KMG]iB)\s+(yes|no)\s+(.+)$", re.M)
 BOUNDED = re.compile(r"^\s*\d+\s+<=([\d,]+)(?:\s+-){6}\s+(.+)$", re.M)
@@ -88,8 +88,8 @@ def test_the_layouts_pruned_are_bounded_above_their_throughput_and_none_is_the_f
     step's FLOPs, stretched by its bubble) is below FSDP's throughput. Simulated after all, each pipeline is slower
     than its bound, and the fastest layout is the same."""
     _, pruned, every = searched
-    assert "8 layouts, 6 simulated, 2 bounded" in pruned
-    assert "8 layouts, 2 simulated, 0 bounded" in every  # the 2 left out; the 6 others from the cache
+    assert "12 layouts, 9 simulated, 3 bounded" in pruned
+    assert "12 layouts, 3 simulated, 0 bounded" in every  # the 3 left out; the 9 others from the cache
     bounds = {overrides.strip(): int(bound.replace(",", "")) for bound, overrides in BOUNDED.findall(pruned)}
     assert set(bounds) == {layout for layout in LAYOUTS if layout.startswith("strategy=pipeline")}
     simulated = {row["overrides"]: row["tokens"] for row in rows(every)}
@@ -112,7 +112,7 @@ def test_a_smaller_device_reranks_from_the_cache_and_a_run_that_does_not_fit_is_
     small = [f"memory_plan.device_memory_gb={gigabytes}", f"paths.cache_dir={cache}"]
     again = train([*SEARCH, "plan=search", *small], home).stdout
     table = rows(again)
-    assert "8 layouts, 0 simulated" in again
+    assert "12 layouts, 0 simulated" in again
     fits = [row["fits"] for row in table]
     assert any(fits) and not all(fits) and fits == sorted(fits, reverse=True)
     assert all(row["fits"] == (row["peak"] <= gigabytes * 2**30) for row in table)

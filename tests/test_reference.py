@@ -24,6 +24,7 @@ RUNS = {
         "auto": ("gpt_auto", None),
         "ddp": ("gpt_ddp_fsdp_sweep", 0),
         "fsdp": ("gpt_ddp_fsdp_sweep", 1),
+        "fsdp-selective-checkpointing": ("gpt_fsdp_selective", None),
         "pipeline-1f1b-compiled": ("gpt_pipeline_compiled", None),
         "tensor_parallel": ("gpt_tensor_parallel", None),
         "fsdp-x-tensor_parallel": ("gpt_fsdp_tensor_parallel", None),

@@ -83,12 +83,14 @@ def test_a_pipelines_stages_share_the_whole_models_flops():
     assert sum(device.flops for device in devices) == mlp_step_flops(64)
 
 
-def gpt_step_flops(job: Job, batch: int, checkpointed: bool) -> int:
+def gpt_step_flops(job: Job, batch: int, checkpointing: str) -> int:
     """The GPT's step: per block 24 d^2 FLOPs a token in its linears (q, k, v, proj: 4 d x d; MLP: d x 4d twice),
     2 x 2 T d a token in attention (scores, then values; torch counts the causal mask's zeros too), and the head's
     2 d V a token. Backward: twice the linears' (weights and inputs), 2.5 times the attention's (torch's formula).
-    Activation checkpointing recomputes each block's forward in backward but for its last linear (the MLP's down
-    projection), whose output no gradient needs: torch's recompute stops early."""
+    Full activation checkpointing recomputes each block's forward in backward but for its last linear (the MLP's
+    down projection), whose output no gradient needs: torch's recompute stops early. Selective checkpointing keeps
+    attention's output and every second matmul's (the block runs q, k, v, proj, up, down: q's, v's and up's): the
+    recompute runs k and proj again (2 d^2 a token each), down being past the early stop."""
     d, layers, tokens, vocab = (
         job.cfg.model.net.dim,
         job.cfg.model.net.num_layers,
@@ -97,17 +99,21 @@ def gpt_step_flops(job: Job, batch: int, checkpointed: bool) -> int:
     )
     linears, attention, head = 24 * d * d * tokens, 4 * tokens * job.cfg.data.seq_length * d, 2 * tokens * d * vocab
     step = 3 * (layers * linears + head) + 3.5 * layers * attention
-    recompute = layers * (16 * d * d * tokens + attention)
-    return int(step + (recompute if checkpointed else 0))
+    recompute = {
+        "false": 0,
+        "selective": layers * 2 * (2 * d * d * tokens),
+        "true": layers * (16 * d * d * tokens + attention),
+    }[checkpointing]
+    return int(step + recompute)
 
 
-@pytest.mark.parametrize("checkpointed", [False, True], ids=["no-ac", "ac"])
-def test_planned_flops_of_a_gpt_step_are_its_arithmetic_with_activation_checkpointing_recompute(checkpointed):
+@pytest.mark.parametrize("checkpointing", ["false", "selective", "true"], ids=["no-ac", "selective-ac", "ac"])
+def test_planned_flops_of_a_gpt_step_are_its_arithmetic_with_activation_checkpointing_recompute(checkpointing):
     """The step's FLOPs, and of them the recompute's, counted apart (MFU leaves it out)."""
-    job = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", f"model.activation_checkpointing={checkpointed}"])
-    recompute = gpt_step_flops(job, 16, True) - gpt_step_flops(job, 16, False) if checkpointed else 0
+    job = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", f"model.activation_checkpointing={checkpointing}"])
+    recompute = gpt_step_flops(job, 16, checkpointing) - gpt_step_flops(job, 16, "false")
     counted = [(device.flops, device.recomputed_flops) for device in simulate_devices(job)[0]]
-    assert counted == [(gpt_step_flops(job, 16, checkpointed), recompute)]
+    assert counted == [(gpt_step_flops(job, 16, checkpointing), recompute)]
 
 
 @pytest.mark.parametrize("layout", [["strategy=tensor_parallel"], ["strategy=fsdp", "strategy.tensor_parallel_size=2"]])
@@ -116,4 +122,4 @@ def test_each_tensor_parallel_rank_computes_half_the_gpts_step(layout):
     half the step's arithmetic. (DTensor runs each op whole on fake tensors of its own to infer the output's shape:
     those are not counted.)"""
     job = resolved([*TINY_GPT, "data.batch_size=16", "logger=none", "trainer.devices=2", *layout])
-    assert [device.flops for device in simulate_devices(job)[0]] == [gpt_step_flops(job, 16, False) // 2]
+    assert [device.flops for device in simulate_devices(job)[0]] == [gpt_step_flops(job, 16, "false") // 2]

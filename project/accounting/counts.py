@@ -8,7 +8,7 @@ Why not torch's ``FlopCounterMode``: it tracks modules with hooks on every forwa
 """
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -134,6 +134,30 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         RECOMPUTING.reset(token)
+
+
+# Set while a memory plan's simulation counts what a forward keeps for backward: selective checkpointing keeps the
+# outputs its policy saves in a cache of its own, which autograd's saved-tensor hooks do not see.
+KEPT_FOR_BACKWARD: ContextVar[Callable[[torch.Tensor], object] | None] = ContextVar("KEPT_FOR_BACKWARD", default=None)
+
+
+def kept_for_backward(output: Any) -> None:
+    """Report the tensors of ``output``, which selective checkpointing keeps, to the simulation counting them."""
+    count = KEPT_FOR_BACKWARD.get()
+    if count is not None:
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, torch.Tensor):
+                count(tensor)
+
+
+@contextmanager
+def counting_kept(count: Callable[[torch.Tensor], object]) -> Iterator[None]:
+    """Within: each tensor selective checkpointing keeps goes to ``count`` (as autograd's to a pack hook)."""
+    token = KEPT_FOR_BACKWARD.set(count)
+    try:
+        yield
+    finally:
+        KEPT_FOR_BACKWARD.reset(token)
 
 
 class StepCounts(TorchDispatchMode):

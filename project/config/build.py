@@ -17,6 +17,7 @@ from project.job.cluster import Cluster
 from project.job.job import Job, Layout, SearchSettings
 from project.layouts.data_parallel_layout import DataParallelLayout
 from project.options.errors import ConfigError
+from project.parallel.parallelize import checkpointing_mode
 from project.strategies.laid_out import LaidOutStrategy
 
 STRATEGY_OPTIONS = Path(__file__).resolve().parents[2] / "conf" / "strategy"
@@ -80,7 +81,7 @@ def build_job(cfg: DictConfig, layout: Layout, ckpt_path: str | None, train_samp
         # None only for trainer.precision=null, which the checks refuse first.
         precision=cast(str, _convert_precision_to_unified_args(cfg.trainer.precision)),
         uses_cuda=uses_cuda(cfg),
-        activation_checkpointing=bool(
+        activation_checkpointing=checkpointing_mode(
             cfg.model.get("activation_checkpointing") or OmegaConf.select(cfg, "strategy.activation_checkpointing")
         ),
         seq_length=cfg.data.get("seq_length"),

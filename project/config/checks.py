@@ -343,7 +343,7 @@ def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None)
 # The last few models _meta_model built, by their config: plan=search checks dozens of layouts of one model, and
 # building Llama 3.1 8B's 32 blocks, even on the meta device, was most of a check. The checks only read them.
 _META_MODELS: dict[str, tuple[nn.Module, nn.Module]] = {}
-_META_MODELS_KEPT = 2  # a search's: activation checkpointing off and on
+_META_MODELS_KEPT = 3  # a search's: activation checkpointing off, selective and full
 
 
 def _meta_model(cfg: DictConfig) -> tuple[nn.Module, nn.Module]:

@@ -193,7 +193,9 @@ def _mismatch(value: Any, hint: Any) -> str | None:
         return None if expected is None else f"a list, each item {expected}"
     if origin is Literal:
         allowed = typing.get_args(hint)
-        return None if value in allowed else "one of " + ", ".join(repr(choice) for choice in allowed)
+        if value in allowed:
+            return None
+        return "one of " + ", ".join(repr(choice) for choice in allowed) if len(allowed) > 1 else repr(allowed[0])
     if origin in (Union, types.UnionType):
         options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         expectations = [_mismatch(value, option) for option in options]

@@ -21,7 +21,7 @@ from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import PositiveInt
 from project.parallel.dims import ParallelDims
-from project.parallel.parallelize import apply_activation_checkpointing
+from project.parallel.parallelize import Checkpointing, apply_activation_checkpointing
 
 # What a simulation reads of a job's config: its cache key (plan=search) covers these.
 SIMULATED_KEYS = ("model", "data", "strategy", "trainer")
@@ -34,7 +34,7 @@ class TaskModule(Protocol):
     net: BlockSequence
     criterion: nn.Module
     optimizer_factory: Callable[..., torch.optim.Optimizer]
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
 
     @property
     def trainer(self) -> L.Trainer: ...
@@ -162,7 +162,7 @@ class Job:
     accumulate: int  # batches per optimizer step (trainer.accumulate_grad_batches)
     precision: str  # Lightning's name for it: 32-true, bf16-mixed...
     uses_cuda: bool
-    activation_checkpointing: bool  # the model's, or the strategy's own (FSDP's)
+    activation_checkpointing: Checkpointing  # the model's, or else the strategy's own (FSDP's)
     seq_length: int | None  # tokens per sample; None for data without a sequence
     num_layers: int | None  # the net's blocks, where they are all alike (model.net.num_layers)
     train_samples: int
@@ -212,8 +212,7 @@ class Job:
         """The job's LightningModule around a fresh meta-device net, with the model's own activation checkpointing
         applied as ``configure_model`` applies it (each layout then cuts or shards its own copy)."""
         module = instantiate(self.cfg.model, net=self.meta_net())
-        if module.activation_checkpointing:
-            apply_activation_checkpointing(module.net)
+        apply_activation_checkpointing(module.net, module.activation_checkpointing)
         return module
 
     def example_batch(self, module: TaskModule, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

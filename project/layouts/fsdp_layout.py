@@ -15,7 +15,12 @@ from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, ParallelDims, divisors
-from project.parallel.parallelize import apply_activation_checkpointing, apply_fsdp, fsdp_param_dtype
+from project.parallel.parallelize import (
+    Checkpointing,
+    apply_activation_checkpointing,
+    apply_fsdp,
+    fsdp_param_dtype,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -24,7 +29,7 @@ class FSDPLayout(ShardedLayout):
     (all of them, or the groups of ``tensor_parallel.size`` ranks that each split every layer)."""
 
     reshard_after_forward: bool = True
-    activation_checkpointing: bool = False  # the strategy's own (strategy.activation_checkpointing)
+    activation_checkpointing: Checkpointing = "off"  # the strategy's own (strategy.activation_checkpointing)
     cpu_offload: bool = False
     reduce_dtype: torch.dtype = torch.float32
 
@@ -46,8 +51,7 @@ class FSDPLayout(ShardedLayout):
         data-parallel dimension, gathering parameters in the precision's compute dtype."""
         self.tensor_parallel.apply(model, mesh)
         param_dtype = fsdp_param_dtype(precision)
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, self.activation_checkpointing)
         apply_fsdp(
             model,
             mesh[DATA_PARALLEL],

@@ -3,9 +3,10 @@
 Strategies call these; the models know nothing about them.
 """
 
-from collections.abc import Sequence
-from contextlib import nullcontext
-from typing import Any, cast
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -14,8 +15,10 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from project.accounting.counts import recomputing
+from project.accounting.counts import kept_for_backward, recomputing
 from project.checkpointing.hf import HFWeights
 from project.models.init import initial_value
 from project.models.sequence import BlockSequence
@@ -126,16 +129,89 @@ def _inputs_to(device: torch.device):
     return hook
 
 
-def apply_activation_checkpointing(model: BlockSequence) -> None:
-    """Recompute each block's activations in backward instead of keeping them (marked as ``recomputing``, for the
-    step's FLOPs counted without the recompute).
+# model.activation_checkpointing (and FSDP's own strategy.activation_checkpointing): false, true or "selective".
+ActivationCheckpointing = bool | Literal["selective"]
+Checkpointing = Literal["off", "selective", "full"]  # what a job does, as the plan and the search name it
 
-    The composable ``checkpoint`` hooks the block in place, so parameter names, and with them checkpoints, stay
-    the same as without it. Asking twice (model option and strategy option) applies it once.
+
+def checkpointing_mode(setting: ActivationCheckpointing | None) -> Checkpointing:
+    """The mode a config setting asks for: false (or null) off, true full, "selective" selective."""
+    return "selective" if setting == "selective" else "full" if setting is True else "off"
+
+
+# torchtitan's per-op policy (torchtitan/models/llama3/infra/parallelize.py, _save_list): the outputs of the
+# compute-heavy ops are kept, all else recomputed; of the matmuls, every second is recomputed too, which halves
+# what they keep for a little compute. Ours also keeps the CPU's attention kernel and the biased matmul (addmm),
+# which the GPT's linear layers run as.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+_SAVED = _MATMULS | {
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops.aten.max.default,  # cheap to keep, and what low-precision scaling reads
+}
+
+
+def _selective_contexts() -> tuple[Any, Any]:
+    """The forward and recompute contexts of one block's selective checkpoint: the forward keeps what the policy
+    saves (reported as ``kept_for_backward``, for the memory plan); the recompute (marked as ``recomputing``) runs
+    the rest again. Torch asks the policy in the forward only, and replays its answers in the recompute."""
+    matmuls = 0
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        nonlocal matmuls
+        matmuls += func in _MATMULS
+        if func not in _SAVED or (func in _MATMULS and matmuls % 2 == 0):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        kept_for_backward(ctx.op_output)
+        return CheckpointPolicy.MUST_SAVE
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if torch.compiler.is_compiling():  # compile takes torch's two modes as they are; the plan never compiles
+        return forward, recompute
+    return forward, _together(recompute, recomputing())
+
+
+@contextmanager
+def _together(*contexts: Any) -> Iterator[None]:
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
+def apply_activation_checkpointing(model: BlockSequence, mode: Checkpointing = "full") -> None:
+    """Recompute each block's activations in backward instead of keeping them: all of them (``full``), or those
+    of the cheap ops (``selective``: torchtitan's per-op policy). The recompute is marked as ``recomputing``, for
+    the step's FLOPs counted without it. Parameter names, and with them checkpoints, stay as without it. Asking
+    twice (model option and strategy option) applies it once.
+
+    Full: the composable ``checkpoint`` hooks the block in place. Selective: the block's ``forward`` runs inside
+    ``torch.utils.checkpoint``, below the module's hooks. Selective checkpointing replays the forward's ops in the
+    recompute one for one, and FSDP's hooks, which the composable ``checkpoint`` would take into the recompute, run
+    other ops there (mixed precision's input casts): outside the checkpointed region, as torchtitan's wrapper
+    puts them.
     """
+    if mode == "off":
+        return
     for block in model.blocks:
-        if checkpoint.state(block) is None:
+        if checkpoint.state(block) is not None or getattr(block.forward, "checkpointed", False):
+            continue
+        if mode == "full":
             checkpoint(block, context_fn=lambda: (nullcontext(), recomputing()))
+        else:
+            block.forward = _selectively_checkpointed(block.forward)
+
+
+def _selectively_checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        return torch_checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
+
+    checkpointed.checkpointed = True  # type: ignore[attr-defined]
+    return checkpointed
 
 
 def compile_blocks(model: BlockSequence) -> None:

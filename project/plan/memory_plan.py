@@ -28,6 +28,7 @@ from project.config.checks import layout_problem
 from project.job.job import Job
 from project.layouts.fsdp_layout import FSDPLayout
 from project.options.errors import ConfigError
+from project.parallel.parallelize import Checkpointing
 from project.plan.simulate import DevicePlan, simulate
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ class MemoryPlan:
     devices: list[DevicePlan]
     capacity: int  # bytes of one device
     capacity_source: str
-    activation_checkpointing: bool
+    activation_checkpointing: Checkpointing
     world_size: int
     seconds: float = 0.0
     suggestion: str | None = None
@@ -101,9 +102,15 @@ def candidate_changes(job: Job) -> Iterator[tuple[str, Job]]:
     the job they make: activation checkpointing; the layout's own (``Layout.memory_saving_changes``: a pipeline's
     more micro-batches or stages); FSDP over the same devices; a smaller batch per step with the same global batch;
     FSDP over more devices, then more nodes, up to 1024 ranks. (Not tensor parallelism: at the same global batch it
-    holds what FSDP over the same devices holds, and torch's sequence parallelism more.)"""
+    holds what FSDP over the same devices holds, and torch's sequence parallelism more.) Selective checkpointing
+    comes before full: it recomputes less."""
 
-    checkpointing = {} if job.activation_checkpointing else {"model.activation_checkpointing": True}
+    if job.activation_checkpointing == "off":
+        yield (
+            "model.activation_checkpointing=selective",
+            changed_job(job, {"model.activation_checkpointing": "selective"}),
+        )
+    checkpointing = {} if job.activation_checkpointing == "full" else {"model.activation_checkpointing": True}
     if checkpointing:
         yield "model.activation_checkpointing=true", changed_job(job, checkpointing)
     for change, changes in job.layout.memory_saving_changes(job):
@@ -132,11 +139,17 @@ def candidate_changes(job: Job) -> Iterator[tuple[str, Job]]:
 
 
 def checkpointing_switched(job: Job) -> Job:
-    """``job`` with activation checkpointing the other way: the model's, and FSDP's own too."""
-    switched = {"model.activation_checkpointing": not job.activation_checkpointing}
+    """``job`` with activation checkpointing the other way (off: full; full or selective: off), the model's and
+    FSDP's own too."""
+    switched = {"model.activation_checkpointing": job.activation_checkpointing == "off"}
     if isinstance(job.layout, FSDPLayout):
-        switched["strategy.activation_checkpointing"] = not job.activation_checkpointing
+        switched["strategy.activation_checkpointing"] = switched["model.activation_checkpointing"]
     return changed_job(job, switched)
+
+
+def checkpointing_label(mode: Checkpointing) -> str:
+    """How the plan's header and columns name a mode: full checkpointing is "on"."""
+    return {"off": "off", "full": "on", "selective": "selective"}[mode]
 
 
 def plan_memory(
@@ -180,9 +193,9 @@ def format_plan(plan: MemoryPlan, job: Job) -> str:
         f"Memory plan: model={job.model_name} strategy={job.strategy_name}, "
         f"{job.devices} device(s) x {job.nodes} node(s) = {plan.world_size} process(es), "
         f"precision {job.precision}, data.batch_size={job.batch_size}, activation checkpointing "
-        f"{'on' if plan.activation_checkpointing else 'off'} (simulated in {plan.seconds:.1f} s)"
+        f"{checkpointing_label(plan.activation_checkpointing)} (simulated in {plan.seconds:.1f} s)"
     )
-    other = "off" if plan.activation_checkpointing else "on"
+    other = "on" if plan.activation_checkpointing == "off" else "off"
     columns = ["device", "params", "grads", "optimizer", "activations", "comm buffers", "peak", "TFLOP", "comm/step"]
     with_alternative = any(device.peak_checkpointed is not None for device in plan.devices)
     if with_alternative:

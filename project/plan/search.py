@@ -2,7 +2,7 @@
 memory plan, with its FLOPs and collective bytes) and timed by the step-time model on ``cluster``, ranked.
 
 The layouts: each strategy's own (``Layout.search_space``: DDP's one, FSDP's tensor-parallel sizes, a pipeline's
-sizes, schedules and micro-batches), each with activation checkpointing off and on, each at the
+sizes, schedules and micro-batches), each with activation checkpointing off, selective and full, each at the
 config's global batch (``data.batch_size`` per replica x replicas x ``trainer.accumulate_grad_batches``) cut into
 the layout's replicas. Those that fail the run's checks are dropped. A deep model's plans are extended from
 shallow copies (``project.plan.depth``), and the layout named fastest is simulated whole before it is named. The
@@ -37,6 +37,7 @@ from project.job.cluster import Cluster
 from project.job.job import Job
 from project.layouts.fsdp_layout import FSDPLayout
 from project.options.errors import ConfigError
+from project.parallel.parallelize import Checkpointing
 from project.plan.depth import extrapolated_plan
 from project.plan.memory_plan import MemoryPlan, _size, device_capacity, plan_memory
 from project.plan.simulate import DevicePlan
@@ -66,7 +67,7 @@ def candidate_layouts(job: Job) -> Iterator[Candidate]:
     for name in job.search.strategies:
         base = changed_job(job, {}, name)
         for text, changes in base.layout.search_space(base, batch):
-            for checkpointing in (False, True):
+            for checkpointing in (False, "selective", True):
                 overrides = {
                     **changes,
                     "trainer.accumulate_grad_batches": 1,
@@ -81,7 +82,7 @@ def candidate_layouts(job: Job) -> Iterator[Candidate]:
                 if job.accumulate != 1:
                     words.append("trainer.accumulate_grad_batches=1")
                 apart = " ".join(word for word in words if word)
-                typed = f"{apart} model.activation_checkpointing={str(checkpointing).lower()}"
+                typed = f"{apart} model.activation_checkpointing={str(checkpointing).lower()}"  # false, selective, true
                 yield Candidate(typed, laid_out, apart)
 
 
@@ -290,7 +291,7 @@ def set_bounds(candidates: list[Candidate], cluster: Cluster) -> None:
     least FLOPs per device of any layout simulated through with its activation checkpointing (every layout
     computes the same step: at the same global batch, its devices share its FLOPs; checked in
     ``tests/test_plan_search.py``), if there is one."""
-    least: dict[bool, float] = {}
+    least: dict[Checkpointing, float] = {}
     for candidate in candidates:
         if candidate.plan is not None and not candidate.plan.partial:
             mean = sum(device.flops for device in candidate.plan.devices) / len(candidate.plan.devices)

@@ -26,7 +26,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.distributed.tensor.parallel import loss_parallel
 
-from project.accounting.counts import StepCounts
+from project.accounting.counts import StepCounts, counting_kept
 from project.accounting.memory_trackers import (
     OverCapacity,
     StepFSDPMemTracker,
@@ -217,7 +217,7 @@ def _step(
             x = input_buffers[index].detach().requires_grad_()
         else:  # arrives from the previous device
             x = torch.empty_like(work.stage_input, device="cpu").requires_grad_()
-        with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), counting_kept(pack):
             for stage in work.stages:
                 x = stage(x)
             pending.append((index, module.criterion(x, target) / work.microbatches if work.last else x))

@@ -13,6 +13,7 @@ import torch
 from project.layouts.fsdp_layout import FSDPLayout
 from project.layouts.sharded_layout import TensorParallel
 from project.options.option_types import PositiveInt
+from project.parallel.parallelize import ActivationCheckpointing, checkpointing_mode
 from project.strategies.sharded import ShardedStrategy
 
 
@@ -23,7 +24,7 @@ class FSDPStrategy(ShardedStrategy):
     def __init__(
         self,
         reshard_after_forward: bool = True,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: ActivationCheckpointing = False,
         cpu_offload: bool = False,
         reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32",
         tensor_parallel_size: PositiveInt = 1,
@@ -34,7 +35,7 @@ class FSDPStrategy(ShardedStrategy):
         layout = FSDPLayout(
             tensor_parallel=TensorParallel(tensor_parallel_size, sequence_parallel, loss_parallel),
             reshard_after_forward=reshard_after_forward,
-            activation_checkpointing=activation_checkpointing,
+            activation_checkpointing=checkpointing_mode(activation_checkpointing),
             cpu_offload=cpu_offload,
             reduce_dtype=getattr(torch, reduce_dtype),
         )

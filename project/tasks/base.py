@@ -14,7 +14,13 @@ from project.checkpointing.hf import HFWeights
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import Seed
-from project.parallel.parallelize import apply_activation_checkpointing, compile_blocks, materialize
+from project.parallel.parallelize import (
+    ActivationCheckpointing,
+    apply_activation_checkpointing,
+    checkpointing_mode,
+    compile_blocks,
+    materialize,
+)
 from project.strategies.laid_out import LaidOutStrategy
 from project.tasks.metrics import SampleMean
 
@@ -72,7 +78,7 @@ class TrainingModule(L.LightningModule):
         init_seed: Seed,
         scheduler: SchedulerFactory | None = None,
         no_weight_decay: Sequence[str] = (),
-        activation_checkpointing: bool = False,
+        activation_checkpointing: ActivationCheckpointing = False,
         init_from: str | None = None,
         compile: bool = False,
     ) -> None:
@@ -92,7 +98,7 @@ class TrainingModule(L.LightningModule):
         self.gradients_finite: torch.Tensor | None = None  # this step's, when clipping (clip_gradients)
         self.scheduler_factory = scheduler
         self.no_weight_decay = list(no_weight_decay)
-        self.activation_checkpointing = activation_checkpointing
+        self.activation_checkpointing = checkpointing_mode(activation_checkpointing)
         self.init_from = init_from  # a Hugging Face model dir whose weights replace the seeded ones
         self.compile_each_block = compile  # (not self.compile: that is nn.Module's own method)
         # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
@@ -104,8 +110,7 @@ class TrainingModule(L.LightningModule):
     def configure_model(self) -> None:
         if self._configured:
             return  # Lightning calls this again for validate or test after fit
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(self.net)
+        apply_activation_checkpointing(self.net, self.activation_checkpointing)
         if self.compile_each_block:
             compile_blocks(self.net)
         strategy = self.trainer.strategy
