@@ -9,9 +9,10 @@ import pytest
 from conftest import require_extra
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 
 from project.config.checks import check_config
+from project.config.overrides import check_swept_keys, unknown_key_error
 from project.config.resolvers import register_resolvers
 from project.observability.console import program
 from project.options.errors import ConfigError
@@ -187,3 +188,33 @@ def test_closing_hints_name_the_environments_programs_as_the_shell_finds_them(mo
     monkeypatch.setenv("PATH", str(own.parent))
     assert program("python") == "python"
     assert program("no-such-program") == "no-such-program"
+
+
+def test_a_key_the_config_has_or_can_take_is_not_refused_as_misspelt():
+    """What the misspelt-key check (``unknown_key_error``, also run on a sweep's swept keys) lets through: a
+    mandatory value not yet set (???), a list's index, any key of a node that takes new ones; and what it names:
+    the nearest key, an index past a list's end."""
+    cfg = OmegaConf.create({"data": {"path": "???"}, "model": {"net": {"dims": [64, 32]}}, "extra": {}})
+    OmegaConf.set_struct(cfg, True)
+    OmegaConf.set_struct(cfg.extra, False)
+    for key in ("data.path", "model.net.dims.1", "extra.anything"):
+        assert unknown_key_error(key, "1", cfg) is None, key
+    misspelt = unknown_key_error("data.pth", "a.txt", cfg)
+    assert misspelt is not None and misspelt.fix == "write data.path=a.txt."
+    past = unknown_key_error("model.net.dims.2", "8", cfg)
+    assert past is not None and past.problem == "is past the end of model.net.dims, a list of 2."
+
+
+def test_an_optuna_search_space_is_checked_but_below_a_searched_group_or_added_with_plus():
+    """A search space (``hydra.sweeper.params``) that searches a group (``model``) leaves that group's keys to each
+    trial, and one that adds a key with + is not looked up; a misspelt key of a group it does not search is
+    refused before the sweep dir is made."""
+    cfg = compose_train(["hparams_search=optuna"])
+    OmegaConf.set_readonly(cfg.hydra, False)  # Hydra's node, read-only once composed
+    with open_dict(cfg):
+        cfg.hydra.sweeper.params = {"model": "choice(mlp,gpt)", "model.net.dim": "choice(32,64)", "+x.y": "choice(1)"}
+    check_swept_keys(cfg)  # returns: nothing refused
+    with open_dict(cfg):
+        cfg.hydra.sweeper.params = {"trainer.max_epoch": "choice(1,2)"}
+    with pytest.raises(SystemExit, match="trainer.max_epoch: is not a key of trainer: did you mean trainer.max_epochs"):
+        check_swept_keys(cfg)

@@ -5,7 +5,7 @@ have is named with the nearest one it does ("did you mean"), not with Hydra's ad
 import difflib
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from project.options.errors import ConfigError, exit_with
 
@@ -63,17 +63,25 @@ def check_overrides(argv: list[str]) -> None:
 
 def unknown_key_error(key: str, value: str, cfg: DictConfig) -> ConfigError | None:
     """The ``ConfigError`` for the override ``key=value`` where ``cfg`` has no ``key``, naming the nearest key it
-    has (each dotted part matched among its node's keys); None where ``key`` is there."""
+    has (each dotted part matched among its node's keys); None where ``key`` is there, or could be set there: an
+    index of a list, a key of a node that takes new keys (not in struct mode)."""
     node: Any = cfg
     parts = key.split(".")
     for depth, part in enumerate(parts):
         where = ".".join(parts[:depth]) or "the config"
-        if not isinstance(node, DictConfig):  # a value (or a list): it has no keys
+        if isinstance(node, ListConfig) and part.isdigit():
+            if int(part) >= len(node):
+                return ConfigError(key, f"is past the end of {where}, a list of {len(node)}.", f"set {where}.")
+            node = node._get_node(int(part))
+            continue
+        if not isinstance(node, DictConfig):  # a value: it has no keys
             return ConfigError(key, f"goes below {where}, which is a value, not a node of keys.", f"set {where}.")
-        if part in node:
+        names = [str(name) for name in node]  # not `part in node`, False for a mandatory value (???) not yet set
+        if part in names:
             node = node._get_node(part)  # the node itself: its value may be an interpolation not yet resolvable
             continue
-        names = [str(name) for name in node]
+        if not OmegaConf.is_struct(node):
+            return None  # it takes new keys: the override adds this one
         close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
         meant = ".".join([*parts[:depth], close[0], *parts[depth + 1 :]]) if close else None
         listed = f"its keys are {', '.join(names)}" if len(names) <= 12 else "python train.py --cfg job lists them"
@@ -88,24 +96,24 @@ def unknown_key_error(key: str, value: str, cfg: DictConfig) -> ConfigError | No
 def check_swept_keys(config: DictConfig) -> None:
     """Exit with a config error if a sweep's swept key (``trainer.max_epochs=3,4``, or a key of an Optuna search
     space, ``hydra.sweeper.params``) is not in ``config``, the sweep's config: Hydra applies those only as each job
-    starts, after the sweep dir is made. Keys below a swept group (``strategy=ddp,fsdp strategy.timeout=60``) are
-    left to each job: which keys there are depends on the option."""
+    starts, after the sweep dir is made. Keys below a swept or searched group (``strategy=ddp,fsdp
+    strategy.timeout=60``) are left to each job: which keys there are depends on the option; so are keys added
+    with + or ++."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides = OverridesParser.create().parse_overrides([str(line) for line in config.hydra.overrides.task])
-    groups = set(config.hydra.runtime.choices)  # strategy, model, hydra/launcher, ...
-    swept_groups = {
-        o.key_or_group.replace("/", ".") for o in overrides if o.key_or_group in groups and o.is_sweep_override()
-    }
     params = config.hydra.sweeper.get("params") or {}
-    swept = [
-        (o.key_or_group, o.get_value_string())
-        for o in overrides
-        if o.is_sweep_override() and o.key_or_group not in groups and not (o.is_add() or o.is_force_add())
-    ] + [(str(key), str(value)) for key, value in params.items() if str(key) not in groups]
-    for key, value in swept:
+    lines = [str(line) for line in config.hydra.overrides.task] + [f"{key}={value}" for key, value in params.items()]
+    overrides = OverridesParser.create().parse_overrides(lines)
+    searched = {f"{key}={value}" for key, value in params.items()}  # a search space's keys: each is searched
+    groups = set(config.hydra.runtime.choices)  # strategy, model, hydra/launcher, ...
+    swept = [o for o in overrides if o.is_sweep_override() or o.input_line in searched]
+    swept_groups = {o.key_or_group.replace("/", ".") for o in swept if o.key_or_group in groups}
+    for override in swept:
+        key = override.key_or_group
+        if key in groups or override.is_add() or override.is_force_add() or override.package is not None:
+            continue
         if not any(key.startswith(f"{group}.") for group in swept_groups):
-            error = unknown_key_error(key, value, config)
+            error = unknown_key_error(key, override.get_value_string(), config)
             if error is not None:
                 exit_with(error)
 

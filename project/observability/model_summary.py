@@ -14,9 +14,10 @@ class StagesSummary(ModelSummary):
 
     def __init__(self, model: L.LightningModule, max_depth: int, summed: Any) -> None:
         super().__init__(model, max_depth)
-        own = super().param_nums
-        counts = summed([*own, super().total_parameters, super().trainable_parameters])
-        self._param_nums, (self._total, self._trainable) = counts[: len(own)], counts[len(own) :]
+        own = dict(zip((f"layer {name}" for name in self.layer_names), super().param_nums))
+        counts = summed({**own, "total": super().total_parameters, "trainable": super().trainable_parameters})
+        self._param_nums = [counts[name] for name in own]
+        self._total, self._trainable = counts["total"], counts["trainable"]
 
     @property
     def param_nums(self) -> list[int]:

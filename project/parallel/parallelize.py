@@ -157,15 +157,19 @@ _SAVED = _MATMULS | {
 def _selective_contexts() -> tuple[Any, Any]:
     """The forward and recompute contexts of one block's selective checkpoint: the forward keeps what the policy
     saves (reported as ``kept_for_backward``, for the memory plan); the recompute (marked as ``recomputing``) runs
-    the rest again. Torch asks the policy in the forward only, and replays its answers in the recompute."""
-    matmuls = 0
+    the rest again. Torch 2.13 asks the policy in the forward only and replays its answers; earlier versions (the
+    GPU box's 2.11) ask again in the recompute and give no output: the matmuls are counted apart in each, so both
+    decide alike, and there the plan's activations leave the kept outputs out (its peak, torch's tracker's, has
+    them)."""
+    matmuls = {False: 0, True: 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        nonlocal matmuls
-        matmuls += func in _MATMULS
-        if func not in _SAVED or (func in _MATMULS and matmuls % 2 == 0):
+        recompute = bool(getattr(ctx, "is_recompute", False))
+        matmuls[recompute] += func in _MATMULS
+        if func not in _SAVED or (func in _MATMULS and matmuls[recompute] % 2 == 0):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        kept_for_backward(ctx.op_output)
+        if not recompute:
+            kept_for_backward(getattr(ctx, "op_output", None))
         return CheckpointPolicy.MUST_SAVE
 
     forward, recompute = create_selective_checkpoint_contexts(policy)

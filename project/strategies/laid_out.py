@@ -33,8 +33,8 @@ class LaidOutStrategy(ABC):
         """``id(parameter)`` -> the stage (and so the device) holding it, for a process that drives several
         devices; empty where a process has one."""
 
-    def summed_over_stages(self, counts: list[int]) -> list[int]:
-        """``counts`` of this rank's parameters, summed over the ranks that hold the model's other stages: the
-        model's own counts (for its summary). As they are where each rank holds every stage (a DTensor shard
-        counts as its whole tensor)."""
+    def summed_over_stages(self, counts: dict[str, int]) -> dict[str, int]:
+        """``counts`` of this rank's parameters (by name), summed name by name over the ranks that hold the model's
+        other stages: the model's own counts (for its summary). As they are where each rank holds every stage (a
+        DTensor shard counts as its whole tensor)."""
         return counts

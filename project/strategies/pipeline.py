@@ -78,10 +78,11 @@ class PipelineStrategy(ShardedStrategy):
         self._eval_samples_left = 0  # of the validation batch, before its padding: the micro-batches metered so far
         self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def summed_over_stages(self, counts: list[int]) -> list[int]:
-        summed = torch.tensor(counts, dtype=torch.int64, device=self.root_device)
-        torch.distributed.all_reduce(summed, group=self.device_mesh[PIPELINE].get_group())
-        return summed.tolist()
+    def summed_over_stages(self, counts: dict[str, int]) -> dict[str, int]:
+        group = self.device_mesh[PIPELINE].get_group()
+        gathered: list[dict[str, int]] = [{} for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather_object(gathered, counts, group=group)  # by name: the ranks' layers differ
+        return {name: sum(rank.get(name, 0) for rank in gathered) for name in counts}
 
     @property
     def stage_ids(self) -> list[int]:
