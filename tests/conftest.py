@@ -449,6 +449,26 @@ def gpt_fsdp_selective(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
+def gpt_split_selective_sweep(runs_dir, home):
+    """Selective activation checkpointing where the blocks are split: a pipeline of 2 stages (1f1b) and tensor
+    parallelism over 2 ranks (its sequence-parallel reduce-scatters among the outputs kept), each one replica of
+    32: jobs 0 and 1."""
+    return two_job_sweep(
+        "gpt-split-selective",
+        [
+            *TINY_GPT,
+            "trainer.devices=2",
+            "data.batch_size=32",
+            "strategy=pipeline,tensor_parallel",
+            "model.activation_checkpointing=selective",
+            TRACKED,
+        ],
+        runs_dir,
+        home,
+    )[1]
+
+
+@pytest.fixture(scope="session")
 def gpt_pipeline_compiled(runs_dir, home):
     """The GPT's blocks compiled (model.compile=true) and split into pipeline stages (1f1b)."""
     return one_run(

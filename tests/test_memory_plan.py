@@ -30,6 +30,8 @@ PLANNED_RUNS = [
     ("gpt_ddp_fsdp_sweep", 0),
     ("gpt_ddp_fsdp_sweep", 1),
     ("gpt_fsdp_selective", None),
+    ("gpt_split_selective_sweep", 0),
+    ("gpt_split_selective_sweep", 1),
     ("gpt_pipeline_compiled", None),
     ("llama_auto", None),
     ("llama_fsdp", None),

@@ -25,6 +25,8 @@ RUNS = {
         "ddp": ("gpt_ddp_fsdp_sweep", 0),
         "fsdp": ("gpt_ddp_fsdp_sweep", 1),
         "fsdp-selective-checkpointing": ("gpt_fsdp_selective", None),
+        "pipeline-selective-checkpointing": ("gpt_split_selective_sweep", 0),
+        "tensor_parallel-selective-checkpointing": ("gpt_split_selective_sweep", 1),
         "pipeline-1f1b-compiled": ("gpt_pipeline_compiled", None),
         "tensor_parallel": ("gpt_tensor_parallel", None),
         "fsdp-x-tensor_parallel": ("gpt_fsdp_tensor_parallel", None),
