@@ -86,6 +86,7 @@ CASES = [
     (["trainer.max_epoch=3"], "trainer.max_epoch: is not a key of trainer: did you mean trainer.max_epochs?"),
     (["traner.max_epochs=3"], "traner.max_epochs: is not a key of the config: did you mean trainer.max_epochs?"),
     (["trainer.max_epochs.x=3"], "trainer.max_epochs.x: goes below trainer.max_epochs, which is a value"),
+    (["model.optimizer={lrr:0.1}"], "model.optimizer.lrr: is not a key of model.optimizer: did you mean"),
     (
         ["hydra.mode=MULTIRUN", "trainer.max_epoch=3,4", "hydra.sweep.dir=sweep"],
         "trainer.max_epoch: is not a key of trainer ... Fix: write trainer.max_epochs=3,4",

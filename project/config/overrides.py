@@ -118,6 +118,19 @@ def check_swept_keys(config: DictConfig) -> None:
                 exit_with(error)
 
 
+def _explained(override: Any, cfg: DictConfig) -> ConfigError | None:
+    """``unknown_key_error`` for a plain override; for a dict value (``model.optimizer={lr:0.1}``), for each of its
+    keys too, which Hydra merges into the node."""
+    key = override.key_or_group
+    error = unknown_key_error(key, override.get_value_string(), cfg)
+    value = override.value()
+    if error is None and isinstance(value, dict):
+        error = next(
+            (e for name, item in value.items() if (e := unknown_key_error(f"{key}.{name}", str(item), cfg))), None
+        )
+    return error
+
+
 def explain_unknown_keys() -> None:
     """Make Hydra's composition name a key the config lacks with the nearest it has. Hydra has no hook for an
     override that fails to apply (its message advises adding the key with +, which the constructor then refuses
@@ -134,7 +147,7 @@ def explain_unknown_keys() -> None:
             # Found before the override is applied: a failed update can leave a part of it in cfg. Only a plain
             # key=value is explained: +, ++ and ~ get Hydra's own messages, which are about them.
             plain = not (override.is_add() or override.is_force_add() or override.is_delete() or override.package)
-            explained = unknown_key_error(override.key_or_group, override.get_value_string(), cfg) if plain else None
+            explained = _explained(override, cfg) if plain else None
             try:
                 apply([override], cfg)
             except ConfigCompositionException as error:
