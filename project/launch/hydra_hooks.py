@@ -1,6 +1,5 @@
 """Hydra callbacks of ``train.py``: checks before Hydra makes a job dir, and a sweep's summary. Light imports only."""
 
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from project.config.overrides import check_swept_keys
 from project.launch.job_dir import hold_job_dir
 from project.launch.processes import torchrun_rank
 from project.launch.results import print_sweep_summary
-from project.options.errors import ConfigError, exit_with
+from project.options.errors import ConfigError, exit_with, made_dir
 
 
 class JobDirCheck(Callback):
@@ -82,16 +81,11 @@ def _check_dir(path: str | None, key: str) -> None:
     if path is None or not str(path).strip():
         exit_with(ConfigError(key, "is empty, so the job would write into the dir it was launched from.", fix))
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)  # what Hydra does next; here a failure gets a clear message
-    except OSError as error:
-        exit_with(ConfigError(key, f"{path} cannot be created: {error.strerror or error}.", fix))
-    if not os.access(path, os.W_OK | os.X_OK):  # it exists, on a read-only file system or without the rights
-        exit_with(ConfigError(key, f"{path} is not writable by this process.", fix))
-    if torchrun_rank() == 0:
-        try:
+        made_dir(key, path, fix)  # what Hydra does next; here a failure gets a clear message
+        if torchrun_rank() == 0:
             hold_job_dir(path, key)
-        except ConfigError as error:
-            exit_with(error)
+    except ConfigError as error:
+        exit_with(error)
 
 
 class SweepSummary(Callback):

@@ -53,6 +53,19 @@ def exit_with(error: ConfigError) -> NoReturn:
     sys.exit(f"Config error: {error}")
 
 
+def made_dir(key: str, directory: str | Path, fix: str) -> Path:
+    """``directory``, made where it is not there; ``ConfigError`` naming ``key`` where it cannot be made or written.
+    Made, not only asked (``check_writable``): root passes ``os.access`` where no dir can be made, as in /proc."""
+    path = Path(directory)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(key, f"{path} cannot be created: {error.strerror or error}.", fix) from None
+    if not os.access(path, os.W_OK | os.X_OK):  # it exists, on a read-only file system or without the rights
+        raise ConfigError(key, f"{path} is not writable by this process.", fix)
+    return path
+
+
 def check_writable(key: str, directory: str | Path, fix: str) -> None:
     """``ConfigError`` naming ``key`` unless this process could create files in ``directory``: in it if it
     exists, else in its nearest existing parent (where it would be made). Nothing is written: a refused job leaves

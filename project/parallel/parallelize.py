@@ -5,7 +5,7 @@ Strategies call these; the models know nothing about them.
 
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, cast
 
 import torch
@@ -175,14 +175,12 @@ def _selective_contexts() -> tuple[Any, Any]:
     forward, recompute = create_selective_checkpoint_contexts(policy)
     if torch.compiler.is_compiling():  # compile takes torch's two modes as they are; the plan never compiles
         return forward, recompute
-    return forward, _together(recompute, recomputing())
+    return forward, _recomputing_in(recompute)
 
 
 @contextmanager
-def _together(*contexts: Any) -> Iterator[None]:
-    with ExitStack() as stack:
-        for context in contexts:
-            stack.enter_context(context)
+def _recomputing_in(mode: Any) -> Iterator[None]:
+    with mode, recomputing():
         yield
 
 

@@ -36,7 +36,7 @@ from project.config.checks import layout_problem
 from project.job.cluster import Cluster
 from project.job.job import Job
 from project.layouts.fsdp_layout import FSDPLayout
-from project.options.errors import ConfigError, check_writable
+from project.options.errors import ConfigError, made_dir
 from project.parallel.parallelize import Checkpointing
 from project.plan.depth import extrapolated_plan
 from project.plan.memory_plan import MemoryPlan, _size, device_capacity, plan_memory
@@ -222,12 +222,7 @@ class Search:
 def writable_cache(path: Path) -> Path:
     """``path``, created; refused (naming ``paths.cache_dir``) where it cannot be created or written."""
     fix = "set paths.cache_dir to a dir you can write to (or XDG_CACHE_HOME, which it defaults under)."
-    try:  # made, not only asked (os.access): root may write where no dir can be made, as in /proc
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise ConfigError("paths.cache_dir", f"{path} cannot be created: {error.strerror or error}.", fix) from None
-    check_writable("paths.cache_dir", path, fix)  # it exists, on a read-only file system or without the rights
-    return path
+    return made_dir("paths.cache_dir", path, fix)
 
 
 def search(job: Job, workers: int | None = None) -> Search:
