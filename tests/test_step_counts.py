@@ -2,11 +2,13 @@
 arithmetic, and every collective's bytes, against what each rank of a real gloo run of the same layout sent."""
 
 import json
+from collections import Counter
 
 import pytest
 from conftest import TINY, TINY_GPT
 from test_memory_plan import job_dir_of, resolved
 
+from project.accounting.counts import Kernel
 from project.job.job import Job
 from project.plan.memory_plan import simulate_devices
 
@@ -75,6 +77,20 @@ def mlp_step_flops(batch: int) -> int:
 def test_planned_flops_of_an_mlp_step_are_its_matmuls_arithmetic(layout, per_device_batch):
     devices, _ = simulate_devices(resolved([*TINY, f"data.batch_size={per_device_batch}", "logger=none", *layout]))
     assert [device.flops for device in devices] == [mlp_step_flops(per_device_batch)]
+
+
+def test_planned_matmuls_of_an_mlp_step_are_its_layers_shapes():
+    """Each Linear of the MLP (fp32, batch 64), as the step-time model prices it: forward, an addmm of bias, input
+    and weight; backward, a matmul for the weight's gradient and one for the input's (but the first layer's), each of
+    the same three sizes. Every output fits one 128 x 128 tile."""
+    (device,), _ = simulate_devices(resolved([*TINY, "data.batch_size=64", "logger=none"]))
+    expected: Counter[str] = Counter()
+    for index, (inputs, outputs) in enumerate(zip(MLP_DIMS, MLP_DIMS[1:])):
+        flops, sizes = 2 * 64 * inputs * outputs, 64 * inputs + inputs * outputs + 64 * outputs
+        expected[Kernel("matmul", flops, 4 * (outputs + sizes), tiles=1).key] += 1
+        expected[Kernel("matmul", flops, 4 * sizes, tiles=1).key] += 1 if index == 0 else 2
+    assert device.kernels == dict(expected)
+    assert device.moved_bytes > 0  # the activations, the loss, the optimizer's step
 
 
 def test_a_pipelines_stages_share_the_whole_models_flops():

@@ -1,12 +1,16 @@
-"""What a training step costs besides memory: its floating-point operations and the bytes of every collective it
-runs, counted as each op passes through the dispatcher. In a memory plan's simulation that is the rank's own work
-on fake tensors and the fake process group (activation checkpointing's recompute and a pipeline stage's share
-included); in a real run, gloo's or NCCL's collectives (``tests/helpers/probes.py`` counts them there).
+"""What a training step costs besides memory: its floating-point operations, the kernels it runs (each matmul's and
+attention's shape, the bytes every other op reads and writes) and the bytes of every collective it runs, counted
+as each op passes through the dispatcher: what the step-time model (``project.plan.step_time``) prices. In a
+memory plan's simulation that is the rank's own work on fake tensors and the fake process group (activation
+checkpointing's recompute and a pipeline stage's share included); in a real run, gloo's or NCCL's collectives
+(``tests/helpers/probes.py`` counts them there).
 
 Why not torch's ``FlopCounterMode``: it tracks modules with hooks on every forward and backward, which the plan's
 ``MemTracker`` would see as memory; its formulas (``flop_registry``) are used as they are.
 """
 
+import math
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -76,6 +80,69 @@ FLOP_FORMULAS = {
     aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.shape_wrapper(_attention),
     aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.shape_wrapper(_attention_backward),
 }
+
+
+# The GEMMs of a step (batched or not, with a bias or not): priced by their shape (``Matmul``).
+MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+# Ops that move no data: views, and allocations a kernel writes later (what it writes is counted there).
+# ``_unsafe_view`` is a view its schema does not declare; ops without a tensor output launch no kernel.
+NO_DATA = {
+    aten.empty,
+    aten.empty_like,
+    aten.empty_strided,
+    aten.new_empty,
+    aten.new_empty_strided,
+    aten.detach,
+    aten.lift_fresh,
+    aten._unsafe_view,
+    aten.alias,
+}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A matmul or attention kernel of a step, by what prices it: ``kind`` (``matmul``, ``attention``, or
+    ``compute`` for another op with a FLOP formula), its FLOPs and the bytes it reads and writes, its output
+    ``tiles`` (a matmul's 128 x 128 output blocks, batch included: how many of a GPU's multiprocessors it keeps
+    busy; 0 where not counted), the exponentials an attention kernel computes (one per score: batch x heads x
+    queries x keys, forward and again in backward) and whether it is causal (its kernels skip the masked half of
+    the products and scores torch's formula counts). As text, a key of ``DevicePlan.kernels``:
+    ``matmul|<flops>|<bytes>|<tiles>|0|0``."""
+
+    kind: str
+    flops: int
+    bytes: int
+    tiles: int = 0
+    exponentials: int = 0
+    causal: bool = False
+
+    TILE = 128  # a GEMM's output tile: cuBLAS's large-GEMM tiles on A100 and H100 are 128 or 256 wide
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}|{self.flops}|{self.bytes}|{self.tiles}|{self.exponentials}|{int(self.causal)}"
+
+    @classmethod
+    def parse(cls, key: str) -> "Kernel":
+        kind, flops, size, tiles, exponentials, causal = key.split("|")
+        return cls(kind, int(flops), int(size), int(tiles), int(exponentials), causal == "1")
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+
+
+def _output_tiles(out: torch.Tensor) -> int:
+    """128 x 128 blocks of a matmul's output (its last two dims), over its batch."""
+    *batch, rows, columns = out.shape
+    return math.prod(batch) * math.ceil(rows / Kernel.TILE) * math.ceil(columns / Kernel.TILE)
+
+
+def _argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            return args[index] if index < len(args) else kwargs.get(name, argument.default_value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -162,20 +229,34 @@ def counting_kept(count: Callable[[torch.Tensor], object]) -> Iterator[None]:
 
 class StepCounts(TorchDispatchMode):
     """While active: ``flops``, the floating-point operations of matmuls and attention (torch's formulas), of which
-    ``recomputed_flops`` activation checkpointing's recompute (MFU counts the others), and ``collectives``, each
-    collective's bytes by ``Link`` key (kind, mesh dimension, ranks, nodes; ``group_link`` with ``devices_per_node``
-    and ``world_dim``). In a simulation, ``fake_mode`` is the mode of the step's fake tensors. A collective's bytes
-    are its whole buffer: the largest of its tensors (the gathered tensor of an all-gather, the unreduced one of a
-    reduce-scatter, the reduced one of an all-reduce, what a send sends; a receive is the other end of a send)."""
+    ``recomputed_flops`` activation checkpointing's recompute (MFU counts the others); ``kernels``, those ops by
+    ``Kernel`` key, and ``moved_bytes``, what every other op reads and writes (views and allocations none); and
+    ``collectives``, each collective's bytes by ``Link`` key (kind, mesh dimension, ranks, nodes; ``group_link``
+    with ``devices_per_node`` and ``world_dim``), and ``collective_calls`` how many. In a simulation, ``fake_mode``
+    is the mode of the step's fake tensors. A collective's bytes are its whole buffer: the largest of its tensors
+    (the gathered tensor of an all-gather, the unreduced one of a reduce-scatter, the reduced one of an all-reduce,
+    what a send sends; a receive is the other end of a send).
 
-    def __init__(self, devices_per_node: int, world_dim: str, fake_mode: FakeTensorMode | None = None) -> None:
+    ``fused`` counts as ``torch.compile`` runs a step: a chain of elementwise ops (any op but a matmul, attention or
+    a collective) is one kernel, so an op does not read again what another such op wrote; every write is still
+    counted (which intermediate a fused kernel keeps in registers is the compiler's choice)."""
+
+    def __init__(
+        self, devices_per_node: int, world_dim: str, fake_mode: FakeTensorMode | None = None, fused: bool = False
+    ) -> None:
         super().__init__()
         self.devices_per_node = devices_per_node
         self.world_dim = world_dim
         self.fake_mode = fake_mode  # a simulation's: the mode of the step's tensors
+        self.fused = fused
+        self.counting_collectives = True  # off for the optimizer's step (its few small all-reduces)
         self.flops = 0
         self.recomputed_flops = 0  # of which activation checkpointing's recompute
+        self.kernels: Counter[str] = Counter()
+        self.moved_bytes = 0
         self.collectives: Counter[str] = Counter()
+        self.collective_calls: Counter[str] = Counter()
+        self._elementwise_outputs: weakref.WeakSet = weakref.WeakSet()  # storages a fusible op wrote (``fused``)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if any(issubclass(kind, DTensor) for kind in types):
@@ -185,18 +266,53 @@ class StepCounts(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        formula = FLOP_FORMULAS.get(packet)
-        if formula is not None and self._on_step_tensors(args, kwargs):
-            flops = formula(*args, **kwargs, out_val=out)
-            self.flops += flops
-            if RECOMPUTING.get():
-                self.recomputed_flops += flops
-        elif func.namespace.startswith(("c10d", "_c10d")) and packet.__name__ in COLLECTIVES:
-            group = _process_group(func, args, kwargs)
-            link = group_link(COLLECTIVES[packet.__name__], group, self.devices_per_node, self.world_dim)
-            tensors = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
-            self.collectives[link.key] += max((t.numel() * t.element_size() for t in tensors), default=0)
+        if func.namespace.startswith(("c10d", "_c10d")):
+            if packet.__name__ in COLLECTIVES and self.counting_collectives:
+                group = _process_group(func, args, kwargs)
+                link = group_link(COLLECTIVES[packet.__name__], group, self.devices_per_node, self.world_dim)
+                tensors = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
+                self.collectives[link.key] += max((t.numel() * t.element_size() for t in tensors), default=0)
+                self.collective_calls[link.key] += 1
+        elif self._on_step_tensors(args, kwargs):
+            formula = FLOP_FORMULAS.get(packet)
+            if formula is not None:
+                self._count_compute(func, packet, formula, args, kwargs, out)
+            elif not func.is_view and packet not in NO_DATA:
+                self._count_moved(func, args, kwargs, out)
         return out
+
+    def _count_compute(self, func: Any, packet: Any, formula: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        flops = formula(*args, **kwargs, out_val=out)
+        self.flops += flops
+        if RECOMPUTING.get():
+            self.recomputed_flops += flops
+        size = _bytes((args, kwargs)) + _bytes(out)
+        if packet in MATMULS:
+            kernel = Kernel("matmul", flops, size, _output_tiles(out))
+        elif "attention" in packet.__name__:
+            query, key = _argument(func, args, kwargs, "query"), _argument(func, args, kwargs, "key")
+            scores = math.prod(query.shape[:-1]) * key.shape[-2] if query is not None and key is not None else 0
+            causal = bool(_argument(func, args, kwargs, "is_causal"))
+            kernel = Kernel("attention", flops, size, exponentials=scores, causal=causal)
+        else:
+            kernel = Kernel("compute", flops, size)
+        self.kernels[kernel.key] += 1
+
+    def _count_moved(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """The bytes an elementwise (memory-bound) op reads and writes: its tensor inputs and outputs (an in-place
+        op's output is the input it writes; ``copy_`` writes its destination without reading it). An op that
+        neither returns a tensor nor writes one (``prim.device``) runs no kernel."""
+        outputs = [item for item in tree_leaves(out) if isinstance(item, torch.Tensor)]
+        if not outputs and not func._schema.is_mutable:
+            return
+        inputs = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
+        if func._overloadpacket is aten.copy_:
+            inputs = inputs[1:]
+        if self.fused:
+            inputs = [item for item in inputs if item.untyped_storage() not in self._elementwise_outputs]
+        self.moved_bytes += _bytes(inputs) + _bytes(outputs)
+        if self.fused:
+            self._elementwise_outputs.update(item.untyped_storage() for item in outputs)
 
     def _on_step_tensors(self, args: tuple, kwargs: dict) -> bool:
         """Whether an op computes on the step's own tensors: not on fake tensors of another mode, which DTensor

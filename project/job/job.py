@@ -77,7 +77,8 @@ class DeviceWork:
     loss_parallel: bool = False  # logits split by vocabulary across tensor-parallel ranks: torch's loss_parallel
     unsimulated_collectives: dict[str, int] = field(default_factory=dict)  # bytes by Link key of the step's
     # collectives the simulation does not run (DDP's all-reduce of the gradients, made by its wrapper; what a
-    # pipeline rank sends to the ranks of its neighbouring stages)
+    # pipeline rank sends to the ranks of its neighbouring stages)...
+    unsimulated_calls: dict[str, int] = field(default_factory=dict)  # ...and how many of each
 
 
 # A layout's change, as the planner names and makes it: the overrides as a user types them, and the keys they set.
@@ -178,6 +179,11 @@ class Job:
     def processes_per_node(self) -> int:
         """Worker processes a node runs: one per device, or one that drives them all (the layout says)."""
         return self.layout.processes_per_node(self.devices)
+
+    @property
+    def compile(self) -> bool:
+        """Whether the model's blocks run under ``torch.compile`` (``model.compile``)."""
+        return bool(self.cfg.model.get("compile", False))
 
     @property
     def world_size(self) -> int:

@@ -1,6 +1,7 @@
 """``strategy=auto`` and ``strategy=ddp``, Lightning's own strategies: every rank holds the whole model and trains its
 share of each global batch; over several ranks, DDP all-reduces the gradients after each backward."""
 
+import math
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,8 @@ from project.job.job import Change, DeviceWork, Job, Layout
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, ParallelDims
+
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default: an all-reduce per 25 MiB
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class DataParallelLayout(Layout):
         ddp = job.world_size > 1  # Lightning's auto is DDP over several devices
         views = ddp and self.gradient_as_bucket_view
         gradients = sum(p.numel() * p.element_size() for p in module.net.parameters() if p.requires_grad)
+        link = Link("all_reduce", DATA_PARALLEL, job.world_size, job.nodes).key
         yield DeviceWork(
             "rank 0",
             module,
@@ -47,10 +51,9 @@ class DataParallelLayout(Layout):
             job.batch_size,
             grads_persist=views,
             extra_buffer_bytes=gradients if ddp and not views else 0,
-            # Every gradient, once a step, over all the job's ranks, node by node.
-            unsimulated_collectives={Link("all_reduce", DATA_PARALLEL, job.world_size, job.nodes).key: gradients}
-            if ddp
-            else {},
+            # Every gradient, once a step, over all the job's ranks, node by node, in DDP's buckets.
+            unsimulated_collectives={link: gradients} if ddp else {},
+            unsimulated_calls={link: math.ceil(gradients / DDP_BUCKET_BYTES)} if ddp else {},
         )
 
     def blocks_per_device(self, net: BlockSequence) -> list[int]:

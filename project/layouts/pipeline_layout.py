@@ -217,6 +217,7 @@ class PipelineLayout(ShardedLayout):
                     + _bytes(boundaries[stages[stage].start]) * (stage > 0)
                     for stage in stage_ids
                 )
+                sends = sum((stage < self.num_stages - 1) + (stage > 0) for stage in stage_ids)
                 link = group_link("send", mesh[PIPELINE].get_group(), job.devices, self.dims(world).world_dim)
                 yield DeviceWork(
                     f"rank {rank} (stage {', '.join(map(str, stage_ids))})",
@@ -231,6 +232,7 @@ class PipelineLayout(ShardedLayout):
                     receive_buffers=True,
                     forward_in_backward=True,
                     unsimulated_collectives={link.key: sent * microbatches},
+                    unsimulated_calls={link.key: sends * microbatches},
                 )
 
     def blocks_per_device(self, net: BlockSequence) -> list[int]:

@@ -22,6 +22,7 @@ from project.plan.simulate import DevicePlan
 DEPTHS = (3, 4, 5)  # blocks per stage of the shallow copies: from 3, FSDP's prefetching and checkpointing
 # buffers have stopped growing (at 1 block there is no next block to prefetch)
 LINEAR = [f.name for f in fields(DevicePlan) if f.type in (int, "int")]  # params, grads, ..., peak, flops
+LINEAR_BY_KEY = [f.name for f in fields(DevicePlan) if str(f.type).startswith("dict")]  # kernels, collectives...
 
 
 def blocks_per_device(job: Job) -> list[int]:
@@ -65,9 +66,12 @@ def _extend(points: list[DevicePlan], depth: float) -> DevicePlan | None:
             return None
         return round(values[0] + step * (depth - DEPTHS[0]))
 
-    figures = {name: along([getattr(point, name) for point in points]) for name in LINEAR}
-    links = set().union(*(point.collectives for point in points))
-    collectives = {link: along([point.collectives.get(link, 0) for point in points]) for link in links}
-    if None in figures.values() or None in collectives.values():
+    figures: dict = {name: along([getattr(point, name) for point in points]) for name in LINEAR}
+    for name in LINEAR_BY_KEY:
+        keys = sorted(set().union(*(getattr(point, name) for point in points)))
+        figures[name] = {key: along([getattr(point, name).get(key, 0) for point in points]) for key in keys}
+        if None in figures[name].values():
+            return None
+    if None in figures.values():
         return None
-    return DevicePlan(name=points[0].name, **figures, collectives=collectives)  # type: ignore[arg-type]
+    return DevicePlan(name=points[0].name, **figures)

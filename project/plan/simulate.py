@@ -60,7 +60,10 @@ class DevicePlan:
     peak_checkpointed: int | None = None  # ...and its peak (plan=true only)
     flops: int = 0  # floating-point operations of the step on this device (project.accounting.counts)...
     recomputed_flops: int = 0  # ...of which activation checkpointing's recompute
-    collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by Link key
+    moved_bytes: int = 0  # read and written by its memory-bound ops (all but matmuls, attention, collectives)
+    kernels: dict[str, int] = field(default_factory=dict)  # its matmul and attention kernels: count by Kernel key
+    collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by Link key...
+    collective_calls: dict[str, int] = field(default_factory=dict)  # ...and how many
 
     @property
     def model_state(self) -> int:
@@ -103,7 +106,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         grad_buffers: list[torch.Tensor] = []
         # Counted: the forward and backward (what a run's training_step and backward run); not the optimizer's
         # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
-        counts = StepCounts(job.devices, world_dim, fake_mode)
+        counts = StepCounts(job.devices, world_dim, fake_mode, fused=job.compile)
         activations: int | None = None
         with tracker, _dtensor_shapes_inferred_apart():
             try:
@@ -125,7 +128,8 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
                     activations = _step(
                         work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, counts, job, saved
                     )
-                optimizer.step()
+                    counts.counting_collectives = False  # the optimizer's bytes, for the step's time
+                    optimizer.step()
             except OverCapacity:  # it does not fit, whatever the rest of the step holds
                 pass
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
@@ -139,6 +143,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         comm_bytes += sum(at_peak.get(kind, 0) for kind in FSDP_COMMUNICATION)
     # What the simulation does not run: DDP's all-reduce of the gradients (no DDP wrapper), a pipeline's sends.
     counted = counts.collectives + Counter(work.unsimulated_collectives)
+    calls = counts.collective_calls + Counter(work.unsimulated_calls)
     return DevicePlan(
         work.name,
         sizes["params"],
@@ -149,7 +154,10 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         peak,
         flops=counts.flops,
         recomputed_flops=counts.recomputed_flops,
+        moved_bytes=counts.moved_bytes,
+        kernels=dict(sorted(counts.kernels.items())),
         collectives={kind: counted[kind] for kind in sorted(counted) if counted[kind]},
+        collective_calls={kind: calls[kind] for kind in sorted(calls) if counted[kind]},
     )
 
 
@@ -281,27 +289,22 @@ class _Repeat:
     """What a simulated micro-batch (the second) held and counted, and its replay for the others."""
 
     def __init__(self) -> None:
-        self.held = self.saved = self.flops = self.backward_flops = self.backward_recomputed_flops = 0
-        self.collectives: Counter[str] = Counter()
-        self.backward_collectives: Counter[str] = Counter()
-        self._start: tuple[int, int, Counter[str], set[int]] = (0, 0, Counter(), set())
-        self._recomputed_start = 0
+        self.held = self.saved = 0
+        self.forward_counts = _Tally()
+        self.backward_counts = _Tally()
+        self._start: tuple[int, _Tally, set[int]] = (0, _Tally(), set())
 
     def before(self, tracker: MemTracker, counts: StepCounts, saved: dict[Any, int]) -> None:
-        self._start = (held_bytes(tracker), counts.flops, Counter(counts.collectives), set(saved))
-        self._recomputed_start = counts.recomputed_flops
+        self._start = (held_bytes(tracker), _Tally.of(counts), set(saved))
 
     def after_forward(self, tracker: MemTracker, counts: StepCounts, saved: dict[Any, int]) -> None:
-        held, flops, collectives, seen = self._start
+        held, start, seen = self._start
         self.held = held_bytes(tracker) - held
         self.saved = sum(size for storage, size in saved.items() if storage not in seen)
-        self.flops, self.collectives = counts.flops - flops, counts.collectives - collectives
+        self.forward_counts = _Tally.of(counts).minus(start)
 
     def after_backward(self, counts: StepCounts) -> None:
-        _, flops, collectives, _ = self._start
-        self.backward_flops = counts.flops - flops
-        self.backward_recomputed_flops = counts.recomputed_flops - self._recomputed_start
-        self.backward_collectives = counts.collectives - collectives
+        self.backward_counts = _Tally.of(counts).minus(self._start[1])
 
     def forward(
         self,
@@ -312,10 +315,35 @@ class _Repeat:
     ) -> None:
         pending.append((index, torch.empty(self.held, dtype=torch.uint8)))
         saved[("replayed", index)] = self.saved
-        counts.flops += self.flops
-        counts.collectives.update(self.collectives)
+        self.forward_counts.add_to(counts)
 
     def backward(self, counts: StepCounts) -> None:
-        counts.flops += self.backward_flops
-        counts.recomputed_flops += self.backward_recomputed_flops
-        counts.collectives.update(self.backward_collectives)
+        self.backward_counts.add_to(counts)
+
+
+@dataclass
+class _Tally:
+    """What a ``StepCounts`` has counted, as one counter: a snapshot, the difference of two, and a replay."""
+
+    counted: Counter[str] = field(default_factory=Counter)
+
+    SCALARS = ("flops", "recomputed_flops", "moved_bytes")
+    COUNTERS = ("kernels", "collectives", "collective_calls")
+
+    @classmethod
+    def of(cls, counts: StepCounts) -> "_Tally":
+        counted: Counter[str] = Counter({name: getattr(counts, name) for name in cls.SCALARS})
+        for name in cls.COUNTERS:
+            counted.update({f"{name}/{key}": value for key, value in getattr(counts, name).items()})
+        return cls(counted)
+
+    def minus(self, start: "_Tally") -> "_Tally":
+        return _Tally(self.counted - start.counted)
+
+    def add_to(self, counts: StepCounts) -> None:
+        for key, value in self.counted.items():
+            name, _, item = key.partition("/")
+            if item:
+                getattr(counts, name)[item] += value
+            else:
+                setattr(counts, name, getattr(counts, name) + value)
