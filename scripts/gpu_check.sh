@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # make gpu-check: on a GPU box without network, install the offline bundle (make gpu-bundle) over the system's torch,
 # run the GPU tests (pytest -m gpu) and the GPU benchmark (benchmarks/gpu.py), and write their results to OUT:
-# gpu_check.md and gpu_check.json (the tables), gpu_tests.xml (junit), gpu_benchmark.{md,json}, gpu_check.log.
+# gpu_check.md and gpu_check.json (the tables), gpu_tests.xml (junit), gpu_benchmark.{md,json}, calibrated.yaml
+# (python -m project.cli.calibrate), gpu_predictions.{md,json} (the predictions against the benchmark), gpu_check.log.
 #   bash scripts/gpu_check.sh <bundle dir> <out dir>
 # GPU_PYTHON: the box's interpreter, the one with torch (default python3). GPU_VENV: the venv made over it
 # (default .gpu-venv). GPU_CHECK_PARTS: "tests", "benchmark" or both (the default), for a box whose sessions are short;
@@ -37,8 +38,12 @@ fi
 if [[ " $parts " != *" benchmark "* ]]; then
     benchmark=not-run
 elif "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    # This box's GPUs measured for the step-time model (under 2 minutes), as cluster file calibrated.yaml
+    "$py" -m project.cli.calibrate --name calibrated --out "$out/calibrated.yaml" 2>&1 | tee -a "$log"
     "$py" benchmarks/gpu.py --out "$out" --profile 2>&1 | tee -a "$log"  # profiles the cases that miss a target
     benchmark=${PIPESTATUS[0]}
+    # Each case's throughput and peak beside plan=true's on the datasheet cluster and on calibrated.yaml
+    "$py" scripts/gpu_predictions.py "$out" 2>&1 | tee -a "$log"
 else
     echo "No CUDA device: benchmarks/gpu.py not run." | tee -a "$log"
     benchmark=not-run

@@ -63,7 +63,7 @@ def figure(value: str) -> str:
     return f"{number:.3g}" if abs(number) < 1e-2 or abs(number) >= 1e4 else f"{number:.4f}".rstrip("0").rstrip(".")
 
 
-def markdown(report: dict[str, Any], benchmark_md: str | None) -> str:
+def markdown(report: dict[str, Any], benchmark_md: str | None, predictions_md: str | None = None) -> str:
     m = report["machine"]
     lines = [
         f"# make gpu-check, {m['date']}",
@@ -82,6 +82,8 @@ def markdown(report: dict[str, Any], benchmark_md: str | None) -> str:
         lines.append(f"| {test['test']} | {outcome} | {test['seconds']:.1f} | {figures} |")
     lines += ["", f"## GPU benchmark (`benchmarks/gpu.py`, exit code {report['benchmark_exit']})", ""]
     lines.append(benchmark_md if benchmark_md else "Not run (no CUDA device, or not asked for) or it wrote no table.")
+    if predictions_md:  # scripts/gpu_predictions.py: the step-time model and the memory plan against the benchmark
+        lines += ["", "## Predicted against measured (`scripts/gpu_predictions.py`)", "", predictions_md]
     return "\n".join(lines) + "\n"
 
 
@@ -100,7 +102,12 @@ def main() -> None:
         "benchmark": json.loads(benchmark_json.read_text()) if benchmark_json.is_file() else None,
     }
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    text = markdown(report, benchmark_md.read_text() if benchmark_md.is_file() else None)
+    predictions_md = args.out / "gpu_predictions.md"
+    text = markdown(
+        report,
+        benchmark_md.read_text() if benchmark_md.is_file() else None,
+        predictions_md.read_text() if predictions_md.is_file() else None,
+    )
     (args.out / "gpu_check.md").write_text(text)
     print(text)
     counts = {

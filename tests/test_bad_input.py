@@ -169,7 +169,7 @@ CASES = [
         ["plan=search", "cluster=h100_sxm_8x", "cluster.devices_per_node=0"],
         "cluster.devices_per_node: must be a positive integer, got 0",
     ),
-    (["plan=search", "cluster=h200_8x", "cluster.compute_efficiency=1.5"], "cluster.compute_efficiency: must be"),
+    (["plan=search", "cluster=h200_8x", "cluster.matmul_efficiency=1.5"], "cluster.matmul_efficiency: must be"),
     (
         ["plan=search", "cluster=h100_sxm_8x", "plan_search.max_pipeline_ranks=0"],
         "plan_search.max_pipeline_ranks: must be a positive integer, got 0",

@@ -51,7 +51,7 @@ PARTNERS = {
 OPTIONS = [
     f"{path.parent.name}={path.stem}"
     for path in sorted(CONF.glob("*/*.yaml"))
-    if path.parent.name not in ("hydra", "paths", "trainer")
+    if path.parent.name not in ("hydra", "paths", "trainer", "step_time")  # step_time: what every cluster takes
 ]
 
 

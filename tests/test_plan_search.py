@@ -8,7 +8,9 @@ import pytest
 from conftest import TINY_GPT, train
 
 # The tiny GPT (3 blocks) on 2 simulated H100s: FSDP at 4 per device, so a global batch of 8. Communication is made
-# free (NVLink at 10^9 GB/s), so that compute and bubbles decide, and the pipelines' bounds leave them out.
+# free (NVLink at 10^9 GB/s) and the GPU slow (a GFLOPS on one multiprocessor, which the tiny matmuls fill: each
+# step's FLOPs take seconds, beside which the collectives' latency and the memory-bound ops are nothing), so that
+# compute and bubbles decide, and the pipelines' bounds leave them out.
 SEARCH = [
     *TINY_GPT,
     "model.net.num_layers=3",
@@ -17,6 +19,8 @@ SEARCH = [
     "data.batch_size=4",
     "cluster=h100_sxm_8x",
     "cluster.intra_node_gb_per_s=1e9",
+    "cluster.peak_tflops=0.001",
+    "cluster.multiprocessors=1",
 ]
 # Written out by hand: DDP's one layout, FSDP alone and over 2 tensor-parallel ranks, a pipeline of 2 ranks under
 # 1F1B (4 micro-batches: 2 per rank; interleaving needs 4 stages, and there are 3 blocks), each at the global batch

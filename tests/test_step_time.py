@@ -1,24 +1,134 @@
-"""The step-time model (project/plan/step_time.py) on plans whose counts are set by hand, against the same
-arithmetic done here step by step: compute at the calibrated share of the peak, ring collectives over the link
-their group crosses, data-parallel traffic hidden behind compute up to its length, the pipeline's bubble."""
+"""The step-time model (project/plan/step_time.py) against the same arithmetic done here step by step: what a step
+counts (an elementwise op's bytes, fused or not; a matmul's FLOPs, bytes and tiles; attention's exponentials),
+each kernel's roofline, the clock at a power limit, ring collectives with NCCL's latency over the link their group
+crosses, data-parallel traffic hidden behind compute up to its length, the pipeline's bubble."""
+
+import math
 
 import pytest
+import torch
+import torch.nn.functional as F
 from test_memory_plan import resolved
 
-from project.accounting.counts import Link
+from project.accounting.counts import Kernel, Link, StepCounts
 from project.job.cluster import Cluster
 from project.parallel.dims import ParallelDims
 from project.plan.memory_plan import MemoryPlan
 from project.plan.simulate import DevicePlan
-from project.plan.step_time import predict_step
+from project.plan.step_time import clock_ratio, collective_seconds, kernel_seconds, predict_step, wave_share
 
-# Round numbers: 100 TFLOPS at half efficiency is 5e13 FLOP/s; 100 GB/s in a node, 10 GB/s between nodes.
-CLUSTER = Cluster("test", 100, 80, 4, 100, 10, 0.5)
+# Round numbers: 100 TFLOPS at half efficiency is 5e13 FLOP/s; 1 TB/s at 80% is 8e11 B/s; 100 GB/s in a node, 10
+# GB/s between nodes; 2e12 exponentials a second.
+CLUSTER = Cluster(
+    name="test",
+    peak_tflops=100,
+    memory_gb=80,
+    memory_tb_per_s=1,
+    multiprocessors=10,
+    exp_tera_per_s=2,
+    rated_power_w=700,
+    power_limit_w=700,
+    devices_per_node=4,
+    intra_node_gb_per_s=100,
+    inter_node_gb_per_s=10,
+    matmul_efficiency=0.5,
+    attention_efficiency=0.25,
+    bandwidth_efficiency=0.8,
+)
 PIPELINE = ["model=gpt", "data=tokens", "strategy=pipeline", "trainer.devices=4", "trainer.num_nodes=2"]
 
 
 def device(name: str, flops: int, collectives: dict[Link, int]) -> DevicePlan:
-    return DevicePlan(name, 0, 0, 0, 0, 0, 0, flops=flops, collectives={k.key: v for k, v in collectives.items()})
+    """A device whose compute is one kernel of ``flops`` (no bytes, whole waves: at 5e13 FLOP/s here), and whose
+    collectives run once each."""
+    return DevicePlan(
+        name,
+        *[0] * 6,
+        flops=flops,
+        kernels={Kernel("compute", flops, 0).key: 1},
+        collectives={k.key: v for k, v in collectives.items()},
+        collective_calls={k.key: 1 for k in collectives},
+    )
+
+
+def latency(link: Link) -> float:
+    """NCCL's ring latency of one collective (project/plan/step_time.py), by hand for the links below."""
+    return collective_seconds(link, 0, 1, CLUSTER)
+
+
+def test_an_elementwise_op_moves_its_inputs_and_output():
+    x, y = torch.ones(1000), torch.ones(1000)
+    with StepCounts(4, "data_parallel") as counts:
+        z = x * y  # reads 2 x 4,000 B, writes 4,000 B
+        z.add_(1)  # reads and writes z: 8,000 B
+        z.view(10, 100)  # a view: nothing
+        torch.empty(10**6)  # an allocation: nothing
+    assert counts.moved_bytes == 12_000 + 8_000
+    assert not counts.kernels and counts.flops == 0
+
+
+def test_a_fused_chain_reads_only_what_no_elementwise_op_wrote():
+    """Under compile, (x * 2 + 1).exp() is one kernel: it reads x once; the writes are all counted."""
+    x = torch.ones(1000)
+    with StepCounts(4, "data_parallel", fused=True) as counts:
+        ((x * 2) + 1).exp()
+    assert counts.moved_bytes == 4_000 + 3 * 4_000
+    with StepCounts(4, "data_parallel") as eager:
+        ((x * 2) + 1).exp()
+    assert eager.moved_bytes == 3 * (4_000 + 4_000)
+
+
+def test_a_matmul_counts_its_flops_bytes_and_output_tiles():
+    a, b = torch.ones(300, 200), torch.ones(200, 500)
+    with StepCounts(4, "data_parallel") as counts:
+        a @ b
+    kernel = Kernel("matmul", 2 * 300 * 200 * 500, 4 * (300 * 200 + 200 * 500 + 300 * 500), tiles=3 * 4)
+    assert counts.kernels == {kernel.key: 1}
+    assert counts.flops == kernel.flops and counts.moved_bytes == 0
+
+
+def test_causal_attention_counts_its_scores_exponentials():
+    q = k = v = torch.ones(2, 3, 64, 16)  # batch 2, 3 heads, 64 tokens, width 16
+    with StepCounts(4, "data_parallel") as counts:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    (key,) = counts.kernels
+    kernel = Kernel.parse(key)
+    assert kernel.kind == "attention" and kernel.causal
+    assert kernel.exponentials == 2 * 3 * 64 * 64
+    assert kernel.flops == 4 * 2 * 3 * 64 * 64 * 16  # torch's formula: two products of all 64 x 64 scores
+
+
+def test_each_kernel_is_the_longer_of_its_arithmetic_and_its_bytes():
+    big = Kernel("matmul", 10**12, 10**8, tiles=20)  # two whole waves of 10: 1e12 / 5e13 = 0.02 s; bytes 1.25e-4 s
+    assert kernel_seconds(big, CLUSTER) == pytest.approx(0.02)
+    ragged = Kernel("matmul", 10**12, 10**8, tiles=12)  # 12 tiles: a wave of 10 and one of 2, 60% busy
+    assert wave_share(12, 10) == pytest.approx(0.6)
+    assert kernel_seconds(ragged, CLUSTER) == pytest.approx(0.02 / 0.6)
+    skinny = Kernel("matmul", 10**9, 10**9, tiles=10)  # 2e-5 s of arithmetic, 1e9 / 8e11 = 1.25e-3 s of bytes
+    assert kernel_seconds(skinny, CLUSTER) == pytest.approx(1.25e-3)
+    # Causal attention: half the counted products at 25% of the peak, half the exponentials at 2e12 a second.
+    attention = Kernel("attention", 10**12, 10**6, exponentials=10**10, causal=True)
+    assert kernel_seconds(attention, CLUSTER) == pytest.approx(0.5e12 / 2.5e13 + 0.5e10 / 2e12)
+
+
+def test_a_power_limit_slows_the_clock_by_its_cube_root():
+    limited = Cluster(**{**CLUSTER.__dict__, "power_limit_w": 500})
+    assert clock_ratio(CLUSTER) == 1.0
+    assert clock_ratio(limited) == pytest.approx((500 / 700) ** (1 / 3))  # 0.894: 884 of 989 TFLOPS
+    kernel = Kernel("matmul", 10**12, 0, tiles=10)
+    assert kernel_seconds(kernel, limited) == pytest.approx(0.02 / (500 / 700) ** (1 / 3))
+
+
+def test_a_collective_pays_nccl_ring_latency_per_call():
+    """NCCL's tuning model, ring and Simple protocol: 8.4 us, then 3.4 us a step over NVLink and 9.6 us a step
+    between nodes; an all-gather of n ranks takes n - 1 steps, an all-reduce twice that."""
+    in_node = Link("all_gather", "data_parallel", 4, 1)
+    assert latency(in_node) == pytest.approx((8.4 + 3 * 3.4) * 1e-6)
+    across = Link("all_reduce", "data_parallel", 8, 2)  # 14 steps, 2 of them between the nodes
+    assert latency(across) == pytest.approx((8.4 + 12 * 3.4 + 2 * 9.6) * 1e-6)
+    size = 4 * 10**9  # 3/4 of it on the wire in a node, at 100 GB/s; ten calls pay ten latencies
+    assert collective_seconds(in_node, size, 10, CLUSTER) == pytest.approx(10 * latency(in_node) + 0.03)
+    assert math.isclose(collective_seconds(Link("send", "pipeline", 2, 2), 10**9, 1, CLUSTER), 0.1 + 18e-6)
 
 
 # Two pipeline ranks of 8 (4 stages of 2 data-parallel ranks, 4 devices a node).
@@ -30,15 +140,12 @@ FIRST = device(
         Link("send", "pipeline", 4, 2): 10**9,  # 1e9 B between nodes: 0.1 s, waited for
     },
 )
-SECOND = device(
-    "rank 1",
-    12 * 10**13,  # 2.4 s
-    {
-        Link("all_reduce", "tensor_parallel", 2, 1): 5 * 10**9,  # 2 x 1/2 x 5e9 B in a node: 0.05 s, waited for
-        Link("reduce_scatter", "data_parallel", 2, 2): 60 * 10**9,  # 30e9 B between nodes: 3 s, 0.6 s beyond compute
-        Link("send", "pipeline", 4, 2): 10**9,  # 0.1 s
-    },
-)
+SECOND_LINKS = {
+    Link("all_reduce", "tensor_parallel", 2, 1): 5 * 10**9,  # 2 x 1/2 x 5e9 B in a node: 0.05 s, waited for
+    Link("reduce_scatter", "data_parallel", 2, 2): 60 * 10**9,  # 30e9 B between nodes: 3 s, 0.6 s beyond compute
+    Link("send", "pipeline", 4, 2): 10**9,  # 0.1 s
+}
+SECOND = device("rank 1", 12 * 10**13, SECOND_LINKS)  # 2.4 s
 
 
 @pytest.mark.parametrize(
@@ -63,7 +170,8 @@ def test_a_step_is_the_slowest_rank_stretched_by_the_bubble(schedule, stages, mi
     assert job.dims == ParallelDims(8, pipeline=4, shard=True, pipelined=True)  # 2 replicas
     plan = MemoryPlan([FIRST, SECOND], 80 * 2**30, "test", False, 8)
     step = predict_step(plan, job, CLUSTER)
-    busy = 2.4 + 0.05 + 0.1 + (3.0 - 2.4)  # the second rank: compute, tensor parallel, sends, what compute cannot hide
+    # The second rank: compute, tensor parallel, sends, what compute cannot hide, and each collective's latency.
+    busy = 2.4 + 0.05 + 0.1 + (3.0 - 2.4) + sum(map(latency, SECOND_LINKS))
     assert step.compute == pytest.approx(2.4)
     assert step.exposed_communication == pytest.approx(busy - 2.4)
     assert step.seconds == pytest.approx(busy / (1 - bubble_share))
@@ -78,8 +186,9 @@ def test_data_parallel_traffic_within_the_compute_costs_nothing():
     traffic outlasts it."""
     job = resolved(["model=gpt", "data=tokens", "strategy=fsdp", "trainer.devices=4"])
     assert job.dims == ParallelDims(4, shard=True)
-    for wire_seconds, step_seconds in ((1.5, 2.0), (2.5, 2.5)):
+    gather = Link("all_gather", "data_parallel", 4, 1)
+    for wire_seconds, step_seconds in ((1.5, 2.0), (2.5, 2.5 + latency(gather))):
         size = int(wire_seconds * 100 * 10**9 * 4 / 3)  # an all-gather of 4 ranks puts 3/4 on the wire
-        rank = device("rank 0", 10**14, {Link("all_gather", "data_parallel", 4, 1): size})
+        rank = device("rank 0", 10**14, {gather: size})
         step = predict_step(MemoryPlan([rank], 2**40, "test", False, 4), job, CLUSTER)
         assert step.seconds == pytest.approx(step_seconds, rel=1e-6)

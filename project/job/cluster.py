@@ -6,18 +6,30 @@ from typing import Annotated
 
 from project.options.option_types import PositiveFloat, PositiveInt, Range
 
+Efficiency = Annotated[float, Range(low=0, high=1, low_open=True)]
+
 
 @dataclass(frozen=True)
 class Cluster:
-    """One kind of GPU node (``conf/cluster``): each GPU's dense peak in TFLOPS and memory in GB, the GPUs a node
-    joins with NVLink, the bandwidth each GPU has each way inside a node and to other nodes (GB/s), and the share of
-    the peak a training step's matmuls reach. The hints are the ranges ``cluster.*`` is checked against before
-    launch (``project.config.schema``)."""
+    """One kind of GPU node (``conf/cluster``), from its datasheets: each GPU's dense BF16 peak in TFLOPS, memory
+    in GB and memory bandwidth in TB/s, its multiprocessors and the exponentials they compute per second (10^12/s:
+    softmax's, in attention), the power its peak is rated at and the power limit it
+    runs under (W); the GPUs a node joins with NVLink, and the bandwidth each GPU has each way inside a node and to
+    other nodes (GB/s). Then the step-time model's efficiencies (``project.plan.step_time``), the same for every
+    GPU unless measured on one (``python -m project.cli.calibrate``). The hints are the ranges ``cluster.*`` is
+    checked against before launch (``project.config.schema``)."""
 
     name: str
     peak_tflops: PositiveFloat
     memory_gb: PositiveFloat
+    memory_tb_per_s: PositiveFloat
+    multiprocessors: PositiveInt
+    exp_tera_per_s: PositiveFloat
+    rated_power_w: PositiveFloat
+    power_limit_w: PositiveFloat
     devices_per_node: PositiveInt
     intra_node_gb_per_s: PositiveFloat
     inter_node_gb_per_s: PositiveFloat
-    compute_efficiency: Annotated[float, Range(low=0, high=1, low_open=True)]
+    matmul_efficiency: Efficiency
+    attention_efficiency: Efficiency
+    bandwidth_efficiency: Efficiency

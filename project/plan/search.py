@@ -41,7 +41,7 @@ from project.parallel.parallelize import Checkpointing
 from project.plan.depth import extrapolated_plan
 from project.plan.memory_plan import MemoryPlan, _size, device_capacity, plan_memory
 from project.plan.simulate import DevicePlan
-from project.plan.step_time import StepTime, predict_step, throughput_bound, throughput_unit
+from project.plan.step_time import StepTime, compute_floor, predict_step, throughput_bound, throughput_unit
 
 SEARCHABLE = ("ddp", "fsdp", "pipeline")  # the strategy group's options a search can lay out (conf/strategy)
 SOURCE = Path(__file__).resolve().parents[1]  # the project package: a change to it invalidates the cache
@@ -282,19 +282,20 @@ def search(job: Job, workers: int | None = None) -> Search:
 
 def set_bounds(candidates: list[Candidate], cluster: Cluster) -> None:
     """Sets the ``bound`` of each layout not simulated, or simulated only in part: its ``throughput_bound`` at the
-    least FLOPs per device of any layout simulated through with its activation checkpointing (every layout
-    computes the same step: at the same global batch, its devices share its FLOPs; checked in
-    ``tests/test_plan_search.py``), if there is one."""
+    least ``compute_floor`` per device (in proportion to its FLOPs) of any layout simulated through with its
+    activation checkpointing (every layout computes the same step: at the same global batch, its devices share its
+    FLOPs; checked in ``tests/test_plan_search.py``), if there is one."""
     least: dict[Checkpointing, float] = {}
     for candidate in candidates:
         if candidate.plan is not None and not candidate.plan.partial:
-            mean = sum(device.flops for device in candidate.plan.devices) / len(candidate.plan.devices)
+            devices = candidate.plan.devices
+            mean = sum(compute_floor(device, cluster) for device in devices) / len(devices)
             checkpointing = candidate.job.activation_checkpointing
             least[checkpointing] = min(mean, least.get(checkpointing, mean))
     for candidate in candidates:
-        flops = least.get(candidate.job.activation_checkpointing)
-        if (candidate.plan is None or candidate.plan.partial) and flops is not None:
-            candidate.bound = throughput_bound(candidate.job, cluster, flops)
+        floor = least.get(candidate.job.activation_checkpointing)
+        if (candidate.plan is None or candidate.plan.partial) and floor is not None:
+            candidate.bound = throughput_bound(candidate.job, cluster, floor)
 
 
 def unbeaten(candidates: list[Candidate], fastest: Candidate | None) -> list[Candidate]:

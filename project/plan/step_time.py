@@ -1,26 +1,38 @@
-"""How long a training step takes: predicted from what a memory plan's simulation counted on each device (its
-FLOPs and every collective's bytes, ``project.accounting.counts``) and a cluster's datasheet figures (``conf/cluster``).
+"""How long a training step takes: predicted from what a memory plan's simulation counted on each device (every
+matmul and attention kernel's shape, the bytes of every other op, every collective; ``project.accounting.counts``)
+and a cluster's datasheet figures (``conf/cluster``): a roofline per op.
 
 The model, per device of the plan:
 
-- compute: FLOPs / (the GPU's dense peak x ``compute_efficiency``, calibrated once: docs/step-time.md);
-- each collective: the bytes a rank puts on the wire (ring algorithms: an all-gather or reduce-scatter of S bytes
-  over n ranks sends S(n-1)/n, an all-reduce twice that; a send its bytes) over the link its group crosses: the
-  node's (NVLink) if all its ranks are on one node, else each GPU's network port;
+- each matmul, attention or other kernel with a FLOP formula: the longer of its FLOPs over the GPU's throughput and
+  its bytes over the GPU's memory bandwidth. The throughput is the dense BF16 peak at the clock the GPU's power
+  limit allows (``clock_ratio``), times ``matmul_efficiency`` for matmuls (and times the share of the GPU's
+  multiprocessors its last wave of 128 x 128 output tiles keeps busy: small matmuls and narrow shards run further
+  from peak) or ``attention_efficiency`` for attention (a causal kernel computes half the products torch's formula
+  counts);
+- every other op (norms, activations, residual adds, softmax, casts, the optimizer): its bytes over the memory
+  bandwidth; under ``model.compile`` an elementwise chain reads only its inputs (``StepCounts.fused``);
+- the bandwidth is the datasheet's times ``bandwidth_efficiency``. The three efficiencies are the same for every
+  GPU (``conf/step_time/roofline.yaml``): what differs between GPUs comes from their datasheets;
+- each collective: NCCL's ring latency (``ring_latency``, NCCL's own tuning model) plus the bytes a rank puts on
+  the wire (an all-gather or reduce-scatter of S bytes over n ranks sends S(n-1)/n, an all-reduce twice that; a
+  send its bytes) over the link its group crosses: the node's (NVLink) if all its ranks are on one node, else
+  each GPU's network port;
 - overlap: collectives over the data-parallel dimension run beside the compute (FSDP gathers the next block's
   parameters and reduces the last one's gradients while a block computes; DDP all-reduces its buckets during
   backward), so only what exceeds the compute shows; tensor parallelism's and a pipeline's sends wait for their
   results, so all of theirs shows;
 - a pipeline's idle share (its bubble, ``Layout.bubble_fraction``) stretches the slowest stage.
 
-The step is the slowest device's. What it leaves out: elementwise kernels, norms and the optimizer (not counted as
-FLOPs: the efficiency absorbs them), collectives' latency (only bandwidth), and contention between overlapped
-collectives and compute.
+The step is the slowest device's. What it leaves out: the host's time to launch kernels (a small model's step can
+be shorter than that: docs/gpu.md), contention between overlapped collectives and compute, and which intermediate
+a compiled kernel never writes.
 """
 
+import math
 from dataclasses import dataclass
 
-from project.accounting.counts import Link
+from project.accounting.counts import Kernel, Link
 from project.job.cluster import Cluster
 from project.job.job import Job
 from project.parallel.dims import DATA_PARALLEL
@@ -28,6 +40,18 @@ from project.plan.memory_plan import MemoryPlan
 from project.plan.simulate import DevicePlan
 
 GB = 1e9  # network and NVLink figures are decimal gigabytes per second, as datasheets give them
+# NCCL's tuning model (src/graph/tuning.cc, ring algorithm, Simple protocol, the one that carries large buffers): a
+# collective's base latency, and each step of its ring over NVLink and over the network, in microseconds.
+NCCL_BASE_US = 8.4
+NCCL_NVLINK_STEP_US = 3.4
+NCCL_NETWORK_STEP_US = 9.6
+
+
+def clock_ratio(cluster: Cluster) -> float:
+    """The share of its peak clock a GPU sustains under its power limit: dynamic power grows with the clock times
+    the voltage squared, and the voltage with the clock, so with the clock's cube. At its rated power (the
+    datasheet's, at which its peak is specified) a GPU keeps the clock its efficiencies were measured at."""
+    return min(1.0, (cluster.power_limit_w / cluster.rated_power_w) ** (1 / 3))
 
 
 def wire_bytes(link: Link, size: int) -> float:
@@ -41,9 +65,67 @@ def wire_bytes(link: Link, size: int) -> float:
     return size  # a send, a broadcast
 
 
-def collective_seconds(link: Link, size: int, cluster: Cluster) -> float:
+def ring_latency(link: Link) -> float:
+    """Seconds of latency of one collective, NCCL's way: a base, then a step per hop of its ring (n - 1 for an
+    all-gather or reduce-scatter, twice that for an all-reduce), the hops between nodes at the network's cost."""
+    steps, inter = (link.ranks - 1, link.nodes - 1) if link.kind != "send" else (1, int(link.nodes > 1))
+    if link.kind == "all_reduce":
+        steps, inter = 2 * steps, 2 * inter
+    return (NCCL_BASE_US + (steps - inter) * NCCL_NVLINK_STEP_US + inter * NCCL_NETWORK_STEP_US) * 1e-6
+
+
+def collective_seconds(link: Link, size: int, calls: int, cluster: Cluster) -> float:
     bandwidth = cluster.intra_node_gb_per_s if link.nodes == 1 else cluster.inter_node_gb_per_s
-    return wire_bytes(link, size) / (bandwidth * GB)
+    return calls * ring_latency(link) + wire_bytes(link, size) / (bandwidth * GB)
+
+
+def _flops_per_s(cluster: Cluster) -> float:
+    return cluster.peak_tflops * 1e12 * clock_ratio(cluster)
+
+
+def _bytes_per_s(cluster: Cluster) -> float:
+    return cluster.memory_tb_per_s * 1e12 * cluster.bandwidth_efficiency
+
+
+def wave_share(tiles: int, multiprocessors: int) -> float:
+    """The share of a GPU's multiprocessors a matmul of ``tiles`` output tiles keeps busy over its waves: its last
+    wave runs the tiles left over (Nvidia's "wave quantization")."""
+    return tiles / (math.ceil(tiles / multiprocessors) * multiprocessors) if tiles else 1.0
+
+
+def _arithmetic_seconds(kernel: Kernel, cluster: Cluster) -> float:
+    """A kernel's arithmetic with its multiprocessors all busy: matmuls at ``matmul_efficiency``; attention's
+    products at ``attention_efficiency`` (a causal kernel's half of them) and its exponentials at the special-function
+    units' rate."""
+    if kernel.kind != "attention":
+        return kernel.flops / cluster.matmul_efficiency / _flops_per_s(cluster)
+    done = 2 if kernel.causal else 1
+    exponentials = kernel.exponentials / done / (cluster.exp_tera_per_s * 1e12 * clock_ratio(cluster))
+    return kernel.flops / done / cluster.attention_efficiency / _flops_per_s(cluster) + exponentials
+
+
+def kernel_seconds(kernel: Kernel, cluster: Cluster) -> float:
+    """One kernel's roofline: the longer of its arithmetic (over its waves, for a matmul) and its bytes at the
+    bandwidth."""
+    arithmetic = _arithmetic_seconds(kernel, cluster)
+    if kernel.kind != "attention":
+        arithmetic /= wave_share(kernel.tiles, cluster.multiprocessors)
+    return max(arithmetic, kernel.bytes / _bytes_per_s(cluster))
+
+
+def compute_seconds(device: DevicePlan, cluster: Cluster) -> float:
+    """A device's kernels, one after another: its matmuls and attention by their roofline, the bytes of every
+    other op at the memory bandwidth."""
+    kernels = sum(count * kernel_seconds(Kernel.parse(key), cluster) for key, count in device.kernels.items())
+    return kernels + device.moved_bytes / _bytes_per_s(cluster)
+
+
+def compute_floor(device: DevicePlan, cluster: Cluster) -> float:
+    """The least ``compute_seconds`` a device of its work can take: each kernel's arithmetic with every
+    multiprocessor busy and none bound by its bytes, and the other ops' bytes at the bandwidth. The layouts of one
+    step share its arithmetic and (but for replicated ops) its bytes, whatever their shapes."""
+    kernels = sum(count * _arithmetic_seconds(Kernel.parse(key), cluster) for key, count in device.kernels.items())
+    return kernels + device.moved_bytes / _bytes_per_s(cluster)
 
 
 @dataclass
@@ -60,11 +142,11 @@ class DeviceTime:
 
 
 def device_time(device: DevicePlan, cluster: Cluster) -> DeviceTime:
-    compute = device.flops / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
+    compute = compute_seconds(device, cluster)
     overlapped = critical = 0.0
     for key, size in device.collectives.items():
         link = Link.parse(key)
-        seconds = collective_seconds(link, size, cluster)
+        seconds = collective_seconds(link, size, device.collective_calls.get(key, 1), cluster)
         if link.dim == DATA_PARALLEL and link.kind != "send":  # runs beside the compute
             overlapped += seconds
         else:
@@ -90,11 +172,10 @@ def throughput_unit(job: Job) -> str:
     return "tokens" if job.seq_length else "samples"
 
 
-def throughput_bound(job: Job, cluster: Cluster, flops_per_device: float) -> float:
-    """The most tokens/s per device ``predict_step`` can give a layout whose devices compute ``flops_per_device`` on
-    average: its slowest device computes at least that, and its step is at least that compute, with nothing
-    exposed, stretched by its bubble."""
-    compute = flops_per_device / (cluster.peak_tflops * 1e12 * cluster.compute_efficiency)
+def throughput_bound(job: Job, cluster: Cluster, compute: float) -> float:
+    """The most tokens/s per device ``predict_step`` can give a layout whose devices' ``compute_floor`` is
+    ``compute`` seconds on average: its slowest device computes at least that, and its step is at least that
+    compute, with nothing exposed, stretched by its bubble."""
     dims = job.dims
     return job.tokens_per_step * dims.data_parallel / dims.world_size * (1 - job.layout.bubble_fraction()) / compute
 

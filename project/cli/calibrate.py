@@ -1,0 +1,256 @@
+"""python -m project.cli.calibrate: measure this box's GPUs for the step-time model and write them as a cluster.
+
+On a GPU box, in under two minutes: BF16 matmuls of a model's shapes, fused causal attention, the memory bandwidth
+of a copy, and (with several GPUs) an NCCL all-gather across them. From those, the model's three efficiencies
+(``project.plan.step_time``: what share of the datasheet's figures each kind of kernel reaches), and the box's own
+multiprocessors, memory, power limit and NVLink bandwidth, over the datasheet cluster of its GPU (``--base``). The
+file goes to ``conf/cluster/<name>.yaml``: ``python train.py plan=search cluster=<name> ...`` then predicts with it.
+"""
+
+import argparse
+import datetime
+import functools
+import math
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from project.accounting.counts import Kernel
+from project.cli.usage import run_cli
+from project.job.cluster import Cluster
+from project.options.errors import ConfigError, check_writable
+from project.options.writes import written
+from project.plan.step_time import clock_ratio, wave_share
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+# The datasheet cluster of each GPU, by a part of its name (torch.cuda.get_device_name), the more specific first.
+BASES = [("H200", "h200_8x"), ("H100", "h100_sxm_8x"), ("A100", "a100_80g_8x")]
+# Llama 3.1 8B's matmuls at 8,192 tokens (M x N x K): its attention projections, its MLP's, and its output layer.
+MODEL_SHAPES = ["8192x4096x4096", "8192x1024x4096", "8192x14336x4096", "8192x4096x14336", "8192x128256x4096"]
+
+
+@dataclass
+class Measured:
+    """What a calibration measured, beside the base cluster's datasheet figures it replaces."""
+
+    device: str  # the GPU's name
+    devices: int  # GPUs on the box
+    multiprocessors: int
+    memory_gb: float
+    power_limit_w: float | None  # nvidia-smi's; None where it cannot say
+    matmul_efficiency: float
+    attention_efficiency: float
+    bandwidth_efficiency: float
+    intra_node_gb_per_s: float | None  # None with one GPU: nothing to measure between GPUs
+    notes: dict[str, str]  # what each measured figure came from, for the file's comments
+
+
+def cluster_file(name: str, base: Cluster, measured: Measured) -> str:
+    """The YAML of a calibrated cluster: the base's datasheet figures, the measured ones over them, each commented
+    with where it came from."""
+    values = {field.name: getattr(base, field.name) for field in fields(Cluster)}
+    values.update(
+        name=name,
+        multiprocessors=measured.multiprocessors,
+        memory_gb=round(measured.memory_gb, 1),
+        matmul_efficiency=round(measured.matmul_efficiency, 3),
+        attention_efficiency=round(measured.attention_efficiency, 3),
+        bandwidth_efficiency=round(measured.bandwidth_efficiency, 3),
+        devices_per_node=measured.devices if measured.devices > 1 else base.devices_per_node,
+    )
+    if measured.power_limit_w is not None:
+        values["power_limit_w"] = measured.power_limit_w
+    if measured.intra_node_gb_per_s is not None:
+        values["intra_node_gb_per_s"] = round(measured.intra_node_gb_per_s, 1)
+    today = datetime.date.today().isoformat()
+    lines = [
+        f"# Measured by python -m project.cli.calibrate on {today}: {measured.devices} x {measured.device}, torch",
+        f"# {torch.__version__}; the figures not measured are {base.name}'s (its datasheets). Use: cluster={name}.",
+        "defaults:",
+        "  - /step_time/roofline@_here_  # the model's efficiencies, replaced below by this box's",
+        "  - _self_",
+    ]
+    for key, value in values.items():
+        note = measured.notes.get(key, f"{base.name}'s" if key != "name" else "the cluster= option that picks it")
+        lines.append(f"{key}: {value}  # {note}")
+    return "\n".join(lines) + "\n"
+
+
+def _seconds(run: Callable[[], object], repeats: int = 10) -> float:
+    """Median seconds of ``run`` on the GPU, by CUDA events, after warm-up runs."""
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_matmuls(shapes: list[str], cluster: Cluster) -> tuple[float, str]:
+    """The median share of the peak (at the clock's ratio, over each shape's waves) the shapes' BF16 matmuls reach,
+    and each shape's TFLOPS."""
+    rate = cluster.peak_tflops * 1e12 * clock_ratio(cluster)
+    shares, reached = [], []
+    for shape in shapes:
+        m, n, k = (int(size) for size in shape.split("x"))
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        seconds = _seconds(functools.partial(torch.matmul, a, b))
+        tiles = math.ceil(m / Kernel.TILE) * math.ceil(n / Kernel.TILE)
+        shares.append(2 * m * n * k / seconds / rate / wave_share(tiles, cluster.multiprocessors))
+        reached.append(f"{shape} {2 * m * n * k / seconds / 1e12:.0f}")
+    return sorted(shares)[len(shares) // 2], "TFLOPS " + ", ".join(reached)
+
+
+def measure_attention(seq: int, cluster: Cluster) -> tuple[float, str]:
+    """The share of the peak causal attention's products reach, forward and backward (Llama 3's 32 heads of 128),
+    its exponentials' time taken out as the model prices them."""
+    q, k, v = (torch.randn(1, 32, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    seconds = _seconds(step)
+    products = (4 + 10) * 32 * seq * seq * 128 / 2  # torch's formulas, forward and backward, half computed
+    exponentials = 2 * 32 * seq * seq / 2  # one per score, forward and again in backward
+    arithmetic = seconds - exponentials / (cluster.exp_tera_per_s * 1e12 * clock_ratio(cluster))
+    share = products / arithmetic / (cluster.peak_tflops * 1e12 * clock_ratio(cluster))
+    return share, f"causal, 32 heads of 128, sequence {seq}: {seconds * 1e3:.1f} ms forward and backward"
+
+
+def measure_bandwidth(cluster: Cluster) -> tuple[float, str]:
+    """The share of the datasheet's memory bandwidth a 2 GiB copy reaches (it reads and writes each byte)."""
+    source = torch.empty(2**30, device="cuda", dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    seconds = _seconds(lambda: target.copy_(source))
+    bandwidth = 2 * 2 * source.numel() / seconds
+    return bandwidth / (cluster.memory_tb_per_s * 1e12), f"a 2 GiB copy: {bandwidth / 1e12:.2f} TB/s"
+
+
+def _all_gather_rank(rank: int, world: int, init: str, result: str) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+    size = 2**28  # bytes gathered: 256 MiB
+    shard = torch.empty(size // world, device="cuda", dtype=torch.uint8)
+    gathered = torch.empty(size, device="cuda", dtype=torch.uint8)
+    seconds = _seconds(lambda: dist.all_gather_into_tensor(gathered, shard))
+    if rank == 0:
+        Path(result).write_text(str(size * (world - 1) / world / seconds))  # each rank's bytes on the wire
+    dist.destroy_process_group()
+
+
+def measure_nvlink(devices: int) -> tuple[float, str]:
+    """Each GPU's bandwidth each way in an NCCL all-gather of 256 MiB across the box's GPUs (GB/s, ring bytes)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = str(Path(tmp) / "bandwidth")
+        init = f"file://{Path(tmp) / 'rendezvous'}"
+        torch.multiprocessing.spawn(_all_gather_rank, args=(devices, init, result), nprocs=devices)
+        bandwidth = float(Path(result).read_text()) / 1e9
+    return bandwidth, f"an NCCL all-gather of 256 MiB over {devices} GPUs: {bandwidth:.0f} GB/s a GPU each way"
+
+
+def power_limit() -> float | None:
+    """The first GPU's power limit in watts, from nvidia-smi (None where it is missing or says nothing)."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    query = ["nvidia-smi", "--query-gpu=power.limit", "--format=csv,noheader,nounits", "--id=0"]
+    reply = subprocess.run(query, capture_output=True, text=True, check=False).stdout.strip()
+    return float(reply) if re.fullmatch(r"[\d.]+", reply) else None
+
+
+def base_cluster(name: str | None, device: str) -> Cluster:
+    """The datasheet cluster ``--base`` names, or the one of this GPU."""
+    if name is None:
+        name = next((base for part, base in BASES if part in device), None)
+        if name is None:
+            options = " | ".join(path.stem for path in sorted((CONF / "cluster").glob("*.yaml")))
+            raise ConfigError("--base", f"no datasheet cluster is known for a {device}.", f"name one: {options}.")
+    path = CONF / "cluster" / f"{name}.yaml"
+    if not path.exists():
+        raise ConfigError("--base", f"{path} does not exist.", "name a file of conf/cluster.")
+    config = OmegaConf.to_container(
+        OmegaConf.merge(OmegaConf.load(CONF / "step_time" / "roofline.yaml"), OmegaConf.load(path))
+    )
+    assert isinstance(config, dict)
+    return Cluster(**{field.name: config[field.name] for field in fields(Cluster)})
+
+
+def calibrate(base_name: str | None, shapes: list[str], seq: int) -> tuple[Cluster, Measured]:
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "device",
+            "calibrate times this machine's GPUs, and torch sees no CUDA device here.",
+            "run it on the GPU box (make gpu-check runs it); without a GPU, plan with a datasheet cluster: "
+            "cluster=h100_sxm_8x | h200_8x | a100_80g_8x.",
+        )
+    device = torch.cuda.get_device_name(0)
+    base = base_cluster(base_name, device)
+    properties = torch.cuda.get_device_properties(0)
+    limit = power_limit()
+    # The efficiencies are shares of the peak at the clock this box's power limit allows.
+    box = Cluster(**{**base.__dict__, "multiprocessors": properties.multi_processor_count})
+    if limit is not None:
+        box = Cluster(**{**box.__dict__, "power_limit_w": limit})
+    matmul, matmul_note = measure_matmuls(shapes, box)
+    attention, attention_note = measure_attention(seq, box)
+    bandwidth, bandwidth_note = measure_bandwidth(box)
+    devices = torch.cuda.device_count()
+    nvlink, nvlink_note = measure_nvlink(devices) if devices > 1 else (None, "")
+    notes = {
+        "multiprocessors": "this GPU's (torch.cuda.get_device_properties)",
+        "memory_gb": "this GPU's",
+        "power_limit_w": "nvidia-smi's power limit" if limit is not None else f"{base.name}'s (no nvidia-smi)",
+        "matmul_efficiency": f"the median share over {len(shapes)} shapes: {matmul_note}",
+        "attention_efficiency": attention_note,
+        "bandwidth_efficiency": bandwidth_note,
+        "devices_per_node": "this box's GPUs" if devices > 1 else f"{base.name}'s (one GPU here)",
+        "intra_node_gb_per_s": nvlink_note or f"{base.name}'s (one GPU here: nothing to measure between GPUs)",
+    }
+    measured = Measured(
+        device, devices, box.multiprocessors, properties.total_memory / 1e9, limit, matmul, attention, bandwidth,
+        nvlink, notes,
+    )  # fmt: skip
+    return base, measured
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m project.cli.calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--name", help="the cluster's name (default: calibrated_<GPU>_<GPUs>x)")
+    parser.add_argument("--out", help="the file to write (default: conf/cluster/<name>.yaml)")
+    parser.add_argument("--base", help="the datasheet cluster of this GPU (default: found by its name)")
+    parser.add_argument("--shapes", nargs="+", default=MODEL_SHAPES, help="matmuls to time, MxNxK (default: 8B's)")
+    parser.add_argument("--seq", type=int, default=8192, help="attention's sequence length (default 8192)")
+    args = parser.parse_args(argv)
+    for shape in args.shapes:
+        if not re.fullmatch(r"\d+x\d+x\d+", shape):
+            raise ConfigError("--shapes", f"{shape!r} is not MxNxK.", "give sizes such as 8192x4096x4096.")
+    base, measured = calibrate(args.base, args.shapes, args.seq)
+    slug = re.sub(r"[^a-z0-9]+", "_", measured.device.lower().removeprefix("nvidia ")).strip("_")
+    name = args.name or f"calibrated_{slug}_{measured.devices}x"
+    out = Path(args.out or CONF / "cluster" / f"{name}.yaml")
+    check_writable("--out", out.parent, "give a file path in a dir you can write.")
+    with written(out, "cluster file", "free space or give another --out.") as path:
+        path.write_text(cluster_file(name, base, measured))
+    print(Path(out).read_text(), end="")
+    print(f"Wrote {out}: use cluster={name}" + ("" if out.parent == CONF / "cluster" else f" (from {out.parent})"))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    run_cli("python -m project.cli.calibrate", main)

@@ -1,0 +1,80 @@
+"""``python -m project.cli.calibrate``: refused clearly on a machine without a GPU (this one), and the cluster file it
+writes on a GPU box is one ``cluster=<name>`` composes into the Cluster the step-time model reads, with the measured
+figures over the datasheet ones. (The measuring itself runs on a GPU: ``make gpu-check``.)"""
+
+import subprocess
+import sys
+from dataclasses import fields
+
+import pytest
+from conftest import REPO
+from test_memory_plan import resolved
+
+from project.cli.calibrate import Measured, base_cluster, cluster_file
+from project.job.cluster import Cluster
+
+
+def test_without_a_gpu_it_is_refused_naming_the_fix_and_writes_nothing(tmp_path):
+    clusters = sorted((REPO / "conf" / "cluster").iterdir())
+    result = subprocess.run(
+        [sys.executable, "-m", "project.cli.calibrate", "--out", str(tmp_path / "box.yaml")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "python -m project.cli.calibrate: device: calibrate times this machine's GPUs" in result.stderr
+    assert "Fix: run it on the GPU box" in result.stderr and "cluster=h100_sxm_8x" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir()) and sorted((REPO / "conf" / "cluster").iterdir()) == clusters
+
+
+MEASURED = Measured(
+    device="NVIDIA H200",
+    devices=4,
+    multiprocessors=132,
+    memory_gb=150.1,
+    power_limit_w=600.0,
+    matmul_efficiency=0.71,
+    attention_efficiency=0.33,
+    bandwidth_efficiency=0.88,
+    intra_node_gb_per_s=380.5,
+    notes={"matmul_efficiency": "the median share over 5 shapes: TFLOPS 8192x4096x4096 700"},
+)
+
+
+def test_the_file_composes_as_a_cluster_with_the_measured_figures_over_the_datasheets(tmp_path):
+    base = base_cluster("h200_8x", "NVIDIA H200")
+    (tmp_path / "cluster").mkdir()
+    (tmp_path / "cluster" / "box.yaml").write_text(cluster_file("box", base, MEASURED))
+    job = resolved(["plan=search", f"hydra.searchpath=[file://{tmp_path}]", "cluster=box"])
+    assert isinstance(job.cluster, Cluster)
+    measured = {
+        "name": "box",
+        "multiprocessors": 132,
+        "memory_gb": 150.1,
+        "power_limit_w": 600.0,
+        "matmul_efficiency": 0.71,
+        "attention_efficiency": 0.33,
+        "bandwidth_efficiency": 0.88,
+        "devices_per_node": 4,
+        "intra_node_gb_per_s": 380.5,
+    }
+    for field in fields(Cluster):
+        expected = measured.get(field.name, getattr(base, field.name))
+        assert getattr(job.cluster, field.name) == pytest.approx(expected) if field.name != "name" else expected
+    text = (tmp_path / "cluster" / "box.yaml").read_text()
+    assert "matmul_efficiency: 0.71  # the median share over 5 shapes: TFLOPS 8192x4096x4096 700" in text
+    assert "memory_tb_per_s: 4.8  # h200_8x's" in text  # not measured: the datasheet's, said so
+
+
+def test_one_gpu_keeps_the_datasheet_links_and_an_unknown_gpu_needs_a_base():
+    base = base_cluster("a100_80g_8x", "NVIDIA A100-SXM4-80GB")
+    single = Measured(**{**MEASURED.__dict__, "devices": 1, "intra_node_gb_per_s": None, "power_limit_w": None})
+    text = cluster_file("one", base, single)
+    assert "devices_per_node: 8  #" in text and "intra_node_gb_per_s: 300" in text and "power_limit_w: 400" in text
+    with pytest.raises(Exception, match=r"--base: no datasheet cluster is known for a Tesla T4"):
+        base_cluster(None, "Tesla T4")
+    assert base_cluster(None, "NVIDIA H100 80GB HBM3").name == "h100_sxm_8x"
