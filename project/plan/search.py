@@ -17,10 +17,13 @@ simulated; the others are simulated, and the test repeats until none is left tha
 is simulated only up to the first moment a device holds more than the GPU's memory: it cannot be the answer.
 """
 
+import ctypes
 import hashlib
 import json
 import multiprocessing
 import os
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -44,6 +47,7 @@ from project.plan.simulate import DevicePlan
 from project.plan.step_time import StepTime, compute_floor, predict_step, throughput_bound, throughput_unit
 
 SEARCHABLE = ("ddp", "fsdp", "pipeline")  # the strategy group's options a search can lay out (conf/strategy)
+PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal a process gets when its parent dies
 SOURCE = Path(__file__).resolve().parents[1]  # the project package: a change to it invalidates the cache
 
 
@@ -137,6 +141,13 @@ def from_cache(
     return missing
 
 
+def _end_with_parent() -> None:
+    """A worker gets SIGTERM when the search's process dies (Linux's parent-death signal): a search killed outright
+    (SIGTERM's default, SIGKILL) runs no cleanup, and its workers would go on simulating for minutes."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Simulations:
     """The search's plans: from the cache, or simulated in ``workers`` processes, started at the first simulation
     (none when every plan is cached) and kept for the search's rounds. Spawned: a forked worker would inherit this
@@ -165,7 +176,9 @@ class Simulations:
         if not missing:
             return
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            self._pool = ProcessPoolExecutor(
+                self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_end_with_parent
+            )
         futures = {
             self._pool.submit(_simulate, same[0].job, simulated_whole): (name, same)
             for name, same, simulated_whole in missing
