@@ -31,6 +31,28 @@ def test_without_a_gpu_it_is_refused_naming_the_fix_and_writes_nothing(tmp_path)
     assert not list(tmp_path.iterdir()) and sorted((REPO / "conf" / "cluster").iterdir()) == clusters
 
 
+def test_smoke_runs_every_measurement_on_the_cpu_into_a_cluster_file(tmp_path):
+    """--smoke: the matmuls, attention, the copy and a 2-process gloo all-gather, timed here, written as a cluster
+    that composes: the code path make gpu-check takes, with the CPU's figures."""
+    out = tmp_path / "cluster" / "smoke.yaml"
+    result = subprocess.run(
+        [sys.executable, "-m", "project.cli.calibrate", "--smoke", "--name", "smoke", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"Wrote {out}: use cluster=smoke" in result.stdout
+    job = resolved(["plan=search", f"hydra.searchpath=[file://{tmp_path}]", "cluster=smoke"])
+    assert job.cluster is not None and job.cluster.name == "smoke" and job.cluster.devices_per_node == 2
+    for efficiency in (job.cluster.matmul_efficiency, job.cluster.attention_efficiency):
+        assert 0 < efficiency < 0.1  # a CPU's BF16 against an H100's 989 TFLOPS (tiny matmuls: over their waves)
+    assert 0 < job.cluster.bandwidth_efficiency < 1 and job.cluster.intra_node_gb_per_s > 0
+    text = out.read_text()
+    assert "all-gather (gloo) of 1 MiB over 2 devices" in text and "causal, 4 heads of 32, sequence 256" in text
+
+
 MEASURED = Measured(
     device="NVIDIA H200",
     devices=4,
@@ -40,7 +62,7 @@ MEASURED = Measured(
     matmul_efficiency=0.71,
     attention_efficiency=0.33,
     bandwidth_efficiency=0.88,
-    intra_node_gb_per_s=380.5,
+    intra_node_gb_per_s=381.0,
     notes={"matmul_efficiency": "the median share over 5 shapes: TFLOPS 8192x4096x4096 700"},
 )
 
@@ -60,7 +82,7 @@ def test_the_file_composes_as_a_cluster_with_the_measured_figures_over_the_datas
         "attention_efficiency": 0.33,
         "bandwidth_efficiency": 0.88,
         "devices_per_node": 4,
-        "intra_node_gb_per_s": 380.5,
+        "intra_node_gb_per_s": 381.0,
     }
     for field in fields(Cluster):
         expected = measured.get(field.name, getattr(base, field.name))

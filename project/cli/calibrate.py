@@ -5,6 +5,8 @@ of a copy, and (with several GPUs) an NCCL all-gather across them. From those, t
 (``project.plan.step_time``: what share of the datasheet's figures each kind of kernel reaches), and the box's own
 multiprocessors, memory, power limit and NVLink bandwidth, over the datasheet cluster of its GPU (``--base``). The
 file goes to ``conf/cluster/<name>.yaml``: ``python train.py plan=search cluster=<name> ...`` then predicts with it.
+Without a GPU it refuses; ``--smoke`` runs the same code on the CPU at small sizes (two gloo processes for the
+all-gather), to check it where no GPU is at hand: its figures are the CPU's.
 """
 
 import argparse
@@ -16,6 +18,8 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -38,6 +42,30 @@ BASES = [("H200", "h200_8x"), ("H100", "h100_sxm_8x"), ("A100", "a100_80g_8x")]
 MODEL_SHAPES = ["8192x4096x4096", "8192x1024x4096", "8192x14336x4096", "8192x4096x14336", "8192x128256x4096"]
 
 
+@dataclass(frozen=True)
+class Sizes:
+    """What a calibration times: on ``device``, BF16 matmuls of ``shapes`` (MxNxK), causal attention of ``heads``
+    heads of ``head_dim`` over ``seq`` tokens, a copy of ``copy_bytes``, and an all-gather of ``gather_bytes``
+    across the box's devices over ``backend``."""
+
+    device: str
+    shapes: list[str]
+    seq: int
+    heads: int = 32
+    head_dim: int = 128  # Llama 3's
+    copy_bytes: int = 2**31
+    gather_bytes: int = 2**28
+    backend: str = "nccl"
+
+
+# --smoke: the same code on this machine's CPU at sizes it times in seconds, gathering over 2 gloo processes: a check
+# of the code and the file where no GPU is at hand (its figures are the CPU's).
+SMOKE = Sizes(
+    "cpu", ["256x256x256", "256x512x256"], seq=256, heads=4, head_dim=32, copy_bytes=2**23, gather_bytes=2**20,
+    backend="gloo",
+)  # fmt: skip
+
+
 @dataclass
 class Measured:
     """What a calibration measured, beside the base cluster's datasheet figures it replaces."""
@@ -54,6 +82,11 @@ class Measured:
     notes: dict[str, str]  # what each measured figure came from, for the file's comments
 
 
+def _figure(value: float) -> float:
+    """Three significant figures: a measurement's own precision, and never 0 for a small share."""
+    return float(f"{value:.3g}")
+
+
 def cluster_file(name: str, base: Cluster, measured: Measured) -> str:
     """The YAML of a calibrated cluster: the base's datasheet figures, the measured ones over them, each commented
     with where it came from."""
@@ -62,15 +95,15 @@ def cluster_file(name: str, base: Cluster, measured: Measured) -> str:
         name=name,
         multiprocessors=measured.multiprocessors,
         memory_gb=round(measured.memory_gb, 1),
-        matmul_efficiency=round(measured.matmul_efficiency, 3),
-        attention_efficiency=round(measured.attention_efficiency, 3),
-        bandwidth_efficiency=round(measured.bandwidth_efficiency, 3),
+        matmul_efficiency=_figure(measured.matmul_efficiency),
+        attention_efficiency=_figure(measured.attention_efficiency),
+        bandwidth_efficiency=_figure(measured.bandwidth_efficiency),
         devices_per_node=measured.devices if measured.devices > 1 else base.devices_per_node,
     )
     if measured.power_limit_w is not None:
         values["power_limit_w"] = measured.power_limit_w
     if measured.intra_node_gb_per_s is not None:
-        values["intra_node_gb_per_s"] = round(measured.intra_node_gb_per_s, 1)
+        values["intra_node_gb_per_s"] = _figure(measured.intra_node_gb_per_s)
     today = datetime.date.today().isoformat()
     lines = [
         f"# Measured by python -m project.cli.calibrate on {today}: {measured.devices} x {measured.device}, torch",
@@ -85,84 +118,96 @@ def cluster_file(name: str, base: Cluster, measured: Measured) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _seconds(run: Callable[[], object], repeats: int = 10) -> float:
-    """Median seconds of ``run`` on the GPU, by CUDA events, after warm-up runs."""
+def _seconds(run: Callable[[], object], device: str, repeats: int = 10) -> float:
+    """Median seconds of ``run`` after warm-up runs: on a GPU by CUDA events, on the CPU by the wall clock."""
     for _ in range(3):
         run()
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begun = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - begun)
     return sorted(times)[len(times) // 2]
 
 
-def measure_matmuls(shapes: list[str], cluster: Cluster) -> tuple[float, str]:
+def measure_matmuls(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
     """The median share of the peak (at the clock's ratio, over each shape's waves) the shapes' BF16 matmuls reach,
     and each shape's TFLOPS."""
     rate = cluster.peak_tflops * 1e12 * clock_ratio(cluster)
     shares, reached = [], []
-    for shape in shapes:
+    for shape in sizes.shapes:
         m, n, k = (int(size) for size in shape.split("x"))
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        seconds = _seconds(functools.partial(torch.matmul, a, b))
+        a = torch.randn(m, k, device=sizes.device, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=sizes.device, dtype=torch.bfloat16)
+        seconds = _seconds(functools.partial(torch.matmul, a, b), sizes.device)
         tiles = math.ceil(m / Kernel.TILE) * math.ceil(n / Kernel.TILE)
         shares.append(2 * m * n * k / seconds / rate / wave_share(tiles, cluster.multiprocessors))
-        reached.append(f"{shape} {2 * m * n * k / seconds / 1e12:.0f}")
+        reached.append(f"{shape} {2 * m * n * k / seconds / 1e12:.3g}")
     return sorted(shares)[len(shares) // 2], "TFLOPS " + ", ".join(reached)
 
 
-def measure_attention(seq: int, cluster: Cluster) -> tuple[float, str]:
-    """The share of the peak causal attention's products reach, forward and backward (Llama 3's 32 heads of 128),
-    its exponentials' time taken out as the model prices them."""
-    q, k, v = (torch.randn(1, 32, seq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+def measure_attention(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
+    """The share of the peak causal attention's products reach, forward and backward, its exponentials' time taken
+    out as the model prices them."""
+    shape = (1, sizes.heads, sizes.seq, sizes.head_dim)
+    q, k, v = (torch.randn(shape, device=sizes.device, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
 
     def step() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    seconds = _seconds(step)
-    products = (4 + 10) * 32 * seq * seq * 128 / 2  # torch's formulas, forward and backward, half computed
-    exponentials = 2 * 32 * seq * seq / 2  # one per score, forward and again in backward
+    seconds = _seconds(step, sizes.device)
+    scores = sizes.heads * sizes.seq**2 / 2  # a causal kernel's half
+    products = (4 + 10) * scores * sizes.head_dim  # torch's formulas: 2 products forward, 5 backward
+    exponentials = 2 * scores  # one per score, forward and again in backward
     arithmetic = seconds - exponentials / (cluster.exp_tera_per_s * 1e12 * clock_ratio(cluster))
-    share = products / arithmetic / (cluster.peak_tflops * 1e12 * clock_ratio(cluster))
-    return share, f"causal, 32 heads of 128, sequence {seq}: {seconds * 1e3:.1f} ms forward and backward"
+    share = products / max(arithmetic, 1e-9) / (cluster.peak_tflops * 1e12 * clock_ratio(cluster))
+    where = f"causal, {sizes.heads} heads of {sizes.head_dim}, sequence {sizes.seq}"
+    return share, f"{where}: {seconds * 1e3:.1f} ms forward and backward"
 
 
-def measure_bandwidth(cluster: Cluster) -> tuple[float, str]:
-    """The share of the datasheet's memory bandwidth a 2 GiB copy reaches (it reads and writes each byte)."""
-    source = torch.empty(2**30, device="cuda", dtype=torch.bfloat16)
+def measure_bandwidth(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
+    """The share of the datasheet's memory bandwidth a copy reaches (it reads and writes each byte)."""
+    source = torch.empty(sizes.copy_bytes // 2, device=sizes.device, dtype=torch.bfloat16)
     target = torch.empty_like(source)
-    seconds = _seconds(lambda: target.copy_(source))
-    bandwidth = 2 * 2 * source.numel() / seconds
-    return bandwidth / (cluster.memory_tb_per_s * 1e12), f"a 2 GiB copy: {bandwidth / 1e12:.2f} TB/s"
+    seconds = _seconds(lambda: target.copy_(source), sizes.device)
+    bandwidth = 2 * sizes.copy_bytes / seconds
+    copied = f"a copy of {sizes.copy_bytes / 2**20:,.0f} MiB"
+    return bandwidth / (cluster.memory_tb_per_s * 1e12), f"{copied}: {bandwidth / 1e12:.2f} TB/s"
 
 
-def _all_gather_rank(rank: int, world: int, init: str, result: str) -> None:
+def _all_gather_rank(rank: int, world: int, sizes: Sizes, init: str, result: str) -> None:
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
-    size = 2**28  # bytes gathered: 256 MiB
-    shard = torch.empty(size // world, device="cuda", dtype=torch.uint8)
-    gathered = torch.empty(size, device="cuda", dtype=torch.uint8)
-    seconds = _seconds(lambda: dist.all_gather_into_tensor(gathered, shard))
+    # torch 2.13 renames it all_gather_single; the GPU boxes' torch 2.11 has only this name
+    warnings.filterwarnings("ignore", "`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning)
+    if sizes.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(sizes.backend, init_method=init, rank=rank, world_size=world)
+    shard = torch.empty(sizes.gather_bytes // world, device=sizes.device, dtype=torch.uint8)
+    gathered = torch.empty(shard.numel() * world, device=sizes.device, dtype=torch.uint8)
+    seconds = _seconds(lambda: dist.all_gather_into_tensor(gathered, shard), sizes.device)
     if rank == 0:
-        Path(result).write_text(str(size * (world - 1) / world / seconds))  # each rank's bytes on the wire
+        Path(result).write_text(str(gathered.numel() * (world - 1) / world / seconds))  # a rank's bytes on the wire
     dist.destroy_process_group()
 
 
-def measure_nvlink(devices: int) -> tuple[float, str]:
-    """Each GPU's bandwidth each way in an NCCL all-gather of 256 MiB across the box's GPUs (GB/s, ring bytes)."""
+def measure_nvlink(devices: int, sizes: Sizes) -> tuple[float, str]:
+    """Each device's bandwidth each way in an all-gather across the box's devices (GB/s, ring bytes)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = str(Path(tmp) / "bandwidth")
         init = f"file://{Path(tmp) / 'rendezvous'}"
-        torch.multiprocessing.spawn(_all_gather_rank, args=(devices, init, result), nprocs=devices)
+        torch.multiprocessing.spawn(_all_gather_rank, args=(devices, sizes, init, result), nprocs=devices)
         bandwidth = float(Path(result).read_text()) / 1e9
-    return bandwidth, f"an NCCL all-gather of 256 MiB over {devices} GPUs: {bandwidth:.0f} GB/s a GPU each way"
+    gather = f"an all-gather ({sizes.backend}) of {sizes.gather_bytes / 2**20:,.0f} MiB over {devices} devices"
+    return bandwidth, f"{gather}: {bandwidth:.1f} GB/s a device each way"
 
 
 def power_limit() -> float | None:
@@ -191,40 +236,41 @@ def base_cluster(name: str | None, device: str) -> Cluster:
     return Cluster(**{field.name: config[field.name] for field in fields(Cluster)})
 
 
-def calibrate(base_name: str | None, shapes: list[str], seq: int) -> tuple[Cluster, Measured]:
-    if not torch.cuda.is_available():
+def calibrate(base_name: str | None, sizes: Sizes) -> tuple[Cluster, Measured]:
+    """This box measured over its datasheet cluster: on its GPUs, or with ``SMOKE`` sizes on the CPU."""
+    if sizes.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(
             "device",
             "calibrate times this machine's GPUs, and torch sees no CUDA device here.",
             "run it on the GPU box (make gpu-check runs it); without a GPU, plan with a datasheet cluster: "
-            "cluster=h100_sxm_8x | h200_8x | a100_80g_8x.",
+            "cluster=h100_sxm_8x | h200_8x | a100_80g_8x (or check this command's code with --smoke).",
         )
-    device = torch.cuda.get_device_name(0)
-    base = base_cluster(base_name, device)
-    properties = torch.cuda.get_device_properties(0)
-    limit = power_limit()
+    gpu = sizes.device == "cuda"
+    device = torch.cuda.get_device_name(0) if gpu else "CPU (--smoke)"
+    base = base_cluster(base_name if base_name or gpu else "h100_sxm_8x", device)
+    limit = power_limit() if gpu else None
     # The efficiencies are shares of the peak at the clock this box's power limit allows.
-    box = Cluster(**{**base.__dict__, "multiprocessors": properties.multi_processor_count})
-    if limit is not None:
-        box = Cluster(**{**box.__dict__, "power_limit_w": limit})
-    matmul, matmul_note = measure_matmuls(shapes, box)
-    attention, attention_note = measure_attention(seq, box)
-    bandwidth, bandwidth_note = measure_bandwidth(box)
-    devices = torch.cuda.device_count()
-    nvlink, nvlink_note = measure_nvlink(devices) if devices > 1 else (None, "")
+    box = Cluster(**{**base.__dict__, "power_limit_w": limit or base.power_limit_w})
+    if gpu:
+        box = Cluster(**{**box.__dict__, "multiprocessors": torch.cuda.get_device_properties(0).multi_processor_count})
+    matmul, matmul_note = measure_matmuls(sizes, box)
+    attention, attention_note = measure_attention(sizes, box)
+    bandwidth, bandwidth_note = measure_bandwidth(sizes, box)
+    devices = torch.cuda.device_count() if gpu else 2
+    nvlink, nvlink_note = measure_nvlink(devices, sizes) if devices > 1 else (None, "")
     notes = {
-        "multiprocessors": "this GPU's (torch.cuda.get_device_properties)",
-        "memory_gb": "this GPU's",
+        "multiprocessors": "this GPU's (torch.cuda.get_device_properties)" if gpu else f"{base.name}'s",
+        "memory_gb": "this GPU's" if gpu else f"{base.name}'s",
         "power_limit_w": "nvidia-smi's power limit" if limit is not None else f"{base.name}'s (no nvidia-smi)",
-        "matmul_efficiency": f"the median share over {len(shapes)} shapes: {matmul_note}",
+        "matmul_efficiency": f"the median share over {len(sizes.shapes)} shapes: {matmul_note}",
         "attention_efficiency": attention_note,
         "bandwidth_efficiency": bandwidth_note,
-        "devices_per_node": "this box's GPUs" if devices > 1 else f"{base.name}'s (one GPU here)",
+        "devices_per_node": "this box's devices" if devices > 1 else f"{base.name}'s (one GPU here)",
         "intra_node_gb_per_s": nvlink_note or f"{base.name}'s (one GPU here: nothing to measure between GPUs)",
     }
+    memory = torch.cuda.get_device_properties(0).total_memory / 1e9 if gpu else base.memory_gb
     measured = Measured(
-        device, devices, box.multiprocessors, properties.total_memory / 1e9, limit, matmul, attention, bandwidth,
-        nvlink, notes,
+        device, devices, box.multiprocessors, memory, limit, matmul, attention, bandwidth, nvlink, notes
     )  # fmt: skip
     return base, measured
 
@@ -236,11 +282,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base", help="the datasheet cluster of this GPU (default: found by its name)")
     parser.add_argument("--shapes", nargs="+", default=MODEL_SHAPES, help="matmuls to time, MxNxK (default: 8B's)")
     parser.add_argument("--seq", type=int, default=8192, help="attention's sequence length (default 8192)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="run the same code on this CPU at small sizes (a check, not a GPU's figures)",
+    )
     args = parser.parse_args(argv)
     for shape in args.shapes:
         if not re.fullmatch(r"\d+x\d+x\d+", shape):
             raise ConfigError("--shapes", f"{shape!r} is not MxNxK.", "give sizes such as 8192x4096x4096.")
-    base, measured = calibrate(args.base, args.shapes, args.seq)
+    base, measured = calibrate(args.base, SMOKE if args.smoke else Sizes("cuda", args.shapes, args.seq))
     slug = re.sub(r"[^a-z0-9]+", "_", measured.device.lower().removeprefix("nvidia ")).strip("_")
     name = args.name or f"calibrated_{slug}_{measured.devices}x"
     out = Path(args.out or CONF / "cluster" / f"{name}.yaml")
