@@ -18,7 +18,8 @@ sys.path.insert(0, str(REPO))
 from project.cli.calibrate import BASES  # noqa: E402
 
 PREDICTED = re.compile(r"Predicted on \S+: .*?([\d,]+) tokens/s per GPU")
-PEAK = re.compile(r"^Peak ([\d.]+) (GiB|MiB) per device", re.M)
+PEAK = re.compile(r"^Peak ([\d.]+) (GiB|MiB|KiB) per device", re.M)
+MIB = {"GiB": 1024, "MiB": 1, "KiB": 1 / 1024}
 
 
 def predict(overrides: list[str], cluster: list[str]) -> tuple[float | None, float | None]:
@@ -26,7 +27,7 @@ def predict(overrides: list[str], cluster: list[str]) -> tuple[float | None, flo
     command = [sys.executable, "train.py", "plan=true", "memory_plan.if_over=warn", *overrides, *cluster]
     output = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600).stdout
     tokens, peak = PREDICTED.search(output), PEAK.search(output)
-    mib = None if peak is None else float(peak[1]) * (1024 if peak[2] == "GiB" else 1)
+    mib = None if peak is None else float(peak[1]) * MIB[peak[2]]
     return (None if tokens is None else float(tokens[1].replace(",", ""))), mib
 
 

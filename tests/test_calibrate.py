@@ -2,12 +2,13 @@
 writes on a GPU box is one ``cluster=<name>`` composes into the Cluster the step-time model reads, with the measured
 figures over the datasheet ones. (The measuring itself runs on a GPU: ``make gpu-check``.)"""
 
+import json
 import subprocess
 import sys
 from dataclasses import fields
 
 import pytest
-from conftest import REPO
+from conftest import REPO, TINY_GPT, train
 from test_memory_plan import resolved
 
 from project.cli.calibrate import Measured, base_cluster, cluster_file
@@ -100,3 +101,24 @@ def test_one_gpu_keeps_the_datasheet_links_and_an_unknown_gpu_needs_a_base():
     with pytest.raises(Exception, match=r"--base: no datasheet cluster is known for a Tesla T4"):
         base_cluster(None, "Tesla T4")
     assert base_cluster(None, "NVIDIA H100 80GB HBM3").name == "h100_sxm_8x"
+
+
+def test_gpu_predictions_sets_plan_trues_figures_beside_the_benchmarks(tmp_path):
+    """make gpu-check's last part (scripts/gpu_predictions.py) on a benchmark report of one case: the tiny GPT's
+    throughput and peak as if measured, beside what `python train.py plan=true` predicts for it on the datasheet
+    cluster and on a calibrated file, each error worked out from those."""
+    overrides = [*TINY_GPT, "data.batch_size=8", "trainer.precision=bf16-mixed"]
+    case = {"case": "tiny", "tokens_per_sec": 1.0e6, "peak_allocated_mb": 10.0, "overrides": overrides}
+    (tmp_path / "gpu_benchmark.json").write_text(json.dumps({"machine": {"gpu": "NVIDIA H200"}, "cases": [case]}))
+    base = base_cluster("h200_8x", "NVIDIA H200")
+    halved = Measured(**{**MEASURED.__dict__, "matmul_efficiency": base.matmul_efficiency / 2, "devices": 1})
+    (tmp_path / "calibrated.yaml").write_text(cluster_file("calibrated", base, halved))
+    subprocess.run([sys.executable, "scripts/gpu_predictions.py", str(tmp_path)], cwd=REPO, check=True, timeout=600)
+    (row,) = json.loads((tmp_path / "gpu_predictions.json").read_text())["rows"]
+    (sheet, planned), (calibrated, _) = row["datasheet"], row["calibrated"]
+    plan = train(["plan=true", "cluster=h200_8x", *overrides], tmp_path).output
+    assert f"{sheet:,.0f} tokens/s per GPU" in plan and f"Peak {planned * 1024:.1f} KiB per device" in plan
+    assert 0 < calibrated < sheet  # slower matmuls on the calibrated box
+    table = (tmp_path / "gpu_predictions.md").read_text()
+    assert f"| tiny | 1,000,000 | {sheet:,.0f} | {sheet / 1e6 - 1:+.1%} | {calibrated:,.0f} |" in table
+    assert f"| 10 | {planned:,.0f} | {planned / 10 - 1:+.1%} |" in table and planned > 0
