@@ -430,6 +430,27 @@ def gpt_ddp_fsdp_sweep(runs_dir, home):
     return jobs
 
 
+# LoRA on the tiny GPT's attention projections and MLP (peft's in the reference loop).
+GPT_LORA = "model.lora={rank:4,alpha:8,dropout:0.0,targets:[q,v,up]}"
+
+
+@pytest.fixture(scope="session")
+def gpt_lora_auto(runs_dir, home):
+    """The GPT with LoRA on one device, 32 a batch; its checkpoints kept (test_lora)."""
+    return one_run("gpt-lora-auto", [*TINY_GPT, "data.batch_size=32", GPT_LORA, TRACKED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def gpt_lora_fsdp(runs_dir, home):
+    """The GPT with LoRA under fsdp x 2, 16 per device."""
+    return one_run(
+        "gpt-lora-fsdp",
+        [*TINY_GPT, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp", GPT_LORA, TRACKED],
+        runs_dir,
+        home,
+    )
+
+
 @pytest.fixture(scope="session")
 def gpt_fsdp_selective(runs_dir, home):
     """The GPT under fsdp x 2 with selective activation checkpointing (torchtitan's per-op policy), 16 per device."""

@@ -6,7 +6,16 @@ The runs are the session's real ``python train.py`` runs (conftest); the referen
 """
 
 import pytest
-from conftest import FIRST_EPOCH, TINY, TINY_GPT, TINY_LLAMA, TINY_LLAMA_TP, assert_matches_reference, only_run
+from conftest import (
+    FIRST_EPOCH,
+    GPT_LORA,
+    TINY,
+    TINY_GPT,
+    TINY_LLAMA,
+    TINY_LLAMA_TP,
+    assert_matches_reference,
+    only_run,
+)
 
 # (fixture, job index or None) of each strategy's run; every one has the reference's global batch.
 RUNS = {
@@ -41,12 +50,17 @@ RUNS = {
     "llama-tp": {  # 2 key/value heads, which 2 tensor-parallel ranks can split
         "tensor_parallel": ("llama_tensor_parallel", None),
     },
+    "gpt-lora": {  # the reference's adapters are peft's
+        "auto": ("gpt_lora_auto", None),
+        "fsdp": ("gpt_lora_fsdp", None),
+    },
 }
 REFERENCE_ARGS = {
     "mlp": ([*TINY, "data.batch_size=64"], 64),
     "gpt": ([*TINY_GPT, "data.batch_size=32"], 32),
     "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32),
     "llama-tp": ([*TINY_LLAMA_TP, "data.batch_size=32"], 32),
+    "gpt-lora": ([*TINY_GPT, "data.batch_size=32", GPT_LORA], 32),
 }
 
 

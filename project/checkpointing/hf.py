@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from project.models import GPT, Llama
+from project.models.lora import is_adapter
 from project.options.errors import ConfigError
 from project.options.writes import written
 
@@ -283,11 +284,12 @@ class HFWeights:
         return key
 
     def missing(self, net: nn.Module) -> list[str]:
-        """The Hugging Face names of ``net``'s parameters this dir does not hold (or whose file is absent)."""
+        """The Hugging Face names of ``net``'s parameters this dir does not hold (or whose file is absent); LoRA's
+        adapters, which start from the seed, are none of them."""
         return [
             hf_name(self.family, name)
             for name, _ in net.named_parameters()
-            if self._key(name) not in self.files or not self.files[self._key(name)].is_file()
+            if not is_adapter(name) and (self._key(name) not in self.files or not self.files[self._key(name)].is_file())
         ]
 
     def read(self, name: str, parameter: torch.Tensor) -> torch.Tensor:

@@ -590,6 +590,14 @@ def check_config(cfg: DictConfig) -> Job:
     problem = layout_problem(job)
     if problem is not None:
         raise problem
+    if module.lora is not None and job.dims.tensor_parallel > 1:
+        # The tensor-parallel plans shard a target's weight, not its adapters (not built yet: issue 46).
+        raise ConfigError(
+            "model.lora",
+            f"is set, and the layout splits layers over {job.dims.tensor_parallel} tensor-parallel ranks: LoRA "
+            "trains under auto, ddp, fsdp and pipeline here, not yet under tensor parallelism.",
+            "use strategy=fsdp (or ddp, pipeline) without tensor_parallel_size, or model.lora=null.",
+        )
     for name, callback in (cfg.callbacks or {}).items():  # each callback checks its own options, of the data too
         callback_rules = getattr(get_class(callback._target_), "check_config", None)
         if callback_rules is not None:

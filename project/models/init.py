@@ -10,6 +10,7 @@ import hashlib
 
 import torch
 
+from project.models.lora import init_adapter
 from project.models.sequence import BlockSequence
 
 
@@ -22,11 +23,13 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
 def initial_value(model: BlockSequence, name: str, seed: int) -> torch.Tensor:
     """The full-size initial value of ``model``'s parameter ``name``, in float32 on the CPU.
 
-    ``model.init_parameter(name, tensor, generator)`` fills it; the model's own parameter may be on the meta
-    device, or a shard (its ``shape`` is the full one either way).
+    ``model.init_parameter(name, tensor, generator)`` fills it (a LoRA adapter's: ``init_adapter``); the model's own
+    parameter may be on the meta device, or a shard (its ``shape`` is the full one either way).
     """
     value = torch.empty(model.get_parameter(name).shape, dtype=torch.float32, device="cpu")
-    model.init_parameter(name, value, parameter_generator(seed, name))
+    generator = parameter_generator(seed, name)
+    if not init_adapter(name, value, generator):
+        model.init_parameter(name, value, generator)
     return value
 
 

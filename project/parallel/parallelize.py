@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from project.accounting.counts import kept_for_backward, recomputing
 from project.checkpointing.hf import HFWeights
 from project.models.init import initial_value
+from project.models.lora import is_adapter
 from project.models.sequence import BlockSequence
 
 
@@ -290,14 +291,14 @@ def materialize(model: BlockSequence, device: torch.device, seed: int, weights: 
     stages (whatever a strategy placed itself stays where it is). Each parameter's full initial value is computed
     on the CPU, one parameter at a time (``project.models.init``), and a sharded parameter keeps its own slice, so
     the weights depend on ``seed`` alone, not on the strategy or the device count. Read weights are read as this
-    rank's slice only.
+    rank's slice only; LoRA's adapters, which no Hugging Face dir holds, start from ``seed`` even then.
     """
     if any(buffer.is_meta for buffer in model.buffers()):
         raise NotImplementedError("materialize initialises parameters; this model's buffers would stay empty")
     allocate(model, device)
     parameter: torch.Tensor  # a Parameter, or (sharded) its local DTensor piece
     for name, parameter in model.named_parameters():
-        if weights is not None:
+        if weights is not None and not is_adapter(name):  # LoRA's adapters start from the seed over read weights
             value = weights.read(name, parameter).to(parameter.device)
             if isinstance(parameter, DTensor):
                 parameter = parameter.to_local()

@@ -91,7 +91,8 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         # As after a first step: the optimizer's state (a step on zero gradients makes it, without a forward) and
         # the gradients, which Lightning frees only after the next forward.
         for parameter in net.parameters():
-            parameter.grad = torch.zeros_like(parameter)
+            if parameter.requires_grad:  # a frozen one (LoRA's base) has none
+                parameter.grad = torch.zeros_like(parameter)
         optimizer.step()
         tracker: MemTracker
         if isinstance(net, FSDPModule):  # the same counts, and which of them are FSDP's gathers and reductions

@@ -5,12 +5,14 @@ from typing import cast
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights
+from project.models.lora import LoRA, apply_lora
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import Seed
@@ -81,6 +83,7 @@ class TrainingModule(L.LightningModule):
         activation_checkpointing: ActivationCheckpointing = False,
         init_from: str | None = None,
         compile: bool = False,
+        lora: dict | None = None,
     ) -> None:
         super().__init__()
         unknown = set(no_weight_decay) - set(NO_DECAY_KINDS)
@@ -93,6 +96,13 @@ class TrainingModule(L.LightningModule):
         if scheduler is not None:
             _check_scheduler(scheduler)
         self.net = net
+        self.lora = None if lora is None else _lora(lora)
+        if self.lora is not None:
+            _check_lora_targets(net, self.lora)
+            apply_lora(net, self.lora)
+        # Counted here, on the whole model (a rank holds a shard or a stage once the strategy has acted).
+        self.trained_parameters = sum(p.numel() for p in net.parameters() if p.requires_grad)
+        self.total_parameters = sum(p.numel() for p in net.parameters())
         self.optimizer_factory = optimizer
         self.init_seed = init_seed
         self.gradients_finite: torch.Tensor | None = None  # this step's, when clipping (clip_gradients)
@@ -119,6 +129,18 @@ class TrainingModule(L.LightningModule):
         weights = HFWeights(self.init_from) if self.init_from else None
         materialize(self.net, self.trainer.strategy.root_device, self.init_seed, weights)
         self._configured = True
+
+    def on_fit_start(self) -> None:
+        """With LoRA, say (and log, as hyperparameters) how much of the model trains."""
+        if self.lora is None:
+            return
+        share = self.trained_parameters / self.total_parameters
+        rank_zero_info(
+            f"LoRA (rank {self.lora.rank} on {', '.join(self.lora.targets)}): training {self.trained_parameters:,} "
+            f"of {self.total_parameters:,} parameters ({share:.2%}); the rest frozen."
+        )
+        for logger in self.loggers:
+            logger.log_hyperparams({"model/trained_parameters": self.trained_parameters, "model/trained_share": share})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -241,11 +263,13 @@ class TrainingModule(L.LightningModule):
         super().clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def parameter_groups(self) -> list[list[str]]:
-        """Names of the parameters in each optimizer group, in order: weight-decayed, then spared (the
+        """Names of the trained parameters in each optimizer group, in order: weight-decayed, then spared (the
         ``no_weight_decay`` kinds). Every rank has both groups, possibly empty, so their indices always agree."""
         decayed: list[str] = []
         spared: list[str] = []
-        for name, _ in self.named_parameters():
+        for name, parameter in self.named_parameters():
+            if not parameter.requires_grad:  # frozen (LoRA's base): no gradient, no optimizer state
+                continue
             module = self.get_submodule(name.rpartition(".")[0])
             spare = any(NO_DECAY_KINDS[kind](name, module) for kind in self.no_weight_decay)
             (spared if spare else decayed).append(name)
@@ -263,6 +287,39 @@ class TrainingModule(L.LightningModule):
         # Per optimizer step, over this run's steps (epochs, devices, accumulation and max_steps included).
         scheduler = self.scheduler_factory(optimizer, run_steps=self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _lora(settings: dict) -> LoRA:
+    """``model.lora``'s settings, checked: a positive integer rank and alpha, a dropout in [0, 1), some targets."""
+    fields = {"rank", "alpha", "dropout", "targets"}
+    if set(settings) != fields:
+        raise ConfigError(
+            "model.lora", f"has keys {sorted(settings)}.", f"give exactly {sorted(fields)}, or model.lora=null."
+        )
+    rank, alpha, dropout, targets = (settings[key] for key in ("rank", "alpha", "dropout", "targets"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ConfigError("model.lora.rank", f"is {rank!r}.", "give a positive integer, e.g. 8.")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
+        raise ConfigError("model.lora.alpha", f"is {alpha!r}.", "give a positive number, e.g. 16.")
+    if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise ConfigError("model.lora.dropout", f"is {dropout!r}.", "give a probability in [0, 1), e.g. 0.05.")
+    if isinstance(targets, str) or not targets:
+        raise ConfigError("model.lora.targets", f"is {targets!r}.", "give a list of layer names, e.g. [q, v].")
+    return LoRA(rank, float(alpha), float(dropout), tuple(targets))
+
+
+def _check_lora_targets(net: BlockSequence, lora: LoRA) -> None:
+    """Each of ``lora.targets`` names Linear layers of the net's blocks."""
+    linear = sorted(
+        {name.rpartition(".")[2] for name, module in net.blocks[0].named_modules() if isinstance(module, nn.Linear)}
+    )
+    unknown = [target for target in lora.targets if target not in linear]
+    if unknown:
+        raise ConfigError(
+            "model.lora.targets",
+            f"names {unknown}, which are not Linear layers of {type(net).__name__}'s blocks.",
+            f"choose among {linear}.",
+        )
 
 
 # How torch.optim's own errors name each hyperparameter, to point at the config key.

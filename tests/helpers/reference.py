@@ -2,8 +2,9 @@
 
 Plain PyTorch. Only the model class (with its seeded initial weights) and the data generation come from the
 project; the epoch's sample order, the batching, the loss averaging, the optimizer and its weight-decay groups,
-the learning-rate schedule and the metrics are written here from their definitions. Strategies that agree with
-each other can share a bug; they cannot share one with this loop.
+the learning-rate schedule and the metrics are written here from their definitions. With ``model.lora``, the
+adapters are Hugging Face ``peft``'s, given the project's seeded initial values. Strategies that agree with each
+other can share a bug; they cannot share one with this loop.
 """
 
 import math
@@ -38,10 +39,37 @@ def warmup_cosine_factor(step: int, warmup: int, total: int, min_ratio: float) -
 
 
 def decayed_and_spared(net: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
-    """GPT-2's rule, stated positively: weight decay applies to the weight matrices of Linear layers only."""
+    """GPT-2's rule, stated positively: weight decay applies to the weight matrices of Linear layers only. Frozen
+    parameters are in neither group."""
     decayed = [module.weight for module in net.modules() if isinstance(module, nn.Linear)]
-    spared = [p for p in net.parameters() if all(p is not d for d in decayed)]
+    decayed = [p for p in decayed if p.requires_grad]
+    spared = [p for p in net.parameters() if p.requires_grad and all(p is not d for d in decayed)]
     return decayed, spared
+
+
+def with_peft_lora(net: nn.Module, cfg: DictConfig) -> nn.Module:
+    """``net`` with ``peft``'s LoRA on the layers ``model.lora.targets`` names, every other weight frozen, and each
+    adapter starting from the value this project draws for it from the seed (its own name, ``lora_a``/``lora_b``,
+    for peft's ``lora_A.default``/``lora_B.default``)."""
+    from peft import LoraConfig, get_peft_model
+
+    from project.models.init import initial_value
+    from project.models.lora import LoRA, apply_lora
+
+    lora = cfg.model.lora
+    settings = LoraConfig(
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.targets)
+    )
+    peft_net = get_peft_model(net, settings)
+    with torch.device("meta"):
+        seeded = instantiate(cfg.model.net)
+    apply_lora(seeded, LoRA(lora.rank, lora.alpha, lora.dropout, tuple(lora.targets)))
+    adapters = {name: parameter for name, parameter in peft_net.named_parameters() if parameter.requires_grad}
+    with torch.no_grad():
+        for name, parameter in adapters.items():
+            ours = name.removeprefix("base_model.model.").replace(".lora_A.default.", ".lora_a.")
+            parameter.copy_(initial_value(seeded, ours.replace(".lora_B.default.", ".lora_b."), cfg.seed))
+    return peft_net
 
 
 def build_optimizer(cfg: DictConfig, net: nn.Module) -> torch.optim.Optimizer:
@@ -88,7 +116,10 @@ def reference_run(
     (x, y), (x_val, y_val) = (
         [tensor.to(device) for tensor in split.tensors] for split in (data.train_set, data.val_set)
     )
-    net = init_weights(instantiate(cfg.model.net), cfg.seed).to(device)
+    net = init_weights(instantiate(cfg.model.net), cfg.seed)
+    if cfg.model.get("lora") is not None:
+        net = with_peft_lora(net, cfg)
+    net = net.to(device)
     mixed = torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None)
     batches_per_epoch = len(x) // global_batch
     accumulate, clip = cfg.trainer.accumulate_grad_batches, cfg.trainer.gradient_clip_val
@@ -110,7 +141,8 @@ def reference_run(
             (losses.mean() / accumulate).backward()  # the mean over an accumulation of equal batches
             if (index + 1) % accumulate == 0 or index + 1 == batches_per_epoch:
                 if clip is not None:
-                    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in net.parameters()]))
+                    grads = [p.grad for p in net.parameters() if p.grad is not None]
+                    norm = torch.linalg.vector_norm(torch.stack([grad.norm() for grad in grads]))
                     clipped_steps += int(norm > clip)
                     torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
                 optimizer.step()

@@ -1,0 +1,85 @@
+"""LoRA (``model.lora``, project/models/lora.py) against Hugging Face ``peft`` on the same ``transformers`` model: the
+same trainable parameters, loss and gradients; and a real run's checkpoint: the base untouched, only the adapters
+trained and in the optimizer. (Every strategy's per-epoch numbers against peft's in the hand-written loop:
+test_reference.py.)"""
+
+import torch
+import torch.nn.functional as F
+from conftest import GPT_LORA, TINY_GPT
+from test_config import compose_train
+from test_hf import LLAMA, TOKENS
+
+from project.checkpointing.hf import HFWeights, hf_name, net_options, read_config
+from project.models import GPT, Llama
+from project.models.init import initial_value
+from project.models.lora import LoRA, apply_lora
+from project.parallel.parallelize import materialize
+
+peft = __import__("pytest").importorskip("peft")
+transformers = __import__("pytest").importorskip("transformers")
+
+SETTINGS = LoRA(rank=4, alpha=8.0, dropout=0.0, targets=("q", "v", "down"))
+PEFT_TARGETS = ["q_proj", "v_proj", "down_proj"]  # the same layers, in transformers' names
+
+
+def peft_name(name: str) -> str:
+    """peft's name of this project's adapter parameter ``blocks.0.attn.q.lora_a.weight``."""
+    layer, _, matrix = name.removesuffix(".weight").rpartition(".")
+    hf_layer = hf_name("llama", f"{layer}.weight").removesuffix(".weight")
+    return f"base_model.model.{hf_layer}.lora_{matrix[-1].upper()}.default.weight"
+
+
+def test_lora_trains_what_peft_trains_with_its_loss_and_gradients(tmp_path):
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    reference.save_pretrained(tmp_path / "hf")
+    with torch.device("meta"):
+        net = Llama(**net_options(read_config(tmp_path / "hf")))
+    apply_lora(net, SETTINGS)
+    materialize(net, torch.device("cpu"), seed=0, weights=HFWeights(tmp_path / "hf"))
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=PEFT_TARGETS)
+    theirs = peft.get_peft_model(reference, config)
+
+    ours = {name: p for name, p in net.named_parameters() if p.requires_grad}
+    trained = {name: p for name, p in theirs.named_parameters() if p.requires_grad}
+    assert {peft_name(name) for name in ours} == set(trained)  # the same layers, nothing else trains
+    assert sum(p.numel() for p in ours.values()) == sum(p.numel() for p in trained.values())
+    assert sum(p.numel() for p in net.parameters()) == sum(p.numel() for p in theirs.parameters())
+    with torch.no_grad():  # B is zero at the start (so the output is the model's); a random B tests the update
+        for name, parameter in ours.items():
+            if name.endswith("lora_b.weight"):
+                parameter.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+            trained[peft_name(name)].copy_(parameter)
+
+    inputs, targets = TOKENS[:, :-1], TOKENS[:, 1:]
+    loss = F.cross_entropy(net(inputs).flatten(0, 1), targets.flatten())
+    expected = F.cross_entropy(theirs(inputs).logits.flatten(0, 1), targets.flatten())
+    assert torch.allclose(loss, expected, rtol=0, atol=1e-5)
+    loss.backward()
+    expected.backward()
+    for name, parameter in ours.items():
+        assert torch.allclose(parameter.grad, trained[peft_name(name)].grad, rtol=0, atol=1e-5), name
+    assert all(p.grad is None for p in net.parameters() if not p.requires_grad)
+
+
+def test_a_lora_run_keeps_the_base_and_trains_and_checkpoints_only_the_adapters(gpt_lora_auto):
+    """The base weights in the last checkpoint are the seeded ones, bit for bit; the adapters moved; the optimizer
+    state is the adapters' alone; the share trained was printed."""
+    checkpoint = torch.load(gpt_lora_auto / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    state = {
+        key.removeprefix("net."): value for key, value in checkpoint["state_dict"].items() if key.startswith("net.")
+    }
+    cfg = compose_train([*TINY_GPT, GPT_LORA])
+    with torch.device("meta"):
+        net = GPT(**{key: value for key, value in cfg.model.net.items() if key != "_target_"})
+    apply_lora(net, LoRA(4, 8.0, 0.0, ("q", "v", "up")))
+    adapters = [name for name, parameter in net.named_parameters() if parameter.requires_grad]
+    assert len(adapters) == 2 * 3 * cfg.model.net.num_layers  # A and B on 3 layers of each block
+    for name, _ in net.named_parameters():
+        moved = not torch.equal(state[name], initial_value(net, name, cfg.seed))
+        assert moved == (name in adapters), name
+    assert len(checkpoint["optimizer_states"][0]["state"]) == len(adapters)
+    trained = sum(net.get_parameter(name).numel() for name in adapters)
+    total = sum(parameter.numel() for parameter in net.parameters())
+    log = (gpt_lora_auto / "train.log").read_text()
+    assert f"training {trained:,} of {total:,} parameters ({trained / total:.2%}); the rest frozen." in log
