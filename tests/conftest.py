@@ -452,6 +452,25 @@ def gpt_lora_fsdp(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
+def gpt_lora_ddp(runs_dir, home):
+    """The GPT with LoRA under ddp x 2, 16 per device."""
+    return one_run(
+        "gpt-lora-ddp", [*TINY_GPT, "trainer.devices=2", "data.batch_size=16", "strategy=ddp", GPT_LORA], runs_dir, home
+    )
+
+
+@pytest.fixture(scope="session")
+def gpt_lora_pipeline(runs_dir, home):
+    """The GPT with LoRA in a pipeline of 2 stages (one replica: 32 a batch), 1F1B."""
+    return one_run(
+        "gpt-lora-pipeline",
+        [*TINY_GPT, "trainer.devices=2", "data.batch_size=32", "strategy=pipeline", GPT_LORA],
+        runs_dir,
+        home,
+    )
+
+
+@pytest.fixture(scope="session")
 def gpt_fsdp_selective(runs_dir, home):
     """The GPT under fsdp x 2 with selective activation checkpointing (torchtitan's per-op policy), 16 per device."""
     return one_run(

@@ -52,7 +52,9 @@ RUNS = {
     },
     "gpt-lora": {  # the reference's adapters are peft's
         "auto": ("gpt_lora_auto", None),
+        "ddp": ("gpt_lora_ddp", None),
         "fsdp": ("gpt_lora_fsdp", None),
+        "pipeline": ("gpt_lora_pipeline", None),
     },
 }
 REFERENCE_ARGS = {
