@@ -545,6 +545,12 @@ CLI_CASES = [
     ("export", ["{files}/a_dir", "{out}"], "checkpoint: {files}/a_dir is a directory, not a sharded checkpoint"),
     ("export", ["{mlp_ckpt}", "{out}"], "checkpoint: holds a model of class MLP; Hugging Face model dirs hold"),
     ("export", ["{files}/lonely.ckpt", "{out}"], "--config: is not given, and "),
+    ("export", ["{mlp_ckpt}", "{out}", "--adapter"], "--adapter: the run trained no LoRA adapters"),
+    (
+        "export",
+        ["{gpt_lora_ckpt}", "{out}", "--adapter"],
+        "--adapter: writes Llama adapters; this run's model is a GPT",
+    ),
     ("export", ["{mlp_ckpt}", "{out}", "--config", "{files}/nothing.yaml"], "--config: {files}/nothing.yaml does not"),
     ("generate", ["{files}/random.ckpt", "--prompt", "hi"], "checkpoint: {files}/random.ckpt is not a checkpoint"),
     ("generate", ["{mlp_ckpt}", "--prompt", "hi"], "checkpoint: is of a job whose data (project.data.synthetic."),
@@ -563,7 +569,7 @@ def fill(text: str, names: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
+def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_auto):
     """Every case run once, each with a job dir and a launch dir of its own; returns
     ``{id: (result, job dir, launch dir, names)}``."""
     root = tmp_path_factory.mktemp("bad-input")
@@ -594,6 +600,7 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep):
         "mlp_job": single_run,
         "mlp_ckpt": single_run / "checkpoints" / "last.ckpt",
         "fsdp_ckpt": ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt",
+        "gpt_lora_ckpt": gpt_lora_auto / "checkpoints" / "last.ckpt",
     }
     shutil.copy(names["mlp_ckpt"], files / "lonely.ckpt")  # a checkpoint with no job dir around it
     cases, dirs = [], []

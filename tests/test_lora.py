@@ -3,11 +3,15 @@ same trainable parameters, loss and gradients; and a real run's checkpoint: the 
 trained and in the optimizer. (Every strategy's per-epoch numbers against peft's in the hand-written loop:
 test_reference.py.)"""
 
+import json
+import sys
+
+import pytest
 import torch
 import torch.nn.functional as F
-from conftest import GPT_LORA, TINY_GPT
+from conftest import GPT_LORA, TINY_GPT, run_command, train
 from test_config import compose_train
-from test_hf import LLAMA, TOKENS
+from test_hf import LLAMA, LLAMA_EVAL, TOKENS, transformers_val_loss
 
 from project.checkpointing.hf import HFWeights, hf_name, net_options, read_config
 from project.models import GPT, Llama
@@ -15,8 +19,8 @@ from project.models.init import initial_value
 from project.models.lora import LoRA, apply_lora
 from project.parallel.parallelize import materialize
 
-peft = __import__("pytest").importorskip("peft")
-transformers = __import__("pytest").importorskip("transformers")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
 
 SETTINGS = LoRA(rank=4, alpha=8.0, dropout=0.0, targets=("q", "v", "down"))
 PEFT_TARGETS = ["q_proj", "v_proj", "down_proj"]  # the same layers, in transformers' names
@@ -83,3 +87,36 @@ def test_a_lora_run_keeps_the_base_and_trains_and_checkpoints_only_the_adapters(
     total = sum(parameter.numel() for parameter in net.parameters())
     log = (gpt_lora_auto / "train.log").read_text()
     assert f"training {trained:,} of {total:,} parameters ({trained / total:.2%}); the rest frozen." in log
+
+
+@pytest.mark.slow
+def test_a_llama_lora_run_exported_merged_and_as_a_peft_adapter_gives_its_val_loss(tmp_path, home):
+    """A transformers Llama fine-tuned here with LoRA (model.init_from), then `python -m project.cli.export`: merged,
+    transformers computes the run's last val/loss from the dir; with --adapter, peft loads the adapters onto the
+    untouched base dir and computes it too."""
+    torch.manual_seed(0)
+    config = {key: value for key, value in LLAMA.items() if key not in ("rope_parameters", "rms_norm_eps")}
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(tmp_path / "hf")
+    job = tmp_path / "run"
+    lora = "model.lora={rank:4,alpha:8,dropout:0.0,targets:[q,v,down]}"
+    overrides = [*LLAMA_EVAL, f"model.init_from={tmp_path / 'hf'}", lora, "trainer.max_epochs=2"]
+    train([*overrides, f"hydra.run.dir={job}"], home)
+    run_loss = json.loads((job / "result.json").read_text())["final"]["val/loss"]
+    checkpoint = str(job / "checkpoints" / "last.ckpt")
+    for extra, out in (([], "merged"), (["--adapter"], "adapter")):
+        result = run_command(
+            [sys.executable, "-m", "project.cli.export", checkpoint, str(tmp_path / out), *extra], home
+        )
+        assert result.returncode == 0, result.output
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert transformers_val_loss(merged, overrides) == pytest.approx(run_loss, rel=1e-5)
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert sorted(json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["target_modules"]) == [
+        "down_proj",
+        "q_proj",
+        "v_proj",
+    ]
+    assert transformers_val_loss(adapted, overrides) == pytest.approx(run_loss, rel=1e-5)
+    untouched = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()  # peft adapted `base`
+    assert transformers_val_loss(untouched, overrides) != pytest.approx(run_loss, rel=1e-3)  # the adapters count

@@ -6,6 +6,11 @@ read, not the optimizer state. The dir holds ``config.json`` and ``model.safeten
 ``transformers.AutoModelForCausalLM.from_pretrained(<out dir>)``, and the run's tokenizer, for
 ``AutoTokenizer.from_pretrained(<out dir>)``: ``data=shards``' (the one its token ids are of), else the tokenizer
 files of ``model.init_from``'s dir (its chat template included); byte-level and synthetic data have none.
+
+A run with LoRA (``model.lora``) is exported merged: each adapted weight becomes ``W + B A alpha / rank``. With
+``--adapter`` (Llama), the adapters alone are written as a ``peft`` adapter dir instead (``adapter_config.json`` and
+``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(<base model>, <out dir>)`` loads onto the
+base model (``model.init_from``'s dir).
 """
 
 import argparse
@@ -17,13 +22,16 @@ from typing import Any, cast
 import torch
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
+from safetensors.torch import save_file
 from torch import nn
 
 from project.checkpointing.files import model_state
-from project.checkpointing.hf import EXPORT_AGAIN, NET_CLASSES, write_hf_dir
+from project.checkpointing.hf import EXPORT_AGAIN, NET_CLASSES, hf_name, write_hf_dir
 from project.cli.usage import checkpoint_and_config, run_cli
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
+from project.models import Llama
+from project.models.lora import is_adapter
 from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
 
@@ -46,6 +54,9 @@ def export(
             "export a checkpoint of model=gpt or model=llama (or one of their presets).",
         )
     state = model_state(checkpoint)
+    lora = OmegaConf.select(cfg, "model.lora")
+    if lora is not None:
+        state = merged(state, lora.alpha / lora.rank)
     expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
     state = {name: value for name, value in state.items() if name in expected}
     if set(state) != expected:
@@ -56,6 +67,55 @@ def export(
         )
     write_hf_dir(state, net, net_cfg, out, dtype)
     return Path(out), export_tokenizer(cfg, Path(out))
+
+
+def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """``state`` with each LoRA adapter folded into the weight it adapts (``W + B A scaling``, in float32) and the
+    adapters gone."""
+    state = dict(state)
+    for name in [name for name in state if name.endswith(".lora_a.weight")]:
+        layer = name.removesuffix(".lora_a.weight")
+        a, b = state.pop(name).float(), state.pop(f"{layer}.lora_b.weight").float()
+        weight = state[f"{layer}.weight"]
+        state[f"{layer}.weight"] = (weight.float() + b @ a * scaling).to(weight.dtype)
+    return state
+
+
+def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path | None = None) -> Path:
+    """The LoRA adapters of ``checkpoint`` as a ``peft`` adapter dir ``out``, in transformers' names."""
+    cfg = checkpoint_and_config(str(checkpoint), None if config is None else str(config))
+    lora = OmegaConf.select(cfg, "model.lora")
+    if lora is None:
+        raise ConfigError("--adapter", "the run trained no LoRA adapters (model.lora is null).", "export it whole.")
+    if get_class(cfg.model.net._target_) is not Llama:
+        # GPT-2 keeps q, k and v as one fused layer, which one peft adapter of this rank cannot express.
+        raise ConfigError("--adapter", "writes Llama adapters; this run's model is a GPT.", "export it merged.")
+    check_writable("out", out, "give a dir you can write.")
+    adapters = {name: value for name, value in model_state(checkpoint).items() if is_adapter(name)}
+    tensors, targets = {}, set()
+    for name, value in adapters.items():
+        layer, _, matrix = name.removesuffix(".weight").rpartition(".")
+        hf_layer = hf_name("llama", f"{layer}.weight").removesuffix(".weight")
+        targets.add(hf_layer.rpartition(".")[2])
+        tensors[f"base_model.model.{hf_layer}.lora_{matrix[-1].upper()}.weight"] = value.float().contiguous()
+    settings = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": OmegaConf.select(cfg, "model.init_from"),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+    }
+    out = Path(out)
+    with written(out / "adapter_model.safetensors", "adapter weights", EXPORT_AGAIN) as partial:
+        save_file(tensors, partial, metadata={"format": "pt"})
+    with written(out / "adapter_config.json", "adapter config", EXPORT_AGAIN) as partial:
+        partial.write_text(json.dumps(settings, indent=2) + "\n")
+    return out
 
 
 # A Hugging Face model dir's tokenizer files (transformers' names), those of model.init_from's dir copied as they are.
@@ -98,12 +158,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="the Hugging Face model dir to write")
     parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
     parser.add_argument(
+        "--adapter", action="store_true", help="write a LoRA run's adapters alone, as a peft adapter dir (Llama)"
+    )
+    parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",
         help="the saved tensors' type (default float32)",
     )
     args = parser.parse_args(argv)
+    if args.adapter:
+        out = export_adapter(args.checkpoint, args.out, args.config)
+        print(f"Wrote {out}: adapter_config.json, adapter_model.safetensors (peft.PeftModel.from_pretrained)")
+        return
     out, tokenizer = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
     files = ", ".join(["config.json", "model.safetensors", *tokenizer])
     none = "" if tokenizer else " (no tokenizer: the run's data has none, its token ids are bytes or synthetic)"
