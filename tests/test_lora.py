@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from conftest import GPT_LORA, TINY_GPT, run_command, train
 from test_config import compose_train
 from test_hf import LLAMA, LLAMA_EVAL, TOKENS, transformers_val_loss
+from test_plan_search import SEARCH
 
 from project.checkpointing.hf import HFWeights, hf_name, net_options, read_config
 from project.models import GPT, Llama
@@ -120,3 +121,11 @@ def test_a_llama_lora_run_exported_merged_and_as_a_peft_adapter_gives_its_val_lo
     assert transformers_val_loss(adapted, overrides) == pytest.approx(run_loss, rel=1e-5)
     untouched = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()  # peft adapted `base`
     assert transformers_val_loss(untouched, overrides) != pytest.approx(run_loss, rel=1e-3)  # the adapters count
+
+
+def test_plan_search_with_lora_ranks_only_the_layouts_that_train_it(tmp_path, home):
+    """The search asks each layout the run's rules: LoRA's refusal of tensor parallelism drops those layouts (they
+    would fail in the simulation), and the rest are ranked with the adapters' exact model state."""
+    output = train(["plan=search", *SEARCH, GPT_LORA, f"paths.cache_dir={tmp_path}"], home).output
+    assert "(9 layouts," in output and "tensor_parallel_size" not in output
+    assert "Fastest that fits in 80.00 GiB: strategy=" in output
