@@ -10,10 +10,10 @@ all-gather), to check it where no GPU is at hand: its figures are the CPU's.
 """
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -23,17 +23,18 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from project.accounting.counts import Kernel
 from project.cli.usage import run_cli
 from project.job.cluster import Cluster
 from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
-from project.plan.step_time import clock_ratio, wave_share
+from project.plan.step_time import exponentials_per_s, flops_per_s, wave_share
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # The datasheet cluster of each GPU, by a part of its name (torch.cuda.get_device_name), the more specific first.
@@ -141,7 +142,7 @@ def _seconds(run: Callable[[], object], device: str, repeats: int = 10) -> float
 def measure_matmuls(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
     """The median share of the peak (at the clock's ratio, over each shape's waves) the shapes' BF16 matmuls reach,
     and each shape's TFLOPS."""
-    rate = cluster.peak_tflops * 1e12 * clock_ratio(cluster)
+    rate = flops_per_s(cluster)
     shares, reached = [], []
     for shape in sizes.shapes:
         m, n, k = (int(size) for size in shape.split("x"))
@@ -167,8 +168,8 @@ def measure_attention(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
     scores = sizes.heads * sizes.seq**2 / 2  # a causal kernel's half
     products = (4 + 10) * scores * sizes.head_dim  # torch's formulas: 2 products forward, 5 backward
     exponentials = 2 * scores  # one per score, forward and again in backward
-    arithmetic = seconds - exponentials / (cluster.exp_tera_per_s * 1e12 * clock_ratio(cluster))
-    share = products / max(arithmetic, 1e-9) / (cluster.peak_tflops * 1e12 * clock_ratio(cluster))
+    arithmetic = seconds - exponentials / exponentials_per_s(cluster)
+    share = products / max(arithmetic, 1e-9) / flops_per_s(cluster)
     where = f"causal, {sizes.heads} heads of {sizes.head_dim}, sequence {sizes.seq}"
     return share, f"{where}: {seconds * 1e3:.1f} ms forward and backward"
 
@@ -229,11 +230,9 @@ def base_cluster(name: str | None, device: str) -> Cluster:
     path = CONF / "cluster" / f"{name}.yaml"
     if not path.exists():
         raise ConfigError("--base", f"{path} does not exist.", "name a file of conf/cluster.")
-    config = OmegaConf.to_container(
-        OmegaConf.merge(OmegaConf.load(CONF / "step_time" / "roofline.yaml"), OmegaConf.load(path))
-    )
-    assert isinstance(config, dict)
-    return Cluster(**{field.name: config[field.name] for field in fields(Cluster)})
+    # The file's defaults list, as Hydra composes it: the shared efficiencies, then the file's own keys.
+    config = OmegaConf.merge(OmegaConf.load(CONF / "step_time" / "roofline.yaml"), OmegaConf.load(path))
+    return Cluster.of(cast(DictConfig, config))
 
 
 def calibrate(base_name: str | None, sizes: Sizes) -> tuple[Cluster, Measured]:
@@ -250,9 +249,9 @@ def calibrate(base_name: str | None, sizes: Sizes) -> tuple[Cluster, Measured]:
     base = base_cluster(base_name if base_name or gpu else "h100_sxm_8x", device)
     limit = power_limit() if gpu else None
     # The efficiencies are shares of the peak at the clock this box's power limit allows.
-    box = Cluster(**{**base.__dict__, "power_limit_w": limit or base.power_limit_w})
+    box = dataclasses.replace(base, power_limit_w=limit or base.power_limit_w)
     if gpu:
-        box = Cluster(**{**box.__dict__, "multiprocessors": torch.cuda.get_device_properties(0).multi_processor_count})
+        box = dataclasses.replace(box, multiprocessors=torch.cuda.get_device_properties(0).multi_processor_count)
     matmul, matmul_note = measure_matmuls(sizes, box)
     attention, attention_note = measure_attention(sizes, box)
     bandwidth, bandwidth_note = measure_bandwidth(sizes, box)
@@ -303,5 +302,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     run_cli("python -m project.cli.calibrate", main)

@@ -3,7 +3,6 @@ strategy), and the typed ``Job`` of a config (``build_job``), or of the same con
 (``changed_job``: the candidates the memory plan and ``plan=search`` try)."""
 
 import functools
-from dataclasses import fields
 from pathlib import Path
 from typing import Any, cast
 
@@ -89,9 +88,7 @@ def build_job(cfg: DictConfig, layout: Layout, ckpt_path: str | None, train_samp
         train_samples=train_samples,
         val_samples=val_samples,
         ckpt_path=ckpt_path,
-        cluster=None
-        if cfg.get("cluster") is None
-        else Cluster(**{field.name: cfg.cluster[field.name] for field in fields(Cluster)}),
+        cluster=None if cfg.get("cluster") is None else Cluster.of(cfg.cluster),
         device_memory_gb=cfg.memory_plan.device_memory_gb,
         if_over=cfg.memory_plan.if_over,
         search=SearchSettings(

@@ -1,8 +1,9 @@
 """The GPU nodes a job is planned for (``conf/cluster``): what the memory plan sizes a device by and the step-time
 model predicts on."""
 
-from dataclasses import dataclass
-from typing import Annotated
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Annotated, Any
 
 from project.options.option_types import PositiveFloat, PositiveInt, Range
 
@@ -33,3 +34,8 @@ class Cluster:
     matmul_efficiency: Efficiency
     attention_efficiency: Efficiency
     bandwidth_efficiency: Efficiency
+
+    @classmethod
+    def of(cls, values: Mapping[str, Any]) -> "Cluster":
+        """The cluster of a config's ``cluster`` section (its other keys, Hydra's ``defaults``, left out)."""
+        return cls(**{field.name: values[field.name] for field in fields(cls)})

@@ -30,14 +30,11 @@ class LoRA:
 
 
 class LoRALinear(nn.Linear):
-    """An ``nn.Linear`` whose weight and bias are frozen, plus a trainable low-rank update of it."""
+    """An ``nn.Linear`` (its weight and bias frozen: ``apply_lora``) plus a trainable low-rank update of it."""
 
     def __init__(self, base: nn.Linear, lora: LoRA) -> None:
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device=base.weight.device)
-        self.weight, self.bias = base.weight, base.bias  # the base's own parameters (on the meta device here)
-        self.weight.requires_grad_(False)
-        if self.bias is not None:
-            self.bias.requires_grad_(False)
+        self.weight, self.bias = base.weight, base.bias  # the base's own parameters, frozen by apply_lora
         self.lora_a = nn.Linear(base.in_features, lora.rank, bias=False, device=base.weight.device)
         self.lora_b = nn.Linear(lora.rank, base.out_features, bias=False, device=base.weight.device)
         self.dropout = nn.Dropout(lora.dropout)

@@ -79,8 +79,14 @@ def collective_seconds(link: Link, size: int, calls: int, cluster: Cluster) -> f
     return calls * ring_latency(link) + wire_bytes(link, size) / (bandwidth * GB)
 
 
-def _flops_per_s(cluster: Cluster) -> float:
+def flops_per_s(cluster: Cluster) -> float:
+    """The GPU's dense BF16 peak at the clock its power limit allows."""
     return cluster.peak_tflops * 1e12 * clock_ratio(cluster)
+
+
+def exponentials_per_s(cluster: Cluster) -> float:
+    """The softmax exponentials the GPU's special-function units compute a second, at that clock."""
+    return cluster.exp_tera_per_s * 1e12 * clock_ratio(cluster)
 
 
 def _bytes_per_s(cluster: Cluster) -> float:
@@ -98,10 +104,10 @@ def _arithmetic_seconds(kernel: Kernel, cluster: Cluster) -> float:
     products at ``attention_efficiency`` (a causal kernel's half of them) and its exponentials at the special-function
     units' rate."""
     if kernel.kind != "attention":
-        return kernel.flops / cluster.matmul_efficiency / _flops_per_s(cluster)
+        return kernel.flops / cluster.matmul_efficiency / flops_per_s(cluster)
     done = 2 if kernel.causal else 1
-    exponentials = kernel.exponentials / done / (cluster.exp_tera_per_s * 1e12 * clock_ratio(cluster))
-    return kernel.flops / done / cluster.attention_efficiency / _flops_per_s(cluster) + exponentials
+    exponentials = kernel.exponentials / done / exponentials_per_s(cluster)
+    return kernel.flops / done / cluster.attention_efficiency / flops_per_s(cluster) + exponentials
 
 
 def kernel_seconds(kernel: Kernel, cluster: Cluster) -> float:
