@@ -59,6 +59,10 @@ TINY_LLAMA = ["model=llama", *TINY_GPT[1:], "model.net.num_kv_heads=1", "model.n
 # The tiny Llama as 2 tensor-parallel ranks can split it: 4 query heads (of width 8) sharing 2 key/value heads.
 TINY_LLAMA_TP = [*TINY_LLAMA, "model.net.num_heads=4", "model.net.num_kv_heads=2"]
 
+# The same shape with Qwen's departures (model=qwen2: query, key and value biases; model=qwen3: per-head query and
+# key norms), on heads of 16 dimensions, wider than dim / num_heads (as Qwen 3's are).
+TINY_QWEN = [*TINY_LLAMA_TP[1:], "model.net.head_dim=16"]
+
 
 def require_extra(module: str, extra: str) -> ModuleType:
     """``module``, of the project's optional dependencies ``extra``; without it the test is skipped (not in CI, whose
@@ -624,6 +628,23 @@ def llama_tensor_parallel(runs_dir, home):
         runs_dir,
         home,
     )
+
+
+def qwen_tensor_parallel(family: str, runs_dir: Path, home: Path) -> Path:
+    """model=<family> over 2 tensor-parallel ranks (sequence parallel): each rank with its heads' biases (qwen2),
+    or its heads normalised by the norms' one weight (qwen3)."""
+    args = [f"model={family}", *TINY_QWEN, "data.batch_size=32", "strategy=tensor_parallel", "trainer.devices=2"]
+    return one_run(f"{family}-tp2", [*args, TRACKED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def qwen2_tensor_parallel(runs_dir, home):
+    return qwen_tensor_parallel("qwen2", runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tensor_parallel(runs_dir, home):
+    return qwen_tensor_parallel("qwen3", runs_dir, home)
 
 
 @pytest.fixture(scope="session")

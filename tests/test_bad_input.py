@@ -107,6 +107,8 @@ CASES = [
     (["trainer.deterministic=yes"], "trainer.deterministic: must be true or false or 'warn', got 'yes'"),
     (["model=gpt", "model.net.num_heads=2.5"], "model.net.num_heads: must be a positive integer, got 2.5"),
     (["model=gpt", "model.net.dropout=1.0"], "model.net.dropout: must be a number from 0 to 1 (1 excluded), got 1.0"),
+    (["model=qwen3", "model.net.head_dim=15"], "model.net.head_dim: gives heads of 15 dimensions"),
+    (["model=qwen2", "model.net.num_heads=3"], "model.net.num_heads: is 3, which does not divide"),
     (["data.num_train=null"], "data.num_train: must be a positive integer, got None"),
     (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: must be one of 'none', 'tanh'"),
     (
@@ -504,7 +506,8 @@ CASES = [
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
 ]
-LM_MARKS = ("model=gpt", "model=llama")  # cases on TINY_GPT's language data, with their own model
+# Cases on TINY_GPT's language data, with their own model.
+LM_MARKS = ("model=gpt", "model=llama", "model=qwen2", "model=qwen3")
 IDS = [" ".join(overrides) for overrides, _ in CASES]
 
 # The command-line tools: (tool, arguments, what the message must say). {out} is a path of the case's own, which

@@ -44,6 +44,8 @@ def test_every_group_exists_with_options():
 PARTNERS = {
     "model=gpt": ["data=tokens"],
     "model=llama": ["data=tokens"],
+    "model=mistral": ["data=tokens"],
+    "model=qwen": ["data=tokens"],
     "model=language_model": ["data=tokens"],
     "data=tokens": ["model=gpt"],
     "data=text": ["model=gpt", "data.path=x.txt"],

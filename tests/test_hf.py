@@ -45,11 +45,29 @@ LLAMA = dict(
 TOKENS = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(0))
 
 
+# The families on Llama's decoder, each with what sets it apart: Qwen 2's biases, Qwen 3's per-head norms on heads
+# wider than hidden_size / heads, Mistral's window (longer than the tokens, so full attention computes the same).
+QWEN_ROPE = {"rope_type": "default", "rope_theta": 1e6}
+LLAMA_FAMILIES = {
+    "llama": (transformers.LlamaConfig, {}),
+    "qwen2": (transformers.Qwen2Config, {"rope_parameters": QWEN_ROPE}),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 16, "rope_parameters": QWEN_ROPE}),
+    "mistral": (transformers.MistralConfig, {"sliding_window": 64}),
+}
+
+
 def hf_model(family: str, tied: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     if family == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2, tie_word_embeddings=tied)).eval()
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA, tie_word_embeddings=tied)).eval()
+    config_class, options = LLAMA_FAMILIES[family]
+    config = config_class(**{**LLAMA, **options}, tie_word_embeddings=tied)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers starts biases and norms at 0 and 1: random, so a swap would show
+        for name, parameter in model.named_parameters():
+            if name.endswith(("bias", "norm.weight")):
+                parameter.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    return model
 
 
 def strip_gpt2_prefix(model_dir) -> None:
@@ -62,9 +80,13 @@ def strip_gpt2_prefix(model_dir) -> None:
     )
 
 
-@pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False), ("llama", True)])
+@pytest.mark.parametrize(
+    "family, tied",
+    [("gpt2", True), ("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False), ("mistral", False)],
+)
 def test_hugging_face_weights_in_and_out_give_transformers_logits(family, tied, tmp_path):
-    """GPT-2 in its first-published names; the untied Llama in several safetensors files with their index."""
+    """GPT-2 in its first-published names; the untied models in several safetensors files with their index. Each
+    family is written back as itself, but Mistral, written as a Llama (the same computation without a window)."""
     reference = hf_model(family, tied)
     reference.save_pretrained(tmp_path / "hf", max_shard_size="40KB" if not tied else "5GB")
     if family == "gpt2":
@@ -83,7 +105,7 @@ def test_hugging_face_weights_in_and_out_give_transformers_logits(family, tied, 
         init_weights(net, seed=1)
         write_hf_dir(net.state_dict(), net, options, tmp_path / "out")
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-        assert type(exported) is type(reference)
+        assert type(exported).__name__ == type(reference).__name__.replace("Mistral", "Llama")
         assert torch.allclose(exported(TOKENS).logits, net(TOKENS), rtol=0, atol=1e-5)
         assert not torch.allclose(exported(TOKENS).logits, expected, atol=1e-3)  # the new weights, not the old
 
@@ -119,18 +141,24 @@ def test_gpt2_loads_into_a_shorter_context_and_untied_for_split_strategies(tmp_p
 
 
 @pytest.mark.parametrize(
-    "preset, published",
+    "preset, vocab_size, published",
     [
-        ("llama_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B
-        ("llama_3b", 3_212_749_824),  # meta-llama/Llama-3.2-3B
-        ("llama_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
-        ("llama_70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B
-        ("llama_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
+        ("llama_1b", 128256, 1_235_814_400),  # meta-llama/Llama-3.2-1B
+        ("llama_3b", 128256, 3_212_749_824),  # meta-llama/Llama-3.2-3B
+        ("llama_8b", 128256, 8_030_261_248),  # meta-llama/Llama-3.1-8B
+        ("llama_70b", 128256, 70_553_706_496),  # meta-llama/Llama-3.1-70B
+        ("llama_405b", 128256, 405_853_388_800),  # meta-llama/Llama-3.1-405B
+        ("mistral_7b", 32768, 7_248_023_552),  # mistralai/Mistral-7B-v0.3
+        ("qwen2_5_0_5b", 151936, 494_032_768),  # Qwen/Qwen2.5-0.5B
+        ("qwen2_5_7b", 152064, 7_615_616_512),  # Qwen/Qwen2.5-7B
+        ("qwen3_0_6b", 151936, 596_049_920),  # Qwen/Qwen3-0.6B
+        ("qwen3_8b", 151936, 8_190_735_360),  # Qwen/Qwen3-8B
     ],
 )
-def test_llama_presets_have_the_published_parameter_counts(preset, published):
-    """With Llama 3's vocabulary, built on the meta device (nothing allocated); a tied weight counts once."""
-    cfg = compose_train([f"model={preset}", "data=tokens", "data.vocab_size=128256", "data.seq_length=1024"])
+def test_llama_family_presets_have_the_published_parameter_counts(preset, vocab_size, published):
+    """With each model's vocabulary, built on the meta device (nothing allocated); a tied weight counts once. (The
+    counts are also what transformers' own classes give for these configs on the meta device.)"""
+    cfg = compose_train([f"model={preset}", "data=tokens", f"data.vocab_size={vocab_size}", "data.seq_length=1024"])
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
     assert sum(p.numel() for p in net.parameters()) == published

@@ -13,6 +13,7 @@ from conftest import (
     TINY_GPT,
     TINY_LLAMA,
     TINY_LLAMA_TP,
+    TINY_QWEN,
     assert_matches_reference,
     only_run,
 )
@@ -50,6 +51,8 @@ RUNS = {
     "llama-tp": {  # 2 key/value heads, which 2 tensor-parallel ranks can split
         "tensor_parallel": ("llama_tensor_parallel", None),
     },
+    "qwen2-tp": {"tensor_parallel": ("qwen2_tensor_parallel", None)},  # its biases split by heads
+    "qwen3-tp": {"tensor_parallel": ("qwen3_tensor_parallel", None)},  # its norms on each rank's heads
     "gpt-lora": {  # the reference's adapters are peft's
         "auto": ("gpt_lora_auto", None),
         "ddp": ("gpt_lora_ddp", None),
@@ -63,6 +66,8 @@ REFERENCE_ARGS = {
     "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32),
     "llama-tp": ([*TINY_LLAMA_TP, "data.batch_size=32"], 32),
     "gpt-lora": ([*TINY_GPT, "data.batch_size=32", GPT_LORA], 32),
+    "qwen2-tp": (["model=qwen2", *TINY_QWEN, "data.batch_size=32"], 32),
+    "qwen3-tp": (["model=qwen3", *TINY_QWEN, "data.batch_size=32"], 32),
 }
 
 

@@ -1,4 +1,5 @@
-"""Hugging Face model dirs (``config.json`` + safetensors) of the GPT-2 and Llama families, in and out, offline.
+"""Hugging Face model dirs (``config.json`` + safetensors) of the GPT-2, Llama, Mistral, Qwen 2 and Qwen 3
+families, in and out, offline. The last four are this project's ``Llama`` with their options (``net_options``).
 
 In: ``model.init_from=<dir>`` gives the model that dir's weights instead of seeded ones. The config's shape keys
 are checked against ``model.net`` before launch (``check_matches``), and each rank reads from the safetensors only
@@ -47,27 +48,36 @@ NAMES = {
         "head.norm.{p}": "transformer.ln_f.{p}",
         "head.output.weight": "lm_head.weight",
     },
-    "llama": {
-        "stem.tokens.weight": "model.embed_tokens.weight",
-        "blocks.{i}.norm1.weight": "model.layers.{i}.input_layernorm.weight",
-        "blocks.{i}.attention.{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
-        "blocks.{i}.norm2.weight": "model.layers.{i}.post_attention_layernorm.weight",
-        "blocks.{i}.mlp.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
-        "head.norm.weight": "model.norm.weight",
-        "head.output.weight": "lm_head.weight",
-    },
 }
+NAMES["llama"] = NAMES["mistral"] = NAMES["qwen2"] = NAMES["qwen3"] = {
+    "stem.tokens.weight": "model.embed_tokens.weight",
+    "blocks.{i}.norm1.weight": "model.layers.{i}.input_layernorm.weight",
+    "blocks.{i}.attention.{n}_norm.weight": "model.layers.{i}.self_attn.{n}_norm.weight",  # Qwen 3's
+    "blocks.{i}.attention.{p}.weight": "model.layers.{i}.self_attn.{p}_proj.weight",
+    "blocks.{i}.attention.{p}.bias": "model.layers.{i}.self_attn.{p}_proj.bias",  # Qwen 2's
+    "blocks.{i}.norm2.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blocks.{i}.mlp.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",
+    "head.norm.weight": "model.norm.weight",
+    "head.output.weight": "lm_head.weight",
+}
+# The model group of each family's own preset files, for messages.
+MODEL_GROUPS = {"gpt2": "gpt", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 TRANSPOSED = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 # Parameters stored as one part of a Hugging Face tensor: (part, parts) along the output features (GPT-2's c_attn
 # is [query; key; value]). Separate here, so that tensor parallelism shards each by heads.
 FUSED = {"q": (0, 3), "k": (1, 3), "v": (2, 3)}
 FUSED_NAME = re.compile(r"\.attention\.([qkv])\.(weight|bias)$")
-NET_CLASSES: dict[str, type[GPT] | type[Llama]] = {"gpt2": GPT, "llama": Llama}
-TIED_INPUT = {"gpt2": "transformer.wte.weight", "llama": "model.embed_tokens.weight"}  # lm_head's source when tied
+NET_CLASSES: dict[str, type[GPT] | type[Llama]] = {
+    "gpt2": GPT,
+    **{family: Llama for family in ("llama", "mistral", "qwen2", "qwen3")},
+}
+# lm_head's source when tied
+TIED_INPUT = {family: "model.embed_tokens.weight" for family in NET_CLASSES} | {"gpt2": "transformer.wte.weight"}
 
 
 def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>\w+)") + "$")
+    pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>\w+)")
+    return re.compile(pattern.replace(r"\{n\}", r"(?P<n>[qk])") + "$")
 
 
 def hf_name(family: str, name: str) -> str:
@@ -97,7 +107,9 @@ def read_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             "model.init_from",
             f"{path} holds a {config.get('model_type')!r} model.",
-            f"use a model of the families {sorted(NAMES)} (model=gpt or model=llama).",
+            f"use a model of the families {sorted(NAMES)} (model="
+            + ", model=".join(sorted(MODEL_GROUPS.values()))
+            + ").",
         )
     return config
 
@@ -147,7 +159,7 @@ def _variant(description: str) -> ConfigError:
     return ConfigError(
         "model.init_from",
         f"is a variant this project's model cannot compute: {description}.",
-        "use a model of the standard GPT-2 or Llama shape.",
+        "use a model of the standard shape of its family.",
     )
 
 
@@ -169,15 +181,26 @@ def _gpt2_options(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def sliding_window(config: dict[str, Any]) -> int | None:
+    """The attention window of a Mistral or Qwen config, as transformers reads it (Mistral's default 4,096 when the
+    key is absent; Qwen's only under ``use_sliding_window``); None: every token sees the whole context."""
+    if config["model_type"] == "mistral":
+        return config.get("sliding_window", 4096)
+    if config["model_type"] in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+        return config.get("sliding_window", 4096)
+    return None
+
+
 def _llama_options(config: dict[str, Any]) -> dict[str, Any]:
-    heads = config["num_attention_heads"]
+    family, heads = config["model_type"], config["num_attention_heads"]
+    # Qwen 2 always biases its query, key and value projections (no key says so); attention_bias, for Llama and
+    # Qwen 3, would bias the output projection too, which no released model of theirs does.
     if config.get("attention_bias") or config.get("mlp_bias"):
-        raise _variant("biases")
-    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
-        raise _variant("a head width other than hidden_size / num_attention_heads")
+        raise _variant("biases on every attention or MLP projection")
     if config.get("hidden_act", "silu") != "silu":
         raise _variant(f"hidden_act {config['hidden_act']!r} (SwiGLU's silu only)")
     theta, scaling = _rope(config)
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
     return {
         "vocab_size": config["vocab_size"],
         "max_length": config["max_position_embeddings"],
@@ -190,6 +213,9 @@ def _llama_options(config: dict[str, Any]) -> dict[str, Any]:
         "rope_scaling": scaling,
         "norm_eps": config.get("rms_norm_eps", 1e-6),
         "tie_weights": is_tied(config),
+        "head_dim": None if head_dim * heads == config["hidden_size"] else head_dim,  # null: hidden_size / heads
+        "qkv_bias": family == "qwen2",
+        "qk_norm": family == "qwen3",
     }
 
 
@@ -212,7 +238,15 @@ def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> 
         raise ConfigError(
             "model.init_from",
             f"is a {family} model, but model.net is a {type(net).__name__}.",
-            f"use model={'gpt' if family == 'gpt2' else 'llama'} (or one of its presets).",
+            f"use model={MODEL_GROUPS[family]} (or one of its presets).",
+        )
+    window = sliding_window(config)
+    if window is not None and net_cfg.get("max_length", 0) > window:
+        raise ConfigError(
+            "data.seq_length",
+            f"is {net_cfg.get('max_length')}, longer than the {window}-token attention window of {path}'s model, "
+            "which this project's attention (every token sees all before it) does not restrict.",
+            f"use data.seq_length={window} or less: within its window the two compute the same.",
         )
     for key, value in net_options(config).items():
         if key == "max_length":  # the context it was trained for; GPT-2's position table holds only so many
@@ -315,7 +349,7 @@ def write_hf_dir(
 ) -> Path:
     """Write ``state_dict`` (of ``net``, built from ``net_cfg``) as a Hugging Face model dir: config.json and
     model.safetensors. A tied output layer is saved once, as transformers expects."""
-    family = next(family for family, cls in NET_CLASSES.items() if isinstance(net, cls))
+    family = export_family(net, net_cfg)
     tied = bool(net_cfg.get("tie_weights"))
     parts: dict[str, list[torch.Tensor | None]] = {}  # a fused tensor's parts, in order
     for name, value in state_dict.items():
@@ -342,6 +376,15 @@ def write_hf_dir(
     with written(out / "config.json", "config", EXPORT_AGAIN) as partial:
         partial.write_text(json.dumps(_hf_config(family, net_cfg, dtype), indent=2) + "\n")
     return out
+
+
+def export_family(net: nn.Module, net_cfg: dict[str, Any]) -> str:
+    """The Hugging Face family a model is written as: GPT-2 for a GPT; for a Llama, Qwen 3 with per-head query and
+    key norms, Qwen 2 with query, key and value biases, else Llama (a Mistral without its sliding window, which
+    this project does not train, is a Llama to transformers: both compute the same)."""
+    if isinstance(net, GPT):
+        return "gpt2"
+    return "qwen3" if net_cfg.get("qk_norm") else "qwen2" if net_cfg.get("qkv_bias") else "llama"
 
 
 # The special tokens are the tokenizer's business, which this project does not know: without these nulls,
@@ -381,9 +424,10 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
             "high_freq_factor": scaling["high_freq_factor"],
             "original_max_position_embeddings": scaling["original_max_length"],
         }
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
     return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": family,
+        "architectures": [architecture],
         "vocab_size": net_cfg["vocab_size"],
         "max_position_embeddings": net_cfg["max_length"],
         "hidden_size": net_cfg["dim"],
@@ -391,7 +435,7 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
         "num_hidden_layers": net_cfg["num_layers"],
         "num_attention_heads": net_cfg["num_heads"],
         "num_key_value_heads": net_cfg["num_kv_heads"],
-        "head_dim": net_cfg["dim"] // net_cfg["num_heads"],
+        "head_dim": net_cfg.get("head_dim") or net_cfg["dim"] // net_cfg["num_heads"],
         "hidden_act": "silu",
         "rms_norm_eps": net_cfg["norm_eps"],
         "rope_theta": net_cfg["rope_theta"],
@@ -399,6 +443,7 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
         "rope_parameters": rope,
         "attention_bias": False,
         "mlp_bias": False,
+        "use_sliding_window": False,  # Qwen's: every token attends to the whole context, as here
         "tie_word_embeddings": bool(net_cfg.get("tie_weights")),
         "torch_dtype": dtype_name,
         **NO_TOKEN_IDS,

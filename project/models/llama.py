@@ -1,6 +1,6 @@
-"""A Llama-style decoder (Llama 3; Mistral and Qwen 2 are the same shape): token embedding, pre-norm blocks of
-grouped-query attention with rotary position embeddings (RoPE) and a SwiGLU MLP, RMSNorm, no biases; a final norm
-and the LM head.
+"""A Llama-style decoder (Llama 3 and Mistral; Qwen 2 with biased query, key and value projections; Qwen 3 with
+its queries and keys normalised per head): token embedding, pre-norm blocks of grouped-query attention with rotary
+position embeddings (RoPE) and a SwiGLU MLP, RMSNorm; a final norm and the LM head.
 
 Read top to bottom: ``rope_frequencies`` and ``rotate`` place positions in the queries and keys; ``Attention`` and
 ``SwiGLU`` make a ``Block``; ``Llama`` is ``head(blocks(stem(tokens)))``, the stem / blocks / head shape of the other
@@ -9,6 +9,7 @@ head rotate together), so its checkpoints load without permuting (``project.chec
 """
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -52,26 +53,41 @@ def rotate(x: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-second, first], dim=-1) * sin
 
 
+@dataclass(frozen=True)
+class HeadOptions:
+    """How a block's attention heads are made: their counts and width, the projections' biases, the norms."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qkv_bias: bool  # Qwen 2: biases on the query, key and value projections (not the output's)
+    qk_norm: bool  # Qwen 3: each query and key head RMS-normalised before the rotation
+    norm_eps: float
+
+
 class Attention(nn.Module):
     """Causal self-attention with ``num_kv_heads`` key/value heads shared by groups of the ``num_heads`` query heads
     (grouped-query attention; equal counts are plain multi-head attention)."""
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, rope: tuple[float, dict | None]) -> None:
+    def __init__(self, dim: int, heads: HeadOptions, rope: tuple[float, dict | None]) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
-        self.q = nn.Linear(dim, num_heads * self.head_dim, bias=False)
-        self.k = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
-        self.v = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
-        self.o = nn.Linear(num_heads * self.head_dim, dim, bias=False)
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
+        self.q = nn.Linear(dim, heads.num_heads * heads.head_dim, bias=heads.qkv_bias)
+        self.k = nn.Linear(dim, heads.num_kv_heads * heads.head_dim, bias=heads.qkv_bias)
+        self.v = nn.Linear(dim, heads.num_kv_heads * heads.head_dim, bias=heads.qkv_bias)
+        self.o = nn.Linear(heads.num_heads * heads.head_dim, dim, bias=False)
+        # Over each head's width, one weight shared by every head (so a tensor-parallel rank's heads use it too).
+        self.q_norm = nn.RMSNorm(heads.head_dim, eps=heads.norm_eps) if heads.qk_norm else None
+        self.k_norm = nn.RMSNorm(heads.head_dim, eps=heads.norm_eps) if heads.qk_norm else None
         self.rope_theta, self.rope_scaling = rope
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
         # -1: the heads the projections computed (all of them, or a tensor-parallel rank's share, in proportion).
-        q, k, v = (
-            projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
-            for projection in (self.q, self.k, self.v)
-        )
+        q, k, v = (projection(x).view(batch, length, -1, self.head_dim) for projection in (self.q, self.k, self.v))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         # Computed for each call, on the input's device: a buffer would need initialising after meta-device
         # construction in every strategy, and these few small kernels cost next to attention nothing.
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
@@ -96,19 +112,11 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        hidden_dim: int,
-        norm_eps: float,
-        rope: tuple[float, dict | None],
-    ) -> None:
+    def __init__(self, dim: int, heads: HeadOptions, hidden_dim: int, rope: tuple[float, dict | None]) -> None:
         super().__init__()
-        self.norm1 = nn.RMSNorm(dim, eps=norm_eps)
-        self.attention = Attention(dim, num_heads, num_kv_heads, rope)
-        self.norm2 = nn.RMSNorm(dim, eps=norm_eps)
+        self.norm1 = nn.RMSNorm(dim, eps=heads.norm_eps)
+        self.attention = Attention(dim, heads, rope)
+        self.norm2 = nn.RMSNorm(dim, eps=heads.norm_eps)
         self.mlp = SwiGLU(dim, hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +140,8 @@ class Llama(BlockSequence):
 
     ``rope_scaling``: null, or Llama 3.1's long-context frequency rule (``rope_frequencies``). ``max_length`` is
     the context the model is meant for (RoPE itself has no limit); exported as Hugging Face's
-    ``max_position_embeddings``.
+    ``max_position_embeddings``. ``head_dim``: each head's width, ``dim / num_heads`` when null (Qwen 3's are
+    wider). ``qkv_bias`` and ``qk_norm``: Qwen 2's and Qwen 3's departures from Llama (``HeadOptions``).
     """
 
     def __init__(
@@ -148,13 +157,23 @@ class Llama(BlockSequence):
         rope_scaling: dict | None = None,
         norm_eps: PositiveFloat = 1e-5,
         tie_weights: bool = False,
+        head_dim: PositiveInt | None = None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
     ) -> None:
         super().__init__()
-        if dim % num_heads or (dim // num_heads) % 2:
+        if head_dim is None and dim % num_heads:
             raise ConfigError(
                 "model.net.num_heads",
-                f"is {num_heads}, which does not divide model.net.dim={dim} into heads of an even width.",
-                "choose a head count that gives each head an even number of dimensions (RoPE rotates them in pairs).",
+                f"is {num_heads}, which does not divide model.net.dim={dim} into heads.",
+                "choose a head count that divides dim, or set model.net.head_dim.",
+            )
+        head_dim = head_dim or dim // num_heads
+        if head_dim % 2:
+            raise ConfigError(
+                "model.net.head_dim" if head_dim != dim // num_heads else "model.net.num_heads",
+                f"gives heads of {head_dim} dimensions, an odd number.",
+                "choose heads of an even width: RoPE rotates their dimensions in pairs.",
             )
         if num_heads % num_kv_heads:
             raise ConfigError(
@@ -163,10 +182,9 @@ class Llama(BlockSequence):
                 "choose a divisor of num_heads: each key/value head serves an equal group of query heads.",
             )
         rope = (rope_theta, dict(rope_scaling) if rope_scaling else None)
+        heads = HeadOptions(num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, norm_eps)
         self.stem = TokenEmbedding(vocab_size, dim)
-        self.blocks = nn.ModuleList(
-            Block(dim, num_heads, num_kv_heads, hidden_dim, norm_eps, rope) for _ in range(num_layers)
-        )
+        self.blocks = nn.ModuleList(Block(dim, heads, hidden_dim, rope) for _ in range(num_layers))
         self.head = LMHead(dim, vocab_size, nn.RMSNorm(dim, eps=norm_eps))
         if tie_weights:  # Llama 3.2's small models: the output projection reuses the token embedding
             self.head.output.weight = self.stem.tokens.weight
@@ -174,10 +192,12 @@ class Llama(BlockSequence):
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Weights and embeddings normal with std 0.02, the residual projections (attention output, MLP down)
-        scaled down by sqrt(2 x layers) so the residual stream does not grow with depth; norms 1."""
+        scaled down by sqrt(2 x layers) so the residual stream does not grow with depth; norms 1, biases 0."""
         module = self.get_submodule(name.rpartition(".")[0])
         if isinstance(module, nn.RMSNorm):
             tensor.fill_(1.0)
+        elif name.endswith(".bias"):
+            tensor.zero_()
         elif name.endswith(("attention.o.weight", "mlp.down.weight")):
             tensor.normal_(0.0, 0.02 / math.sqrt(2 * self.num_layers), generator=generator)
         else:
