@@ -16,6 +16,7 @@ from conftest import REPO, TINY, TINY_GPT, only_run, train, train_server
 from helpers.preloaded import TRAIN
 from helpers.probes import freeze, thaw
 
+from project.cli.chat_example import write_example
 from project.cli.prepare import prepare
 
 # (overrides, what the message must say). The overrides come after TINY (the MLP) unless they start with
@@ -505,6 +506,11 @@ CASES = [
     ),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
+    # Conversations: a bad record is named by its file and line, before any worker starts
+    (
+        ["model=qwen3", "data=chat", "model.init_from={files}/chat/model", "data.path={files}/bad_chat.jsonl"],
+        "data.path: {files}/bad_chat.jsonl:2: message 0 has no role",
+    ),
 ]
 # Cases on TINY_GPT's language data, with their own model.
 LM_MARKS = ("model=gpt", "model=llama", "model=qwen2", "model=qwen3")
@@ -596,6 +602,9 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
     with open(files / "shards-cut" / "train_000000.bin", "r+b") as shard:
         shard.truncate(2024)  # the header and 500 of its 1000 uint16 tokens
     (files / "shards-bad-tokenizer" / "tokenizer.json").write_text("not a tokenizer")
+    write_example(files / "chat", count=16)  # a chat model dir (its tokenizer and template)
+    good = (files / "chat" / "hello.jsonl").read_text().splitlines()[0]
+    (files / "bad_chat.jsonl").write_text(good + '\n{"messages": [{"content": "hi"}]}\n')
     (files / "frozen").mkdir()
     freeze(files / "frozen")  # unwritable, for root too
     names = {
@@ -611,7 +620,7 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
         overrides = [fill(item, names) for item in overrides]
         language_model = any(mark in overrides for mark in LM_MARKS)
         base = [item for item in TINY_GPT if item != "model=gpt"] if language_model else TINY
-        if "data=text" in overrides or "data=shards" in overrides:  # their own data group and sizes
+        if any(f"data={name}" in overrides for name in ("text", "shards", "chat")):  # their own data and sizes
             base = [item for item in base if not item.startswith(("data=", "data.vocab", "data.seq", "data.num"))]
         job_dir, launch_dir = (
             root / "jobs" / str(number),

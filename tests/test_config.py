@@ -68,13 +68,23 @@ def prepared_corpus(tmp_path_factory) -> Path:
     return root / "out"
 
 
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory) -> Path:
+    """``python -m project.cli.chat_example``'s model dir, whose tokenizer gives data=chat its vocabulary."""
+    from project.cli.chat_example import write_example
+
+    return write_example(tmp_path_factory.mktemp("chat"), count=16)
+
+
 @pytest.mark.parametrize("override", OPTIONS)
-def test_every_option_composes_and_resolves(override, prepared_corpus):
+def test_every_option_composes_and_resolves(override, prepared_corpus, chat_model_dir):
     partners = next((extra for prefix, extra in PARTNERS.items() if override.startswith(prefix)), [])
     if override.startswith("hparams_search="):
         require_extra("optuna", "optuna")
     if override == "data=shards":
         partners = ["model=gpt", f"data.path={prepared_corpus}"]
+    if override in ("data=chat", "experiment=lora"):  # a chat model dir's family, tokenizer and conversations
+        partners = ["model=qwen3", f"model.init_from={chat_model_dir}", f"data.path={chat_model_dir.parent}/ahoy.jsonl"]
     cfg = compose_train([override, *partners])
     del cfg.hydra
     OmegaConf.resolve(cfg)  # every interpolation resolves

@@ -31,7 +31,7 @@ from project.cli.usage import checkpoint_and_config, run_cli
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
 from project.models import Llama
-from project.models.lora import is_adapter
+from project.models.lora import is_adapter, merged
 from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
 
@@ -67,18 +67,6 @@ def export(
         )
     write_hf_dir(state, net, net_cfg, out, dtype)
     return Path(out), export_tokenizer(cfg, Path(out))
-
-
-def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """``state`` with each LoRA adapter folded into the weight it adapts (``W + B A scaling``, in float32) and the
-    adapters gone."""
-    state = dict(state)
-    for name in [name for name in state if name.endswith(".lora_a.weight")]:
-        layer = name.removesuffix(".lora_a.weight")
-        a, b = state.pop(name).float(), state.pop(f"{layer}.lora_b.weight").float()
-        weight = state[f"{layer}.weight"]
-        state[f"{layer}.weight"] = (weight.float() + b @ a * scaling).to(weight.dtype)
-    return state
 
 
 def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path | None = None) -> Path:

@@ -1,8 +1,11 @@
 """python -m project.cli.generate <checkpoint> --prompt TEXT: the text a trained language model writes after a prompt.
 
 The model and the data's tokenizer come from the job's ``config.yaml`` (beside ``checkpoints/``, or ``--config``);
-the checkpoint is a file or a sharded dir, read into one process (``project.checkpointing.files.model_state``). The same
-weights, prompt and settings write the text the ``text_sample`` callback writes during training.
+the checkpoint is a file or a sharded dir, read into one process (``project.checkpointing.files.model_state``); a
+LoRA run's adapters are merged into the weights they adapt. The same weights, prompt and settings write the text the
+``text_sample`` callback writes during training. With ``--chat`` (a data=chat run), the prompt is a user's message,
+rendered with the data's chat template and its generation prompt, and the
+answer ends at the tokenizer's end-of-sequence token (``eos_token``, a chat model's end of turn).
 """
 
 import argparse
@@ -10,10 +13,13 @@ import argparse
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from project.checkpointing.files import model_state
 from project.cli.usage import checkpoint_and_config, run_cli
+from project.data.chat import ChatDataModule
 from project.models.generation import check_settings, generate
+from project.models.lora import merged
 from project.options.errors import ConfigError
 
 
@@ -34,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
         "--top-k", type=int, default=50, help="draw among the k most likely tokens; 0: all (default 50)"
     )
     parser.add_argument("--seed", type=int, default=None, help="the draws' seed (default: the job's seed)")
+    parser.add_argument(
+        "--chat", action="store_true", help="the prompt is a user's message, in the chat template (data=chat runs)"
+    )
     parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to run")
     args = parser.parse_args(argv)
@@ -45,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--prompt is empty: give the text to continue")
     cfg = checkpoint_and_config(args.checkpoint, args.config)
     try:
-        codec = instantiate(cfg.data).text_codec()
+        data = instantiate(cfg.data)
+        codec = data.text_codec()
     except (InstantiationException, ConfigError, OSError) as error:  # the data moved since the job ran
         raise ConfigError(
             "--config",
@@ -56,9 +66,18 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(
             "checkpoint",
             f"is of a job whose data ({cfg.data._target_}) is not text: there is no prompt to write.",
-            "generate from a checkpoint of a language model trained on data=text or data=shards.",
+            "generate from a checkpoint of a language model trained on data=text, data=shards or data=chat.",
         )
+    prompt, stop = args.prompt, None
+    if args.chat:
+        if not isinstance(data, ChatDataModule):
+            raise ConfigError("--chat", f"needs a data=chat run; this one's data is {cfg.data._target_}.", "drop it.")
+        prompt = data.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        stop = data.tokenizer.token_to_id(data.template.special_tokens.get("eos_token", ""))  # the end of a turn
     state = model_state(args.checkpoint)
+    lora = OmegaConf.select(cfg, "model.lora")
+    if lora is not None:
+        state = merged(state, lora.alpha / lora.rank)
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
     try:
@@ -72,14 +91,15 @@ def main(argv: list[str] | None = None) -> None:
     net.to(args.device).eval()
     tokens = generate(
         net,
-        codec.encode(args.prompt),
+        codec.encode(prompt),
         args.max_new_tokens,
         args.temperature,
         args.top_k or None,
         cfg.seed if args.seed is None else args.seed,
         max_length=cfg.data.seq_length,
+        stop=stop,
     )
-    print(args.prompt + codec.decode(tokens))
+    print(prompt + codec.decode(tokens))
 
 
 if __name__ == "__main__":

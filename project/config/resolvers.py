@@ -30,6 +30,13 @@ def prepared_vocab_size(path: str) -> int:
     return prepared_meta(path)["vocab_size"]
 
 
+def tokenizer_vocab_size(model_dir: str) -> int:
+    """data=chat: the vocabulary of a model dir's tokenizer.json, for the model's embedding."""
+    from project.data.chat import tokenizer_vocab_size as read  # tokenizers, only when a config asks
+
+    return read(model_dir)
+
+
 def sweep_job() -> str | None:
     """``job N`` in a sweep's job N (Hydra's job number; an Optuna search's trial number), None in a single run."""
     from hydra.core.hydra_config import HydraConfig
@@ -46,5 +53,6 @@ def register_resolvers() -> None:
     OmegaConf.register_new_resolver("optuna_direction", optuna_direction, replace=True)
     OmegaConf.register_new_resolver("gpus_per_node", gpus_per_node, replace=True)
     OmegaConf.register_new_resolver("prepared_vocab_size", prepared_vocab_size, replace=True)
+    OmegaConf.register_new_resolver("tokenizer_vocab_size", tokenizer_vocab_size, replace=True)
     OmegaConf.register_new_resolver("wandb_x_axis", wandb_x_axis, replace=True)
     OmegaConf.register_new_resolver("sweep_job", sweep_job, replace=True)

@@ -24,6 +24,7 @@ def generate(
     top_k: int | None = None,
     seed: int = 0,
     max_length: int | None = None,
+    stop: int | None = None,
 ) -> list[int]:
     """``max_new_tokens`` tokens continuing ``prompt``, each drawn from the model's next-token distribution divided
     by ``temperature`` (0: the most likely token) and cut to the ``top_k`` most likely (None: all).
@@ -31,7 +32,7 @@ def generate(
     Every rank of a sharded model must call this together (the forward gathers shards); the draws come from a
     generator seeded with ``seed`` on the CPU, so every rank draws the same tokens. Each step runs the whole
     context again (no key/value cache: short samples of small models), cut to ``max_length`` tokens (a learned
-    position table's size)."""
+    position table's size); ``stop``: a token after which to stop (a chat model's end of turn), kept."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token to continue")
     device = next(net.parameters()).device
@@ -48,4 +49,6 @@ def generate(
                 logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
             token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
         tokens = torch.cat([tokens, token.view(1, 1).to(device)], dim=1)
+        if stop is not None and int(token) == stop:
+            break
     return tokens[0, len(prompt) :].tolist()

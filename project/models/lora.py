@@ -75,3 +75,15 @@ def init_adapter(name: str, tensor: torch.Tensor, generator: torch.Generator) ->
 
 def is_adapter(name: str) -> bool:
     return name.endswith(("lora_a.weight", "lora_b.weight"))
+
+
+def merged(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
+    """``state`` with each LoRA adapter folded into the weight it adapts (``W + B A scaling``, in float32) and the
+    adapters gone."""
+    state = dict(state)
+    for name in [name for name in state if name.endswith(".lora_a.weight")]:
+        layer = name.removesuffix(".lora_a.weight")
+        a, b = state.pop(name).float(), state.pop(f"{layer}.lora_b.weight").float()
+        weight = state[f"{layer}.weight"]
+        state[f"{layer}.weight"] = (weight.float() + b @ a * scaling).to(weight.dtype)
+    return state

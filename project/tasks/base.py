@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights
+from project.data.chat import IGNORE_INDEX
 from project.models.lora import LoRA, apply_lora
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
@@ -151,13 +152,15 @@ class TrainingModule(L.LightningModule):
     def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
         """Add a batch to ``split``'s metrics (train or val)."""
         metrics = self.metrics_for(split)
-        # Weighted by the targets it averages over, the epoch's loss is the mean over all samples (or tokens),
-        # whatever the batch sizes.
-        cast(SampleMean, metrics["loss"]).update(loss.detach(), weight=target.numel())
+        # The loss is a sum over the trained targets divided by all the targets (TokenCrossEntropy): the sum, over
+        # the trained targets, gives the epoch's mean over every trained sample (or token), whatever the batch
+        # sizes and however many targets each batch leaves out (IGNORE_INDEX).
+        total, trained = loss.detach() * target.numel(), (target != IGNORE_INDEX).sum()
+        cast(SampleMean, metrics["loss"]).add(total, trained)
         # The step rows' loss, only when there are step rows. (Lightning's connectors set log_every_n_steps on the
         # Trainer; its class does not declare it.)
         if split == "train" and self.trainer.log_every_n_steps:  # type: ignore[attr-defined]
-            self.interval_loss.update(loss.detach(), weight=target.numel())
+            self.interval_loss.add(total, trained)
         self.update_task_metrics(metrics, outputs.detach(), target)
 
     def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:

@@ -15,7 +15,15 @@ from project.tasks.metrics import SampleMean
 
 
 class TokenCrossEntropy(nn.Module):
-    """Mean cross-entropy over every token of a (batch, length, vocab) logits tensor.
+    """Cross-entropy of a (batch, length, vocab) logits tensor: summed over the trained targets (``IGNORE_INDEX``
+    marks the others: data=chat's prompts and padding), divided by the number of target positions.
+
+    Divided by the positions, a number every batch, micro-batch and data-parallel replica of a step has alike, not by
+    the trained targets, which vary between them: so the means of means that data parallelism, gradient accumulation
+    and pipeline micro-batches take are the global batch's own sum over its positions, as a single-device loop
+    computes it. With every target trained (pretraining data) it is the mean token loss; with masked targets, the
+    gradient is the trained tokens' mean gradient times the step's trained share. The epoch metrics are the mean
+    over trained tokens (``TrainingModule.update_metrics``).
 
     Logits split by vocabulary across tensor-parallel ranks (a DTensor) stay split: torch's ``loss_parallel``
     combines the ranks' partial sums; the loss, the same on every rank, comes back as a plain tensor. Its backward
@@ -25,8 +33,9 @@ class TokenCrossEntropy(nn.Module):
         if isinstance(logits, DTensor):
             with loss_parallel():
                 # A DTensor's loss is a DTensor (typed as a plain Tensor by torch).
-                return cast(DTensor, F.cross_entropy(logits.flatten(0, 1), target.flatten())).to_local()
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+                total = cast(DTensor, F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum"))
+                return total.to_local() / target.numel()
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") / target.numel()
 
 
 class LanguageModelModule(TrainingModule):

@@ -30,6 +30,11 @@ class SampleMean(Metric):
             self.total += values.sum() * weight
             self.weight += weight
 
+    def add(self, total: torch.Tensor, weight: torch.Tensor) -> None:
+        """Add ``weight`` samples whose values sum to ``total`` (tensors on the device: no sync)."""
+        self.total += total
+        self.weight += weight
+
     def compute(self) -> torch.Tensor:
         return (self.total / self.weight).float()
 

@@ -25,9 +25,16 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed + epoch))
 
 
+# A target not trained on (data=chat's prompts and padding): its loss counts as 0, and it is not a token of the means.
+IGNORED = -100
+
+
 def element_losses(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of every prediction: one per sample (classification) or per token (language model)."""
-    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1), reduction="none")
+    """Cross-entropy of every prediction: one per sample (classification) or per token (language model); 0 for an
+    ignored target."""
+    return F.cross_entropy(
+        outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1), reduction="none", ignore_index=IGNORED
+    )
 
 
 def warmup_cosine_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -138,7 +145,9 @@ def reference_run(
             with mixed:
                 outputs = net(x[batch])
                 losses = element_losses(outputs, y[batch])
-            (losses.mean() / accumulate).backward()  # the mean over an accumulation of equal batches
+            # The mean over an accumulation of equal batches: of every position, its ignored targets counting 0
+            # (project.tasks.language_model.TokenCrossEntropy's definition).
+            (losses.mean() / accumulate).backward()
             if (index + 1) % accumulate == 0 or index + 1 == batches_per_epoch:
                 if clip is not None:
                     grads = [p.grad for p in net.parameters() if p.grad is not None]
@@ -149,13 +158,13 @@ def reference_run(
                 schedule.step()
                 optimizer.zero_grad()
             loss_sum += losses.double().sum().item()
-            count += losses.numel()
+            count += (y[batch] != IGNORED).sum().item()  # the metrics: the mean over trained targets
             if classification:
                 correct += (outputs.argmax(-1) == y[batch]).sum().item()
         with torch.no_grad(), mixed:
             outputs = net(x_val)
             val_losses = element_losses(outputs, y_val)
-        val_loss = val_losses.double().mean().item()
+        val_loss = (val_losses.double().sum() / (y_val != IGNORED).sum()).item()
         row = {"train/loss": loss_sum / count, "val/loss": val_loss}
         if classification:
             row["train/acc"] = correct / count

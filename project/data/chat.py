@@ -1,0 +1,332 @@
+"""Chat and instruction data: ``data=chat data.path=<.jsonl file or dir> data.tokenizer=<HF model dir>``.
+
+Each line of a ``.jsonl`` file is a conversation, ``{"messages": [{"role": ..., "content": ...}, ...]}``, or a
+prompt/response pair, ``{"prompt": ..., "response": ...}`` (a user turn and an assistant turn). Conversations are
+rendered with the model dir's own chat template (``chat_template.jinja``, or ``tokenizer_config.json``'s
+``chat_template``) as transformers renders it (the same sandboxed Jinja environment and helpers), tokenized with its
+``tokenizer.json``, and trained on the assistant's tokens only: every other target is ``IGNORE_INDEX``.
+
+Which characters are the assistant's: a template with ``{% generation %}`` blocks marks them itself (transformers'
+``return_assistant_tokens_mask``, and the same characters here). For a template without (most), an assistant turn is
+what the template adds after the conversation so far plus its generation prompt: the rendering of the conversation up
+to and with that turn, less the rendering up to it with ``add_generation_prompt=True``; so the turn's end-of-turn
+token is trained, and the model learns to stop. A token is trained when its first character is the assistant's.
+
+Each conversation is one sequence, padded at its end to ``seq_length + 1`` tokens (or cut to it), not packed with
+others: packing would let a conversation attend to the one before it, as this project's attention is plain causal
+attention with no per-document mask. Padding sits after the conversation, where causal attention keeps it from
+changing any trained position, and its targets are ignored.
+
+The whole file is read, rendered and checked in ``__init__``, before any worker starts: a line that is not JSON, a
+record with neither form, a message without a role or content, a conversation with no assistant turn, a template that
+fails: each is refused with the file and line.
+"""
+
+import json
+import re
+from collections.abc import Callable
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from tokenizers import Tokenizer
+from torch.utils.data import TensorDataset
+
+from project.data.codecs import TokenizerCodec
+from project.data.datamodule import InMemoryDataModule
+from project.options.errors import ConfigError
+from project.options.option_types import NonNegativeInt, OpenFraction, PositiveInt, Seed
+
+IGNORE_INDEX = -100  # the target of a position not trained on: torch's cross_entropy default
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+PAD_ID = 0  # what fills a sequence after its conversation: never a target, and causal attention hides it before
+
+
+def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
+    """(``file:line``, messages) of every conversation in ``path`` (a ``.jsonl`` file, or a dir of them, in name
+    order); ``ConfigError`` naming the file and line of the first malformed record."""
+    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    if not files:
+        raise ConfigError("data.path", f"{path} holds no .jsonl file.", "pass a .jsonl file or a dir of them.")
+    records = []
+    for file in files:
+        with open(file, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                if line.strip():
+                    where = f"{file}:{number}"
+                    records.append((where, _messages(where, line)))
+    if not records:
+        raise ConfigError("data.path", f"{path} holds no conversation (its .jsonl lines are empty).", "add some.")
+    return records
+
+
+def _bad_record(where: str, problem: str) -> ConfigError:
+    return ConfigError(
+        "data.path",
+        f"{where}: {problem}.",
+        'write each line as {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
+        '"content": "..."}]} or {"prompt": "...", "response": "..."}.',
+    )
+
+
+def _messages(where: str, line: str) -> list[dict[str, str]]:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise _bad_record(where, f"is not JSON ({error.msg}, column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise _bad_record(where, f"is a JSON {type(record).__name__}, not an object")
+    if "messages" in record:
+        messages = record["messages"]
+    elif "prompt" in record and "response" in record:
+        messages = [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+    else:
+        raise _bad_record(where, f"has keys {sorted(record)}, neither messages nor prompt and response")
+    if not isinstance(messages, list) or not messages:
+        raise _bad_record(where, "has an empty conversation (messages is not a non-empty list)")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _bad_record(where, f"message {index} has no role")
+        if not isinstance(message.get("content"), str):
+            raise _bad_record(where, f"message {index} ({message['role']}) has no text content")
+    if not any(message["role"] == "assistant" for message in messages):
+        raise _bad_record(where, "has no assistant message, so nothing to train on")
+    return messages
+
+
+def _special_token(value: Any) -> str | None:
+    """A tokenizer_config.json special token: a string, or transformers' AddedToken dict with its ``content``."""
+    return value.get("content") if isinstance(value, dict) else value
+
+
+class ChatTemplate:
+    """A model dir's chat template, compiled as transformers compiles it (``transformers.utils.chat_template_utils``:
+    a sandboxed environment, trimmed blocks, its ``tojson``, ``raise_exception`` and ``strftime_now``, and the
+    ``{% generation %}`` tag, which records the characters it renders), rendered with the dir's special tokens."""
+
+    def __init__(self, model_dir: Path) -> None:
+        import jinja2
+        from jinja2.ext import Extension
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        config_file = model_dir / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        template_file = model_dir / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        if isinstance(template, list):  # several named templates: transformers renders the one named default
+            template = next((item["template"] for item in template if item.get("name") == "default"), None)
+        if not isinstance(template, str):
+            raise ConfigError(
+                "data.tokenizer",
+                f"{model_dir} has no chat template (neither chat_template.jinja nor tokenizer_config.json's).",
+                "pass the dir of a chat model, or add its template as chat_template.jinja.",
+            )
+        self.generation_spans: list[tuple[int, int]] | None = None  # recorded while a rendering runs
+        self._rendered: list[str] = []
+        tracker = self
+
+        class Generation(Extension):
+            """``{% generation %}...{% endgeneration %}``: the characters it renders are the assistant's."""
+
+            tags = {"generation"}
+
+            def parse(self, parser: Any) -> Any:
+                line = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_generation"), [], [], body).set_lineno(line)
+
+            def _generation(self, caller: Callable[[], str]) -> str:
+                text = caller()
+                if tracker.generation_spans is not None:
+                    start = len("".join(tracker._rendered))
+                    tracker.generation_spans.append((start, start + len(text)))
+                return text
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        environment = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+        )
+        environment.filters["tojson"] = tojson
+        environment.globals["raise_exception"] = raise_exception
+        environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+        self.has_generation_tags = GENERATION_TAG.search(template) is not None
+        self.template = environment.from_string(template)
+        special = {**config, **self._special_tokens_map(model_dir)}
+        names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+        self.special_tokens = {
+            name: token for name in names if (token := _special_token(special.get(name))) is not None
+        }
+
+    @staticmethod
+    def _special_tokens_map(model_dir: Path) -> dict[str, Any]:
+        path = model_dir / "special_tokens_map.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    @contextmanager
+    def _tracking(self, spans: list[tuple[int, int]]):
+        self.generation_spans, self._rendered = spans, []
+        try:
+            yield
+        finally:
+            self.generation_spans = None
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        return self.render_with_spans(messages, add_generation_prompt)[0]
+
+    def render_with_spans(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans of its ``{% generation %}`` blocks."""
+        spans: list[tuple[int, int]] = []
+        with self._tracking(spans):
+            for block in self.template.generate(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            ):
+                self._rendered.append(block)
+        return "".join(self._rendered), spans
+
+    def assistant_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant turns (module docstring). ``ValueError``
+        for a template that does not render a conversation as the renderings of its beginnings continued."""
+        text, spans = self.render_with_spans(messages)
+        if self.has_generation_tags:
+            return text, spans
+        spans = []
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:index], add_generation_prompt=True)
+            through = self.render(messages[: index + 1])
+            if not (through.startswith(prompt) and text.startswith(through)):
+                raise ValueError(
+                    f"the chat template renders message {index} (assistant) differently once later messages follow, "
+                    "so its tokens cannot be told from the rest"
+                )
+            spans.append((len(prompt), len(through)))
+        return text, spans
+
+
+def trained_mask(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """``text``'s token ids and whether each is the assistant's: from the token holding a span's first character to
+    the one holding its last, as transformers' ``return_assistant_tokens_mask`` counts them."""
+    encoding = tokenizer.encode(text, add_special_tokens=False)
+    mask = [False] * len(encoding.ids)
+    for start, end in spans:
+        first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
+        if first is None:
+            break
+        for index in range(first, len(mask) if last is None else last + 1):
+            mask[index] = True
+    return encoding.ids, mask
+
+
+def tokenizer_vocab_size(model_dir: str) -> int:
+    """data=chat: the vocabulary of a model dir's ``tokenizer.json``, added tokens included."""
+    return _tokenizer(Path(model_dir)).get_vocab_size(with_added_tokens=True)
+
+
+def _tokenizer(model_dir: Path) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    try:
+        return TokenizerCodec(path).tokenizer
+    except ValueError as error:
+        raise ConfigError(
+            "data.tokenizer", f"{error}.", "pass a Hugging Face model dir with its tokenizer.json."
+        ) from None
+
+
+class ChatDataModule(InMemoryDataModule):
+    """Conversations as (inputs, targets) of ``seq_length`` tokens, targets ``IGNORE_INDEX`` but for the assistant's
+    tokens; the last ``val_fraction`` of the conversations (in file order) are the validation split."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        seq_length: PositiveInt,
+        val_fraction: OpenFraction,
+        batch_size: PositiveInt,
+        seed: Seed,
+        shuffle: bool = True,
+        num_workers: NonNegativeInt = 0,
+        vocab_size: PositiveInt | None = None,
+    ) -> None:
+        super().__init__(batch_size=batch_size, seed=seed, shuffle=shuffle, num_workers=num_workers)
+        if not Path(path).exists():
+            raise ConfigError("data.path", f"{path} does not exist.", "pass a .jsonl file or a dir of them.")
+        self.path, self.tokenizer_dir, self.seq_length = Path(path), Path(tokenizer), seq_length
+        self.tokenizer = _tokenizer(self.tokenizer_dir)
+        self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        if vocab_size not in (None, self.vocab_size):
+            raise ConfigError(
+                "data.vocab_size",
+                f"is {vocab_size}, but {self.tokenizer_dir}/tokenizer.json has a vocabulary of {self.vocab_size}.",
+                "leave data.vocab_size unset: it comes from the tokenizer.",
+            )
+        self.template = template = ChatTemplate(self.tokenizer_dir)
+        sequences, truncated = [], 0
+        for where, messages in read_records(self.path):
+            try:
+                text, spans = template.assistant_spans(messages)
+            except Exception as error:  # jinja2's TemplateError, or a template's own exception
+                raise ConfigError(
+                    "data.path",
+                    f"{where}: the chat template of {self.tokenizer_dir} fails on it ({error}).",
+                    "fix the record, or use a model dir whose template renders it.",
+                ) from None
+            ids, mask = trained_mask(self.tokenizer, text, spans)
+            truncated += len(ids) > seq_length + 1
+            sequences.append((ids[: seq_length + 1], mask[: seq_length + 1]))
+        kept = [(ids, mask) for ids, mask in sequences if any(mask[1:])]  # a target of the assistant's to train
+        num_val = int(len(kept) * val_fraction)
+        if num_val < 1 or len(kept) - num_val < 1:
+            raise ConfigError(
+                "data.val_fraction" if len(kept) >= 2 else "data.path",
+                f"leaves {len(kept) - num_val} training and {num_val} validation conversations of the {len(kept)} "
+                f"in {self.path} with an assistant token within data.seq_length + 1 = {seq_length + 1} tokens.",
+                "use more conversations, a longer data.seq_length, or a data.val_fraction giving each split one.",
+            )
+        self.num_val = num_val
+        self.inputs, self.targets = self._tensors(kept)
+        rank_zero_info(
+            f"Chat data: {len(kept)} conversations from {self.path} ({len(kept) - num_val} training, {num_val} "
+            f"validation); {truncated} cut to {seq_length + 1} tokens, {len(sequences) - len(kept)} left out with "
+            f"no assistant token within them; {int((self.targets != IGNORE_INDEX).sum()):,} trained tokens."
+        )
+
+    def _tensors(self, sequences: list[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs: each conversation but its last token, then padding; targets: the next token where it is the
+        assistant's, else ``IGNORE_INDEX``."""
+        inputs = torch.full((len(sequences), self.seq_length), PAD_ID, dtype=torch.long)
+        targets = torch.full((len(sequences), self.seq_length), IGNORE_INDEX, dtype=torch.long)
+        for row, (ids, mask) in enumerate(sequences):
+            tokens, trained = torch.tensor(ids), torch.tensor(mask)
+            inputs[row, : len(ids) - 1] = tokens[:-1]
+            targets[row, : len(ids) - 1] = torch.where(trained[1:], tokens[1:], IGNORE_INDEX)
+        return inputs, targets
+
+    @property
+    def num_train_samples(self) -> int:
+        return len(self.inputs) - self.num_val
+
+    @property
+    def num_val_samples(self) -> int:
+        return self.num_val
+
+    def text_codec(self) -> TokenizerCodec:
+        return TokenizerCodec(self.tokenizer_dir / "tokenizer.json")
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        split = self.num_train_samples
+        self.train_set = TensorDataset(self.inputs[:split], self.targets[:split])
+        self.val_set = TensorDataset(self.inputs[split:], self.targets[split:])
