@@ -45,6 +45,7 @@ PARTNERS = {
     "model=gpt": ["data=tokens"],
     "model=llama": ["data=tokens"],
     "model=mistral": ["data=tokens"],
+    "model=phi3": ["data=tokens"],
     "model=qwen": ["data=tokens"],
     "model=language_model": ["data=tokens"],
     "data=tokens": ["model=gpt"],

@@ -53,6 +53,10 @@ LLAMA_FAMILIES = {
     "qwen2": (transformers.Qwen2Config, {"rope_parameters": QWEN_ROPE}),
     "qwen3": (transformers.Qwen3Config, {"head_dim": 16, "rope_parameters": QWEN_ROPE}),
     "mistral": (transformers.MistralConfig, {"sliding_window": 64}),
+    "phi3": (
+        transformers.Phi3Config,
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "pad_token_id": None},
+    ),
 }
 
 
@@ -82,11 +86,20 @@ def strip_gpt2_prefix(model_dir) -> None:
 
 @pytest.mark.parametrize(
     "family, tied",
-    [("gpt2", True), ("llama", False), ("llama", True), ("qwen2", True), ("qwen3", False), ("mistral", False)],
+    [
+        ("gpt2", True),
+        ("llama", False),
+        ("llama", True),
+        ("qwen2", True),
+        ("qwen3", False),
+        ("mistral", False),
+        ("phi3", False),
+    ],
 )
 def test_hugging_face_weights_in_and_out_give_transformers_logits(family, tied, tmp_path):
     """GPT-2 in its first-published names; the untied models in several safetensors files with their index. Each
-    family is written back as itself, but Mistral, written as a Llama (the same computation without a window)."""
+    family is written back as itself, but Mistral and Phi-3, written as a Llama (the same computation without a
+    window). Phi-3's fused projections have fewer key/value rows than query rows (grouped-query attention)."""
     reference = hf_model(family, tied)
     reference.save_pretrained(tmp_path / "hf", max_shard_size="40KB" if not tied else "5GB")
     if family == "gpt2":
@@ -105,7 +118,8 @@ def test_hugging_face_weights_in_and_out_give_transformers_logits(family, tied, 
         init_weights(net, seed=1)
         write_hf_dir(net.state_dict(), net, options, tmp_path / "out")
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-        assert type(exported).__name__ == type(reference).__name__.replace("Mistral", "Llama")
+        expected_class = type(reference).__name__.replace("Mistral", "Llama").replace("Phi3", "Llama")
+        assert type(exported).__name__ == expected_class
         assert torch.allclose(exported(TOKENS).logits, net(TOKENS), rtol=0, atol=1e-5)
         assert not torch.allclose(exported(TOKENS).logits, expected, atol=1e-3)  # the new weights, not the old
 
@@ -149,6 +163,7 @@ def test_gpt2_loads_into_a_shorter_context_and_untied_for_split_strategies(tmp_p
         ("llama_70b", 128256, 70_553_706_496),  # meta-llama/Llama-3.1-70B
         ("llama_405b", 128256, 405_853_388_800),  # meta-llama/Llama-3.1-405B
         ("mistral_7b", 32768, 7_248_023_552),  # mistralai/Mistral-7B-v0.3
+        ("phi3_mini", 32064, 3_821_079_552),  # microsoft/Phi-3-mini-4k-instruct
         ("qwen2_5_0_5b", 151936, 494_032_768),  # Qwen/Qwen2.5-0.5B
         ("qwen2_5_7b", 152064, 7_615_616_512),  # Qwen/Qwen2.5-7B
         ("qwen3_0_6b", 151936, 596_049_920),  # Qwen/Qwen3-0.6B

@@ -142,12 +142,13 @@ def test_a_tensor_parallel_group_stays_within_a_node_or_takes_whole_ones(devices
         assert f"groups of {size} consecutive ranks would straddle nodes of {devices}" in str(problem)
 
 
-@pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False)])
+@pytest.mark.parametrize("family, tied", [("gpt2", True), ("llama", False), ("phi3", False), ("qwen3", False)])
 def test_each_rank_reads_its_own_part_of_hugging_face_weights(family, tied, tmp_path):
     """model.init_from under FSDP over 2 replicas of 2 tensor-parallel ranks: each rank reads from the safetensors
     exactly its part of every tensor, as torch's own distribute_tensor cuts the tensor one device reads whole (GPT-2's
-    fused query/key/value: each rank's heads of each third; an uneven vocabulary of 61). The 4 ranks are simulated
-    one after another on torch's fake process group: reading sends nothing."""
+    fused query/key/value: each rank's heads of each third; Phi-3's: of its query rows and of its fewer key/value
+    rows, and its units of the fused gate and up; Qwen 3's norms whole on each; an uneven vocabulary of 61). The 4
+    ranks are simulated one after another on torch's fake process group: reading sends nothing."""
     pytest.importorskip("transformers")
     from test_hf import hf_model
 

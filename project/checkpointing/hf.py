@@ -49,6 +49,18 @@ NAMES = {
         "head.output.weight": "lm_head.weight",
     },
 }
+# Phi-3: Llama's decoder with its query, key and value projections fused (qkv_proj), and its gate and up (FUSED).
+NAMES["phi3"] = {
+    "stem.tokens.weight": "model.embed_tokens.weight",
+    "blocks.{i}.norm1.weight": "model.layers.{i}.input_layernorm.weight",
+    "blocks.{i}.attention.o.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "blocks.{i}.attention.{p}.weight": "model.layers.{i}.self_attn.qkv_proj.weight",
+    "blocks.{i}.norm2.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "blocks.{i}.mlp.down.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "blocks.{i}.mlp.{p}.weight": "model.layers.{i}.mlp.gate_up_proj.weight",
+    "head.norm.weight": "model.norm.weight",
+    "head.output.weight": "lm_head.weight",
+}
 NAMES["llama"] = NAMES["mistral"] = NAMES["qwen2"] = NAMES["qwen3"] = {
     "stem.tokens.weight": "model.embed_tokens.weight",
     "blocks.{i}.norm1.weight": "model.layers.{i}.input_layernorm.weight",
@@ -61,15 +73,23 @@ NAMES["llama"] = NAMES["mistral"] = NAMES["qwen2"] = NAMES["qwen3"] = {
     "head.output.weight": "lm_head.weight",
 }
 # The model group of each family's own preset files, for messages.
-MODEL_GROUPS = {"gpt2": "gpt", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+MODEL_GROUPS = {
+    "gpt2": "gpt",
+    "llama": "llama",
+    "mistral": "mistral",
+    "phi3": "phi3",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
 TRANSPOSED = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
-# Parameters stored as one part of a Hugging Face tensor: (part, parts) along the output features (GPT-2's c_attn
-# is [query; key; value]). Separate here, so that tensor parallelism shards each by heads.
-FUSED = {"q": (0, 3), "k": (1, 3), "v": (2, 3)}
-FUSED_NAME = re.compile(r"\.attention\.([qkv])\.(weight|bias)$")
+# Parameters stored as parts of one Hugging Face tensor, stacked along its output features in this order: GPT-2's
+# c_attn is [query; key; value], as is Phi-3's qkv_proj (with fewer key/value rows under grouped-query attention),
+# and Phi-3's gate_up_proj is [gate; up]. Separate here, so that tensor parallelism shards each by heads or units.
+FUSED: dict[str, list[tuple[str, ...]]] = {"gpt2": [("q", "k", "v")], "phi3": [("q", "k", "v"), ("gate", "up")]}
+FUSED_NAME = re.compile(r"\.(?:attention|mlp)\.(\w+)\.(?:weight|bias)$")
 NET_CLASSES: dict[str, type[GPT] | type[Llama]] = {
     "gpt2": GPT,
-    **{family: Llama for family in ("llama", "mistral", "qwen2", "qwen3")},
+    **{family: Llama for family in ("llama", "mistral", "phi3", "qwen2", "qwen3")},
 }
 # lm_head's source when tied
 TIED_INPUT = {family: "model.embed_tokens.weight" for family in NET_CLASSES} | {"gpt2": "transformer.wte.weight"}
@@ -186,6 +206,8 @@ def sliding_window(config: dict[str, Any]) -> int | None:
     key is absent; Qwen's only under ``use_sliding_window``); None: every token sees the whole context."""
     if config["model_type"] == "mistral":
         return config.get("sliding_window", 4096)
+    if config["model_type"] == "phi3":
+        return config.get("sliding_window")
     if config["model_type"] in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         return config.get("sliding_window", 4096)
     return None
@@ -199,6 +221,11 @@ def _llama_options(config: dict[str, Any]) -> dict[str, Any]:
         raise _variant("biases on every attention or MLP projection")
     if config.get("hidden_act", "silu") != "silu":
         raise _variant(f"hidden_act {config['hidden_act']!r} (SwiGLU's silu only)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise _variant("RoPE on a part of each head (partial_rotary_factor, Phi-4-mini's)")
+    if any(config.get(key) for key in ("resid_pdrop", "embd_pdrop", "attention_dropout")):
+        raise _variant("dropout (resid_pdrop, embd_pdrop, attention_dropout)")
     theta, scaling = _rope(config)
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     return {
@@ -271,16 +298,33 @@ def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> 
             )
 
 
-def _fused_part(family: str, name: str) -> tuple[int, int] | None:
-    """(part, parts) when ``name`` is a part of a fused Hugging Face tensor (GPT-2's query, key and value)."""
-    match = FUSED_NAME.search(name) if family == "gpt2" else None
-    return FUSED[match.group(1)] if match else None
+def _fused_part(family: str, name: str) -> tuple[int, tuple[str, ...]] | None:
+    """(its place, the parts in order) when ``name`` is a part of a fused Hugging Face tensor (``FUSED``)."""
+    match = FUSED_NAME.search(name)
+    layer = match.group(1) if match else None
+    return next(((parts.index(layer), parts) for parts in FUSED.get(family, []) if layer in parts), None)
 
 
-def _local_slices(parameter: torch.Tensor, part: tuple[int, int] | None) -> tuple[slice, ...]:
+def _part_rows(config: dict[str, Any]) -> dict[str, int]:
+    """The rows of each part of a fused tensor, from the model's config."""
+    if config["model_type"] == "gpt2":
+        return dict.fromkeys("qkv", config["n_embd"])
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_rows = (config.get("num_key_value_heads") or heads) * head_dim
+    return {
+        "q": heads * head_dim,
+        "k": kv_rows,
+        "v": kv_rows,
+        "gate": config["intermediate_size"],
+        "up": config["intermediate_size"],
+    }
+
+
+def _local_slices(parameter: torch.Tensor, row_offset: int = 0) -> tuple[slice, ...]:
     """The part of the saved tensor this rank holds: the parameter's shape from the start (a GPT-2 position table
     cut to the sequence length trained here), or its shard of it (a DTensor); within a fused tensor, rows of the
-    parameter's own part."""
+    parameter's own part, from ``row_offset``."""
     shape: Sequence[int]
     offset: Sequence[int]
     if isinstance(parameter, DTensor):
@@ -289,8 +333,7 @@ def _local_slices(parameter: torch.Tensor, part: tuple[int, int] | None) -> tupl
         )
     else:
         shape, offset = parameter.shape, [0] * parameter.dim()
-    if part is not None:
-        offset = [offset[0] + part[0] * parameter.shape[0], *offset[1:]]
+    offset = [offset[0] + row_offset, *offset[1:]]
     return tuple(slice(start, start + size) for start, size in zip(offset, shape))
 
 
@@ -301,6 +344,7 @@ class HFWeights:
         self.path = Path(path)
         config = read_config(path)
         self.family, self.tied = config["model_type"], is_tied(config)
+        self.part_rows = _part_rows(config) if self.family in FUSED else {}
         index = self.path / "model.safetensors.index.json"  # a model saved in several files
         if index.is_file():
             self.files = {key: self.path / file for key, file in json.loads(index.read_text())["weight_map"].items()}
@@ -329,7 +373,9 @@ class HFWeights:
     def read(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter ``name`` (its local shape), in float32 on the CPU."""
         key = self._key(name)
-        slices = _local_slices(parameter, _fused_part(self.family, name))
+        part = _fused_part(self.family, name)
+        row_offset = sum(self.part_rows[earlier] for earlier in part[1][: part[0]]) if part else 0
+        slices = _local_slices(parameter, row_offset)
         transposed = TRANSPOSED.search(key) is not None
         with safe_open(self.files[key], "pt") as file:
             value = file.get_slice(key)[slices[::-1] if transposed else slices]
@@ -357,7 +403,7 @@ def write_hf_dir(
         if tied and key == "lm_head.weight":
             continue
         part = _fused_part(family, name)
-        index, count = part if part is not None else (0, 1)
+        index, count = (part[0], len(part[1])) if part is not None else (0, 1)
         parts.setdefault(key, [None] * count)[index] = value
     tensors = {}
     for key, values in parts.items():

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from project.checkpointing.files import model_state
-from project.checkpointing.hf import EXPORT_AGAIN, NET_CLASSES, hf_name, write_hf_dir
+from project.checkpointing.hf import EXPORT_AGAIN, FUSED, NET_CLASSES, hf_name, read_config, write_hf_dir
 from project.cli.usage import checkpoint_and_config, run_cli
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
@@ -78,6 +78,10 @@ def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path |
     if get_class(cfg.model.net._target_) is not Llama:
         # GPT-2 keeps q, k and v as one fused layer, which one peft adapter of this rank cannot express.
         raise ConfigError("--adapter", "writes Llama adapters; this run's model is a GPT.", "export it merged.")
+    base = OmegaConf.select(cfg, "model.init_from")
+    if base is not None and (Path(base) / "config.json").is_file() and read_config(base)["model_type"] in FUSED:
+        # Phi-3 fuses q, k and v (and gate and up) as GPT-2 does: peft adapts its fused layers, not their parts.
+        raise ConfigError("--adapter", f"the run's base, {base}, fuses the layers adapted.", "export it merged.")
     check_writable("out", out, "give a dir you can write.")
     adapters = {name: value for name, value in model_state(checkpoint).items() if is_adapter(name)}
     tensors, targets = {}, set()
