@@ -564,6 +564,7 @@ CLI_CASES = [
     ("generate", ["{files}/random.ckpt", "--prompt", "hi"], "checkpoint: {files}/random.ckpt is not a checkpoint"),
     ("generate", ["{mlp_ckpt}", "--prompt", "hi"], "checkpoint: is of a job whose data (project.data.synthetic."),
     ("generate", ["{mlp_ckpt}", "--prompt", "hi", "--config", "{files}/bad.yaml"], "--config: {files}/bad.yaml is not"),
+    ("generate", ["{gpt_lora_ckpt}", "--prompt", "hi", "--chat"], "--chat: needs a data=chat run; this one's data is"),
     ("report", ["/nonexistent"], "paths: /nonexistent is not a directory."),
     ("report", ["{files}/a_dir"], "paths: {files}/a_dir holds no job with a result.json and config.yaml."),
     ("report", ["{mlp_job}", "--output", "{files}/a_dir"], "--output: {files}/a_dir is a directory."),

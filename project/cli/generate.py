@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
             f"names data that cannot be opened now ({cfg.data._target_}): {innermost(error)}",
             "pass a --config whose data.path is where the job's data is now (a copy of its config.yaml, edited).",
         ) from None
+    if args.chat and not isinstance(data, ChatDataModule):
+        raise ConfigError("--chat", f"needs a data=chat run; this one's data is {cfg.data._target_}.", "drop it.")
     if codec is None:
         raise ConfigError(
             "checkpoint",
@@ -70,8 +72,6 @@ def main(argv: list[str] | None = None) -> None:
         )
     prompt, stop = args.prompt, None
     if args.chat:
-        if not isinstance(data, ChatDataModule):
-            raise ConfigError("--chat", f"needs a data=chat run; this one's data is {cfg.data._target_}.", "drop it.")
         prompt = data.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
         stop = data.tokenizer.token_to_id(data.template.special_tokens.get("eos_token", ""))  # the end of a turn
     state = model_state(args.checkpoint)
