@@ -27,7 +27,7 @@ from torch import nn
 
 from project.checkpointing.files import model_state
 from project.checkpointing.hf import EXPORT_AGAIN, FUSED, NET_CLASSES, hf_name, read_config, write_hf_dir
-from project.cli.usage import checkpoint_and_config, run_cli
+from project.cli.usage import checkpoint_and_config, run_cli, trained_model_state
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
 from project.models import Llama
@@ -53,7 +53,7 @@ def export(
             f"holds a model of class {type(net).__name__}; Hugging Face model dirs hold GPT and Llama models.",
             "export a checkpoint of model=gpt or model=llama (or one of their presets).",
         )
-    state = model_state(checkpoint)
+    state = trained_model_state(checkpoint, cfg)
     lora = OmegaConf.select(cfg, "model.lora")
     if lora is not None:
         state = merged(state, lora.alpha / lora.rank)

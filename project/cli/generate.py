@@ -1,11 +1,11 @@
 """python -m project.cli.generate <checkpoint> --prompt TEXT: the text a trained language model writes after a prompt.
 
 The model and the data's tokenizer come from the job's ``config.yaml`` (beside ``checkpoints/``, or ``--config``);
-the checkpoint is a file or a sharded dir, read into one process (``project.checkpointing.files.model_state``); a
-LoRA run's adapters are merged into the weights they adapt. The same weights, prompt and settings write the text the
-``text_sample`` callback writes during training. With ``--chat`` (a data=chat run), the prompt is a user's message,
-rendered with the data's chat template and its generation prompt, and the
-answer ends at the tokenizer's end-of-sequence token (``eos_token``, a chat model's end of turn).
+the checkpoint is a file or a sharded dir, read into one process (``project.cli.usage.trained_model_state``): a LoRA
+run's base rebuilt as the run built it, its adapters merged into the weights they adapt. The same weights, prompt and
+settings write the text the ``text_sample`` callback writes during training. With ``--chat`` (a data=chat run), the
+prompt is a user's message, rendered with the data's chat template and its generation prompt, and the answer ends at
+the tokenizer's end-of-sequence token (``eos_token``, a chat model's end of turn).
 """
 
 import argparse
@@ -15,8 +15,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from project.checkpointing.files import model_state
-from project.cli.usage import checkpoint_and_config, run_cli
+from project.cli.usage import checkpoint_and_config, run_cli, trained_model_state
 from project.data.chat import ChatDataModule
 from project.models.generation import check_settings, generate
 from project.models.lora import merged
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.chat:
         prompt = data.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
         stop = data.tokenizer.token_to_id(data.template.special_tokens.get("eos_token", ""))  # the end of a turn
-    state = model_state(args.checkpoint)
+    state = trained_model_state(args.checkpoint, cfg)
     lora = OmegaConf.select(cfg, "model.lora")
     if lora is not None:
         state = merged(state, lora.alpha / lora.rank)

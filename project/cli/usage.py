@@ -9,11 +9,16 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import yaml
-from omegaconf import DictConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
 
-from project.checkpointing.files import checkpoint_shapes, job_config, job_config_file
+from project.checkpointing.files import checkpoint_shapes, job_config, job_config_file, model_state
+from project.checkpointing.hf import HFWeights
+from project.models.lora import LoRA, apply_lora
 from project.options.errors import ConfigError, WriteFailed
+from project.parallel.parallelize import materialize
 
 
 def run_cli(prog: str, main: Callable[[], None]) -> None:
@@ -57,3 +62,19 @@ def checkpoint_and_config(checkpoint: str, config: str | None) -> DictConfig:
             f"{job_config_file(checkpoint, config)} is not YAML: {str(error).splitlines()[0]}",
             "pass the config.yaml of the job that saved the checkpoint.",
         ) from None
+
+
+def trained_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, torch.Tensor]:
+    """The model state of ``checkpoint`` (a file or a sharded dir, of the job configured by ``cfg``), whole. A LoRA
+    run's checkpoint holds its adapters alone; its frozen base is rebuilt here as the run built it: from
+    ``model.init_from``'s weights (the dir must still hold them), or drawn from the seed."""
+    state = model_state(checkpoint)
+    lora = OmegaConf.select(cfg, "model.lora")
+    if lora is None:
+        return state
+    with torch.device("meta"):
+        net = instantiate(cfg.model.net)
+    apply_lora(net, LoRA(lora.rank, float(lora.alpha), float(lora.dropout), tuple(lora.targets)))
+    init_from = OmegaConf.select(cfg, "model.init_from")
+    materialize(net, torch.device("cpu"), cfg.model.init_seed, HFWeights(init_from) if init_from else None)
+    return {**net.state_dict(), **state}

@@ -111,10 +111,10 @@ class PipelineStrategy(ShardedStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if not is_sharded_checkpoint(path):
             raise ValueError(f"strategy=pipeline resumes from the sharded checkpoints it saves; {path} is not one")
-        assert self.model is not None  # (as in Lightning's own load_checkpoint)
+        assert self.model is not None and self.lightning_module is not None  # (as in Lightning's own load_checkpoint)
         model_state = get_model_state_dict(self.model)
         dcp.load({"state_dict": model_state}, checkpoint_id=path)
-        self.model.load_state_dict(model_state)
+        self.model.load_state_dict(model_state, strict=self.lightning_module.strict_loading)  # LoRA: no base
         for index, optimizer in enumerate(self.optimizers):
             optimizer_state = get_optimizer_state_dict(self.model, optimizer)
             dcp.load({f"optimizer_{index}": {"state": optimizer_state["state"]}}, checkpoint_id=path)

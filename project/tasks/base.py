@@ -101,6 +101,12 @@ class TrainingModule(L.LightningModule):
         if self.lora is not None:
             _check_lora_targets(net, self.lora)
             apply_lora(net, self.lora)
+            # Checkpoints hold the adapters alone: the frozen base is what configure_model gives every run of this
+            # config (model.init_from's weights, or the seeded ones), so a resumed run rebuilds it, and its
+            # checkpoints stay the adapters' size. Loading is then not strict: the base is not in the file.
+            frozen = {f"net.{name}" for name, parameter in net.named_parameters() if not parameter.requires_grad}
+            self._register_state_dict_hook(_without(frozen))
+            self.strict_loading = False
         # Counted here, on the whole model (a rank holds a shard or a stage once the strategy has acted).
         self.trained_parameters = sum(p.numel() for p in net.parameters() if p.requires_grad)
         self.total_parameters = sum(p.numel() for p in net.parameters())
@@ -290,6 +296,16 @@ class TrainingModule(L.LightningModule):
         # Per optimizer step, over this run's steps (epochs, devices, accumulation and max_steps included).
         scheduler = self.scheduler_factory(optimizer, run_steps=self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _without(names: set[str]) -> Callable[..., None]:
+    """A state-dict hook that leaves out the parameters ``names`` (under the module's own prefix)."""
+
+    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+        for name in names:
+            state_dict.pop(prefix + name, None)
+
+    return hook
 
 
 def _lora(settings: dict) -> LoRA:
