@@ -456,6 +456,22 @@ def gpt_lora_fsdp(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
+def gpt_lora_tensor_parallel(runs_dir, home):
+    """The GPT with LoRA over 2 tensor-parallel ranks, every epoch's checkpoint (the adapters alone) kept."""
+    args = [*TINY_GPT, "data.batch_size=32", "strategy=tensor_parallel", "trainer.devices=2", GPT_LORA]
+    return one_run("gpt-lora-tp2", [*args, "callbacks.model_checkpoint.save_top_k=-1", TRACKED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def gpt_lora_fsdp_tensor_parallel(gpt_lora_tensor_parallel, runs_dir, home):
+    """The GPT with LoRA under FSDP over 2 replicas of 2 tensor-parallel ranks (2D), 16 per replica: resumes
+    gpt_lora_tensor_parallel's epoch 0 (its adapters; the base rebuilt) and trains epochs 1 and 2."""
+    resume = f"ckpt_path={gpt_lora_tensor_parallel / 'checkpoints' / 'epoch000.ckpt'}"
+    args = [*TINY_GPT, "data.batch_size=16", "strategy=fsdp", "trainer.devices=4", "strategy.tensor_parallel_size=2"]
+    return one_run("gpt-lora-fsdp2-tp2", [*args, GPT_LORA, resume], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
 def gpt_lora_ddp(runs_dir, home):
     """The GPT with LoRA under ddp x 2, 16 per device."""
     return one_run(
@@ -571,7 +587,7 @@ def gpt_tensor_parallel(runs_dir, home):
 # The two 4-device layouts go on from the previous layout's checkpoint rather than train from scratch: each is one
 # run fewer for the suite, and their resumes are the test that a checkpoint moves between layouts. The first epoch
 # each trains:
-FIRST_EPOCH = {"gpt_fsdp_tensor_parallel": 1, "gpt_pipeline_tensor_parallel": 2}
+FIRST_EPOCH = {"gpt_fsdp_tensor_parallel": 1, "gpt_pipeline_tensor_parallel": 2, "gpt_lora_fsdp_tensor_parallel": 1}
 
 
 @pytest.fixture(scope="session")

@@ -495,15 +495,6 @@ CASES = [
     (["model=llama", "model.net.num_kv_heads=3"], "model.net.num_kv_heads: is 3, which does not divide"),
     (["model=llama", "model.lora={rank:0,alpha:8,dropout:0.0,targets:[q]}"], "model.lora.rank: is 0. Fix: give a"),
     (["model=llama", "model.lora={rank:4,alpha:8,dropout:0.0,targets:[qq]}"], "model.lora.targets: names ['qq']"),
-    (
-        [
-            "model=llama",
-            "model.lora={rank:4,alpha:8,dropout:0.0,targets:[q]}",
-            "strategy=tensor_parallel",
-            "trainer.devices=2",
-        ],
-        "model.lora: is set, and the layout splits layers over 2 tensor-parallel ranks",
-    ),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
     # Conversations: a bad record is named by its file and line, before any worker starts

@@ -143,9 +143,9 @@ def test_a_llama_lora_run_exported_merged_and_as_a_peft_adapter_gives_its_val_lo
     assert transformers_val_loss(untouched, overrides) != pytest.approx(run_loss, rel=1e-3)  # the adapters count
 
 
-def test_plan_search_with_lora_ranks_only_the_layouts_that_train_it(tmp_path, home):
-    """The search asks each layout the run's rules: LoRA's refusal of tensor parallelism drops those layouts (they
-    would fail in the simulation), and the rest are ranked with the adapters' exact model state."""
+def test_plan_search_with_lora_ranks_every_layout_tensor_parallel_ones_included(tmp_path, home):
+    """LoRA trains under every layout of 2 GPUs: data parallel, FSDP, FSDP x tensor parallel (the adapters split with
+    their layers) and pipeline, each ranked with the adapters' exact model state."""
     output = train(["plan=search", *SEARCH, GPT_LORA, f"paths.cache_dir={tmp_path}"], home).output
-    assert "(9 layouts," in output and "tensor_parallel_size" not in output
+    assert "(12 layouts," in output and "strategy=fsdp strategy.tensor_parallel_size=2" in output
     assert "Fastest that fits in 80.00 GiB: strategy=" in output

@@ -44,6 +44,7 @@ PLANNED_RUNS = [
     ("mlp_tensor_parallel", None),
     ("gpt_lora_auto", None),  # LoRA: frozen weights have no gradients and no optimizer state
     ("gpt_lora_fsdp", None),
+    ("gpt_lora_tensor_parallel", None),
 ]
 # The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
 # model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.

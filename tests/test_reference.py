@@ -58,6 +58,8 @@ RUNS = {
         "ddp": ("gpt_lora_ddp", None),
         "fsdp": ("gpt_lora_fsdp", None),
         "pipeline": ("gpt_lora_pipeline", None),
+        "tensor_parallel": ("gpt_lora_tensor_parallel", None),  # lora_b split with the base's outputs
+        "fsdp-x-tensor_parallel": ("gpt_lora_fsdp_tensor_parallel", None),  # resumed from the adapters of epoch 0
     },
 }
 REFERENCE_ARGS = {

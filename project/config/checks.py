@@ -610,23 +610,10 @@ def layout_problem(job: Job) -> ConfigError | None:
     return (
         _gpus_problem(job.cfg, job.devices)
         or job.layout.problem(job, net)
-        or _lora_problem(job)
         or _text_sample_problem(job)
         or _batch_problem(job)
         or _val_interval_problem(job.cfg, job.train_samples // job.samples_per_step)
         or _val_samples_problem(job)
-    )
-
-
-def _lora_problem(job: Job) -> ConfigError | None:
-    """LoRA under tensor parallelism: its plans shard a target's weight, not the adapters (not built yet)."""
-    if job.cfg.model.get("lora") is None or job.dims.tensor_parallel == 1:
-        return None
-    return ConfigError(
-        "model.lora",
-        f"is set, and the layout splits layers over {job.dims.tensor_parallel} tensor-parallel ranks: LoRA "
-        "trains under auto, ddp, fsdp and pipeline here, not yet under tensor parallelism.",
-        "use strategy=fsdp (or ddp, pipeline) without tensor_parallel_size, or model.lora=null.",
     )
 
 

@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -94,11 +94,41 @@ def _gradient_split_like_weight(embedding: nn.Embedding) -> None:
 
     def hook_weight(module: nn.Module, args: tuple) -> None:
         weight = cast(nn.Parameter, module.weight)  # the embedding's table
-        if not getattr(weight, "keeps_own_rows", False):
+        if weight.requires_grad and not getattr(weight, "keeps_own_rows", False):  # frozen (LoRA): no gradient
             weight.register_post_accumulate_grad_hook(keep_own_rows)
             weight.keeps_own_rows = True  # type: ignore[attr-defined]  # a mark of our own on the parameter
 
     embedding.register_forward_pre_hook(hook_weight)
+
+
+def _distribute_parameters(
+    module: nn.Module, mesh: DeviceMesh, weight: Placement, bias: Placement, source: int | None
+) -> None:
+    """``module``'s own weight and bias (not its children's) as DTensors of these placements, as trainable as before."""
+    for name, parameter in list(module.named_parameters(recurse=False)):
+        distributed = distribute_tensor(parameter, mesh, [weight if name == "weight" else bias], src_data_rank=source)
+        module.register_parameter(name, nn.Parameter(distributed, requires_grad=parameter.requires_grad))
+
+
+class AdaptedColwiseParallel(ColwiseParallel):
+    """torch's ``ColwiseParallel``, which also lays out a ``LoRALinear``: its base split by output features as a
+    Linear's, its ``lora_a`` whole on every rank (each needs the whole low-rank input), its ``lora_b`` split by output
+    features like the base, so each rank adds the update of its own outputs with no collective. (torch's style
+    registers every parameter of the module under its own name, which a child's ``lora_a.weight`` cannot be.)"""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        placement = Replicate() if name == "lora_a" else Shard(0)
+        _distribute_parameters(module, device_mesh, placement, placement, self.src_data_rank)
+
+
+class AdaptedRowwiseParallel(RowwiseParallel):
+    """torch's ``RowwiseParallel``, which also lays out a ``LoRALinear``: its base split by input features as a
+    Linear's (its bias whole), its ``lora_a`` split by input features like the base, its ``lora_b`` whole: each rank's
+    update is a partial sum, added up with the base's in the style's one collective."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        weight = Replicate() if name == "lora_b" else Shard(1)
+        _distribute_parameters(module, device_mesh, weight, Replicate(), self.src_data_rank)
 
 
 def _transformer_block_plan(
@@ -112,10 +142,10 @@ def _transformer_block_plan(
         gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         plan.update({"attention": gather, "mlp": gather})
     *projections, output = attention
-    plan.update({f"attention.{name}": ColwiseParallel() for name in projections})
-    plan[f"attention.{output}"] = RowwiseParallel(output_layouts=between_blocks)
-    plan.update({f"mlp.{name}": ColwiseParallel() for name in mlp_in})
-    plan[f"mlp.{mlp_out}"] = RowwiseParallel(output_layouts=between_blocks)
+    plan.update({f"attention.{name}": AdaptedColwiseParallel() for name in projections})
+    plan[f"attention.{output}"] = AdaptedRowwiseParallel(output_layouts=between_blocks)
+    plan.update({f"mlp.{name}": AdaptedColwiseParallel() for name in mlp_in})
+    plan[f"mlp.{mlp_out}"] = AdaptedRowwiseParallel(output_layouts=between_blocks)
     return plan
 
 
@@ -262,5 +292,9 @@ def model_plan(net: nn.Module) -> ModelPlan | None:
 def apply_tensor_parallel(
     net: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = True
 ) -> None:
-    """Lay ``net`` (on the meta device) out over the tensor-parallel ``mesh`` with its model's plan."""
+    """Lay ``net`` (on the meta device) out over the tensor-parallel ``mesh`` with its model's plan. Frozen parameters
+    (LoRA's base) stay frozen: torch's replicating styles make every parameter they replace trainable."""
+    frozen = {name for name, parameter in net.named_parameters() if not parameter.requires_grad}
     PLANS[type(net)].parallelize(net, mesh, sequence_parallel, loss_parallel)
+    for name, parameter in net.named_parameters():
+        parameter.requires_grad_(name not in frozen)
