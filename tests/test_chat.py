@@ -47,7 +47,7 @@ CHAT_OVERRIDES = [
     "data.batch_size=16",
     "model.net.dim=32",
     "model.net.num_heads=2",
-    "model.net.num_kv_heads=1",
+    "model.net.num_kv_heads=2",
     "model.net.hidden_dim=64",
     "trainer.max_epochs=3",
     "trainer.accumulate_grad_batches=2",
@@ -151,22 +151,23 @@ def test_a_bad_record_is_refused_with_its_file_and_line(chat_example, tmp_path, 
 @pytest.fixture(scope="session")
 def chat_sweep(chat_example, runs_dir, home):
     """The tiny Qwen 3 on the example's conversations, from seeded weights (data.tokenizer: the example's dir), under
-    fsdp and pipeline over 2 devices, 2 batches accumulated per step."""
+    fsdp, pipeline and tensor_parallel over 2 devices, 2 batches accumulated per step: the sweep dir."""
     model_dir, chat = chat_example
     args = [*CHAT_OVERRIDES, f"data.path={chat}", f"data.tokenizer={model_dir}", "trainer.devices=2"]
-    return two_job_sweep("chat", [*args, "strategy=fsdp,pipeline"], runs_dir, home)[1]
+    return two_job_sweep("chat", [*args, "strategy=fsdp,pipeline,tensor_parallel"], runs_dir, home)[1][0].parent
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", [0, 1], ids=["fsdp", "pipeline"])
+@pytest.mark.parametrize("job", [0, 1, 2], ids=["fsdp", "pipeline", "tensor_parallel"])
 def test_training_on_the_assistant_tokens_matches_the_hand_written_loop(chat_sweep, chat_example, reference, job):
     """Each replica's batches and each micro-batch leave out different numbers of targets; the loss, summed over
     the trained ones and divided by the positions, is the global batch's as the loop computes it, and the epoch
-    metrics are means over the trained tokens."""
+    metrics are means over the trained tokens. Under tensor parallelism, torch's loss_parallel leaves them out of
+    the vocabulary-split logits' loss."""
     model_dir, chat = chat_example
     overrides = [*CHAT_OVERRIDES, f"data.path={chat}", f"data.tokenizer={model_dir}"]
-    history = reference(overrides, 32 if job == 0 else 16).history  # fsdp: 2 replicas of 16; pipeline: 1
-    assert_matches_reference(only_run(chat_sweep[job]), history)
+    history = reference(overrides, 32 if job == 0 else 16).history  # fsdp: 2 replicas of 16; the others: 1
+    assert_matches_reference(only_run(chat_sweep / str(job)), history)
     assert history[-1]["val/loss"] < history[0]["val/loss"]
     assert torch.isfinite(torch.tensor(history[-1]["val/loss"]))
 
