@@ -110,6 +110,7 @@ CASES = [
     (["model=gpt", "model.net.dropout=1.0"], "model.net.dropout: must be a number from 0 to 1 (1 excluded), got 1.0"),
     (["model=qwen3", "model.net.head_dim=15"], "model.net.head_dim: gives heads of 15 dimensions"),
     (["model=qwen2", "model.net.num_heads=3"], "model.net.num_heads: is 3, which does not divide"),
+    (["model=qwen3", "model.net.qkv_bias=true"], "model.net.qkv_bias: is true with model.net.qk_norm=true"),
     (["data.num_train=null"], "data.num_train: must be a positive integer, got None"),
     (["model=gpt", "model.net.gelu_approximate=fast"], "model.net.gelu_approximate: must be one of 'none', 'tanh'"),
     (
@@ -501,6 +502,10 @@ CASES = [
     (
         ["model=qwen3", "data=chat", "model.init_from={files}/chat/model", "data.path={files}/bad_chat.jsonl"],
         "data.path: {files}/bad_chat.jsonl:2: message 0 has no role",
+    ),
+    (
+        ["model=qwen3", "data=chat", "data.path={files}/bad_chat.jsonl"],
+        "data.tokenizer: is null: with no model.init_from",
     ),
 ]
 # Cases on TINY_GPT's language data, with their own model.

@@ -169,7 +169,6 @@ def test_training_on_the_assistant_tokens_matches_the_hand_written_loop(chat_swe
     history = reference(overrides, 32 if job == 0 else 16).history  # fsdp: 2 replicas of 16; the others: 1
     assert_matches_reference(only_run(chat_sweep / str(job)), history)
     assert history[-1]["val/loss"] < history[0]["val/loss"]
-    assert torch.isfinite(torch.tensor(history[-1]["val/loss"]))
 
 
 def fenced_blocks(text: str, language: str) -> list[str]:

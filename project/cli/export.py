@@ -28,6 +28,7 @@ from torch import nn
 from project.checkpointing.files import model_state
 from project.checkpointing.hf import EXPORT_AGAIN, FUSED, NET_CLASSES, hf_name, read_config, write_hf_dir
 from project.cli.usage import checkpoint_and_config, run_cli, trained_model_state
+from project.data.chat import ChatDataModule
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
 from project.models import Llama
@@ -134,13 +135,14 @@ def export_tokenizer(cfg: DictConfig, out: Path) -> list[str]:
         with written(out / "tokenizer_config.json", "tokenizer config", EXPORT_AGAIN) as partial:
             partial.write_text(json.dumps(settings, indent=2) + "\n")
         return ["tokenizer.json", "tokenizer_config.json"]
-    init_from = OmegaConf.select(cfg, "model.init_from")
-    if init_from is None:
+    # data=chat: the dir whose tokenizer and chat template rendered the conversations (by default init_from's)
+    source = cfg.data.tokenizer if issubclass(data_class, ChatDataModule) else OmegaConf.select(cfg, "model.init_from")
+    if source is None:
         return []
-    copied = [name for name in TOKENIZER_FILES if (Path(init_from) / name).is_file()]
+    copied = [name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]
     for name in copied:
         with written(out / name, "tokenizer file", EXPORT_AGAIN) as partial:
-            shutil.copyfile(Path(init_from) / name, partial)
+            shutil.copyfile(Path(source) / name, partial)
     return copied
 
 

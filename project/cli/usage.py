@@ -75,6 +75,13 @@ def trained_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, to
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
     apply_lora(net, LoRA(lora.rank, float(lora.alpha), float(lora.dropout), tuple(lora.targets)))
+    adapters = {name for name, parameter in net.named_parameters() if parameter.requires_grad}
+    if set(state) != adapters:  # else the missing adapters would be filled with their start, B = 0: no update
+        raise ConfigError(
+            "checkpoint",
+            f"differs from this LoRA run's adapters in {sorted(set(state) ^ adapters)[:3]}: it is not its checkpoint.",
+            "pass a checkpoint of this run, with its job's --config.",
+        )
     init_from = OmegaConf.select(cfg, "model.init_from")
     materialize(net, torch.device("cpu"), cfg.model.init_seed, HFWeights(init_from) if init_from else None)
     return {**net.state_dict(), **state}

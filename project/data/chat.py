@@ -10,7 +10,8 @@ Which characters are the assistant's: a template with ``{% generation %}`` block
 ``return_assistant_tokens_mask``, and the same characters here). For a template without (most), an assistant turn is
 what the template adds after the conversation so far plus its generation prompt: the rendering of the conversation up
 to and with that turn, less the rendering up to it with ``add_generation_prompt=True``; so the turn's end-of-turn
-token is trained, and the model learns to stop. A token is trained when its first character is the assistant's.
+token is trained, and the model learns to stop. The tokens trained are those holding a span's first character to
+its last, as transformers counts them.
 
 Each conversation is one sequence, padded at its end to ``seq_length + 1`` tokens (or cut to it), not packed with
 others: packing would let a conversation attend to the one before it, as this project's attention is plain causal
@@ -220,6 +221,8 @@ def trained_mask(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]]) 
     encoding = tokenizer.encode(text, add_special_tokens=False)
     mask = [False] * len(encoding.ids)
     for start, end in spans:
+        if start >= end:  # an empty turn: no character of the assistant's
+            continue
         first, last = encoding.char_to_token(start), encoding.char_to_token(end - 1)
         if first is None:
             break
@@ -228,8 +231,14 @@ def trained_mask(tokenizer: Tokenizer, text: str, spans: list[tuple[int, int]]) 
     return encoding.ids, mask
 
 
-def tokenizer_vocab_size(model_dir: str) -> int:
+def tokenizer_vocab_size(model_dir: str | None) -> int:
     """data=chat: the vocabulary of a model dir's ``tokenizer.json``, added tokens included."""
+    if model_dir is None:
+        raise ConfigError(
+            "data.tokenizer",
+            "is null: with no model.init_from, no dir gives the conversations their tokenizer and chat template.",
+            "set model.init_from=<a Hugging Face model dir>, or data.tokenizer=<the dir of the tokenizer to use>.",
+        )
     return _tokenizer(Path(model_dir)).get_vocab_size(with_added_tokens=True)
 
 
@@ -275,14 +284,13 @@ class ChatDataModule(InMemoryDataModule):
         sequences, truncated = [], 0
         for where, messages in read_records(self.path):
             try:
-                text, spans = template.assistant_spans(messages)
+                ids, mask = trained_mask(self.tokenizer, *template.assistant_spans(messages))
             except Exception as error:  # jinja2's TemplateError, or a template's own exception
                 raise ConfigError(
                     "data.path",
                     f"{where}: the chat template of {self.tokenizer_dir} fails on it ({error}).",
                     "fix the record, or use a model dir whose template renders it.",
                 ) from None
-            ids, mask = trained_mask(self.tokenizer, text, spans)
             truncated += len(ids) > seq_length + 1
             sequences.append((ids[: seq_length + 1], mask[: seq_length + 1]))
         kept = [(ids, mask) for ids, mask in sequences if any(mask[1:])]  # a target of the assistant's to train

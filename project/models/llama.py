@@ -168,6 +168,12 @@ class Llama(BlockSequence):
                 f"is {num_heads}, which does not divide model.net.dim={dim} into heads.",
                 "choose a head count that divides dim, or set model.net.head_dim.",
             )
+        if qk_norm and qkv_bias:
+            raise ConfigError(
+                "model.net.qkv_bias",
+                "is true with model.net.qk_norm=true: no Hugging Face family has both, so no dir could hold it.",
+                "set one of them (qkv_bias: Qwen 2; qk_norm: Qwen 3).",
+            )
         head_dim = head_dim or dim // num_heads
         if head_dim % 2:
             raise ConfigError(

@@ -104,7 +104,9 @@ class TrainingModule(L.LightningModule):
             # Checkpoints hold the adapters alone: the frozen base is what configure_model gives every run of this
             # config (model.init_from's weights, or the seeded ones), so a resumed run rebuilds it, and its
             # checkpoints stay the adapters' size. Loading is then not strict: the base is not in the file.
-            frozen = {f"net.{name}" for name, parameter in net.named_parameters() if not parameter.requires_grad}
+            # (Every name of a tied weight: the output layer's too.)
+            named = net.named_parameters(remove_duplicate=False)
+            frozen = {f"net.{name}" for name, parameter in named if not parameter.requires_grad}
             self._register_state_dict_hook(_without(frozen))
             self.strict_loading = False
         # Counted here, on the whole model (a rank holds a shard or a stage once the strategy has acted).

@@ -5,7 +5,8 @@ from torchmetrics import Metric
 
 
 class SampleMean(Metric):
-    """The mean of values over the epoch, each counted ``weight`` times (a batch's mean loss: its targets).
+    """The mean of values over the epoch: added one by one (``update``), or as a batch's sum and count (``add``: a
+    batch's summed loss and its trained targets).
 
     torchmetrics' ``MeanMetric`` checks every update for NaN (``.any()``: a device sync per step on a GPU) and drops
     NaNs, hiding a diverged run; its ``nan_strategy="disable"`` skips the check but then ignores the weights
@@ -21,14 +22,10 @@ class SampleMean(Metric):
         self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("weight", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
-    def update(self, values: torch.Tensor, weight: float | torch.Tensor | None = None) -> None:
-        """Add ``values`` (each with weight 1), or one value standing for ``weight`` samples."""
-        if weight is None:
-            self.total += values.sum()
-            self.weight += values.numel()
-        else:
-            self.total += values.sum() * weight
-            self.weight += weight
+    def update(self, values: torch.Tensor) -> None:
+        """Add ``values``, each one sample."""
+        self.total += values.sum()
+        self.weight += values.numel()
 
     def add(self, total: torch.Tensor, weight: torch.Tensor) -> None:
         """Add ``weight`` samples whose values sum to ``total`` (tensors on the device: no sync)."""
