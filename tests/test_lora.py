@@ -15,10 +15,13 @@ from test_config import compose_train
 from test_hf import LLAMA, LLAMA_EVAL, TOKENS, transformers_val_loss
 from test_plan_search import SEARCH
 
+from project.checkpointing.files import checkpoint_meta
 from project.checkpointing.hf import HFWeights, hf_name, net_options, read_config
+from project.cli.usage import trained_model_state
 from project.models import GPT, Llama
 from project.models.init import initial_value
 from project.models.lora import LoRA, apply_lora
+from project.options.errors import ConfigError
 from project.parallel.parallelize import materialize
 
 peft = pytest.importorskip("peft")
@@ -75,6 +78,16 @@ def test_a_tied_model_with_lora_saves_its_adapters_alone():
     module = instantiate(cfg.model)
     trained = {f"net.{name}" for name, parameter in module.net.named_parameters() if parameter.requires_grad}
     assert trained and set(module.state_dict()) == trained
+
+
+def test_a_lora_checkpoint_goes_on_only_on_the_base_it_was_trained_on(gpt_lora_auto):
+    """The seeded base of another seed is not the one the adapters were trained on: refused by its key."""
+    checkpoint = gpt_lora_auto / "checkpoints" / "last.ckpt"
+    assert checkpoint_meta(checkpoint)["lora_base"] == "seed 42"
+    cfg = compose_train([*TINY_GPT, GPT_LORA, "seed=7"])
+    with pytest.raises(ConfigError, match=r"seed: gives a base \(seed 7\) other than .* \(seed 42\)"):
+        trained_model_state(checkpoint, cfg)
+    assert set(trained_model_state(checkpoint, compose_train([*TINY_GPT, GPT_LORA]))) >= {"head.output.weight"}
 
 
 def test_a_lora_run_trains_and_checkpoints_only_the_adapters(gpt_lora_auto):
@@ -151,6 +164,12 @@ def test_a_llama_lora_run_exported_merged_and_as_a_peft_adapter_gives_its_val_lo
     assert transformers_val_loss(adapted, overrides) == pytest.approx(run_loss, rel=1e-5)
     untouched = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()  # peft adapted `base`
     assert transformers_val_loss(untouched, overrides) != pytest.approx(run_loss, rel=1e-3)  # the adapters count
+    # The checkpoint holds the adapters alone: a base dir rewritten with other weights is refused, not merged into.
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(tmp_path / "hf")
+    result = run_command([sys.executable, "-m", "project.cli.export", checkpoint, str(tmp_path / "again")], home)
+    assert result.returncode == 1 and "model.init_from: gives a base (weights " in result.output, result.output
+    assert "other than the one the checkpoint's adapters were trained on" in result.output
 
 
 def test_plan_search_with_lora_ranks_every_layout_tensor_parallel_ones_included(tmp_path, home):

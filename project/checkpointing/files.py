@@ -170,6 +170,16 @@ def model_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
 MOVED_TARGETS = {"project.data.prepared.ShardsDataModule": "project.data.shards.ShardsDataModule"}
 
 
+def checkpoint_meta(checkpoint: str | Path) -> dict[str, Any]:
+    """What a checkpoint holds beside the tensors of the model and optimizer: a sharded one's ``meta.pt``, or the
+    file's dict less those (memory-mapped: the tensors are not read)."""
+    path = Path(checkpoint)
+    if is_sharded_checkpoint(path):
+        return torch.load(path / META_FILE, map_location="cpu", weights_only=False)
+    saved = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    return {key: value for key, value in saved.items() if key not in ("state_dict", "optimizer_states")}
+
+
 def job_config_file(checkpoint: str | Path, config: str | Path | None = None) -> Path:
     """``config``, or the ``config.yaml`` of the job dir whose ``checkpoints/`` holds ``checkpoint``."""
     return Path(config) if config else Path(checkpoint).resolve().parent.parent / "config.yaml"

@@ -13,6 +13,8 @@ Names are translated by a table per family (``NAMES``); GPT-2 stores its linear 
 this project's ``q``, ``k`` and ``v`` are thirds (``FUSED``).
 """
 
+import functools
+import hashlib
 import json
 import os
 import re
@@ -380,6 +382,21 @@ class HFWeights:
         with safe_open(self.files[key], "pt") as file:
             value = file.get_slice(key)[slices[::-1] if transposed else slices]
         return (value.T if transposed else value).float().contiguous()
+
+
+@functools.lru_cache(maxsize=8)  # a run saves many checkpoints of one base
+def weights_fingerprint(path: str | Path) -> str:
+    """A short hash of a Hugging Face model dir's weights: its config.json, and each tensor's name, type, shape and
+    first row (reading a few values per tensor, not gigabytes). Two dirs of other weights differ in it."""
+    digest = hashlib.sha256(Path(path, "config.json").read_bytes())
+    weights = HFWeights(path)
+    for key in sorted(weights.files):
+        with safe_open(weights.files[key], "pt") as file:
+            piece = file.get_slice(key)
+            first = piece[:1] if piece.get_shape() else piece[:]
+        digest.update(f"{key} {piece.get_dtype()} {piece.get_shape()}".encode())
+        digest.update(first.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 # What an export that cannot write its files stops with, after the path and the cause.

@@ -14,11 +14,12 @@ import yaml
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from project.checkpointing.files import checkpoint_shapes, job_config, job_config_file, model_state
+from project.checkpointing.files import checkpoint_meta, checkpoint_shapes, job_config, job_config_file, model_state
 from project.checkpointing.hf import HFWeights
 from project.models.lora import LoRA, apply_lora
 from project.options.errors import ConfigError, WriteFailed
 from project.parallel.parallelize import materialize
+from project.tasks.base import check_lora_base
 
 
 def run_cli(prog: str, main: Callable[[], None]) -> None:
@@ -83,5 +84,6 @@ def trained_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, to
             "pass a checkpoint of this run, with its job's --config.",
         )
     init_from = OmegaConf.select(cfg, "model.init_from")
+    check_lora_base(checkpoint_meta(checkpoint).get("lora_base"), init_from, cfg.model.init_seed)
     materialize(net, torch.device("cpu"), cfg.model.init_seed, HFWeights(init_from) if init_from else None)
     return {**net.state_dict(), **state}

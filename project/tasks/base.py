@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import Metric
 
-from project.checkpointing.hf import HFWeights
+from project.checkpointing.hf import HFWeights, weights_fingerprint
 from project.data.chat import IGNORE_INDEX
 from project.models.lora import LoRA, apply_lora
 from project.models.sequence import BlockSequence
@@ -226,13 +226,18 @@ class TrainingModule(L.LightningModule):
         # The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         mid_epoch = processed < trainer.num_training_batches
+        if self.lora is not None:  # what its adapters were trained on, which the checkpoint does not hold
+            checkpoint["lora_base"] = lora_base(self.init_from, self.init_seed)
         checkpoint["running_metrics"] = {}
         for key, metric in self._running_metrics(mid_epoch).items():
             with metric.sync_context():  # sums (the states' reductions) over ranks, then back to this rank's own
                 checkpoint["running_metrics"][key] = {name: getattr(metric, name).clone() for name in metric._defaults}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Rank 0 takes the saved sums, the other ranks start from zero: their sum is the saved one."""
+        """Rank 0 takes the saved sums, the other ranks start from zero: their sum is the saved one. A LoRA
+        checkpoint's adapters go on only on the base they were trained on (``check_lora_base``)."""
+        if self.lora is not None:
+            check_lora_base(checkpoint.get("lora_base"), self.init_from, self.init_seed)
         for key, metric in self._running_metrics().items():
             metric.reset()
             saved = checkpoint.get("running_metrics", {}).get(key)
@@ -298,6 +303,22 @@ class TrainingModule(L.LightningModule):
         # Per optimizer step, over this run's steps (epochs, devices, accumulation and max_steps included).
         scheduler = self.scheduler_factory(optimizer, run_steps=self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def lora_base(init_from: str | None, init_seed: int) -> str:
+    """What a LoRA run's frozen base is: the fingerprint of ``model.init_from``'s weights, or the seed drawing it."""
+    return f"weights {weights_fingerprint(init_from)}" if init_from else f"seed {init_seed}"
+
+
+def check_lora_base(saved: str | None, init_from: str | None, init_seed: int) -> None:
+    """``ConfigError`` when the base a LoRA checkpoint's adapters were trained on (``saved``) is not this one."""
+    here = lora_base(init_from, init_seed)
+    if saved is not None and saved != here:
+        raise ConfigError(
+            "model.init_from" if init_from else "seed",
+            f"gives a base ({here}) other than the one the checkpoint's adapters were trained on ({saved}).",
+            "use the model dir (or seed) the run started from, unchanged: the checkpoint holds the adapters alone.",
+        )
 
 
 def _without(names: set[str]) -> Callable[..., None]:
