@@ -216,3 +216,10 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     base = transformers.AutoModelForCausalLM.from_pretrained(out / "base")
     adapted = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
     assert val_loss(adapted, data) == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_end_of_an_assistant_turn_is_the_templates_own_token(chat_example):
+    """What generate --chat stops at: the first token after a turn's text (ChatML's <|im_end|>)."""
+    model_dir, _ = chat_example
+    tokenizer = transformers_free_tokenizer(model_dir)
+    assert ChatTemplate(model_dir).end_of_turn(tokenizer) == tokenizer.token_to_id("<|im_end|>")

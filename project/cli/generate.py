@@ -5,7 +5,7 @@ the checkpoint is a file or a sharded dir, read into one process (``project.cli.
 run's base rebuilt as the run built it, its adapters merged into the weights they adapt. The same weights, prompt and
 settings write the text the ``text_sample`` callback writes during training. With ``--chat`` (a data=chat run), the
 prompt is a user's message, rendered with the data's chat template and its generation prompt, and the answer ends at
-the tokenizer's end-of-sequence token (``eos_token``, a chat model's end of turn).
+the template's end of an assistant turn (``<|im_end|>``, ``<|eot_id|>``...).
 """
 
 import argparse
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt, stop = args.prompt, None
     if args.chat:
         prompt = data.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        stop = data.tokenizer.token_to_id(data.template.special_tokens.get("eos_token", ""))  # the end of a turn
+        stop = data.template.end_of_turn(data.tokenizer)
     state = trained_model_state(args.checkpoint, cfg)
     lora = OmegaConf.select(cfg, "model.lora")
     if lora is not None:

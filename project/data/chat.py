@@ -194,6 +194,15 @@ class ChatTemplate:
                 self._rendered.append(block)
         return "".join(self._rendered), spans
 
+    def end_of_turn(self, tokenizer: Tokenizer) -> int | None:
+        """The token the template ends an assistant turn with (``<|im_end|>``, ``<|eot_id|>``, ``<|end|>``...): the
+        first after a turn's text; None if it ends with none."""
+        marker = "\x00turn\x00"
+        text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}])
+        after = text[text.index(marker) + len(marker) :] if marker in text else ""
+        ids = tokenizer.encode(after, add_special_tokens=False).ids
+        return ids[0] if ids else None
+
     def assistant_spans(self, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns (module docstring). ``ValueError``
         for a template that does not render a conversation as the renderings of its beginnings continued."""
