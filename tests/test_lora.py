@@ -17,7 +17,7 @@ from test_plan_search import SEARCH
 
 from project.checkpointing.files import checkpoint_meta
 from project.checkpointing.hf import HFWeights, hf_name, net_options, read_config
-from project.cli.usage import trained_model_state
+from project.cli.usage import merged_model_state
 from project.models import GPT, Llama
 from project.models.init import initial_value
 from project.models.lora import LoRA, apply_lora
@@ -86,8 +86,8 @@ def test_a_lora_checkpoint_goes_on_only_on_the_base_it_was_trained_on(gpt_lora_a
     assert checkpoint_meta(checkpoint)["lora_base"] == "seed 42"
     cfg = compose_train([*TINY_GPT, GPT_LORA, "seed=7"])
     with pytest.raises(ConfigError, match=r"seed: gives a base \(seed 7\) other than .* \(seed 42\)"):
-        trained_model_state(checkpoint, cfg)
-    assert set(trained_model_state(checkpoint, compose_train([*TINY_GPT, GPT_LORA]))) >= {"head.output.weight"}
+        merged_model_state(checkpoint, cfg)
+    assert set(merged_model_state(checkpoint, compose_train([*TINY_GPT, GPT_LORA]))) >= {"head.output.weight"}
 
 
 def test_a_lora_run_trains_and_checkpoints_only_the_adapters(gpt_lora_auto):

@@ -27,12 +27,12 @@ from torch import nn
 
 from project.checkpointing.files import model_state
 from project.checkpointing.hf import EXPORT_AGAIN, FUSED, NET_CLASSES, hf_name, read_config, write_hf_dir
-from project.cli.usage import checkpoint_and_config, run_cli, trained_model_state
+from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli
 from project.data.chat import ChatDataModule
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
 from project.models import Llama
-from project.models.lora import is_adapter, merged
+from project.models.lora import is_adapter
 from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
 
@@ -54,10 +54,7 @@ def export(
             f"holds a model of class {type(net).__name__}; Hugging Face model dirs hold GPT and Llama models.",
             "export a checkpoint of model=gpt or model=llama (or one of their presets).",
         )
-    state = trained_model_state(checkpoint, cfg)
-    lora = OmegaConf.select(cfg, "model.lora")
-    if lora is not None:
-        state = merged(state, lora.alpha / lora.rank)
+    state = merged_model_state(checkpoint, cfg)
     expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
     state = {name: value for name, value in state.items() if name in expected}
     if set(state) != expected:

@@ -1,7 +1,7 @@
 """python -m project.cli.generate <checkpoint> --prompt TEXT: the text a trained language model writes after a prompt.
 
 The model and the data's tokenizer come from the job's ``config.yaml`` (beside ``checkpoints/``, or ``--config``);
-the checkpoint is a file or a sharded dir, read into one process (``project.cli.usage.trained_model_state``): a LoRA
+the checkpoint is a file or a sharded dir, read into one process (``project.cli.usage.merged_model_state``): a LoRA
 run's base rebuilt as the run built it, its adapters merged into the weights they adapt. The same weights, prompt and
 settings write the text the ``text_sample`` callback writes during training. With ``--chat`` (a data=chat run), the
 prompt is a user's message, rendered with the data's chat template and its generation prompt, and the answer ends at
@@ -13,12 +13,10 @@ import argparse
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from project.cli.usage import checkpoint_and_config, run_cli, trained_model_state
+from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli
 from project.data.chat import ChatDataModule
 from project.models.generation import check_settings, generate
-from project.models.lora import merged
 from project.options.errors import ConfigError
 
 
@@ -73,10 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.chat:
         prompt = data.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
         stop = data.template.end_of_turn(data.tokenizer)
-    state = trained_model_state(args.checkpoint, cfg)
-    lora = OmegaConf.select(cfg, "model.lora")
-    if lora is not None:
-        state = merged(state, lora.alpha / lora.rank)
+    state = merged_model_state(args.checkpoint, cfg)
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
     try:

@@ -31,7 +31,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from project.cli.usage import run_cli
-from project.data.codecs import TokenizerCodec
+from project.data.codecs import read_tokenizer
 from project.data.shards import PREPARE_AGAIN, token_dtype, write_shard
 from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
@@ -241,16 +241,6 @@ def separator_token(tokenizer: Tokenizer | None, separator: str | None) -> str:
     return separator
 
 
-def read_tokenizer(path: Path) -> Tokenizer:
-    """``--tokenizer``: a Hugging Face tokenizer.json, read before anything is written."""
-    try:
-        return TokenizerCodec(path).tokenizer
-    except ValueError as error:
-        raise ConfigError(
-            "--tokenizer", f"{error}.", "give a tokenizer.json, as tokenizers and transformers save."
-        ) from None
-
-
 def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
     with written(path, "tokenizer", PREPARE_AGAIN) as partial:
         tokenizer.save(str(partial))
@@ -314,7 +304,9 @@ def prepare(
     """Tokenize ``inputs`` into shards under ``out``; returns the metadata written to ``meta.json``."""
     files = input_files(inputs)
     check_arguments(out, vocab_size, shard_tokens, val_fraction)
-    tokenizer = None if tokenizer_path is None else read_tokenizer(tokenizer_path)
+    # Read before anything is written.
+    fix = "give a tokenizer.json, as tokenizers and transformers save."
+    tokenizer = None if tokenizer_path is None else read_tokenizer(tokenizer_path, "--tokenizer", fix)
     separator_text = separator_token(tokenizer, separator)
     check_documents(files, text_key, val_fraction)
     out.mkdir(parents=True, exist_ok=True)

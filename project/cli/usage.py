@@ -8,6 +8,7 @@ The error is ``ConfigError`` (its key the argument: ``--out``, ``checkpoint``), 
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 import yaml
@@ -16,10 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.checkpointing.files import checkpoint_meta, checkpoint_shapes, job_config, job_config_file, model_state
 from project.checkpointing.hf import HFWeights
-from project.models.lora import LoRA, apply_lora
+from project.models.lora import apply_lora, merged
 from project.options.errors import ConfigError, WriteFailed
 from project.parallel.parallelize import materialize
-from project.tasks.base import check_lora_base
+from project.tasks.base import check_lora_base, lora_settings
 
 
 def run_cli(prog: str, main: Callable[[], None]) -> None:
@@ -65,17 +66,18 @@ def checkpoint_and_config(checkpoint: str, config: str | None) -> DictConfig:
         ) from None
 
 
-def trained_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, torch.Tensor]:
-    """The model state of ``checkpoint`` (a file or a sharded dir, of the job configured by ``cfg``), whole. A LoRA
-    run's checkpoint holds its adapters alone; its frozen base is rebuilt here as the run built it: from
-    ``model.init_from``'s weights (the dir must still hold them), or drawn from the seed."""
+def merged_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, torch.Tensor]:
+    """The model's weights in ``checkpoint`` (a file or a sharded dir, of the job configured by ``cfg``), whole. A
+    LoRA run's checkpoint holds its adapters alone: its frozen base is rebuilt here as the run built it (from
+    ``model.init_from``'s weights, or drawn from the seed), and the adapters are merged into it."""
     state = model_state(checkpoint)
     lora = OmegaConf.select(cfg, "model.lora")
     if lora is None:
         return state
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
-    apply_lora(net, LoRA(lora.rank, float(lora.alpha), float(lora.dropout), tuple(lora.targets)))
+    settings = lora_settings(cast(dict, OmegaConf.to_container(lora)))
+    apply_lora(net, settings)
     adapters = {name for name, parameter in net.named_parameters() if parameter.requires_grad}
     if set(state) != adapters:  # else the missing adapters would be filled with their start, B = 0: no update
         raise ConfigError(
@@ -86,4 +88,4 @@ def trained_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, to
     init_from = OmegaConf.select(cfg, "model.init_from")
     check_lora_base(checkpoint_meta(checkpoint).get("lora_base"), init_from, cfg.model.init_seed)
     materialize(net, torch.device("cpu"), cfg.model.init_seed, HFWeights(init_from) if init_from else None)
-    return {**net.state_dict(), **state}
+    return merged({**net.state_dict(), **state}, settings.alpha / settings.rank)

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 from torch.utils.data import TensorDataset
 
-from project.data.codecs import TokenizerCodec
+from project.data.codecs import TokenizerCodec, read_tokenizer
 from project.data.datamodule import InMemoryDataModule
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeInt, OpenFraction, PositiveInt, Seed
@@ -252,13 +252,7 @@ def tokenizer_vocab_size(model_dir: str | None) -> int:
 
 
 def _tokenizer(model_dir: Path) -> Tokenizer:
-    path = model_dir / "tokenizer.json"
-    try:
-        return TokenizerCodec(path).tokenizer
-    except ValueError as error:
-        raise ConfigError(
-            "data.tokenizer", f"{error}.", "pass a Hugging Face model dir with its tokenizer.json."
-        ) from None
+    return read_tokenizer(model_dir / "tokenizer.json", "data.tokenizer", "pass a Hugging Face model dir with one.")
 
 
 class ChatDataModule(InMemoryDataModule):

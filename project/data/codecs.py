@@ -6,6 +6,8 @@ from typing import Protocol
 
 from tokenizers import Tokenizer
 
+from project.options.errors import ConfigError
+
 
 class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
@@ -20,6 +22,14 @@ class BytesCodec:
 
     def decode(self, tokens: list[int]) -> str:
         return bytes(tokens).decode("utf-8", errors="replace")
+
+
+def read_tokenizer(path: str | Path, key: str, fix: str) -> Tokenizer:
+    """A Hugging Face ``tokenizer.json``, or ``ConfigError`` naming the option ``key`` that gave it."""
+    try:
+        return TokenizerCodec(path).tokenizer
+    except ValueError as error:
+        raise ConfigError(key, f"{error}.", fix) from None
 
 
 class TokenizerCodec:

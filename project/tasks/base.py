@@ -97,7 +97,7 @@ class TrainingModule(L.LightningModule):
         if scheduler is not None:
             _check_scheduler(scheduler)
         self.net = net
-        self.lora = None if lora is None else _lora(lora)
+        self.lora = None if lora is None else lora_settings(lora)
         if self.lora is not None:
             _check_lora_targets(net, self.lora)
             apply_lora(net, self.lora)
@@ -331,7 +331,7 @@ def _without(names: set[str]) -> Callable[..., None]:
     return hook
 
 
-def _lora(settings: dict) -> LoRA:
+def lora_settings(settings: dict) -> LoRA:
     """``model.lora``'s settings, checked: a positive integer rank and alpha, a dropout in [0, 1), some targets."""
     fields = {"rank", "alpha", "dropout", "targets"}
     if set(settings) != fields:
