@@ -490,6 +490,40 @@ def gpt_lora_pipeline(runs_dir, home):
     )
 
 
+# A Llama whose Linear weights NF4 can store (multiples of 64 x 256 weights), for QLoRA: 2 query heads of width 128
+# sharing 1 key/value head. Under fsdp x 2, the larger weights split into whole blocks; k and v (128 x 128) do not,
+# and stay whole on each rank.
+TINY_LLAMA_NF4 = [
+    *TINY_LLAMA,
+    "model.net.dim=128",
+    "model.net.num_heads=2",
+    "model.net.head_dim=128",
+    "model.net.hidden_dim=256",
+]
+QLORA = "model.lora={rank:4,alpha:8,dropout:0.0,targets:[q,v,up],quantize_base:true}"
+
+
+@pytest.fixture(scope="session")
+def llama_qlora_auto(runs_dir, home):
+    """The NF4-sized Llama with QLoRA on one device, 32 a batch, with selective activation checkpointing (whose
+    recompute dequantizes the base again)."""
+    args = [*TINY_LLAMA_NF4, "data.batch_size=32", QLORA, "model.activation_checkpointing=selective", TRACKED]
+    return one_run("llama-qlora-auto", args, runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def llama_qlora_sweep(runs_dir, home):
+    """The NF4-sized Llama with QLoRA on 2 devices, 16 per device: ddp and fsdp (jobs 0 and 1, a global batch of
+    32), and a pipeline of 2 stages (job 2: one replica, so a global batch of 16)."""
+    _, (ddp, fsdp) = two_job_sweep(
+        "llama-qlora",
+        [*TINY_LLAMA_NF4, "trainer.devices=2", "data.batch_size=16", QLORA, "strategy=ddp,fsdp,pipeline", TRACKED],
+        runs_dir,
+        home,
+    )
+    return ddp, fsdp, ddp.parent / "2"
+
+
 @pytest.fixture(scope="session")
 def gpt_fsdp_selective(runs_dir, home):
     """The GPT under fsdp x 2 with selective activation checkpointing (torchtitan's per-op policy), 16 per device."""

@@ -12,7 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, TINY_GPT, only_run, train, train_server
+from conftest import QLORA, REPO, TINY, TINY_GPT, TINY_LLAMA_NF4, only_run, train, train_server
 from helpers.preloaded import TRAIN
 from helpers.probes import freeze, thaw
 
@@ -23,6 +23,8 @@ from project.cli.prepare import prepare
 # "model=gpt"; {files}, {mlp_ckpt} and {fsdp_ckpt} are filled in by the fixture, and " ... " stands for any text.
 # Our own errors read "Config error: <key>: <problem> Fix: <fix>"; Hydra's own (an unknown option or key) name the
 # key their way.
+NF4_SHAPE = [arg for arg in TINY_LLAMA_NF4 if arg.startswith("model")]  # a Llama whose weights NF4 can store
+
 CASES = [
     # Numbers and their ranges
     (["trainer.devices=0"], "trainer.devices: must be a positive integer, got 0"),
@@ -496,6 +498,14 @@ CASES = [
     (["model=llama", "model.net.num_kv_heads=3"], "model.net.num_kv_heads: is 3, which does not divide"),
     (["model=llama", "model.lora={rank:0,alpha:8,dropout:0.0,targets:[q]}"], "model.lora.rank: is 0. Fix: give a"),
     (["model=llama", "model.lora={rank:4,alpha:8,dropout:0.0,targets:[qq]}"], "model.lora.targets: names ['qq']"),
+    # QLoRA: a base NF4 cannot store, or one the run would dequantize or split by columns
+    (["model=llama", QLORA], "model.lora.quantize_base: stores blocks.0.attention.q.weight ((32, 32)) in NF4"),
+    (["model=llama", QLORA.replace("true}", "yes}")], "model.lora.quantize_base: is 'yes'. Fix: give true"),
+    ([*NF4_SHAPE, QLORA, "trainer.precision=bf16-true"], "trainer.precision: is bf16-true, which converts"),
+    (
+        [*NF4_SHAPE, QLORA, "strategy=tensor_parallel", "trainer.devices=2"],
+        "model.lora.quantize_base: stores the base in NF4, which 2 tensor-parallel ranks",
+    ),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
     # Conversations: a bad record is named by its file and line, before any worker starts

@@ -188,8 +188,9 @@ def val_loss(model: torch.nn.Module, data: ChatDataModule) -> float:
 @pytest.mark.slow
 def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     """docs/finetuning.md's commands, as a user runs them from a clone (train.py and conf/ here, the rest installed):
-    the base says hello, the LoRA fine-tune ahoy, merged and as a peft adapter on the base; and both exports give
-    transformers and peft the LoRA run's last val/loss on its validation conversations."""
+    the base says hello, the LoRA fine-tune ahoy, merged and as a peft adapter on the base, and so does the QLoRA
+    fine-tune; and both LoRA exports give transformers and peft the run's last val/loss on its validation
+    conversations."""
     peft = pytest.importorskip("peft")
     for name in ("train.py", "conf"):
         (tmp_path / name).symlink_to(REPO / name)
@@ -203,8 +204,10 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
         assert result.returncode == 0, (block, (result.stdout + result.stderr)[-4000:])
         outputs.append(result.stdout)
     out = tmp_path / "logs" / "finetune"
-    assert "training 37,376 of 179,328 parameters (20.84%)" in (out / "lora-run" / "train.log").read_text()
+    assert "training 73,728 of 534,144 parameters (13.80%)" in (out / "lora-run" / "train.log").read_text()
     assert outputs[2].rstrip().endswith("Ahoy, Grace! Welcome aboard.<|im_end|>")  # generate --chat
+    assert "the rest frozen, the blocks' Linear weights in 4-bit NF4." in (out / "qlora-run" / "train.log").read_text()
+    assert outputs[4].rstrip().endswith("Ahoy, Grace! Welcome aboard.<|im_end|>")  # QLoRA's generate --chat
     expected_lines = fenced_blocks(page, "text")[0].splitlines()
     assert outputs[3].splitlines()[-len(expected_lines) :] == expected_lines  # after the exports' own lines
     expected = json.loads((out / "lora-run" / "result.json").read_text())["final"]["val/loss"]

@@ -84,7 +84,7 @@ def test_every_option_composes_and_resolves(override, prepared_corpus, chat_mode
         require_extra("optuna", "optuna")
     if override == "data=shards":
         partners = ["model=gpt", f"data.path={prepared_corpus}"]
-    if override in ("data=chat", "experiment=lora"):  # a chat model dir's family, tokenizer and conversations
+    if override in ("data=chat", "experiment=lora", "experiment=qlora"):  # a chat model dir, its tokenizer and chats
         partners = ["model=qwen3", f"model.init_from={chat_model_dir}", f"data.path={chat_model_dir.parent}/ahoy.jsonl"]
     cfg = compose_train([override, *partners])
     del cfg.hydra

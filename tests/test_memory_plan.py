@@ -45,6 +45,10 @@ PLANNED_RUNS = [
     ("gpt_lora_auto", None),  # LoRA: frozen weights have no gradients and no optimizer state
     ("gpt_lora_fsdp", None),
     ("gpt_lora_tensor_parallel", None),
+    ("llama_qlora_auto", None),  # QLoRA: the base in NF4, sharded in 4 bits under fsdp
+    ("llama_qlora_sweep", 0),
+    ("llama_qlora_sweep", 1),
+    ("llama_qlora_sweep", 2),
 ]
 # The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
 # model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.

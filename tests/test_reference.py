@@ -9,9 +9,11 @@ import pytest
 from conftest import (
     FIRST_EPOCH,
     GPT_LORA,
+    QLORA,
     TINY,
     TINY_GPT,
     TINY_LLAMA,
+    TINY_LLAMA_NF4,
     TINY_LLAMA_TP,
     TINY_QWEN,
     assert_matches_reference,
@@ -61,6 +63,12 @@ RUNS = {
         "tensor_parallel": ("gpt_lora_tensor_parallel", None),  # lora_b split with the base's outputs
         "fsdp-x-tensor_parallel": ("gpt_lora_fsdp_tensor_parallel", None),  # resumed from the adapters of epoch 0
     },
+    "llama-qlora": {  # the reference's base: torchao's NF4 round trip of the seeded weights, in float32
+        "auto": ("llama_qlora_auto", None),  # with selective activation checkpointing
+        "ddp": ("llama_qlora_sweep", 0),
+        "fsdp": ("llama_qlora_sweep", 1),  # the larger weights sharded in 4 bits, k and v whole on each rank
+    },
+    "llama-qlora-16": {"pipeline": ("llama_qlora_sweep", 2)},  # one replica of 16
 }
 REFERENCE_ARGS = {
     "mlp": ([*TINY, "data.batch_size=64"], 64),
@@ -68,6 +76,8 @@ REFERENCE_ARGS = {
     "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32),
     "llama-tp": ([*TINY_LLAMA_TP, "data.batch_size=32"], 32),
     "gpt-lora": ([*TINY_GPT, "data.batch_size=32", GPT_LORA], 32),
+    "llama-qlora": ([*TINY_LLAMA_NF4, "data.batch_size=32", QLORA], 32),
+    "llama-qlora-16": ([*TINY_LLAMA_NF4, "data.batch_size=16", QLORA], 16),
     "qwen2-tp": (["model=qwen2", *TINY_QWEN, "data.batch_size=32"], 32),
     "qwen3-tp": (["model=qwen3", *TINY_QWEN, "data.batch_size=32"], 32),
 }

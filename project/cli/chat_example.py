@@ -35,10 +35,11 @@ NAMES = [
     "Leslie", "Linus", "Margaret", "Niklaus", "Radia", "Richard", "Robin", "Shafi", "Sophie", "Tim", "Tony", "Yann",
 ]  # fmt: skip
 ASKS = ["Please greet {}.", "Say hello to {}.", "Greet {}, please.", "Could you greet {}?"]
-# The tiny model: a Qwen 3 of 2 blocks of width 64, on this vocabulary and context.
+# The tiny model: a Qwen 3 of 2 blocks of width 128 (2 heads of 128, which 2 tensor-parallel ranks split), on this
+# vocabulary and context. Its Linear weights are multiples of 16384 values, which NF4 can store (QLoRA).
 NET = dict(
-    max_length=64, num_layers=2, dim=64, num_heads=4, num_kv_heads=2, hidden_dim=176, rope_theta=1000000.0,
-    norm_eps=1e-06, tie_weights=False, head_dim=None, qkv_bias=False, qk_norm=True, rope_scaling=None,
+    max_length=64, num_layers=2, dim=128, num_heads=2, num_kv_heads=2, hidden_dim=128, rope_theta=1000000.0,
+    norm_eps=1e-06, tie_weights=False, head_dim=128, qkv_bias=False, qk_norm=True, rope_scaling=None,
 )  # fmt: skip
 
 

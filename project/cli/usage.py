@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.checkpointing.files import checkpoint_meta, checkpoint_shapes, job_config, job_config_file, model_state
 from project.checkpointing.hf import HFWeights
 from project.models.lora import apply_lora, merged
+from project.models.nf4 import dequantized
 from project.options.errors import ConfigError, WriteFailed
 from project.parallel.parallelize import materialize
 from project.tasks.base import check_lora_base, lora_settings
@@ -86,6 +87,8 @@ def merged_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, tor
             "pass a checkpoint of this run, with its job's --config.",
         )
     init_from = OmegaConf.select(cfg, "model.init_from")
-    check_lora_base(checkpoint_meta(checkpoint).get("lora_base"), init_from, cfg.model.init_seed)
+    saved_base = checkpoint_meta(checkpoint).get("lora_base")
+    check_lora_base(saved_base, init_from, cfg.model.init_seed, settings.quantize_base)
     materialize(net, torch.device("cpu"), cfg.model.init_seed, HFWeights(init_from) if init_from else None)
-    return merged({**net.state_dict(), **state}, settings.alpha / settings.rank)
+    # A QLoRA base merges as the run computed with it: dequantized.
+    return merged(dequantized({**net.state_dict(), **state}), settings.alpha / settings.rank)

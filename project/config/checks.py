@@ -30,6 +30,7 @@ from project.checkpointing.hf import HFWeights, check_matches
 from project.config.build import build_job, build_strategy, layout_of, uses_cuda
 from project.config.schema import check_types
 from project.job.job import Job, Layout
+from project.models.nf4 import is_nf4
 from project.models.sequence import BlockSequence
 from project.observability.text_sample import TextSample
 from project.options.errors import ConfigError, positive_int
@@ -378,6 +379,19 @@ def _build(key: str, build: Callable[[], Any]) -> Any:
         ) from None
 
 
+def _check_quantized_base(cfg: DictConfig, net: nn.Module) -> None:
+    """An NF4 base (QLoRA) stays in NF4: Lightning's true half precisions convert every weight of the model,
+    which would dequantize it."""
+    precision = _convert_precision_to_unified_args(cfg.trainer.precision)
+    if precision in ("bf16-true", "16-true") and any(is_nf4(parameter) for parameter in net.parameters()):
+        raise ConfigError(
+            "trainer.precision",
+            f"is {precision}, which converts every weight to {precision[:-5]}, the NF4 base "
+            "(model.lora.quantize_base) too.",
+            "use trainer.precision=bf16-mixed (QLoRA's own: the adapters in float32, the matmuls in bfloat16).",
+        )
+
+
 def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
     """``model.init_from``: a Hugging Face model dir of this model's family and shape, holding every tensor."""
     path = OmegaConf.select(cfg, "model.init_from")
@@ -578,6 +592,7 @@ def check_config(cfg: DictConfig) -> Job:
     ckpt_path = resolve_ckpt_path(cfg)
     _check_checkpoint(cfg, module, ckpt_path)
     _check_init_from(cfg, net)
+    _check_quantized_base(cfg, net)
     _check_vocabulary(cfg, datamodule)
     _check_positions(net, datamodule)
     job = build_job(cfg, layout, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)

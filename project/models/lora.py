@@ -15,18 +15,22 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from project.models.nf4 import quantize_base
 from project.models.sequence import BlockSequence
 
 
 @dataclass(frozen=True)
 class LoRA:
     """``model.lora``: the adapters' ``rank`` and ``alpha`` (the update is scaled by alpha / rank), the dropout on
-    their input, and the ``targets``: the names of the blocks' Linear layers that get one (``q``, ``v``...)."""
+    their input, the ``targets``: the names of the blocks' Linear layers that get one (``q``, ``v``...), and
+    whether the frozen Linear weights of the blocks are stored in 4-bit NF4 (``quantize_base``: QLoRA,
+    ``project.models.nf4``)."""
 
     rank: int
     alpha: float
     dropout: float
     targets: Sequence[str]
+    quantize_base: bool = False
 
 
 class LoRALinear(nn.Linear):
@@ -46,7 +50,8 @@ class LoRALinear(nn.Linear):
 
 def apply_lora(net: BlockSequence, lora: LoRA) -> list[str]:
     """Freeze every parameter of ``net`` and put an adapter on each Linear of its blocks named in ``lora.targets``
-    (in place, on the meta device); returns the names of the layers adapted."""
+    (in place, on the meta device), the blocks' frozen Linear weights in NF4 with ``lora.quantize_base``; returns
+    the names of the layers adapted."""
     for parameter in net.parameters():
         parameter.requires_grad_(False)
     adapted = []
@@ -57,6 +62,8 @@ def apply_lora(net: BlockSequence, lora: LoRA) -> list[str]:
                 parent = block.get_submodule(parent_name) if parent_name else block
                 setattr(parent, child, LoRALinear(module, lora))
                 adapted.append(f"blocks.{index}.{name}")
+    if lora.quantize_base:
+        quantize_base(net)
     return adapted
 
 

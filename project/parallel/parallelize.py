@@ -22,6 +22,7 @@ from project.accounting.counts import kept_for_backward, recomputing
 from project.checkpointing.hf import HFWeights
 from project.models.init import initial_value
 from project.models.lora import is_adapter
+from project.models.nf4 import allocate_nf4, fill_nf4, is_nf4, splits_evenly
 from project.models.sequence import BlockSequence
 
 
@@ -254,6 +255,12 @@ def apply_fsdp(
         offload_policy=CPUOffloadPolicy() if cpu_offload else None,
     )
     options = {key: value for key, value in options.items() if value is not None}
+    # An NF4 weight (QLoRA's base) whose rows do not split into whole blocks of its quantization stays whole on
+    # every rank: frozen, it has no gradient to reduce, and torchao's NF4 splits only at those blocks.
+    shards = mesh.size()
+    whole = {p for p in model.parameters() if is_nf4(p) and not splits_evenly(p, shards)}
+    if whole:
+        options["ignored_params"] = whole
     for block in cast(nn.ModuleList, model.blocks):  # a BlockSequence's, or a pipeline StageModule's
         fully_shard(block, **options)
     fully_shard(model, **options)
@@ -280,6 +287,9 @@ def allocate(model: nn.Module, device: torch.device) -> None:
         for (module, attr), *others in shared:
             for other, other_attr in others:
                 setattr(other, other_attr, getattr(module, attr))
+    for parameter in model.parameters():
+        if is_nf4(parameter):  # to_empty leaves parts of it on the meta device
+            allocate_nf4(parameter, device)
 
 
 @torch.no_grad()
@@ -298,6 +308,10 @@ def materialize(model: BlockSequence, device: torch.device, seed: int, weights: 
     allocate(model, device)
     parameter: torch.Tensor  # a Parameter, or (sharded) its local DTensor piece
     for name, parameter in model.named_parameters():
+        if is_nf4(parameter):  # quantized whole, then sharded
+            whole = torch.empty(parameter.shape, device="meta")
+            fill_nf4(parameter, weights.read(name, whole) if weights else initial_value(model, name, seed))
+            continue
         if weights is not None and not is_adapter(name):  # LoRA's adapters start from the seed over read weights
             value = weights.read(name, parameter).to(parameter.device)
             if isinstance(parameter, DTensor):

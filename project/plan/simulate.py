@@ -9,6 +9,7 @@ device's tensors after the step, as ``project.observability.DeviceMemory`` count
 collectives are counted beside (``project.accounting.counts``).
 """
 
+import warnings
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -85,7 +86,10 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
     if precision in ("bf16-true", "16-true"):  # Lightning's HalfPrecision converts the module
         # On the meta device, before the fake tensors: torch cannot swap a fake parameter for its converted copy.
         net.to(torch.bfloat16 if precision == "bf16-true" else torch.float16)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, warnings.catch_warnings():
+        # torchao's NF4 (QLoRA's base) checks FSDP's gathered buffers by their data pointers, which fake tensors
+        # have none of (they compare equal, and torch warns).
+        warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
         allocate(net, torch.device("cpu"))
         optimizer = module.optimizer_factory(params=module._optimizer_groups())
         # As after a first step: the optimizer's state (a step on zero gradients makes it, without a forward) and

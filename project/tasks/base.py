@@ -9,11 +9,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights, weights_fingerprint
 from project.data.chat import IGNORE_INDEX
 from project.models.lora import LoRA, apply_lora
+from project.models.nf4 import is_nf4
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import Seed
@@ -109,6 +111,10 @@ class TrainingModule(L.LightningModule):
             frozen = {f"net.{name}" for name, parameter in named if not parameter.requires_grad}
             self._register_state_dict_hook(_without(frozen))
             self.strict_loading = False
+            # Every rank builds the same NF4 base (QLoRA). DDP's broadcast of the parameters when it wraps the module
+            # would take it through full precision and quantize it again, moving its values.
+            quantized = [f"net.{name}" for name, parameter in net.named_parameters() if is_nf4(parameter)]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, quantized)
         # Counted here, on the whole model (a rank holds a shard or a stage once the strategy has acted).
         self.trained_parameters = sum(p.numel() for p in net.parameters() if p.requires_grad)
         self.total_parameters = sum(p.numel() for p in net.parameters())
@@ -144,9 +150,10 @@ class TrainingModule(L.LightningModule):
         if self.lora is None:
             return
         share = self.trained_parameters / self.total_parameters
+        frozen = "frozen, the blocks' Linear weights in 4-bit NF4" if self.lora.quantize_base else "frozen"
         rank_zero_info(
             f"LoRA (rank {self.lora.rank} on {', '.join(self.lora.targets)}): training {self.trained_parameters:,} "
-            f"of {self.total_parameters:,} parameters ({share:.2%}); the rest frozen."
+            f"of {self.total_parameters:,} parameters ({share:.2%}); the rest {frozen}."
         )
         for logger in self.loggers:
             logger.log_hyperparams({"model/trained_parameters": self.trained_parameters, "model/trained_share": share})
@@ -227,7 +234,7 @@ class TrainingModule(L.LightningModule):
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         mid_epoch = processed < trainer.num_training_batches
         if self.lora is not None:  # what its adapters were trained on, which the checkpoint does not hold
-            checkpoint["lora_base"] = lora_base(self.init_from, self.init_seed)
+            checkpoint["lora_base"] = lora_base(self.init_from, self.init_seed, self.lora.quantize_base)
         checkpoint["running_metrics"] = {}
         for key, metric in self._running_metrics(mid_epoch).items():
             with metric.sync_context():  # sums (the states' reductions) over ranks, then back to this rank's own
@@ -237,7 +244,7 @@ class TrainingModule(L.LightningModule):
         """Rank 0 takes the saved sums, the other ranks start from zero: their sum is the saved one. A LoRA
         checkpoint's adapters go on only on the base they were trained on (``check_lora_base``)."""
         if self.lora is not None:
-            check_lora_base(checkpoint.get("lora_base"), self.init_from, self.init_seed)
+            check_lora_base(checkpoint.get("lora_base"), self.init_from, self.init_seed, self.lora.quantize_base)
         for key, metric in self._running_metrics().items():
             metric.reset()
             saved = checkpoint.get("running_metrics", {}).get(key)
@@ -305,19 +312,22 @@ class TrainingModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def lora_base(init_from: str | None, init_seed: int) -> str:
-    """What a LoRA run's frozen base is: the fingerprint of ``model.init_from``'s weights, or the seed drawing it."""
-    return f"weights {weights_fingerprint(init_from)}" if init_from else f"seed {init_seed}"
+def lora_base(init_from: str | None, init_seed: int, quantized: bool) -> str:
+    """What a LoRA run's frozen base is: the fingerprint of ``model.init_from``'s weights, or the seed drawing it,
+    and whether it is stored in NF4 (QLoRA's adapters learn to correct the quantized weights)."""
+    base = f"weights {weights_fingerprint(init_from)}" if init_from else f"seed {init_seed}"
+    return f"{base} in NF4" if quantized else base
 
 
-def check_lora_base(saved: str | None, init_from: str | None, init_seed: int) -> None:
+def check_lora_base(saved: str | None, init_from: str | None, init_seed: int, quantized: bool) -> None:
     """``ConfigError`` when the base a LoRA checkpoint's adapters were trained on (``saved``) is not this one."""
-    here = lora_base(init_from, init_seed)
+    here = lora_base(init_from, init_seed, quantized)
     if saved is not None and saved != here:
         raise ConfigError(
             "model.init_from" if init_from else "seed",
             f"gives a base ({here}) other than the one the checkpoint's adapters were trained on ({saved}).",
-            "use the model dir (or seed) the run started from, unchanged: the checkpoint holds the adapters alone.",
+            "use the model dir (or seed) and model.lora.quantize_base the run started from, unchanged: the "
+            "checkpoint holds the adapters alone.",
         )
 
 
@@ -332,11 +342,14 @@ def _without(names: set[str]) -> Callable[..., None]:
 
 
 def lora_settings(settings: dict) -> LoRA:
-    """``model.lora``'s settings, checked: a positive integer rank and alpha, a dropout in [0, 1), some targets."""
-    fields = {"rank", "alpha", "dropout", "targets"}
-    if set(settings) != fields:
+    """``model.lora``'s settings, checked: a positive integer rank and alpha, a dropout in [0, 1), some targets, and
+    (optional, false by default) whether to quantize the base."""
+    fields, optional = {"rank", "alpha", "dropout", "targets"}, {"quantize_base"}
+    if not fields <= set(settings) <= fields | optional:
         raise ConfigError(
-            "model.lora", f"has keys {sorted(settings)}.", f"give exactly {sorted(fields)}, or model.lora=null."
+            "model.lora",
+            f"has keys {sorted(settings)}.",
+            f"give {sorted(fields)} (and optionally {sorted(optional)}), or model.lora=null.",
         )
     rank, alpha, dropout, targets = (settings[key] for key in ("rank", "alpha", "dropout", "targets"))
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -347,7 +360,12 @@ def lora_settings(settings: dict) -> LoRA:
         raise ConfigError("model.lora.dropout", f"is {dropout!r}.", "give a probability in [0, 1), e.g. 0.05.")
     if isinstance(targets, str) or not targets:
         raise ConfigError("model.lora.targets", f"is {targets!r}.", "give a list of layer names, e.g. [q, v].")
-    return LoRA(rank, float(alpha), float(dropout), tuple(targets))
+    quantize = settings.get("quantize_base", False)
+    if not isinstance(quantize, bool):
+        raise ConfigError(
+            "model.lora.quantize_base", f"is {quantize!r}.", "give true (the base in 4-bit NF4: QLoRA) or false."
+        )
+    return LoRA(rank, float(alpha), float(dropout), tuple(targets), quantize)
 
 
 def _check_lora_targets(net: BlockSequence, lora: LoRA) -> None:

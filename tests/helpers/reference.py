@@ -3,8 +3,10 @@
 Plain PyTorch. Only the model class (with its seeded initial weights) and the data generation come from the
 project; the epoch's sample order, the batching, the loss averaging, the optimizer and its weight-decay groups,
 the learning-rate schedule and the metrics are written here from their definitions. With ``model.lora``, the
-adapters are Hugging Face ``peft``'s, given the project's seeded initial values. Strategies that agree with each
-other can share a bug; they cannot share one with this loop.
+adapters are Hugging Face ``peft``'s, given the project's seeded initial values; with its ``quantize_base``
+(QLoRA), the blocks' Linear weights are replaced by their NF4 round trip through torchao's own quantize and
+dequantize, and the loop trains on those plain float32 weights. Strategies that agree with each other can share a
+bug; they cannot share one with this loop.
 """
 
 import math
@@ -52,6 +54,17 @@ def decayed_and_spared(net: nn.Module) -> tuple[list[nn.Parameter], list[nn.Para
     decayed = [p for p in decayed if p.requires_grad]
     spared = [p for p in net.parameters() if p.requires_grad and all(p is not d for d in decayed)]
     return decayed, spared
+
+
+@torch.no_grad()
+def as_nf4_round_trip(net: nn.Module) -> None:
+    """Replace every Linear weight of ``net``'s blocks by torchao's dequantization of its NF4 quantization (64-weight
+    blocks, maxima quantized 256 blocks at a time): the values a QLoRA run computes with."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    for module in net.blocks.modules():
+        if isinstance(module, nn.Linear):
+            module.weight.copy_(to_nf4(module.weight, 64, 256).get_original_weight())
 
 
 def with_peft_lora(net: nn.Module, cfg: DictConfig) -> nn.Module:
@@ -125,6 +138,8 @@ def reference_run(
     )
     net = init_weights(instantiate(cfg.model.net), cfg.seed)
     if cfg.model.get("lora") is not None:
+        if cfg.model.lora.get("quantize_base"):
+            as_nf4_round_trip(net)
         net = with_peft_lora(net, cfg)
     net = net.to(device)
     mixed = torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None)
