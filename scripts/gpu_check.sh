@@ -24,7 +24,7 @@ log="$out/gpu_check.log"
 # with --no-index it can fetch nothing else, so the system's torch stays as it is. The project is this checkout,
 # editable (the bundle's own wheel could be older than the checkout).
 bash scripts/venv.sh "$python" "$venv" --system-site-packages || exit 2  # sees a venv interpreter's torch too
-"$venv/bin/python" -m pip install -q --no-index --find-links "$bundle" -e . pytest 2>&1 | tee "$log"
+"$venv/bin/python" -m pip install -q --no-index --find-links "$bundle" -e ".[qlora]" pytest 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 2
 py=$venv/bin/python
 parts=${GPU_CHECK_PARTS:-tests benchmark}
