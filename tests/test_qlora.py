@@ -15,6 +15,7 @@ from hydra.utils import instantiate
 from test_config import compose_train
 from test_hf import transformers_val_loss
 from test_memory_plan import resolved
+from test_plan_search import SEARCH
 
 from project.models import Llama
 from project.models.lora import LoRA, apply_lora
@@ -201,3 +202,14 @@ def test_every_preset_can_store_its_base_in_nf4(preset):
         module = instantiate(cfg.model, net=instantiate(cfg.model.net))
     quantized = [p for p in module.net.parameters() if is_nf4(p)]
     assert module.lora.quantize_base and len(quantized) == len(quantizable_weights(module.net)) > 0
+
+
+def test_plan_search_with_qlora_ranks_every_layout_but_the_tensor_parallel_ones(tmp_path, home):
+    """plan=search over 2 GPUs for an NF4-sized GPT with QLoRA: data parallel, FSDP and the pipeline, each with every
+    checkpointing mode, ranked with the NF4 base's bytes; the layouts over tensor-parallel ranks, which would split
+    the base by columns, are left out by the run's own check."""
+    search = [arg for arg in SEARCH if not arg.startswith("model.net.")]
+    shape = ["model.net.num_layers=3", "model.net.dim=128", "model.net.num_heads=2"]
+    output = train(["plan=search", *search, *shape, QLORA, f"paths.cache_dir={tmp_path}"], home).output
+    assert "(9 layouts," in output and "tensor_parallel_size" not in output
+    assert "Fastest that fits in 80.00 GiB: strategy=" in output
