@@ -472,6 +472,15 @@ def gpt_lora_fsdp_tensor_parallel(gpt_lora_tensor_parallel, runs_dir, home):
 
 
 @pytest.fixture(scope="session")
+def gpt_lora_pipeline_tensor_parallel(gpt_lora_tensor_parallel, runs_dir, home):
+    """The GPT with LoRA in 2 pipeline stages, each split over 2 tensor-parallel ranks: resumes
+    gpt_lora_tensor_parallel's epoch 1 (its adapters; the base rebuilt) and trains epoch 2."""
+    resume = f"ckpt_path={gpt_lora_tensor_parallel / 'checkpoints' / 'epoch001.ckpt'}"
+    args = [*TINY_GPT, "data.batch_size=32", "strategy=pipeline", "trainer.devices=4", "strategy.num_stages=2"]
+    return one_run("gpt-lora-pp2-tp2", [*args, "strategy.tensor_parallel_size=2", GPT_LORA, resume], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
 def gpt_lora_ddp(runs_dir, home):
     """The GPT with LoRA under ddp x 2, 16 per device."""
     return one_run(
@@ -621,7 +630,12 @@ def gpt_tensor_parallel(runs_dir, home):
 # The two 4-device layouts go on from the previous layout's checkpoint rather than train from scratch: each is one
 # run fewer for the suite, and their resumes are the test that a checkpoint moves between layouts. The first epoch
 # each trains:
-FIRST_EPOCH = {"gpt_fsdp_tensor_parallel": 1, "gpt_pipeline_tensor_parallel": 2, "gpt_lora_fsdp_tensor_parallel": 1}
+FIRST_EPOCH = {
+    "gpt_fsdp_tensor_parallel": 1,
+    "gpt_pipeline_tensor_parallel": 2,
+    "gpt_lora_fsdp_tensor_parallel": 1,
+    "gpt_lora_pipeline_tensor_parallel": 2,
+}
 
 
 @pytest.fixture(scope="session")

@@ -62,6 +62,7 @@ RUNS = {
         "pipeline": ("gpt_lora_pipeline", None),
         "tensor_parallel": ("gpt_lora_tensor_parallel", None),  # lora_b split with the base's outputs
         "fsdp-x-tensor_parallel": ("gpt_lora_fsdp_tensor_parallel", None),  # resumed from the adapters of epoch 0
+        "pipeline-x-tensor_parallel": ("gpt_lora_pipeline_tensor_parallel", None),  # ... of epoch 1
     },
     "llama-qlora": {  # the reference's base: torchao's NF4 round trip of the seeded weights, in float32
         "auto": ("llama_qlora_auto", None),  # with selective activation checkpointing
