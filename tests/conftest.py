@@ -533,6 +533,46 @@ def llama_qlora_sweep(runs_dir, home):
     return ddp, fsdp, ddp.parent / "2"
 
 
+# A mixture of experts on the same language: 3 blocks, the first dense, then 4 experts and a shared one. Every token
+# goes to all 4 (weighted by the router): choosing fewer is discontinuous, and float rounding that differs between
+# layouts (how DDP sums gradients) flips near-tied choices, moving the loss by 1e-5 to 1e-4 over 3 epochs. Top-k
+# routing is checked against transformers and a per-token loop instead (test_moe).
+TINY_MOE = [
+    "model=moe",
+    *TINY_GPT[1:],
+    "model.net.num_layers=3",
+    "model.net.dim=32",
+    "model.net.num_heads=2",
+    "model.net.num_kv_heads=1",
+    "model.net.hidden_dim=64",
+    "model.net.expert_hidden_dim=48",
+    "model.net.first_dense_layers=1",
+    "model.net.shared_expert_hidden_dim=32",
+    "model.net.experts_per_token=4",
+]
+
+
+@pytest.fixture(scope="session")
+def moe_auto(runs_dir, home):
+    """The tiny mixture on one device, 32 a batch, its experts scored by sigmoids and each taking at most half a
+    batch's tokens (capacity factor 0.5): the first half in token order, the other half's assignments dropped."""
+    args = [*TINY_MOE, "data.batch_size=32", "model.net.router_scores=sigmoid", "model.net.capacity_factor=0.5"]
+    return one_run("moe-auto", [*args, TRACKED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
+def moe_sweep(runs_dir, home):
+    """The tiny mixture on 2 devices, 16 per device: ddp and fsdp (jobs 0 and 1, a global batch of 32), and a
+    pipeline of 2 stages (job 2: one replica, a global batch of 16)."""
+    _, (ddp, fsdp) = two_job_sweep(
+        "moe",
+        [*TINY_MOE, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp,pipeline", TRACKED],
+        runs_dir,
+        home,
+    )
+    return ddp, fsdp, ddp.parent / "2"
+
+
 @pytest.fixture(scope="session")
 def gpt_fsdp_selective(runs_dir, home):
     """The GPT under fsdp x 2 with selective activation checkpointing (torchtitan's per-op policy), 16 per device."""

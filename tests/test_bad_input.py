@@ -19,8 +19,9 @@ from helpers.probes import freeze, thaw
 from project.cli.chat_example import write_example
 from project.cli.prepare import prepare
 
-# (overrides, what the message must say). The overrides come after TINY (the MLP) unless they start with
-# "model=gpt"; {files}, {mlp_ckpt} and {fsdp_ckpt} are filled in by the fixture, and " ... " stands for any text.
+# (overrides, what the message must say). The overrides come after TINY (the MLP) unless they name a language model
+# (LM_MARKS: after TINY_GPT's data); {files}, {mlp_ckpt} and {fsdp_ckpt} are filled in by the fixture, and " ... "
+# stands for any text.
 # Our own errors read "Config error: <key>: <problem> Fix: <fix>"; Hydra's own (an unknown option or key) name the
 # key their way.
 NF4_SHAPE = [arg for arg in TINY_LLAMA_NF4 if arg.startswith("model")]  # a Llama whose weights NF4 can store
@@ -506,6 +507,14 @@ CASES = [
         [*NF4_SHAPE, QLORA, "strategy=tensor_parallel", "trainer.devices=2"],
         "model.lora.quantize_base: stores the base in NF4, which 2 tensor-parallel ranks",
     ),
+    # A mixture of experts: its routing, and layouts it has no plan for
+    (["model=moe", "model.net.experts_per_token=5"], "model.net.experts_per_token: is 5, more than the 4 experts"),
+    (["model=moe", "model.net.router_scores=relu"], "model.net.router_scores: is 'relu'. Fix: choose one of"),
+    (["model=moe", "model.net.first_dense_layers=3"], "model.net.first_dense_layers: is 3, outside 0 to the 2"),
+    (
+        ["model=moe", "strategy=tensor_parallel", "trainer.devices=2"],
+        "strategy.tensor_parallel_size: is 2, but MoE has no tensor-parallel plan",
+    ),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
     # Conversations: a bad record is named by its file and line, before any worker starts
@@ -519,7 +528,7 @@ CASES = [
     ),
 ]
 # Cases on TINY_GPT's language data, with their own model.
-LM_MARKS = ("model=gpt", "model=llama", "model=qwen2", "model=qwen3")
+LM_MARKS = ("model=gpt", "model=llama", "model=qwen2", "model=qwen3", "model=moe")
 IDS = [" ".join(overrides) for overrides, _ in CASES]
 
 # The command-line tools: (tool, arguments, what the message must say). {out} is a path of the case's own, which

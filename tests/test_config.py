@@ -48,6 +48,9 @@ PARTNERS = {
     "model=phi3": ["data=tokens"],
     "model=qwen": ["data=tokens"],
     "model=language_model": ["data=tokens"],
+    "model=moe": ["data=tokens"],
+    "model=mixtral": ["data=tokens"],
+    "model=deepseek": ["data=tokens"],
     "data=tokens": ["model=gpt"],
     "data=text": ["model=gpt", "data.path=x.txt"],
 }
@@ -151,7 +154,8 @@ def test_hydra_cli_flags():
     help_text = run_cli("--help")
     assert help_text.returncode == 0
     assert "strategy: auto, ddp, fsdp, model_parallel, pipeline" in help_text.stdout
-    assert "logger: csv, none, wandb" in help_text.stdout and "model: gpt, gpt_125m" in help_text.stdout
+    assert "logger: csv, none, wandb" in help_text.stdout
+    assert "model: deepseek_v3_like, gpt, gpt_125m" in help_text.stdout
     job = run_cli("--cfg", "job", "strategy=ddp", "trainer.devices=2")
     assert job.returncode == 0
     printed = OmegaConf.create(job.stdout)

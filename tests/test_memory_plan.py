@@ -49,6 +49,10 @@ PLANNED_RUNS = [
     ("llama_qlora_sweep", 0),
     ("llama_qlora_sweep", 1),
     ("llama_qlora_sweep", 2),
+    ("moe_auto", None),  # a mixture of experts: the plan routes evenly, the runs as their routers choose
+    ("moe_sweep", 0),
+    ("moe_sweep", 1),
+    ("moe_sweep", 2),
 ]
 # The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
 # model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.

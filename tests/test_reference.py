@@ -15,6 +15,7 @@ from conftest import (
     TINY_LLAMA,
     TINY_LLAMA_NF4,
     TINY_LLAMA_TP,
+    TINY_MOE,
     TINY_QWEN,
     assert_matches_reference,
     only_run,
@@ -70,6 +71,9 @@ RUNS = {
         "fsdp": ("llama_qlora_sweep", 1),  # the larger weights sharded in 4 bits, k and v whole on each rank
     },
     "llama-qlora-16": {"pipeline": ("llama_qlora_sweep", 2)},  # one replica of 16
+    "moe-capped": {"auto": ("moe_auto", None)},  # sigmoid scores; half of each expert's assignments dropped
+    "moe": {"ddp": ("moe_sweep", 0), "fsdp": ("moe_sweep", 1)},
+    "moe-16": {"pipeline": ("moe_sweep", 2)},
 }
 REFERENCE_ARGS = {
     "mlp": ([*TINY, "data.batch_size=64"], 64),
@@ -79,6 +83,12 @@ REFERENCE_ARGS = {
     "gpt-lora": ([*TINY_GPT, "data.batch_size=32", GPT_LORA], 32),
     "llama-qlora": ([*TINY_LLAMA_NF4, "data.batch_size=32", QLORA], 32),
     "llama-qlora-16": ([*TINY_LLAMA_NF4, "data.batch_size=16", QLORA], 16),
+    "moe-capped": (
+        [*TINY_MOE, "data.batch_size=32", "model.net.router_scores=sigmoid", "model.net.capacity_factor=0.5"],
+        32,
+    ),
+    "moe": ([*TINY_MOE, "data.batch_size=16"], 32),
+    "moe-16": ([*TINY_MOE, "data.batch_size=16"], 16),
     "qwen2-tp": (["model=qwen2", *TINY_QWEN, "data.batch_size=32"], 32),
     "qwen3-tp": (["model=qwen3", *TINY_QWEN, "data.batch_size=32"], 32),
 }

@@ -1,5 +1,6 @@
-"""Hugging Face model dirs (``config.json`` + safetensors) of the GPT-2, Llama, Mistral, Qwen 2 and Qwen 3
-families, in and out, offline. The last four are this project's ``Llama`` with their options (``net_options``).
+"""Hugging Face model dirs (``config.json`` + safetensors) of the GPT-2, Llama, Mistral, Qwen 2, Qwen 3 and Phi-3
+families, and of the mixtures of experts Qwen 3 MoE and Mixtral, in and out, offline. Llama's relatives are this
+project's ``Llama`` with their options (``net_options``); the mixtures its ``MoE``.
 
 In: ``model.init_from=<dir>`` gives the model that dir's weights instead of seeded ones. The config's shape keys
 are checked against ``model.net`` before launch (``check_matches``), and each rank reads from the safetensors only
@@ -10,7 +11,8 @@ Out: ``python -m project.cli.export`` writes a checkpoint as such a dir (``write
 
 Names are translated by a table per family (``NAMES``); GPT-2 stores its linear layers transposed (its
 ``Conv1D``), which ``TRANSPOSED`` lists, and its query, key and value projections as one (``c_attn``), of which
-this project's ``q``, ``k`` and ``v`` are thirds (``FUSED``).
+this project's ``q``, ``k`` and ``v`` are thirds (``FUSED``). A mixture's experts are one tensor per projection
+here, stacked over the experts, and one per expert there (``EXPERTS``).
 """
 
 import functools
@@ -31,6 +33,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from project.models import GPT, Llama
 from project.models.lora import is_adapter
+from project.models.moe import MoE
 from project.options.errors import ConfigError
 from project.options.writes import written
 
@@ -74,6 +77,24 @@ NAMES["llama"] = NAMES["mistral"] = NAMES["qwen2"] = NAMES["qwen3"] = {
     "head.norm.weight": "model.norm.weight",
     "head.output.weight": "lm_head.weight",
 }
+# The mixtures of experts: Llama's attention (Qwen 3's with its norms), a router, and one tensor per expert and
+# projection, where this project stacks each projection over the experts (its parameter blocks.{i}.mlp.{p}).
+_ATTENTION = {name: key for name, key in NAMES["llama"].items() if ".mlp." not in name}
+NAMES["qwen3_moe"] = {
+    **_ATTENTION,
+    "blocks.{i}.mlp.router.weight": "model.layers.{i}.mlp.gate.weight",
+    "blocks.{i}.mlp.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",  # a dense block's MLP
+}
+NAMES["mixtral"] = {**_ATTENTION, "blocks.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"}
+# Each family's name of expert {e}'s projection {p} in block {i}, and its projections' names.
+EXPERTS = {
+    "qwen3_moe": (
+        "model.layers.{i}.mlp.experts.{e}.{p}.weight",
+        {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    ),
+    "mixtral": ("model.layers.{i}.block_sparse_moe.experts.{e}.{p}.weight", {"gate": "w1", "up": "w3", "down": "w2"}),
+}
+EXPERT_PARAMETER = re.compile(r"^blocks\.(?P<i>\d+)\.mlp\.(?P<p>gate|up|down)$")
 # The model group of each family's own preset files, for messages.
 MODEL_GROUPS = {
     "gpt2": "gpt",
@@ -82,6 +103,8 @@ MODEL_GROUPS = {
     "phi3": "phi3",
     "qwen2": "qwen2",
     "qwen3": "qwen3",
+    "qwen3_moe": "moe",
+    "mixtral": "moe",
 }
 TRANSPOSED = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.weight$")
 # Parameters stored as parts of one Hugging Face tensor, stacked along its output features in this order: GPT-2's
@@ -89,9 +112,10 @@ TRANSPOSED = re.compile(r"h\.\d+\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_pr
 # and Phi-3's gate_up_proj is [gate; up]. Separate here, so that tensor parallelism shards each by heads or units.
 FUSED: dict[str, list[tuple[str, ...]]] = {"gpt2": [("q", "k", "v")], "phi3": [("q", "k", "v"), ("gate", "up")]}
 FUSED_NAME = re.compile(r"\.(?:attention|mlp)\.(\w+)\.(?:weight|bias)$")
-NET_CLASSES: dict[str, type[GPT] | type[Llama]] = {
+NET_CLASSES: dict[str, type[GPT] | type[Llama] | type[MoE]] = {
     "gpt2": GPT,
     **{family: Llama for family in ("llama", "mistral", "phi3", "qwen2", "qwen3")},
+    **{family: MoE for family in EXPERTS},
 }
 # lm_head's source when tied
 TIED_INPUT = {family: "model.embed_tokens.weight" for family in NET_CLASSES} | {"gpt2": "transformer.wte.weight"}
@@ -100,6 +124,16 @@ TIED_INPUT = {family: "model.embed_tokens.weight" for family in NET_CLASSES} | {
 def _pattern(template: str) -> re.Pattern:
     pattern = re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{p\}", r"(?P<p>\w+)")
     return re.compile(pattern.replace(r"\{n\}", r"(?P<n>[qk])") + "$")
+
+
+def expert_keys(family: str, name: str, experts: range) -> list[str] | None:
+    """The Hugging Face names of ``experts``' parts of this project's parameter ``name``, when it is a mixture's
+    stacked expert projection; else None."""
+    match = EXPERT_PARAMETER.match(name)
+    if family not in EXPERTS or match is None:
+        return None
+    template, projections = EXPERTS[family]
+    return [template.format(i=match["i"], e=e, p=projections[match["p"]]) for e in experts]
 
 
 def hf_name(family: str, name: str) -> str:
@@ -170,7 +204,9 @@ def net_options(config: dict[str, Any]) -> dict[str, Any]:
     """The ``model.net`` options that give a Hugging Face config's model (the shape keys, by this project's name);
     ``ConfigError`` for a variant these models cannot compute."""
     try:
-        return _gpt2_options(config) if config["model_type"] == "gpt2" else _llama_options(config)
+        if config["model_type"] == "gpt2":
+            return _gpt2_options(config)
+        return _moe_options(config) if config["model_type"] in EXPERTS else _llama_options(config)
     except KeyError as error:
         raise ConfigError(
             "model.init_from", f"its config.json has no {error}.", "pass a complete Hugging Face model dir."
@@ -208,7 +244,7 @@ def sliding_window(config: dict[str, Any]) -> int | None:
     key is absent; Qwen's only under ``use_sliding_window``); None: every token sees the whole context."""
     if config["model_type"] == "mistral":
         return config.get("sliding_window", 4096)
-    if config["model_type"] == "phi3":
+    if config["model_type"] in ("phi3", "mixtral"):
         return config.get("sliding_window")
     if config["model_type"] in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         return config.get("sliding_window", 4096)
@@ -245,6 +281,31 @@ def _llama_options(config: dict[str, Any]) -> dict[str, Any]:
         "head_dim": None if head_dim * heads == config["hidden_size"] else head_dim,  # null: hidden_size / heads
         "qkv_bias": family == "qwen2",
         "qk_norm": family == "qwen3",
+    }
+
+
+def _moe_options(config: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen 3 MoE or Mixtral config's options: Llama's attention (without Qwen 2's biases), and its experts."""
+    family = config["model_type"]
+    if family == "qwen3_moe" and (config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1):
+        raise _variant("dense blocks among the mixtures (mlp_only_layers, decoder_sparse_step)")
+    if config.get("router_jitter_noise"):
+        raise _variant("noise on the router's logits (router_jitter_noise)")
+    options = {key: value for key, value in _llama_options(config).items() if key != "qkv_bias"}
+    # Qwen 3 MoE's published configs say num_experts; transformers 5 writes it as Mixtral's num_local_experts.
+    experts = config["num_experts"] if "num_experts" in config else config["num_local_experts"]
+    width = config["moe_intermediate_size"] if family == "qwen3_moe" else config["intermediate_size"]
+    return {
+        **options,
+        "qk_norm": family == "qwen3_moe",
+        "num_experts": experts,
+        "experts_per_token": config["num_experts_per_tok"],
+        "expert_hidden_dim": width,
+        "first_dense_layers": 0,
+        "router_scores": "softmax",
+        "normalize_weights": config.get("norm_topk_prob", False) if family == "qwen3_moe" else True,
+        "capacity_factor": None,  # transformers' models drop no token
+        "shared_expert_hidden_dim": None,
     }
 
 
@@ -366,14 +427,24 @@ class HFWeights:
     def missing(self, net: nn.Module) -> list[str]:
         """The Hugging Face names of ``net``'s parameters this dir does not hold (or whose file is absent); LoRA's
         adapters, which start from the seed, are none of them."""
-        return [
-            hf_name(self.family, name)
-            for name, _ in net.named_parameters()
-            if not is_adapter(name) and (self._key(name) not in self.files or not self.files[self._key(name)].is_file())
-        ]
+        missing = []
+        for name, parameter in net.named_parameters():
+            if is_adapter(name):
+                continue
+            keys = expert_keys(self.family, name, range(parameter.shape[0])) or [self._key(name)]
+            missing += [key for key in keys if key not in self.files or not self.files[key].is_file()]
+        return missing
 
     def read(self, name: str, parameter: torch.Tensor) -> torch.Tensor:
         """This rank's part of parameter ``name`` (its local shape), in float32 on the CPU."""
+        slices = _local_slices(parameter)
+        keys = expert_keys(self.family, name, range(slices[0].start, slices[0].stop))
+        if keys is not None:  # a mixture's projection, stacked over the experts: this rank's experts' tensors
+            experts = []
+            for key in keys:
+                with safe_open(self.files[key], "pt") as file:
+                    experts.append(file.get_slice(key)[slices[1:]])
+            return torch.stack(experts).float().contiguous()
         key = self._key(name)
         part = _fused_part(self.family, name)
         row_offset = sum(self.part_rows[earlier] for earlier in part[1][: part[0]]) if part else 0
@@ -413,9 +484,14 @@ def write_hf_dir(
     """Write ``state_dict`` (of ``net``, built from ``net_cfg``) as a Hugging Face model dir: config.json and
     model.safetensors. A tied output layer is saved once, as transformers expects."""
     family = export_family(net, net_cfg)
+    config = _hf_config(family, net_cfg, dtype)  # first: it refuses a model its family cannot hold
     tied = bool(net_cfg.get("tie_weights"))
     parts: dict[str, list[torch.Tensor | None]] = {}  # a fused tensor's parts, in order
     for name, value in state_dict.items():
+        keys = expert_keys(family, name, range(value.shape[0]) if value.dim() else range(0))
+        if keys is not None:  # a mixture's projection: one tensor per expert
+            parts.update({key: [expert] for key, expert in zip(keys, value)})
+            continue
         key = hf_name(family, name)
         if tied and key == "lm_head.weight":
             continue
@@ -437,16 +513,19 @@ def write_hf_dir(
                 raise
             raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from error
     with written(out / "config.json", "config", EXPORT_AGAIN) as partial:
-        partial.write_text(json.dumps(_hf_config(family, net_cfg, dtype), indent=2) + "\n")
+        partial.write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
 def export_family(net: nn.Module, net_cfg: dict[str, Any]) -> str:
-    """The Hugging Face family a model is written as: GPT-2 for a GPT; for a Llama, Qwen 3 with per-head query and
-    key norms, Qwen 2 with query, key and value biases, else Llama (a Mistral without its sliding window, which
-    this project does not train, is a Llama to transformers: both compute the same)."""
+    """The Hugging Face family a model is written as: GPT-2 for a GPT; for a mixture of experts, Qwen 3 MoE with
+    per-head query and key norms, else Mixtral; for a Llama, Qwen 3 with per-head query and key norms, Qwen 2 with
+    query, key and value biases, else Llama (a Mistral without its sliding window, which this project does not
+    train, is a Llama to transformers: both compute the same)."""
     if isinstance(net, GPT):
         return "gpt2"
+    if isinstance(net, MoE):  # Qwen 3 MoE has Qwen 3's norms; Mixtral none
+        return "qwen3_moe" if net_cfg.get("qk_norm") else "mixtral"
     return "qwen3" if net_cfg.get("qk_norm") else "qwen2" if net_cfg.get("qkv_bias") else "llama"
 
 
@@ -487,7 +566,13 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
             "high_freq_factor": scaling["high_freq_factor"],
             "original_max_position_embeddings": scaling["original_max_length"],
         }
-    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[family]
+    architecture = {
+        "llama": "LlamaForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
+        "qwen3_moe": "Qwen3MoeForCausalLM",
+        "mixtral": "MixtralForCausalLM",
+    }[family]
     return {
         "model_type": family,
         "architectures": [architecture],
@@ -510,4 +595,41 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
         "tie_word_embeddings": bool(net_cfg.get("tie_weights")),
         "torch_dtype": dtype_name,
         **NO_TOKEN_IDS,
+        **(_experts_config(family, net_cfg) if family in EXPERTS else {}),
+    }
+
+
+def _experts_config(family: str, net_cfg: dict[str, Any]) -> dict[str, Any]:
+    """A mixture's keys of its config.json. ``ConfigError`` for options its family does not compute."""
+    unsupported = {
+        "first_dense_layers": 0,
+        "router_scores": "softmax",
+        "capacity_factor": None,
+        "shared_expert_hidden_dim": None,
+    }
+    for key, value in unsupported.items():
+        if net_cfg.get(key, value) != value:
+            raise ConfigError(
+                f"model.net.{key}",
+                f"is {_hydra_value(net_cfg[key])}, which no {family} model computes.",
+                "export a mixture of Qwen 3 MoE's or Mixtral's shape (model=moe's presets) or train one.",
+            )
+    if family == "mixtral" and not net_cfg.get("normalize_weights", True):
+        raise ConfigError(
+            "model.net.normalize_weights", "is false; Mixtral renormalises its experts' weights.", "set it true."
+        )
+    experts = {"num_experts_per_tok": net_cfg["experts_per_token"], "output_router_logits": False}
+    if family == "mixtral":
+        return {
+            **experts,
+            "num_local_experts": net_cfg["num_experts"],
+            "intermediate_size": net_cfg["expert_hidden_dim"],
+        }
+    return {
+        **experts,
+        "num_experts": net_cfg["num_experts"],
+        "moe_intermediate_size": net_cfg["expert_hidden_dim"],
+        "norm_topk_prob": net_cfg.get("normalize_weights", True),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
     }

@@ -8,6 +8,7 @@ from project.models.gpt import GPT
 from project.models.init import init_weights
 from project.models.llama import Llama
 from project.models.mlp import MLP
+from project.models.moe import MoE
 from project.models.sequence import BlockSequence
 
-__all__ = ["BlockSequence", "GPT", "Llama", "MLP", "init_weights"]
+__all__ = ["BlockSequence", "GPT", "Llama", "MLP", "MoE", "init_weights"]

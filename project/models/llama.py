@@ -110,14 +110,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x)); the MLP a ``SwiGLU`` (or, in a
+    mixture of experts, ``project.models.moe.Experts``)."""
 
-    def __init__(self, dim: int, heads: HeadOptions, hidden_dim: int, rope: tuple[float, dict | None]) -> None:
+    def __init__(self, dim: int, heads: HeadOptions, rope: tuple[float, dict | None], mlp: nn.Module) -> None:
         super().__init__()
         self.norm1 = nn.RMSNorm(dim, eps=heads.norm_eps)
         self.attention = Attention(dim, heads, rope)
         self.norm2 = nn.RMSNorm(dim, eps=heads.norm_eps)
-        self.mlp = SwiGLU(dim, hidden_dim)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.norm1(x))
@@ -133,6 +134,44 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.tokens(tokens)
+
+
+def head_options(
+    dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int | None,
+    qkv_bias: bool,
+    qk_norm: bool,
+    norm_eps: float,
+) -> HeadOptions:
+    """The attention heads of ``model.net``'s options, checked: ``ConfigError`` naming the key that cannot work."""
+    if head_dim is None and dim % num_heads:
+        raise ConfigError(
+            "model.net.num_heads",
+            f"is {num_heads}, which does not divide model.net.dim={dim} into heads.",
+            "choose a head count that divides dim, or set model.net.head_dim.",
+        )
+    if qk_norm and qkv_bias:
+        raise ConfigError(
+            "model.net.qkv_bias",
+            "is true with model.net.qk_norm=true: no Hugging Face family has both, so no dir could hold it.",
+            "set one of them (qkv_bias: Qwen 2; qk_norm: Qwen 3).",
+        )
+    width = head_dim or dim // num_heads
+    if width % 2:
+        raise ConfigError(
+            "model.net.head_dim" if width != dim // num_heads else "model.net.num_heads",
+            f"gives heads of {width} dimensions, an odd number.",
+            "choose heads of an even width: RoPE rotates their dimensions in pairs.",
+        )
+    if num_heads % num_kv_heads:
+        raise ConfigError(
+            "model.net.num_kv_heads",
+            f"is {num_kv_heads}, which does not divide model.net.num_heads={num_heads}.",
+            "choose a divisor of num_heads: each key/value head serves an equal group of query heads.",
+        )
+    return HeadOptions(num_heads, num_kv_heads, width, qkv_bias, qk_norm, norm_eps)
 
 
 class Llama(BlockSequence):
@@ -162,35 +201,10 @@ class Llama(BlockSequence):
         qk_norm: bool = False,
     ) -> None:
         super().__init__()
-        if head_dim is None and dim % num_heads:
-            raise ConfigError(
-                "model.net.num_heads",
-                f"is {num_heads}, which does not divide model.net.dim={dim} into heads.",
-                "choose a head count that divides dim, or set model.net.head_dim.",
-            )
-        if qk_norm and qkv_bias:
-            raise ConfigError(
-                "model.net.qkv_bias",
-                "is true with model.net.qk_norm=true: no Hugging Face family has both, so no dir could hold it.",
-                "set one of them (qkv_bias: Qwen 2; qk_norm: Qwen 3).",
-            )
-        head_dim = head_dim or dim // num_heads
-        if head_dim % 2:
-            raise ConfigError(
-                "model.net.head_dim" if head_dim != dim // num_heads else "model.net.num_heads",
-                f"gives heads of {head_dim} dimensions, an odd number.",
-                "choose heads of an even width: RoPE rotates their dimensions in pairs.",
-            )
-        if num_heads % num_kv_heads:
-            raise ConfigError(
-                "model.net.num_kv_heads",
-                f"is {num_kv_heads}, which does not divide model.net.num_heads={num_heads}.",
-                "choose a divisor of num_heads: each key/value head serves an equal group of query heads.",
-            )
+        heads = head_options(dim, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, norm_eps)
         rope = (rope_theta, dict(rope_scaling) if rope_scaling else None)
-        heads = HeadOptions(num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, norm_eps)
         self.stem = TokenEmbedding(vocab_size, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, hidden_dim, rope) for _ in range(num_layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, rope, SwiGLU(dim, hidden_dim)) for _ in range(num_layers))
         self.head = LMHead(dim, vocab_size, nn.RMSNorm(dim, eps=norm_eps))
         if tie_weights:  # Llama 3.2's small models: the output projection reuses the token embedding
             self.head.output.weight = self.stem.tokens.weight
@@ -199,12 +213,20 @@ class Llama(BlockSequence):
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """Weights and embeddings normal with std 0.02, the residual projections (attention output, MLP down)
         scaled down by sqrt(2 x layers) so the residual stream does not grow with depth; norms 1, biases 0."""
-        module = self.get_submodule(name.rpartition(".")[0])
-        if isinstance(module, nn.RMSNorm):
-            tensor.fill_(1.0)
-        elif name.endswith(".bias"):
-            tensor.zero_()
-        elif name.endswith(("attention.o.weight", "mlp.down.weight")):
-            tensor.normal_(0.0, 0.02 / math.sqrt(2 * self.num_layers), generator=generator)
-        else:
-            tensor.normal_(0.0, 0.02, generator=generator)
+        init_decoder_parameter(self, name, tensor, generator, ("attention.o.weight", "mlp.down.weight"))
+
+
+def init_decoder_parameter(
+    model: BlockSequence, name: str, tensor: torch.Tensor, generator: torch.Generator, residual: tuple[str, ...]
+) -> None:
+    """A Llama-style decoder's initial value of parameter ``name``: normal with std 0.02, the projections into the
+    residual stream (names ending in ``residual``) scaled down by sqrt(2 x blocks); norms 1, biases 0."""
+    module = model.get_submodule(name.rpartition(".")[0])
+    if isinstance(module, nn.RMSNorm):
+        tensor.fill_(1.0)
+    elif name.endswith(".bias"):
+        tensor.zero_()
+    elif name.endswith(residual):
+        tensor.normal_(0.0, 0.02 / math.sqrt(2 * len(model.blocks)), generator=generator)
+    else:
+        tensor.normal_(0.0, 0.02, generator=generator)

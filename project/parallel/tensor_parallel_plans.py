@@ -246,7 +246,7 @@ def _decoder_split_sizes(net: GPT | Llama) -> list[tuple[str, str, int]]:
     if isinstance(net, Llama):  # (the GPT's MLP width, 4 x dim, divides whenever its heads do)
         sizes += [
             ("num_kv_heads", "key/value heads", attention.k.out_features // attention.head_dim),
-            ("hidden_dim", "SwiGLU hidden units", cast(llama.Block, block).mlp.up.out_features),
+            ("hidden_dim", "SwiGLU hidden units", cast(llama.SwiGLU, cast(llama.Block, block).mlp).up.out_features),
         ]
     return sizes
 

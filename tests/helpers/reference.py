@@ -176,9 +176,11 @@ def reference_run(
             count += (y[batch] != IGNORED).sum().item()  # the metrics: the mean over trained targets
             if classification:
                 correct += (outputs.argmax(-1) == y[batch]).sum().item()
+        net.eval()  # evaluation as torch defines it (a mixture of experts drops no token there)
         with torch.no_grad(), mixed:
             outputs = net(x_val)
             val_losses = element_losses(outputs, y_val)
+        net.train()
         val_loss = (val_losses.double().sum() / (y_val != IGNORED).sum()).item()
         row = {"train/loss": loss_sum / count, "val/loss": val_loss}
         if classification:

@@ -1,0 +1,199 @@
+"""A mixture-of-experts decoder (Mixtral, Qwen 3 MoE, DeepSeek-V3's shape): Llama's blocks (``project.models.llama``)
+whose MLP is, from ``first_dense_layers`` on, a router and ``num_experts`` SwiGLU experts, of which each token goes
+through ``experts_per_token``; with ``shared_expert_hidden_dim``, also through one shared SwiGLU expert.
+
+Routing (``Experts.route``): the router's scores are a softmax over the experts (Mixtral, Qwen 3) or a sigmoid of
+each (DeepSeek-V3); a token goes to the ``experts_per_token`` of highest score, and their outputs are summed weighted
+by those scores, renormalised to sum to 1 with ``normalize_weights`` (Mixtral always, Qwen 3's ``norm_topk_prob``).
+
+Dispatch (``Experts.forward``): the token-expert assignments are sorted by expert, token order kept within each, and
+each expert runs once on its own rows. Without a ``capacity_factor`` no assignment is dropped (as transformers'
+models compute). With one, an expert takes at most ``ceil(capacity_factor x tokens x experts_per_token /
+num_experts)`` assignments of a training batch, the first in token order; an assignment beyond it adds nothing,
+and its token goes on through its other experts and the residual stream. Evaluation drops none, so that its outputs
+do not depend on the batch size.
+
+The experts' weights are stacked, one tensor per projection over all experts (``gate`` and ``up``: experts x hidden x
+dim, ``down``: experts x dim x hidden), the layout expert parallelism shards by experts.
+"""
+
+import math
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.nn import functional as F
+
+from project.models.gpt import LMHead
+from project.models.llama import Block, SwiGLU, TokenEmbedding, head_options, init_decoder_parameter
+from project.models.sequence import BlockSequence
+from project.options.errors import ConfigError
+from project.options.option_types import PositiveFloat, PositiveInt
+
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+def holds_values(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has values to route by: not a meta or fake tensor (shapes alone)."""
+    return not (tensor.is_meta or is_fake(tensor))
+
+
+class Experts(nn.Module):
+    """A router, ``num_experts`` SwiGLU experts and optionally a shared one: a mixture-of-experts MLP."""
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        experts_per_token: int,
+        router_scores: str,
+        normalize_weights: bool,
+        capacity_factor: float | None,
+        shared_hidden_dim: int | None,
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.experts_per_token = num_experts, experts_per_token
+        self.router_scores, self.normalize_weights = router_scores, normalize_weights
+        self.capacity_factor = capacity_factor
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.shared = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For each token of ``x`` (tokens x dim): its experts (tokens x experts_per_token) and their weights."""
+        logits = self.router(x).float()  # scores in float32, as transformers' routers compute them
+        scores = logits.softmax(dim=-1) if self.router_scores == "softmax" else logits.sigmoid()
+        weights, chosen = scores.topk(self.experts_per_token, dim=-1)
+        if self.normalize_weights:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(x.dtype)
+
+    def capacity(self, tokens: int) -> int | None:
+        """The most assignments an expert takes of a training batch of ``tokens`` tokens (None: no limit). In
+        evaluation none is dropped: the outputs do not depend on how the tokens are batched."""
+        if self.capacity_factor is None or not self.training:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.experts_per_token / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dim = x.shape, x.shape[-1]
+        x = x.reshape(-1, dim)
+        chosen, weights = self.route(x)
+        assignments = chosen.reshape(-1)
+        order = assignments.argsort(stable=True)  # by expert; within one, in token order
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, assignments, torch.ones_like(assignments))
+        taken = self.taken(counts, x.shape[0])
+        kept = order
+        capacity = self.capacity(x.shape[0])
+        if capacity is not None and not holds_values(order):  # shapes alone: the kept assignments' count
+            kept = order[: sum(taken)]
+        elif capacity is not None:  # each expert's first `capacity` assignments
+            starts = torch.cumsum(counts, 0) - counts
+            rank = torch.arange(order.numel(), device=x.device) - starts.repeat_interleave(counts)
+            kept = order[rank < capacity]
+        tokens = kept // self.experts_per_token
+        outputs = [
+            F.linear(F.silu(F.linear(rows, self.gate[e])) * F.linear(rows, self.up[e]), self.down[e])
+            for e, rows in enumerate(x[tokens].split(taken))
+        ]
+        y = torch.cat(outputs) * weights.reshape(-1)[kept, None]
+        out = torch.zeros_like(x).index_add_(0, tokens, y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.reshape(shape)
+
+    def taken(self, counts: torch.Tensor, tokens: int) -> list[int]:
+        """How many assignments each expert takes: its count, at most the capacity. On tensors without values (the
+        memory plan's fake tensors, the meta device), which hold no routing, the assignments spread evenly."""
+        if not holds_values(counts):
+            total = tokens * self.experts_per_token
+            counts_list = [total // self.num_experts + (e < total % self.num_experts) for e in range(self.num_experts)]
+        else:
+            counts_list = counts.tolist()
+        capacity = self.capacity(tokens)
+        return counts_list if capacity is None else [min(count, capacity) for count in counts_list]
+
+
+class MoE(BlockSequence):
+    """Decoder-only transformer of mixture-of-experts blocks, token ids (batch, length) to next-token logits.
+
+    Llama's options (``project.models.Llama``; ``hidden_dim``: the dense blocks' MLP width), and: ``num_experts``,
+    ``experts_per_token``, ``expert_hidden_dim`` (each expert's MLP width), ``first_dense_layers`` (blocks with a
+    dense MLP before the first mixture, DeepSeek's), ``router_scores`` (softmax or sigmoid), ``normalize_weights``,
+    ``capacity_factor`` (null: drop nothing) and ``shared_expert_hidden_dim`` (null: no shared expert).
+    """
+
+    def __init__(
+        self,
+        vocab_size: PositiveInt,
+        max_length: PositiveInt,
+        num_layers: PositiveInt,
+        dim: PositiveInt,
+        num_heads: PositiveInt,
+        num_kv_heads: PositiveInt,
+        hidden_dim: PositiveInt,
+        num_experts: PositiveInt,
+        experts_per_token: PositiveInt,
+        expert_hidden_dim: PositiveInt,
+        first_dense_layers: int = 0,
+        router_scores: str = "softmax",
+        normalize_weights: bool = True,
+        capacity_factor: PositiveFloat | None = None,
+        shared_expert_hidden_dim: PositiveInt | None = None,
+        rope_theta: PositiveFloat = 500000.0,
+        rope_scaling: dict | None = None,
+        norm_eps: PositiveFloat = 1e-5,
+        tie_weights: bool = False,
+        head_dim: PositiveInt | None = None,
+        qk_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        if experts_per_token > num_experts:
+            raise ConfigError(
+                "model.net.experts_per_token",
+                f"is {experts_per_token}, more than the {num_experts} experts (model.net.num_experts).",
+                f"choose at most {num_experts} experts per token.",
+            )
+        if router_scores not in ROUTER_SCORES:
+            raise ConfigError(
+                "model.net.router_scores", f"is {router_scores!r}.", f"choose one of {list(ROUTER_SCORES)}."
+            )
+        if not 0 <= first_dense_layers <= num_layers:
+            raise ConfigError(
+                "model.net.first_dense_layers",
+                f"is {first_dense_layers}, outside 0 to the {num_layers} blocks (model.net.num_layers).",
+                "give how many of the first blocks have a dense MLP, e.g. 0.",
+            )
+        heads = head_options(dim, num_heads, num_kv_heads, head_dim, False, qk_norm, norm_eps)
+        rope = (rope_theta, dict(rope_scaling) if rope_scaling else None)
+
+        def mlp(index: int) -> nn.Module:
+            if index < first_dense_layers:
+                return SwiGLU(dim, hidden_dim)
+            return Experts(
+                dim,
+                expert_hidden_dim,
+                num_experts,
+                experts_per_token,
+                router_scores,
+                normalize_weights,
+                capacity_factor,
+                shared_expert_hidden_dim,
+            )
+
+        self.stem = TokenEmbedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, rope, mlp(index)) for index in range(num_layers))
+        self.head = LMHead(dim, vocab_size, nn.RMSNorm(dim, eps=norm_eps))
+        if tie_weights:
+            self.head.output.weight = self.stem.tokens.weight
+        self.num_layers = num_layers
+
+    def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """As Llama's: normal with std 0.02, the projections into the residual stream (attention output, every
+        MLP's and expert's down) scaled down by sqrt(2 x layers); norms 1."""
+        residual = ("attention.o.weight", "mlp.down.weight", "mlp.down", "shared.down.weight")
+        init_decoder_parameter(self, name, tensor, generator, residual)

@@ -1,0 +1,206 @@
+"""The mixture of experts (``model=moe``, project/models/moe.py): its routing and dispatch against a per-token loop
+written from the definition, its forward against transformers' Qwen 3 MoE and Mixtral both ways, its presets'
+parameter counts against transformers' own classes, and a Hugging Face dir evaluated under fsdp. (Per-epoch numbers
+of auto, ddp, fsdp and pipeline against the hand-written loop: test_reference.py.)"""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import train
+from hydra.utils import instantiate
+from test_config import compose_train
+from test_hf import transformers_val_loss
+
+from project.checkpointing.hf import HFWeights, net_options, read_config, write_hf_dir
+from project.models import MoE
+from project.models.moe import Experts
+from project.parallel.parallelize import materialize
+
+transformers = pytest.importorskip("transformers")
+
+
+def per_token(experts: Experts, x: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    """The mixture's output written from its definition, token by token: the router's scores (softmax over the
+    experts, or a sigmoid each), the top k, their weights (renormalised if asked), each chosen expert's SwiGLU
+    output weighted and summed, plus the shared expert. With ``capacity``, an expert serves only its first
+    ``capacity`` assignments in token order."""
+    logits = x.float() @ experts.router.weight.float().T
+    scores = logits.softmax(-1) if experts.router_scores == "softmax" else logits.sigmoid()
+    served = [0] * experts.num_experts
+    out = []
+    for token in range(x.shape[0]):
+        top = sorted(range(experts.num_experts), key=lambda e: -scores[token, e].item())[: experts.experts_per_token]
+        weights = scores[token, top]
+        if experts.normalize_weights:
+            weights = weights / weights.sum()
+        y = torch.zeros(x.shape[1])
+        for expert, weight in zip(top, weights):
+            served[expert] += 1
+            if capacity is not None and served[expert] > capacity:
+                continue
+            hidden = F.silu(experts.gate[expert] @ x[token]) * (experts.up[expert] @ x[token])
+            y = y + weight * (experts.down[expert] @ hidden)
+        if experts.shared is not None:
+            y = y + experts.shared(x[token])
+        out.append(y)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "router_scores, normalize, capacity_factor, shared",
+    [("softmax", True, None, None), ("sigmoid", False, None, 16), ("softmax", True, 0.75, None)],
+    ids=["qwen3-mixtral", "sigmoid-shared", "capped"],
+)
+def test_the_mixture_computes_its_definition_token_by_token(router_scores, normalize, capacity_factor, shared):
+    """Outputs and gradients of a mixture of 6 experts, 2 per token, against ``per_token`` on 40 tokens; capped, an
+    expert serves at most ceil(0.75 x 40 x 2 / 6) = 10 assignments in training, and every one in evaluation."""
+    torch.manual_seed(0)
+    experts = Experts(24, 20, 6, 2, router_scores, normalize, capacity_factor, shared)
+    with torch.no_grad():
+        for parameter in experts.parameters():
+            parameter.normal_(0, 0.3)
+    x = torch.randn(40, 24, requires_grad=True)
+    capacity = math.ceil(capacity_factor * 40 * 2 / 6) if capacity_factor else None
+    ours, theirs = experts(x), per_token(experts, x, capacity)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    (grad_ours,) = torch.autograd.grad(ours.square().sum(), x)
+    (grad_theirs,) = torch.autograd.grad(theirs.square().sum(), x)
+    assert torch.allclose(grad_ours, grad_theirs, atol=1e-4)
+    if capacity is not None:
+        assert not torch.allclose(ours, per_token(experts, x), atol=1e-3)  # some assignments were dropped
+        experts.eval()
+        assert torch.allclose(experts(x), per_token(experts, x), atol=1e-5)  # none in evaluation
+
+
+FAMILIES = {
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+    ),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(num_local_experts=4)),
+}
+SHAPE = dict(
+    vocab_size=61,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    num_experts_per_tok=2,
+)
+
+
+def random_family_dir(family: str, path) -> torch.nn.Module:
+    """A transformers model of ``family``, its every weight drawn (norms and router included), saved at ``path``."""
+    config_class, model_class, options = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(config_class(**SHAPE, **options)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hugging_face_mixture_computes_its_logits_in_and_out(family, tmp_path):
+    """A random Qwen 3 MoE or Mixtral dir read here (its shape from config.json, each expert's tensors stacked)
+    gives transformers' logits to 1e-5; written back out, transformers loads it as the same family and gives them
+    again."""
+    reference = random_family_dir(family, tmp_path / "hf")
+    options = net_options(read_config(tmp_path / "hf"))
+    with torch.device("meta"):
+        net = MoE(**options)
+    materialize(net, torch.device("cpu"), 0, HFWeights(tmp_path / "hf"))
+    tokens = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        assert torch.allclose(net.eval()(tokens), expected, atol=1e-5)
+        write_hf_dir(net.state_dict(), net, options, tmp_path / "out")
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        assert type(back) is type(reference) and torch.allclose(back(tokens).logits, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "preset, config",
+    [
+        (
+            "qwen3_30b_a3b",
+            transformers.Qwen3MoeConfig(
+                vocab_size=151936,
+                hidden_size=2048,
+                intermediate_size=6144,
+                num_hidden_layers=48,
+                num_attention_heads=32,
+                num_key_value_heads=4,
+                head_dim=128,
+                num_experts=128,
+                num_experts_per_tok=8,
+                moe_intermediate_size=768,
+                tie_word_embeddings=False,
+            ),
+        ),
+        (
+            "mixtral_8x7b",
+            transformers.MixtralConfig(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                num_local_experts=8,
+                num_experts_per_tok=2,
+            ),
+        ),
+    ],
+)
+def test_a_presets_parameter_count_is_transformers_count(preset, config):
+    """Composed as a user composes it, on the meta device: as many parameters as transformers' own class of the
+    published config (Qwen3-30B-A3B: 30,532,122,624; Mixtral-8x7B: 46,702,792,704)."""
+    cfg = compose_train([f"model={preset}", "data=tokens", f"data.vocab_size={config.vocab_size}"])
+    with torch.device("meta"):
+        ours = sum(p.numel() for p in instantiate(cfg.model.net).parameters())
+        theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert ours == theirs
+
+
+def test_a_hugging_face_mixture_evaluates_to_its_transformers_loss_under_fsdp(tmp_path, home):
+    """mode=eval model=moe model.init_from=<a Qwen 3 MoE dir> under fsdp x 2: the shape comes from its config.json,
+    each rank reads its shard of the stacked experts (rows of whole experts), and the run's val/loss is
+    transformers' on the same tokens."""
+    reference = random_family_dir("qwen3_moe", tmp_path / "hf")
+    overrides = [
+        "model=moe",
+        "data=tokens",
+        "data.vocab_size=61",
+        "data.seq_length=16",
+        "data.num_train=64",
+        "data.num_val=40",
+        "data.batch_size=8",
+        f"model.init_from={tmp_path / 'hf'}",
+        "mode=eval",
+        "strategy=fsdp",
+        "trainer.devices=2",
+        "print_config=false",
+    ]
+    train([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], home)
+    run_loss = json.loads((tmp_path / "run" / "result.json").read_text())["final"]["val/loss"]
+    assert transformers_val_loss(reference, overrides) == pytest.approx(run_loss, rel=1e-5)
+
+
+def test_a_plan_of_a_mixture_routes_evenly_on_fake_tensors():
+    """On tensors without values (the memory plan's fake tensors, the meta device) the experts take the batch's
+    assignments evenly: 40 tokens x 2 of 6 experts is 14, 14, 13, 13, 13, 13 rows."""
+    experts = Experts(24, 20, 6, 2, "softmax", True, None, None)
+    counts = torch.empty(6, dtype=torch.long, device="meta")
+    assert experts.taken(counts, 40) == [14, 14, 13, 13, 13, 13]
+    with torch.device("meta"):
+        net = MoE(vocab_size=32, max_length=8, num_layers=1, dim=24, num_heads=2, num_kv_heads=1, hidden_dim=32,
+                  num_experts=6, experts_per_token=2, expert_hidden_dim=20)  # fmt: skip
+        assert net(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 32)
