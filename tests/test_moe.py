@@ -13,11 +13,15 @@ from conftest import train
 from hydra.utils import instantiate
 from test_config import compose_train
 from test_hf import transformers_val_loss
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor
 
 from project.checkpointing.hf import HFWeights, net_options, read_config, write_hf_dir
 from project.models import MoE
+from project.models.lora import LoRA, apply_lora
 from project.models.moe import Experts
-from project.parallel.parallelize import materialize
+from project.parallel.fake_process_group import fake_process_group
+from project.parallel.parallelize import apply_fsdp, materialize
 
 transformers = pytest.importorskip("transformers")
 
@@ -171,9 +175,9 @@ def test_a_presets_parameter_count_is_transformers_count(preset, config):
 
 
 def test_a_hugging_face_mixture_evaluates_to_its_transformers_loss_under_fsdp(tmp_path, home):
-    """mode=eval model=moe model.init_from=<a Qwen 3 MoE dir> under fsdp x 2: the shape comes from its config.json,
-    each rank reads its shard of the stacked experts (rows of whole experts), and the run's val/loss is
-    transformers' on the same tokens."""
+    """mode=eval model=moe model.init_from=<a Qwen 3 MoE dir> under fsdp x 2: the shape comes from its config.json
+    (a capacity factor given beside it is the run's own, not the dir's), each rank reads its shard of the stacked
+    experts (rows of whole experts), and the run's val/loss is transformers' on the same tokens."""
     reference = random_family_dir("qwen3_moe", tmp_path / "hf")
     overrides = [
         "model=moe",
@@ -184,6 +188,7 @@ def test_a_hugging_face_mixture_evaluates_to_its_transformers_loss_under_fsdp(tm
         "data.num_val=40",
         "data.batch_size=8",
         f"model.init_from={tmp_path / 'hf'}",
+        "model.net.capacity_factor=1.25",  # drops in training only: the dir's model still, in evaluation
         "mode=eval",
         "strategy=fsdp",
         "trainer.devices=2",
@@ -204,3 +209,44 @@ def test_a_plan_of_a_mixture_routes_evenly_on_fake_tensors():
         net = MoE(vocab_size=32, max_length=8, num_layers=1, dim=24, num_heads=2, num_kv_heads=1, hidden_dim=32,
                   num_experts=6, experts_per_token=2, expert_hidden_dim=20)  # fmt: skip
         assert net(torch.zeros(2, 8, dtype=torch.long)).shape == (2, 8, 32)
+
+
+def test_each_fsdp_rank_reads_its_experts_even_with_fewer_experts_than_ranks(tmp_path):
+    """A Qwen 3 MoE dir of 4 experts read under FSDP over 8 ranks (torch's fake process group, one rank after
+    another): each rank's piece of every parameter is its shard of the whole model's, the ranks past the last
+    expert holding none of the stacked experts."""
+    random_family_dir("qwen3_moe", tmp_path / "hf")
+    weights, options = HFWeights(tmp_path / "hf"), net_options(read_config(tmp_path / "hf"))
+    with torch.device("meta"):
+        whole = MoE(**options)
+    materialize(whole, torch.device("cpu"), 0, weights)
+    for rank in range(8):
+        with fake_process_group(8, rank):
+            with torch.device("meta"):
+                net = MoE(**options)
+            apply_fsdp(net, init_device_mesh("cpu", (8,)))
+            materialize(net, torch.device("cpu"), 0, weights)
+            for name, parameter in net.named_parameters():
+                expected = distribute_tensor(
+                    whole.get_parameter(name).detach(), parameter.device_mesh, parameter.placements, src_data_rank=None
+                ).to_local()
+                assert torch.equal(parameter.to_local(), expected), (rank, name)
+            assert net.blocks[0].mlp.gate.to_local().shape[0] == (1 if rank < 4 else 0)
+
+
+def test_lora_on_a_mixture_adapts_its_linear_layers_and_not_the_stacked_experts():
+    """Targets are the Linear layers of any block: a dense first block's MLP, the router and the shared expert. The
+    routed experts (stacked tensors, not Linear layers) stay frozen with the rest."""
+    with torch.device("meta"):
+        net = MoE(vocab_size=32, max_length=8, num_layers=2, dim=24, num_heads=2, num_kv_heads=1, hidden_dim=32,
+                  num_experts=4, experts_per_token=2, expert_hidden_dim=20, first_dense_layers=1,
+                  shared_expert_hidden_dim=16)  # fmt: skip
+    adapted = apply_lora(net, LoRA(rank=2, alpha=4.0, dropout=0.0, targets=("q", "router", "gate")))
+    assert adapted == [
+        "blocks.0.attention.q",
+        "blocks.0.mlp.gate",
+        "blocks.1.attention.q",
+        "blocks.1.mlp.router",
+        "blocks.1.mlp.shared.gate",
+    ]
+    assert not any(parameter.requires_grad for parameter in net.blocks[1].mlp.parameters(recurse=False))

@@ -80,11 +80,7 @@ NAMES["llama"] = NAMES["mistral"] = NAMES["qwen2"] = NAMES["qwen3"] = {
 # The mixtures of experts: Llama's attention (Qwen 3's with its norms), a router, and one tensor per expert and
 # projection, where this project stacks each projection over the experts (its parameter blocks.{i}.mlp.{p}).
 _ATTENTION = {name: key for name, key in NAMES["llama"].items() if ".mlp." not in name}
-NAMES["qwen3_moe"] = {
-    **_ATTENTION,
-    "blocks.{i}.mlp.router.weight": "model.layers.{i}.mlp.gate.weight",
-    "blocks.{i}.mlp.{p}.weight": "model.layers.{i}.mlp.{p}_proj.weight",  # a dense block's MLP
-}
+NAMES["qwen3_moe"] = {**_ATTENTION, "blocks.{i}.mlp.router.weight": "model.layers.{i}.mlp.gate.weight"}
 NAMES["mixtral"] = {**_ATTENTION, "blocks.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"}
 # Each family's name of expert {e}'s projection {p} in block {i}, and its projections' names.
 EXPERTS = {
@@ -246,7 +242,7 @@ def sliding_window(config: dict[str, Any]) -> int | None:
         return config.get("sliding_window", 4096)
     if config["model_type"] in ("phi3", "mixtral"):
         return config.get("sliding_window")
-    if config["model_type"] in ("qwen2", "qwen3") and config.get("use_sliding_window"):
+    if config["model_type"] in ("qwen2", "qwen3", "qwen3_moe") and config.get("use_sliding_window"):
         return config.get("sliding_window", 4096)
     return None
 
@@ -304,7 +300,6 @@ def _moe_options(config: dict[str, Any]) -> dict[str, Any]:
         "first_dense_layers": 0,
         "router_scores": "softmax",
         "normalize_weights": config.get("norm_topk_prob", False) if family == "qwen3_moe" else True,
-        "capacity_factor": None,  # transformers' models drop no token
         "shared_expert_hidden_dim": None,
     }
 
@@ -439,6 +434,8 @@ class HFWeights:
         """This rank's part of parameter ``name`` (its local shape), in float32 on the CPU."""
         slices = _local_slices(parameter)
         keys = expert_keys(self.family, name, range(slices[0].start, slices[0].stop))
+        if keys == []:  # an FSDP rank past the last expert (fewer experts than ranks) holds none
+            return torch.empty([s.stop - s.start for s in slices])
         if keys is not None:  # a mixture's projection, stacked over the experts: this rank's experts' tensors
             experts = []
             for key in keys:
@@ -601,12 +598,8 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
 
 def _experts_config(family: str, net_cfg: dict[str, Any]) -> dict[str, Any]:
     """A mixture's keys of its config.json. ``ConfigError`` for options its family does not compute."""
-    unsupported = {
-        "first_dense_layers": 0,
-        "router_scores": "softmax",
-        "capacity_factor": None,
-        "shared_expert_hidden_dim": None,
-    }
+    # (A capacity factor drops tokens in training only: the model computes as its family's, and exports.)
+    unsupported = {"first_dense_layers": 0, "router_scores": "softmax", "shared_expert_hidden_dim": None}
     for key, value in unsupported.items():
         if net_cfg.get(key, value) != value:
             raise ConfigError(

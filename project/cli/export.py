@@ -73,9 +73,13 @@ def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path |
     lora = OmegaConf.select(cfg, "model.lora")
     if lora is None:
         raise ConfigError("--adapter", "the run trained no LoRA adapters (model.lora is null).", "export it whole.")
-    if get_class(cfg.model.net._target_) is not Llama:
-        # GPT-2 keeps q, k and v as one fused layer, which one peft adapter of this rank cannot express.
-        raise ConfigError("--adapter", "writes Llama adapters; this run's model is a GPT.", "export it merged.")
+    net_class = get_class(cfg.model.net._target_)
+    if net_class is not Llama:
+        # GPT-2 keeps q, k and v as one fused layer, which one peft adapter of this rank cannot express; a
+        # mixture's names are not Llama's.
+        raise ConfigError(
+            "--adapter", f"writes Llama adapters; this run's model is a {net_class.__name__}.", "export it merged."
+        )
     base = OmegaConf.select(cfg, "model.init_from")
     if base is not None and (Path(base) / "config.json").is_file() and read_config(base)["model_type"] in FUSED:
         # Phi-3 fuses q, k and v (and gate and up) as GPT-2 does: peft adapts its fused layers, not their parts.

@@ -66,6 +66,13 @@ def quantize_base(net: BlockSequence) -> None:
     shards them, so that FSDP shards and gathers the 4-bit data). ``ConfigError`` for a weight whose size is not a
     multiple of a block of maxima (64 x 256 weights), which NF4 cannot store."""
     nf4 = torchao_nf4()
+    if any(parameter.dim() > 2 for parameter in net.blocks.parameters()):
+        raise ConfigError(
+            "model.lora.quantize_base",
+            f"stores the blocks' Linear weights in NF4, but most of {type(net).__name__}'s are its experts' stacked "
+            "tensors, which it does not quantize.",
+            "set model.lora.quantize_base=false: LoRA over the full-precision mixture.",
+        )
     for name, layer in quantizable_weights(net).items():
         if layer.weight.numel() % WEIGHTS_PER_SCALER_BLOCK:
             raise ConfigError(
@@ -73,8 +80,8 @@ def quantize_base(net: BlockSequence) -> None:
                 f"stores {name}.weight ({tuple(layer.weight.shape)}) in NF4, whose size must be a multiple of "
                 f"{WEIGHTS_PER_SCALER_BLOCK} weights ({BLOCK}-weight blocks, their maxima quantized {SCALER_BLOCK} "
                 "at a time).",
-                "give the model dimensions whose products are multiples of 16384 (the presets' are), or set "
-                "model.lora.quantize_base=false.",
+                "give the model dimensions whose products are multiples of 16384 (the released models' presets' "
+                "are), or set model.lora.quantize_base=false.",
             )
         weight = empty_nf4(layer.weight) if layer.weight.is_meta else nf4.to_nf4(layer.weight, BLOCK, SCALER_BLOCK)
         layer.weight = nn.Parameter(weight, requires_grad=False)

@@ -369,9 +369,10 @@ def lora_settings(settings: dict) -> LoRA:
 
 
 def _check_lora_targets(net: BlockSequence, lora: LoRA) -> None:
-    """Each of ``lora.targets`` names Linear layers of the net's blocks."""
+    """Each of ``lora.targets`` names Linear layers of the net's blocks (of any: a mixture's dense first blocks and
+    its later ones have other layers)."""
     linear = sorted(
-        {name.rpartition(".")[2] for name, module in net.blocks[0].named_modules() if isinstance(module, nn.Linear)}
+        {name.rpartition(".")[2] for name, module in net.blocks.named_modules() if isinstance(module, nn.Linear)}
     )
     unknown = [target for target in lora.targets if target not in linear]
     if unknown:
