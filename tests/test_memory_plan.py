@@ -45,21 +45,28 @@ PLANNED_RUNS = [
     ("gpt_lora_auto", None),  # LoRA: frozen weights have no gradients and no optimizer state
     ("gpt_lora_fsdp", None),
     ("gpt_lora_tensor_parallel", None),
-    ("llama_qlora_auto", None),  # QLoRA: the base in NF4, sharded in 4 bits under fsdp
-    ("llama_qlora_sweep", 0),
-    ("llama_qlora_sweep", 1),
-    ("llama_qlora_sweep", 2),
-    ("moe_auto", None),  # a mixture of experts: the plan routes evenly, the runs as their routers choose
-    ("moe_sweep", 0),
-    ("moe_sweep", 1),
-    ("moe_sweep", 2),
+    # Runs no fast test starts otherwise (the slow reference comparisons do): make test-fast leaves them out.
+    *(
+        pytest.param(*run, marks=pytest.mark.slow)
+        for run in [
+            ("llama_qlora_auto", None),  # QLoRA: the base in NF4, sharded in 4 bits under fsdp
+            ("llama_qlora_sweep", 0),
+            ("llama_qlora_sweep", 1),
+            ("llama_qlora_sweep", 2),
+            ("moe_auto", None),  # a mixture of experts: the plan routes evenly, the runs as their routers choose
+            ("moe_sweep", 0),
+            ("moe_sweep", 1),
+            ("moe_sweep", 2),
+        ]
+    ),
 ]
 # The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
 # model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.
 TRACKED_RUNS = [
     run
     for run in PLANNED_RUNS
-    if run[0] not in ("model_parallel_run", "gpt_pipeline_compiled", "llama_auto") and run != ("llama_split_sweep", 0)
+    if getattr(run, "values", run)[0] not in ("model_parallel_run", "gpt_pipeline_compiled", "llama_auto")
+    and run != ("llama_split_sweep", 0)
 ]
 
 

@@ -174,6 +174,7 @@ def test_a_presets_parameter_count_is_transformers_count(preset, config):
     assert ours == theirs
 
 
+@pytest.mark.slow
 def test_a_hugging_face_mixture_evaluates_to_its_transformers_loss_under_fsdp(tmp_path, home):
     """mode=eval model=moe model.init_from=<a Qwen 3 MoE dir> under fsdp x 2: the shape comes from its config.json
     (a capacity factor given beside it is the run's own, not the dir's), each rank reads its shard of the stacked

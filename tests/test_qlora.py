@@ -145,6 +145,7 @@ def test_an_fsdp_plan_holds_the_nf4_base_in_4_bits_sharded_and_the_rest_as_arith
     assert rank.grads == adapters and rank.optimizer == 2 * adapters + 4 * len(trained)
 
 
+@pytest.mark.slow
 def test_a_qlora_run_reading_a_hugging_face_dir_under_fsdp_exports_merged_to_its_val_loss(tmp_path, home):
     """A transformers Llama of NF4-sized weights, fine-tuned here with QLoRA under fsdp x 2 (each rank quantizes the
     weights it reads whole, then keeps its rows), then `python -m project.cli.export`: transformers computes the
@@ -205,6 +206,7 @@ def test_every_preset_can_store_its_base_in_nf4(preset):
     assert module.lora.quantize_base and len(quantized) == linear_per_block * cfg.model.net.num_layers
 
 
+@pytest.mark.slow
 def test_plan_search_with_qlora_ranks_every_layout_but_the_tensor_parallel_ones(tmp_path, home):
     """plan=search over 2 GPUs for an NF4-sized GPT with QLoRA: data parallel, FSDP and the pipeline, each with every
     checkpointing mode, ranked with the NF4 base's bytes; the layouts over tensor-parallel ranks, which would split
