@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from conftest import train
 from hydra.utils import instantiate
 from test_config import compose_train
-from test_hf import transformers_val_loss
+from test_hf import LLAMA, transformers_val_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 
@@ -87,16 +87,9 @@ FAMILIES = {
     ),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(num_local_experts=4)),
 }
-SHAPE = dict(
-    vocab_size=61,
-    hidden_size=48,
-    intermediate_size=80,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    num_experts_per_tok=2,
-)
+# test_hf's tiny Llama shape (its own RoPE and norm epsilon left to each family's defaults), 2 experts per token.
+SHAPE = {key: value for key, value in LLAMA.items() if key not in ("rope_parameters", "rms_norm_eps")}
+SHAPE["num_experts_per_tok"] = 2
 
 
 def random_family_dir(family: str, path) -> torch.nn.Module:

@@ -113,6 +113,7 @@ def test_the_nf4_bases_loss_is_within_the_mean_value_bounds_of_the_full_precisio
                     parameter.copy_(full[name] + t * deltas[name])
         grads = torch.autograd.grad(loss(between), [dict(between.named_parameters())[name] for name in names])
         derivatives.append(sum((grad * deltas[name]).sum() for grad, name in zip(grads, names)).item())
+    print(f"loss change {change:.2e}; derivative along dW from {min(derivatives):.2e} to {max(derivatives):.2e}")
     margin = 0.1 * max(abs(d) for d in derivatives)
     assert min(derivatives) - margin <= change <= max(derivatives) + margin, (change, derivatives)
     assert abs(change) > 1e-4  # 4 bits move the loss: the check is not of two equal models

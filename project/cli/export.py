@@ -51,8 +51,9 @@ def export(
     if not isinstance(net, tuple(NET_CLASSES.values())):
         raise ConfigError(
             "checkpoint",
-            f"holds a model of class {type(net).__name__}; Hugging Face model dirs hold GPT and Llama models.",
-            "export a checkpoint of model=gpt or model=llama (or one of their presets).",
+            f"holds a model of class {type(net).__name__}; Hugging Face model dirs hold GPT, Llama and "
+            "mixture-of-experts models.",
+            "export a checkpoint of model=gpt, model=llama or model=moe (or one of their presets or families).",
         )
     state = merged_model_state(checkpoint, cfg)
     expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
