@@ -237,6 +237,25 @@ def test_pipeline_plan_of_1024_ranks_keeps_each_stage_sharded_and_1f1b_in_flight
     assert gpipe.devices[3].activations == activations[3] * 8 // (8 - 3)
 
 
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_a_pipeline_of_tensor_parallel_llama_stages_lays_out_each_rank(model):
+    """Each rank's stage gets the family's tensor-parallel plan (Qwen 3's per-head norms included) from the blocks
+    it keeps: a later stage's first block is not one of them."""
+    job = resolved(
+        [
+            f"model={model}",
+            "data=tokens",
+            "strategy=pipeline",
+            "strategy.num_stages=2",
+            "strategy.tensor_parallel_size=2",
+            "trainer.devices=4",
+        ]
+    )
+    plan = plan_memory(job, suggest=False)
+    assert [device.name for device in plan.devices] == ["rank 0 (stage 0)", "rank 1 (stage 1)"]
+    assert all(device.params > 0 for device in plan.devices)
+
+
 def test_a_pipelines_last_stage_keeps_no_outputs_so_its_plan_is_flat_in_the_micro_batch_count():
     """The last stage feeds the metrics one micro-batch at a time: at 32 micro-batches of 4 samples it holds what it
     holds at 4 (a micro-batch's logits are 8 KiB here; what grows is torch's bookkeeping, 512 bytes a micro-batch, and

@@ -213,7 +213,8 @@ def parallelize_llama(net: Llama, mesh: DeviceMesh, sequence_parallel: bool, los
         )
     }
     block_plan = _transformer_block_plan(("q", "k", "v", "o"), ("gate", "up"), "down", sequence_parallel)
-    if cast(llama.Block, net.blocks[0]).attention.q_norm is not None:
+    kept = [block for block in net.blocks if isinstance(block, llama.Block)]  # a pipeline stage keeps some
+    if kept and kept[0].attention.q_norm is not None:
         # Qwen 3's per-head norms, on each rank's heads (dim 2 of the (batch, length, heads, width) projections): one
         # weight for every head, its gradient summed over the ranks' heads (torchtitan's Qwen 3 plan does the same).
         on_own_heads = SequenceParallel(sequence_dim=2, use_local_output=True)
