@@ -4,6 +4,7 @@ docs/memory-plan.md.
     python benchmarks/memory_plan.py            # both tables, about 3 minutes on 2 CPU cores
     python benchmarks/memory_plan.py measured   # predicted against measured only
     python benchmarks/memory_plan.py scale      # the 1024-rank plans only
+    python benchmarks/memory_plan.py gpu        # the GPU test's runs planned again, against their H200 peaks
 
 Measured: each run tracks every tensor of its first two training steps (``callbacks.memory.tracked_steps=2``,
 PyTorch's MemTracker on real tensors and real gloo process groups) and logs the peak next to the plan's.
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.planned_runs import planned_run  # noqa: E402
 from readme_figures import REPO, epochs, main, run, table  # noqa: E402
 
 GPT = ["model=gpt", "data=tokens"]
@@ -154,5 +157,35 @@ def at_scale(tmp: Path) -> str:
     )
 
 
+# max_memory_allocated of the GPU memory-plan test's runs (docs/gpu.md, 2026-11-26: one H200, torch 2.11), MiB.
+H200_PEAKS = {
+    ("gpt_125m", "auto", "false"): 8641,
+    ("gpt_125m", "auto", "true"): 5821,
+    ("gpt_125m", "fsdp", "false"): 8382,
+    ("gpt_125m", "fsdp", "true"): 5606,
+    ("gpt_350m", "auto", "false"): 17042,
+    ("gpt_350m", "auto", "true"): 9540,
+    ("gpt_350m", "fsdp", "false"): 16368,
+    ("gpt_350m", "fsdp", "true"): 9057,
+    ("llama_1b", "auto", "false"): 32394,
+    ("llama_1b", "auto", "true"): 23991,
+    ("llama_1b", "fsdp", "false"): 28739,
+    ("llama_1b", "fsdp", "true"): 23217,
+}
+
+
+def against_gpu(tmp: Path) -> str:
+    """The GPU test's runs planned here for an H200 (``cluster=h200_8x``: CUDA's kernels simulated), against the
+    peaks those runs measured on one."""
+    rows = []
+    for (model, strategy, checkpointing), measured_mib in H200_PEAKS.items():
+        output, _ = plan([*planned_run(model, strategy, checkpointing), "cluster=h200_8x"], tmp)
+        planned_mib = float(re.search(r"Peak ([\d.]+) GiB per device", output).group(1)) * 1024
+        error = (planned_mib - measured_mib) / measured_mib
+        on = "on" if checkpointing == "true" else "off"
+        rows.append([f"{model}, {strategy}", on, f"{planned_mib:,.0f}", f"{measured_mib:,}", f"{error:+.1%}"])
+    return table(["model, strategy", "checkpointing", "planned MiB", "H200 max_memory_allocated MiB", "error"], rows)
+
+
 if __name__ == "__main__":
-    main({"measured": measured, "scale": at_scale})
+    main({"measured": measured, "scale": at_scale, "gpu": against_gpu})

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TINY_GPT, run_command, train
+from helpers.planned_runs import PLANNED_MODELS, planned_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -229,14 +230,8 @@ def test_eval_generate_and_init_from_run_on_cuda(runs_dir, home, tmp_path):
     assert json.loads((initialised / "result.json").read_text())["final"]["val/loss"] == pytest.approx(last, rel=1e-5)
 
 
-# The memory plan against the GPU: presets at sequence 1024, bf16-mixed, a few steps each. The models get their own
-# vocabularies (GPT-2's, padded to 64; Llama 3's); the Markov language's stays small, since its generator holds a
-# dense vocab x vocab matrix, and the embedding, output layer and loss cost the same whichever ids occur.
-PLANNED_MODELS = {  # preset: (its overrides, sequences per step)
-    "gpt_125m": (["model=gpt_125m", "model.net.vocab_size=50304"], 8),
-    "gpt_350m": (["model=gpt_350m", "model.net.vocab_size=50304"], 8),
-    "llama_1b": (["model=llama_1b", "model.net.vocab_size=128256"], 4),
-}
+# The memory plan against the GPU: the runs of tests/helpers/planned_runs.py, with CUDA's kernels simulated
+# (project/plan/cuda_kernels.py), as every run on a GPU plans.
 PLAN_GOAL = 0.10  # planned peak within 10% of max_memory_allocated
 
 
@@ -248,27 +243,7 @@ PLAN_GOAL = 0.10  # planned peak within 10% of max_memory_allocated
 def test_the_memory_plan_holds_against_max_memory_allocated(
     model, strategy, activation_checkpointing, runs_dir, home, record_property
 ):
-    steps = 3
-    overrides, batch = PLANNED_MODELS[model]
-    args = [
-        "data=tokens",
-        "data.vocab_size=256",
-        *overrides,
-        f"data.batch_size={batch}",
-        f"strategy={strategy}",
-        *BF16,
-        "data.seq_length=1024",
-        f"data.num_train={steps * batch}",
-        f"data.num_val={batch}",
-        "trainer.max_epochs=1",
-        "trainer.num_sanity_val_steps=0",
-        f"model.activation_checkpointing={activation_checkpointing}",
-        "~callbacks.model_checkpoint",
-        "+trainer.enable_checkpointing=false",  # no 20 GB of checkpoint writing
-        "print_config=false",
-        "~callbacks.progress_bar",
-        "+trainer.enable_progress_bar=false",
-    ]
+    args = planned_run(model, strategy, activation_checkpointing)
     name = f"gpu-plan-{model}-{strategy}-ac-{activation_checkpointing}"
     job_dir, _ = gpu_run(name, args, runs_dir, home)
     planned, measured = series(job_dir, "memory/planned_peak_mb")[-1], series(job_dir, "memory/peak_allocated_mb")[-1]

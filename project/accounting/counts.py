@@ -72,13 +72,23 @@ def _attention_backward(
     return flop_counter.sdpa_backward_flop_count(grad, query_shape, key_shape, value_shape)
 
 
-# torch's formulas, and the CPU's fused attention with the same arithmetic (torch 2.13 has formulas for the GPUs'
-# flash, memory-efficient and cuDNN attention only; a simulation runs the CPU's kernels): the query, key and value
-# are its first arguments, after the output's gradient backward.
+# torch's formulas, with the fused attention kernels' counted at the query's heads (torch 2.13 has no formula for
+# the CPU's kernel, which a simulation of a CPU job runs; 2.11's for the GPUs' refuse grouped-query shapes): the
+# query, key and value are each kernel's first arguments, after the output's gradient backward.
 FLOP_FORMULAS = {
     **flop_counter.flop_registry,
-    aten._scaled_dot_product_flash_attention_for_cpu: flop_counter.shape_wrapper(_attention),
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: flop_counter.shape_wrapper(_attention_backward),
+    **{
+        kernel: flop_counter.shape_wrapper(formula)
+        for forward in (
+            aten._scaled_dot_product_flash_attention_for_cpu,
+            aten._scaled_dot_product_flash_attention,
+            aten._scaled_dot_product_efficient_attention,
+        )
+        for kernel, formula in (
+            (forward, _attention),
+            (getattr(aten, f"{forward.__name__}_backward"), _attention_backward),
+        )
+    },
 }
 
 

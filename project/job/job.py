@@ -181,6 +181,12 @@ class Job:
         return self.layout.processes_per_node(self.devices)
 
     @property
+    def on_gpus(self) -> bool:
+        """Whether the job runs on CUDA GPUs: its trainer's accelerator, or the ``cluster`` it is planned for. Its
+        memory plan then simulates CUDA's kernels (``project.plan.cuda_kernels``)."""
+        return self.uses_cuda or self.cluster is not None
+
+    @property
     def compile(self) -> bool:
         """Whether the model's blocks run under ``torch.compile`` (``model.compile``)."""
         return bool(self.cfg.model.get("compile", False))

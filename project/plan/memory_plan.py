@@ -6,9 +6,10 @@ How: the model is built on the meta device and the job's layout lays it out for 
 real one (``Layout.simulated_devices``: FSDP shards it over a mesh of the job's world size on torch's fake
 process-group backend, a pipeline keeps one rank's stages, ...); each such device's step is simulated.
 
-What a plan does not see: the caching allocator's fragmentation and CUDA's own context (a GPU's real peak is
-higher than its allocated bytes), kernels of another device (the simulation runs the CPU's: its attention keeps
-the score matrix a GPU's flash attention would not), and ``torch.compile``'s fused kernels.
+A job on GPUs is simulated with CUDA's kernels (``project.plan.cuda_kernels``: CUDA's autocast, attention and
+RMSNorm kernels, the allocator's blocks), any other with the CPU's. What a plan does not see: the caching
+allocator's fragmentation and CUDA's own context (a GPU's real peak is higher than its allocated bytes), and
+``torch.compile``'s fused kernels.
 """
 
 import json

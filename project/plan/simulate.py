@@ -37,6 +37,7 @@ from project.accounting.memory_trackers import (
 )
 from project.job.job import DeviceWork, Job, TaskModule
 from project.parallel.parallelize import allocate
+from project.plan.cuda_kernels import cuda_kernels
 
 # What FSDPMemTracker counts as FSDP's communication: gathered parameters and the buffers of the collectives.
 FSDP_COMMUNICATION = (_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER, _FSDPRefType.REDUCE_SCATTER)
@@ -77,8 +78,9 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None = None) -> DevicePlan:
     """A training step of ``work`` on fake tensors under ``MemTracker``, the optimizer's state already made (so,
-    a second step, which holds the most): the device's bytes, FLOPs and collectives (``world_dim``: the mesh
-    dimension of the collectives over every rank, ``ParallelDims.world_dim``). With ``stop_above``, the step stops
+    a second step, which holds the most), with CUDA's kernels for a job on GPUs (``cuda_kernels``): the device's
+    bytes, FLOPs and collectives (``world_dim``: the mesh dimension of the collectives over every rank,
+    ``ParallelDims.world_dim``). With ``stop_above``, the step stops
     at the first moment the device holds more: its peak is then just above it, and its activations, FLOPs and
     collectives those counted up to there."""
     precision = job.precision
@@ -86,7 +88,11 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
     if precision in ("bf16-true", "16-true"):  # Lightning's HalfPrecision converts the module
         # On the meta device, before the fake tensors: torch cannot swap a fake parameter for its converted copy.
         net.to(torch.bfloat16 if precision == "bf16-true" else torch.float16)
-    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode, warnings.catch_warnings():
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True) as fake_mode,
+        cuda_kernels() if job.on_gpus else nullcontext(),
+        warnings.catch_warnings(),
+    ):
         # torchao's NF4 (QLoRA's base) checks FSDP's gathered buffers by their data pointers, which fake tensors
         # have none of (they compare equal, and torch warns).
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
@@ -127,7 +133,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
                 )
                 # The batch on the device: Lightning moves the whole batch to every rank's device, and on a CPU the
                 # data loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
-                batches = [job.example_batch(module, job.batch_size) for _ in range(1 if job.uses_cuda else 2)]
+                batches = [job.example_batch(module, job.batch_size) for _ in range(1 if job.on_gpus else 2)]
                 microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
                 with counts:
                     activations = _step(
