@@ -45,8 +45,9 @@ def per_token(experts: Experts, x: torch.Tensor, capacity: int | None = None) ->
             served[expert] += 1
             if capacity is not None and served[expert] > capacity:
                 continue
-            hidden = F.silu(experts.gate[expert] @ x[token]) * (experts.up[expert] @ x[token])
-            y = y + weight * (experts.down[expert] @ hidden)
+            mlps = experts.experts
+            hidden = F.silu(mlps.gate[expert] @ x[token]) * (mlps.up[expert] @ x[token])
+            y = y + weight * (mlps.down[expert] @ hidden)
         if experts.shared is not None:
             y = y + experts.shared(x[token])
         out.append(y)
@@ -225,7 +226,7 @@ def test_each_fsdp_rank_reads_its_experts_even_with_fewer_experts_than_ranks(tmp
                     whole.get_parameter(name).detach(), parameter.device_mesh, parameter.placements, src_data_rank=None
                 ).to_local()
                 assert torch.equal(parameter.to_local(), expected), (rank, name)
-            assert net.blocks[0].mlp.gate.to_local().shape[0] == (1 if rank < 4 else 0)
+            assert net.blocks[0].mlp.experts.gate.to_local().shape[0] == (1 if rank < 4 else 0)
 
 
 def test_lora_on_a_mixture_adapts_its_linear_layers_and_not_the_stacked_experts():
@@ -243,4 +244,4 @@ def test_lora_on_a_mixture_adapts_its_linear_layers_and_not_the_stacked_experts(
         "blocks.1.mlp.router",
         "blocks.1.mlp.shared.gate",
     ]
-    assert not any(parameter.requires_grad for parameter in net.blocks[1].mlp.parameters(recurse=False))
+    assert not any(parameter.requires_grad for parameter in net.blocks[1].mlp.experts.parameters())

@@ -78,7 +78,7 @@ NAMES["llama"] = NAMES["mistral"] = NAMES["qwen2"] = NAMES["qwen3"] = {
     "head.output.weight": "lm_head.weight",
 }
 # The mixtures of experts: Llama's attention (Qwen 3's with its norms), a router, and one tensor per expert and
-# projection, where this project stacks each projection over the experts (its parameter blocks.{i}.mlp.{p}).
+# projection, where this project stacks each projection over the experts (its parameter blocks.{i}.mlp.experts.{p}).
 _ATTENTION = {name: key for name, key in NAMES["llama"].items() if ".mlp." not in name}
 NAMES["qwen3_moe"] = {**_ATTENTION, "blocks.{i}.mlp.router.weight": "model.layers.{i}.mlp.gate.weight"}
 NAMES["mixtral"] = {**_ATTENTION, "blocks.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"}
@@ -90,7 +90,7 @@ EXPERTS = {
     ),
     "mixtral": ("model.layers.{i}.block_sparse_moe.experts.{e}.{p}.weight", {"gate": "w1", "up": "w3", "down": "w2"}),
 }
-EXPERT_PARAMETER = re.compile(r"^blocks\.(?P<i>\d+)\.mlp\.(?P<p>gate|up|down)$")
+EXPERT_PARAMETER = re.compile(r"^blocks\.(?P<i>\d+)\.mlp\.experts\.(?P<p>gate|up|down)$")
 # The model group of each family's own preset files, for messages.
 MODEL_GROUPS = {
     "gpt2": "gpt",

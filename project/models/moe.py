@@ -13,8 +13,8 @@ num_experts)`` assignments of a training batch, the first in token order; an ass
 and its token goes on through its other experts and the residual stream. Evaluation drops none, so that its outputs
 do not depend on the batch size.
 
-The experts' weights are stacked, one tensor per projection over all experts (``gate`` and ``up``: experts x hidden x
-dim, ``down``: experts x dim x hidden), the layout expert parallelism shards by experts.
+The experts' weights are stacked, one tensor per projection over all experts (``ExpertMLPs``: ``gate`` and ``up``,
+experts x hidden x dim, ``down``, experts x dim x hidden), the layout expert parallelism shards by experts.
 """
 
 import math
@@ -38,8 +38,29 @@ def holds_values(tensor: torch.Tensor) -> bool:
     return not (tensor.is_meta or is_fake(tensor))
 
 
+class ExpertMLPs(nn.Module):
+    """``num_experts`` SwiGLU MLPs, their weights stacked by projection (``gate`` and ``up``: experts x hidden x dim,
+    ``down``: experts x dim x hidden): the part of a mixture that expert parallelism splits by experts."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each expert once, on its own rows: ``rows`` sorted by expert, the first ``counts[0]`` expert 0's..."""
+        return torch.cat(
+            [
+                F.linear(F.silu(F.linear(part, self.gate[e])) * F.linear(part, self.up[e]), self.down[e])
+                for e, part in enumerate(rows.split(counts))
+            ]
+        )
+
+
 class Experts(nn.Module):
-    """A router, ``num_experts`` SwiGLU experts and optionally a shared one: a mixture-of-experts MLP."""
+    """A router, ``num_experts`` SwiGLU experts (``experts``) and optionally a shared one: a mixture-of-experts
+    MLP."""
 
     def __init__(
         self,
@@ -57,9 +78,7 @@ class Experts(nn.Module):
         self.router_scores, self.normalize_weights = router_scores, normalize_weights
         self.capacity_factor = capacity_factor
         self.router = nn.Linear(dim, num_experts, bias=False)
-        self.gate = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.up = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
-        self.down = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.experts = ExpertMLPs(num_experts, dim, hidden_dim)
         self.shared = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,11 +115,7 @@ class Experts(nn.Module):
             rank = torch.arange(order.numel(), device=x.device) - starts.repeat_interleave(counts)
             kept = order[rank < capacity]
         tokens = kept // self.experts_per_token
-        outputs = [
-            F.linear(F.silu(F.linear(rows, self.gate[e])) * F.linear(rows, self.up[e]), self.down[e])
-            for e, rows in enumerate(x[tokens].split(taken))
-        ]
-        y = torch.cat(outputs) * weights.reshape(-1)[kept, None]
+        y = self.experts(x[tokens], taken) * weights.reshape(-1)[kept, None]
         out = torch.zeros_like(x).index_add_(0, tokens, y)
         if self.shared is not None:
             out = out + self.shared(x)
@@ -195,5 +210,5 @@ class MoE(BlockSequence):
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """As Llama's: normal with std 0.02, the projections into the residual stream (attention output, every
         MLP's and expert's down) scaled down by sqrt(2 x layers); norms 1."""
-        residual = ("attention.o.weight", "mlp.down.weight", "mlp.down", "shared.down.weight")
+        residual = ("attention.o.weight", "mlp.down.weight", "experts.down", "shared.down.weight")
         init_decoder_parameter(self, name, tensor, generator, residual)
