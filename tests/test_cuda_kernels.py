@@ -204,3 +204,24 @@ def test_the_fused_rms_norm_computes_what_rms_norm_does():
     torch.testing.assert_close(fused, expected)
     for got, want in zip(fused_grads, torch.autograd.grad(expected, (x, weight), grad), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_every_override_is_undone_on_exit_even_after_an_error():
+    """After the context, even one left by an exception: the CPU's attention (its score matrix under dropout), its
+    autocast, its tracker's exact bytes again."""
+    cpu_saved = cross_entropy_saves()
+    with pytest.raises(RuntimeError, match="inside"), cuda():
+        raise RuntimeError("inside")
+    assert any(shape == (BATCH, HEADS, SEQ, SEQ) for shape, _ in attention_saves(0.1))
+    assert cross_entropy_saves() == cpu_saved
+    with FakeTensorMode(), MemTracker() as tracker:
+        tensor = torch.empty(1, dtype=torch.uint8)
+        assert sum(sizes["Total"] for sizes in tracker.get_tracker_snapshot().values()) == 1
+        del tensor
+
+
+def test_an_rms_norm_whose_weight_has_another_dtype_keeps_the_inputs():
+    """CUDA fuses only where the weight's dtype is the input's; else its composite returns the input's dtype."""
+    with FakeTensorMode(), cuda():
+        x = torch.empty(4, 8, dtype=torch.bfloat16)
+        assert F.rms_norm(x, (8,), torch.empty(8), 1e-5).dtype == torch.bfloat16

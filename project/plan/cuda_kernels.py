@@ -2,9 +2,9 @@
 
 A memory plan simulates a device's step on fake CPU tensors, whatever device the job runs on: this CPU-only build of
 torch cannot make a CUDA tensor, not even a fake one. Where CUDA's kernels would keep other tensors than the CPU's,
-the plan of a CUDA job would be off (12-14% over an H200's ``max_memory_allocated`` with activation checkpointing,
-docs/gpu.md), so while simulating one this module makes the CPU behave as CUDA does in the four ways that change
-what a step holds:
+the plan of a CUDA job would be off (four of six runs with activation checkpointing 12-14% over an H200's
+``max_memory_allocated``, docs/gpu.md), so while simulating one this module makes the CPU behave as CUDA does in
+the four ways that change what a step holds:
 
 - **Autocast.** CUDA's mixed precision casts by other lists than the CPU's (``torch/include/ATen/autocast_mode.h``
   against ``aten/src/ATen/autocast_mode.cpp``'s CPU table). The difference that costs most: the CPU casts
@@ -18,6 +18,10 @@ what a step holds:
   the CPU's composite also saves the normalised input in float32.
 - **The caching allocator** rounds every block up to 512 bytes (``max_memory_allocated`` counts blocks); torch's
   ``MemTracker`` rounds so for CUDA tensors only, and here for the CPU's that stand in for them.
+
+Left as the CPU runs them: autocast's cache of a parameter's cast is the CPU kernel's, kept for the ops both lists
+cast to lower precision (linear, the matmuls, convolutions); the ops only CUDA's list casts (einsum, mv...) cast a
+parameter at each call. The fused RMSNorm's forward computes as torch's decomposition, op by op.
 """
 
 import math
@@ -218,6 +222,11 @@ def _without_autocast() -> Any:
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU))
 
 
+def _exists(name: str) -> bool:
+    packet, _, overload = name.partition(".")
+    return hasattr(torch.ops.aten, packet) and (overload or "default") in getattr(torch.ops.aten, packet).overloads()
+
+
 def _op(name: str) -> Any:
     packet, _, overload = name.partition(".")
     return getattr(getattr(torch.ops.aten, packet), overload or "default")
@@ -272,14 +281,23 @@ def _cuda_attention(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` through the kernel CUDA picks on a Hopper or Ampere GPU
-    (sdp_utils.cpp, ``select_sdp_backend``, flash first): flash attention for half-precision inputs without a
-    mask, heads up to 256 wide (it takes grouped-query heads as they are); the memory-efficient kernel for the rest
-    with as many key as query heads; the math kernel otherwise (it keeps the score matrix)."""
+    (sdp_utils.cpp, ``select_sdp_backend``, flash first), for 4-D inputs of one dtype and one head width: flash
+    attention for half-precision inputs without a mask, heads up to 256 wide (it takes grouped-query heads as they
+    are); the memory-efficient kernel for the rest with as many key as query heads (a boolean mask made the additive
+    bias it takes); the math kernel otherwise (it keeps the score matrix)."""
     aten = torch.ops.aten
     width = query.shape[-1]
-    if query.dtype in HALF and attn_mask is None and width <= FLASH_HEAD_DIM:
+    fused = (
+        query.dim() == key.dim() == value.dim() == 4
+        and query.dtype == key.dtype == value.dtype
+        and width == key.shape[-1] == value.shape[-1]
+    )
+    same_heads = key.shape[-3] == query.shape[-3]
+    if fused and query.dtype in HALF and attn_mask is None and width <= FLASH_HEAD_DIM and (same_heads or enable_gqa):
         return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
-    if key.shape[-3] == query.shape[-3]:
+    if fused and same_heads:
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, float("-inf"))
         return aten._scaled_dot_product_efficient_attention(
             query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
         )[0]
@@ -327,7 +345,7 @@ def _cuda_rms_norm(
     eps = torch.finfo(torch.float32).eps if eps is None else eps
     if weight is not None and weight.dtype != x.dtype:
         normalized, _ = _rms_normalized(x, normalized_shape, eps)
-        return normalized.to(x.dtype) * weight
+        return (normalized * weight).to(x.dtype)
     return _FusedRMSNorm.apply(x, normalized_shape, weight, eps)
 
 
@@ -349,19 +367,20 @@ def cuda_kernels() -> Iterator[None]:
         **dict.fromkeys(PROMOTE, "promote"),
         **dict.fromkeys(FP32_APPEND_DTYPE, "fp32_append_dtype"),
     }
-    cuda = {name.removeprefix("aten::") for name in policies} | CUDA_ONLY
+    cuda = set(policies) | CUDA_ONLY
     rounding = mem_tracker._WeakRefInfo._calculate_mem_consumed
-    with _overrides_quiet():
-        for name, policy in policies.items():
-            if name not in SAME_ON_CPU:
-                library.impl(name, _policy_kernel(name, policy), "AutocastCPU")
-        for name in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"):
-            if name.removeprefix("aten::") not in cuda:  # the CPU's alone (cross_entropy_loss, cat, stack...)
-                library.impl(name.removeprefix("aten::"), torch.library.fallthrough_kernel, "AutocastCPU")
-        library.impl("scaled_dot_product_attention", _cuda_attention, "CompositeImplicitAutograd")
-        library.impl("rms_norm", _cuda_rms_norm, "CompositeImplicitAutograd")
-    mem_tracker._WeakRefInfo._calculate_mem_consumed = _allocator_rounded  # type: ignore[method-assign]
     try:
+        with _overrides_quiet():
+            for name, policy in policies.items():
+                if name not in SAME_ON_CPU and _exists(name):  # (an op of the header another torch may lack)
+                    library.impl(name, _policy_kernel(name, policy), "AutocastCPU")
+            for registered in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU"):
+                name = registered.removeprefix("aten::")
+                if registered.startswith("aten::") and name not in cuda:  # the CPU's alone (cross_entropy_loss...)
+                    library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
+            library.impl("scaled_dot_product_attention", _cuda_attention, "CompositeImplicitAutograd")
+            library.impl("rms_norm", _cuda_rms_norm, "CompositeImplicitAutograd")
+        mem_tracker._WeakRefInfo._calculate_mem_consumed = _allocator_rounded  # type: ignore[method-assign]
         yield
     finally:
         mem_tracker._WeakRefInfo._calculate_mem_consumed = rounding  # type: ignore[method-assign]

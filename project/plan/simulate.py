@@ -41,7 +41,8 @@ from project.plan.cuda_kernels import cuda_kernels
 
 # What FSDPMemTracker counts as FSDP's communication: gathered parameters and the buffers of the collectives.
 FSDP_COMMUNICATION = (_FSDPRefType.UNSHARDED_PARAM, _FSDPRefType.ALL_GATHER, _FSDPRefType.REDUCE_SCATTER)
-# The compute dtype of Lightning's mixed precisions (autocast): on the CPU's kernels in the simulation.
+# The compute dtype of Lightning's mixed precisions (autocast): the CPU's autocast in the simulation, run by CUDA's
+# lists for a job on GPUs (project.plan.cuda_kernels).
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
