@@ -582,6 +582,28 @@ def moe_sweep(runs_dir, home):
     return ddp, fsdp, ddp.parent / "2"
 
 
+# SGD with momentum, whose step is in proportion to the gradient: Adam's is nearly the same whatever the gradient's
+# scale, so it would not show a gradient summed over ranks where it should be averaged.
+MOE_SGD = [
+    *TINY_MOE,
+    "model.optimizer._target_=torch.optim.SGD",
+    "~model.optimizer.betas",
+    "~model.optimizer.fused",
+    "model.optimizer.lr=0.3",
+    "model.optimizer.weight_decay=0.0",  # (the reference loop decays every parameter under SGD, as its MLP's)
+    "+model.optimizer.momentum=0.9",
+]
+
+
+@pytest.fixture(scope="session")
+def moe_expert_parallel(runs_dir, home):
+    """The tiny mixture's 4 experts split over 2 ranks (strategy.expert_parallel_size=2), 8 per device, under fsdp
+    with SGD: on 2 devices (job 0, a global batch of 16: each rank holds 2 experts) and on 4 (job 1, a global batch
+    of 32: each pair of ranks also shards its experts with FSDP). Every rank counts its collectives."""
+    ep = [*MOE_SGD, "strategy=fsdp", "strategy.expert_parallel_size=2", "data.batch_size=8", TRACKED, *COUNTED]
+    return two_job_sweep("moe-ep", [*ep, "trainer.devices=2,4"], runs_dir, home)[1]
+
+
 @pytest.fixture(scope="session")
 def gpt_fsdp_selective(runs_dir, home):
     """The GPT under fsdp x 2 with selective activation checkpointing (torchtitan's per-op policy), 16 per device."""

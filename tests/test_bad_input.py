@@ -519,6 +519,27 @@ CASES = [
         ["model=moe", "strategy=tensor_parallel", "trainer.devices=2"],
         "strategy.tensor_parallel_size: is 2, but MoE has no tensor-parallel plan",
     ),
+    (
+        ["model=moe", "strategy=fsdp", "trainer.devices=3", "strategy.expert_parallel_size=3"],
+        "strategy.expert_parallel_size: is 3, which does not divide the 4 experts (model.net.num_experts). Fix: use a",
+    ),
+    (
+        ["model=moe", "strategy=fsdp", "trainer.devices=2", "strategy.expert_parallel_size=4"],
+        "strategy.expert_parallel_size: is 4, but the 2 data-parallel ranks do not divide into groups of 4",
+    ),
+    (
+        ["model=gpt", "strategy=fsdp", "trainer.devices=2", "strategy.expert_parallel_size=2"],
+        "strategy.expert_parallel_size: is 2, but GPT has no mixture of experts to split.",
+    ),
+    (
+        ["model=moe", "strategy=fsdp", "trainer.devices=2", "strategy.expert_parallel_size=2"]
+        + ["model.activation_checkpointing=selective"],
+        "model.activation_checkpointing: is selective, which experts split over ranks",
+    ),
+    (  # expert parallelism is fsdp's
+        ["model=moe", "strategy=ddp", "trainer.devices=2", "strategy.expert_parallel_size=2"],
+        "strategy.expert_parallel_size: is not a key of strategy (its keys are",
+    ),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
     # Conversations: a bad record is named by its file and line, before any worker starts

@@ -57,6 +57,8 @@ PLANNED_RUNS = [
             ("moe_sweep", 0),
             ("moe_sweep", 1),
             ("moe_sweep", 2),
+            ("moe_expert_parallel", 0),  # experts split over 2 ranks: the plan's all-to-alls route evenly
+            ("moe_expert_parallel", 1),
         ]
     ),
 ]

@@ -9,6 +9,7 @@ import pytest
 from conftest import (
     FIRST_EPOCH,
     GPT_LORA,
+    MOE_SGD,
     QLORA,
     TINY,
     TINY_GPT,
@@ -74,6 +75,8 @@ RUNS = {
     "moe-capped": {"auto": ("moe_auto", None)},  # sigmoid scores; half of each expert's assignments dropped
     "moe": {"ddp": ("moe_sweep", 0), "fsdp": ("moe_sweep", 1)},
     "moe-16": {"pipeline": ("moe_sweep", 2)},
+    "moe-sgd": {"fsdp2-ep2": ("moe_expert_parallel", 1)},  # experts split over 2 ranks, sharded over 2 more
+    "moe-sgd-16": {"ep2": ("moe_expert_parallel", 0)},
 }
 REFERENCE_ARGS = {
     "mlp": ([*TINY, "data.batch_size=64"], 64),
@@ -89,6 +92,8 @@ REFERENCE_ARGS = {
     ),
     "moe": ([*TINY_MOE, "data.batch_size=16"], 32),
     "moe-16": ([*TINY_MOE, "data.batch_size=16"], 16),
+    "moe-sgd": ([*MOE_SGD, "data.batch_size=8"], 32),
+    "moe-sgd-16": ([*MOE_SGD, "data.batch_size=8"], 16),
     "qwen2-tp": (["model=qwen2", *TINY_QWEN, "data.batch_size=32"], 32),
     "qwen3-tp": (["model=qwen3", *TINY_QWEN, "data.batch_size=32"], 32),
 }

@@ -21,6 +21,10 @@ COUNTED_RUNS = [
     ("gpt_tensor_parallel", None),  # tensor parallel x 2
     ("gpt_fsdp_tensor_parallel", None),  # fsdp x 2 of tensor parallel x 2
     ("gpt_pipeline_tensor_parallel", None),  # pipeline x 2 of tensor parallel x 2
+    # A mixture's experts split over 2 ranks (its all-to-alls; every token goes to every expert, so the plan's
+    # even routing is the run's), alone and sharded over 2 more.
+    ("moe_expert_parallel", 0),
+    ("moe_expert_parallel", 1),
 ]
 
 

@@ -193,3 +193,16 @@ def test_data_parallel_traffic_within_the_compute_costs_nothing():
         rank = device("rank 0", 10**14, {gather: size})
         step = predict_step(MemoryPlan([rank], 2**40, "test", False, 4), job, CLUSTER)
         assert step.seconds == pytest.approx(step_seconds, rel=1e-6)
+
+
+def test_an_expert_parallel_all_to_all_over_data_parallel_ranks_adds_all_of_itself():
+    """A mixture's rows go to their experts' ranks and back over the data-parallel ranks, but the experts wait for
+    them: unlike FSDP's traffic, none of it hides behind the compute."""
+    job = resolved(
+        ["model=moe", "data=tokens", "strategy=fsdp", "trainer.devices=2", "strategy.expert_parallel_size=2"]
+    )
+    exchange = Link("all_to_all", "data_parallel", 2, 1)
+    size = int(0.5 * 100 * 10**9 * 2)  # half a second on the wire: an all-to-all of 2 ranks sends half its buffer
+    rank = device("rank 0", 10**14, {exchange: size})
+    step = predict_step(MemoryPlan([rank], 2**40, "test", False, 2), job, CLUSTER)
+    assert step.seconds == pytest.approx(2.0 + 0.5 + latency(exchange), rel=1e-6)  # 2 s of compute, as above

@@ -1,5 +1,6 @@
 """``strategy=fsdp``: FSDP2 (``fully_shard``) per block over the data-parallel ranks, optionally inside groups of
-``tensor_parallel_size`` ranks that each split every layer (2D), in torchtitan's order: tensor parallelism,
+``tensor_parallel_size`` ranks that each split every layer (2D), and with a mixture's experts split over groups of
+``expert_parallel_size`` data-parallel ranks, in torchtitan's order: tensor parallelism, expert parallelism,
 activation checkpointing, then FSDP. The model's own activation checkpointing and compilation (``model.*``) wrap
 the blocks before the layout acts."""
 
@@ -14,7 +15,8 @@ from project.job.job import Change, Job
 from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
-from project.parallel.dims import DATA_PARALLEL, ParallelDims, divisors
+from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, ParallelDims, divisors
+from project.parallel.expert_parallel import apply_expert_parallel, expert_counts
 from project.parallel.parallelize import (
     Checkpointing,
     apply_activation_checkpointing,
@@ -32,9 +34,12 @@ class FSDPLayout(ShardedLayout):
     activation_checkpointing: Checkpointing = "off"  # the strategy's own (strategy.activation_checkpointing)
     cpu_offload: bool = False
     reduce_dtype: torch.dtype = torch.float32
+    expert_parallel: int = 1  # data-parallel ranks that split a mixture's experts (strategy.expert_parallel_size)
 
     def dims(self, world_size: int) -> ParallelDims:
-        return ParallelDims(world_size, tensor_parallel=self.tensor_parallel.size, shard=True)
+        return ParallelDims(
+            world_size, tensor_parallel=self.tensor_parallel.size, shard=True, expert_parallel=self.expert_parallel
+        )
 
     def problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
         problem = super().problem(job, net)
@@ -44,12 +49,48 @@ class FSDPLayout(ShardedLayout):
                 "moves parameter shards from GPU to CPU memory, but this run has no GPU.",
                 "set strategy.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
             )
-        return problem
+        return problem or self._expert_parallel_problem(job, net)
+
+    def _expert_parallel_problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
+        size = self.expert_parallel
+        if size == 1:
+            return None
+        experts = expert_counts(net)
+        if not experts:
+            return ConfigError(
+                "strategy.expert_parallel_size",
+                f"is {size}, but {type(net).__name__} has no mixture of experts to split.",
+                "set strategy.expert_parallel_size=1, or train a mixture (model=moe).",
+            )
+        if experts[0] % size:
+            return ConfigError(
+                "strategy.expert_parallel_size",
+                f"is {size}, which does not divide the {experts[0]} experts (model.net.num_experts).",
+                f"use a divisor of {experts[0]}.",
+            )
+        if job.activation_checkpointing == "selective":
+            # The experts' own FSDP unit gathers inside the checkpointed block: its hooks' ops, which the selective
+            # policy's replay counts, differ between the forward and the recompute, and torch refuses the recompute.
+            return ConfigError(
+                "model.activation_checkpointing",
+                f"is selective, which experts split over ranks (strategy.expert_parallel_size={size}) cannot use yet.",
+                "use model.activation_checkpointing=true (every block recomputed) or false.",
+            )
+        replicas = job.world_size // self.tensor_parallel.size  # (the tensor-parallel size divides it: checked)
+        if replicas % size:
+            return ConfigError(
+                "strategy.expert_parallel_size",
+                f"is {size}, but the {replicas} data-parallel ranks do not divide into groups of {size}.",
+                f"use a divisor of {replicas}, or a multiple of {size} devices (trainer.devices).",
+            )
+        return None
 
     def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> list[nn.Module]:
         """Tensor parallelism if asked, then activation checkpointing if asked, then FSDP2 per block over the
         data-parallel dimension, gathering parameters in the precision's compute dtype."""
         self.tensor_parallel.apply(model, mesh)
+        if self.expert_parallel > 1:
+            apply_expert_parallel(model, mesh[EXPERT])
         param_dtype = fsdp_param_dtype(precision)
         apply_activation_checkpointing(model, self.activation_checkpointing)
         apply_fsdp(
@@ -59,6 +100,7 @@ class FSDPLayout(ShardedLayout):
             param_dtype=param_dtype,
             reduce_dtype=self.reduce_dtype if param_dtype is not None else None,
             cpu_offload=self.cpu_offload,
+            expert_shard_mesh=mesh[EXPERT_SHARD] if self.expert_parallel > 1 else None,
         )
         return [model]
 
@@ -69,9 +111,22 @@ class FSDPLayout(ShardedLayout):
         return iter(())  # the planner's own changes (checkpointing, a smaller batch, more devices) are FSDP's
 
     def search_space(self, job: Job, global_batch: int) -> Iterator[Change]:
-        """FSDP alone, and over groups of each tensor-parallel size within a node."""
+        """FSDP alone, and over groups of each tensor-parallel size within a node; for a mixture of experts, each
+        with its experts split over groups of each size within a node that divides them (expert parallelism)."""
+        experts = expert_counts(job.meta_net())
         for size in divisors(job.devices):
             replicas = ParallelDims(job.world_size, tensor_parallel=size, shard=True).data_parallel
-            if global_batch % replicas == 0:
-                text = f"strategy.tensor_parallel_size={size}" if size > 1 else ""
-                yield text, {"strategy.tensor_parallel_size": size, "data.batch_size": global_batch // replicas}
+            if global_batch % replicas:
+                continue
+            expert_sizes = [e for e in divisors(job.devices) if replicas % e == 0 and experts and experts[0] % e == 0]
+            for expert_size in expert_sizes or [1]:
+                parts = [f"strategy.tensor_parallel_size={size}" if size > 1 else ""]
+                parts.append(f"strategy.expert_parallel_size={expert_size}" if expert_size > 1 else "")
+                changes = {"strategy.tensor_parallel_size": size, "data.batch_size": global_batch // replicas}
+                yield (
+                    " ".join(part for part in parts if part),
+                    {
+                        **changes,
+                        "strategy.expert_parallel_size": expert_size,
+                    },
+                )

@@ -50,12 +50,20 @@ class ExpertMLPs(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Each expert once, on its own rows: ``rows`` sorted by expert, the first ``counts[0]`` expert 0's..."""
-        return torch.cat(
-            [
-                F.linear(F.silu(F.linear(part, self.gate[e])) * F.linear(part, self.up[e]), self.down[e])
-                for e, part in enumerate(rows.split(counts))
-            ]
-        )
+        return swiglu_experts(rows, counts, self.gate, self.up, self.down)
+
+
+def swiglu_experts(
+    rows: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The SwiGLU experts of the stacked weights ``gate``, ``up`` and ``down``, each on its own rows (``rows``
+    sorted by expert, ``counts[e]`` of them expert e's), their outputs in the same order."""
+    return torch.cat(
+        [
+            F.linear(F.silu(F.linear(part, gate[e])) * F.linear(part, up[e]), down[e])
+            for e, part in enumerate(rows.split(counts))
+        ]
+    )
 
 
 class Experts(nn.Module):

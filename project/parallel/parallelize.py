@@ -24,6 +24,7 @@ from project.models.init import initial_value
 from project.models.lora import is_adapter
 from project.models.nf4 import allocate_nf4, fill_nf4, is_nf4, splits_evenly
 from project.models.sequence import BlockSequence
+from project.parallel.expert_parallel import ExpertParallelMLPs
 
 
 def block_sizes(model: BlockSequence) -> list[int]:
@@ -243,9 +244,12 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
+    expert_shard_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard ``model`` with FSDP2 over ``mesh``: each block is one unit (gathered just before its own compute),
-    then the root takes whatever parameters remain (embeddings, heads)."""
+    then the root takes whatever parameters remain (embeddings, heads). Experts split over expert-parallel ranks
+    (``project.parallel.expert_parallel``) are units of their own first, sharded over ``expert_shard_mesh`` (the
+    ranks that hold the same experts)."""
     if isinstance(model, FSDPModule):
         return  # already sharded (Lightning may configure the model again, e.g. for validate after fit)
     options: dict[str, Any] = dict(
@@ -261,6 +265,10 @@ def apply_fsdp(
     whole = {p for p in model.parameters() if is_nf4(p) and not splits_evenly(p, shards)}
     if whole:
         options["ignored_params"] = whole
+    for experts in model.modules():
+        if isinstance(experts, ExpertParallelMLPs):
+            assert expert_shard_mesh is not None, "experts split over ranks need the mesh of their shards"
+            fully_shard(experts, **{**options, "mesh": expert_shard_mesh})
     for block in cast(nn.ModuleList, model.blocks):  # a BlockSequence's, or a pipeline StageModule's
         fully_shard(block, **options)
     fully_shard(model, **options)

@@ -20,8 +20,8 @@ The model, per device of the plan:
   each GPU's network port;
 - overlap: collectives over the data-parallel dimension run beside the compute (FSDP gathers the next block's
   parameters and reduces the last one's gradients while a block computes; DDP all-reduces its buckets during
-  backward), so only what exceeds the compute shows; tensor parallelism's and a pipeline's sends wait for their
-  results, so all of theirs shows;
+  backward), so only what exceeds the compute shows; tensor parallelism's collectives, expert parallelism's
+  all-to-alls and a pipeline's sends wait for their results, so all of theirs shows;
 - a pipeline's idle share (its bubble, ``Layout.bubble_fraction``) stretches the slowest stage.
 
 The step is the slowest device's. What it leaves out: the host's time to launch kernels (a small model's step can
@@ -153,7 +153,9 @@ def device_time(device: DevicePlan, cluster: Cluster) -> DeviceTime:
     for key, size in device.collectives.items():
         link = Link.parse(key)
         seconds = collective_seconds(link, size, device.collective_calls.get(key, 1), cluster)
-        if link.dim == DATA_PARALLEL and link.kind != "send":  # runs beside the compute
+        # Data parallelism's gathers and reductions run beside the compute; an expert-parallel all-to-all (also
+        # over data-parallel ranks) carries the rows the next computation needs: it waits, as a send does.
+        if link.dim == DATA_PARALLEL and link.kind not in ("send", "all_to_all"):
             overlapped += seconds
         else:
             critical += seconds

@@ -1,5 +1,6 @@
 """``strategy=fsdp``: FSDP2 (``fully_shard``) through Lightning's ModelParallelStrategy, optionally with tensor
-parallelism inside each data-parallel replica (2D); the layout is ``project.layouts.fsdp_layout``'s.
+parallelism inside each data-parallel replica (2D) and a mixture's experts split over groups of data-parallel ranks
+(expert parallelism); the layout is ``project.layouts.fsdp_layout``'s.
 
 Lightning's ``FSDPStrategy`` wraps the legacy FSDP1 and refuses CPUs; ``ModelParallelStrategy`` hosts FSDP2, runs on
 CPU (gloo) as on GPU (nccl), and saves distributed checkpoints (each rank writes its own shards, swapped in
@@ -30,6 +31,7 @@ class FSDPStrategy(ShardedStrategy):
         tensor_parallel_size: PositiveInt = 1,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
+        expert_parallel_size: PositiveInt = 1,
         **kwargs: Any,
     ) -> None:
         layout = FSDPLayout(
@@ -38,5 +40,6 @@ class FSDPStrategy(ShardedStrategy):
             activation_checkpointing=checkpointing_mode(activation_checkpointing),
             cpu_offload=cpu_offload,
             reduce_dtype=getattr(torch, reduce_dtype),
+            expert_parallel=expert_parallel_size,
         )
         super().__init__(layout, **kwargs)
