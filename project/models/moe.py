@@ -57,11 +57,13 @@ def swiglu_experts(
     rows: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
     """The SwiGLU experts of the stacked weights ``gate``, ``up`` and ``down``, each on its own rows (``rows``
-    sorted by expert, ``counts[e]`` of them expert e's), their outputs in the same order."""
+    sorted by expert, ``counts[e]`` of them expert e's), their outputs in the same order. The weights are unbound
+    once, not indexed per expert: each index's backward would make a zero gradient of the whole stack (experts
+    squared times an expert's weights, written and added), unbind's stacks the experts' gradients once."""
     return torch.cat(
         [
-            F.linear(F.silu(F.linear(part, gate[e])) * F.linear(part, up[e]), down[e])
-            for e, part in enumerate(rows.split(counts))
+            F.linear(F.silu(F.linear(part, g)) * F.linear(part, u), d)
+            for part, g, u, d in zip(rows.split(counts), gate.unbind(0), up.unbind(0), down.unbind(0), strict=True)
         ]
     )
 
