@@ -341,11 +341,12 @@ def _cuda_rms_norm(
     x: torch.Tensor, normalized_shape: list[int], weight: torch.Tensor | None = None, eps: float | None = None
 ) -> torch.Tensor:
     """``rms_norm`` as on CUDA (layer_norm.cpp, ``rms_norm_symint``): fused where the weight's dtype is the
-    input's, else torch's composite of ops, each saving its own inputs."""
+    input's, else torch's composite of ops, each saving its own inputs (also where this torch has no fused kernel:
+    the op is recent)."""
     eps = torch.finfo(torch.float32).eps if eps is None else eps
-    if weight is not None and weight.dtype != x.dtype:
+    if (weight is not None and weight.dtype != x.dtype) or not _exists("_fused_rms_norm_backward"):
         normalized, _ = _rms_normalized(x, normalized_shape, eps)
-        return (normalized * weight).to(x.dtype)
+        return (normalized if weight is None else normalized * weight).to(x.dtype)
     return _FusedRMSNorm.apply(x, normalized_shape, weight, eps)
 
 
