@@ -15,11 +15,12 @@ from test_config import compose_train
 from test_hf import LLAMA, transformers_val_loss
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from project.checkpointing.hf import HFWeights, net_options, read_config, write_hf_dir
 from project.models import MoE
 from project.models.lora import LoRA, apply_lora
-from project.models.moe import Experts
+from project.models.moe import ExpertMLPs, Experts, swiglu_experts
 from project.parallel.fake_process_group import fake_process_group
 from project.parallel.parallelize import apply_fsdp, materialize
 
@@ -192,6 +193,54 @@ def test_a_hugging_face_mixture_evaluates_to_its_transformers_loss_under_fsdp(tm
     train([*overrides, f"hydra.run.dir={tmp_path / 'run'}"], home)
     run_loss = json.loads((tmp_path / "run" / "result.json").read_text())["final"]["val/loss"]
     assert transformers_val_loss(reference, overrides) == pytest.approx(run_loss, rel=1e-5)
+
+
+class OpsSeen(TorchDispatchMode):
+    """The aten ops run while active (their overload packets)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: set = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func._overloadpacket)
+        return func(*args, **(kwargs or {}))
+
+
+def test_in_bfloat16_the_experts_run_as_grouped_matmuls_equal_to_a_loop():
+    """Under bf16 autocast the experts are three ``_grouped_mm`` calls, no plain matmul, whose outputs and
+    gradients (rows and stacked weights) equal a loop over the experts' ``F.linear`` under the same autocast; an
+    expert with no rows included. In float32 they run as that loop."""
+    torch.manual_seed(0)
+    mlps = ExpertMLPs(4, 24, 16)
+    with torch.no_grad():
+        for parameter in mlps.parameters():
+            parameter.normal_(0, 0.3)
+    rows, counts = torch.randn(30, 24), [12, 0, 11, 7]
+
+    def loop(rows, gate, up, down):
+        parts = zip(rows.split(counts), gate.unbind(0), up.unbind(0), down.unbind(0), strict=True)
+        return torch.cat([F.linear(F.silu(F.linear(p, g)) * F.linear(p, u), d) for p, g, u, d in parts])
+
+    weights = list(mlps.parameters())
+    cotangent = torch.randn(30, 24)
+    results = {}
+    for name in ("grouped", "loop"):
+        leaves = [tensor.detach().clone().requires_grad_() for tensor in (rows, *weights)]
+        with torch.autocast("cpu", dtype=torch.bfloat16), OpsSeen() as seen:
+            out = swiglu_experts(leaves[0], counts, *leaves[1:]) if name == "grouped" else loop(*leaves)
+            (out.float() * cotangent).sum().backward()
+        results[name] = (out, [leaf.grad for leaf in leaves], seen.ops)
+    (out, grads, ops), (out_loop, grads_loop, _) = results["grouped"], results["loop"]
+    assert torch.ops.aten._grouped_mm in ops and not ops & {torch.ops.aten.mm, torch.ops.aten.addmm}
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), out_loop.float(), rtol=1e-2, atol=1e-2)
+    for grad, grad_loop in zip(grads, grads_loop, strict=True):
+        assert torch.allclose(grad, grad_loop, rtol=2e-2, atol=2e-2)
+    assert grads[2][1].abs().sum() == 0  # expert 1 had no rows
+    with OpsSeen() as seen:
+        mlps(rows, counts)
+    assert torch.ops.aten._grouped_mm not in seen.ops
 
 
 def test_a_plan_of_a_mixture_routes_evenly_on_fake_tensors():

@@ -88,6 +88,21 @@ def test_a_matmul_counts_its_flops_bytes_and_output_tiles():
     assert counts.flops == kernel.flops and counts.moved_bytes == 0
 
 
+def test_a_grouped_matmul_counts_each_groups_products_forward_and_backward():
+    """The experts' grouped matmul, 30 rows of width 24 into 4 experts of 16 (rows 12, 0, 11, 7): forward and
+    the two gradients are each 2 x 30 x 24 x 16 FLOPs, however the rows are grouped; the weight's gradient is
+    the grouped matmul of two 2-D operands, whose output (4 x 24 x 16) sums each group's own rows only."""
+    rows = torch.ones(30, 24, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.ones(4, 16, 24, dtype=torch.bfloat16, requires_grad=True)
+    ends = torch.tensor([12, 12, 23, 30], dtype=torch.int32)
+    with StepCounts(4, "data_parallel") as counts:
+        out = torch._grouped_mm(rows, weight.mT, offs=ends)
+        out.backward(torch.ones_like(out))
+    assert counts.flops == 3 * 2 * 30 * 24 * 16
+    assert {Kernel.parse(key).kind for key in counts.kernels} == {"matmul"}
+    assert sum(counts.kernels.values()) == 3
+
+
 def test_causal_attention_counts_its_scores_exponentials():
     q = k = v = torch.ones(2, 3, 64, 16)  # batch 2, 3 heads, 64 tokens, width 16
     with StepCounts(4, "data_parallel") as counts:

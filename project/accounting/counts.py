@@ -72,11 +72,22 @@ def _attention_backward(
     return flop_counter.sdpa_backward_flop_count(grad, query_shape, key_shape, value_shape)
 
 
-# torch's formulas, with the fused attention kernels' counted at the query's heads (torch 2.13 has no formula for
-# the CPU's kernel, which a simulation of a CPU job runs; 2.11's for the GPUs' refuse grouped-query shapes): the
-# query, key and value are each kernel's first arguments, after the output's gradient backward.
+def _grouped_matmul(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any, **kwargs: Any) -> int:
+    """``_grouped_mm``'s FLOPs (torch 2.13 has no formula): 2 x each output value x the inner size, which is
+    ``a``'s last. Where both operands are 2-D (a weight's gradient), the inner dim is the one split into groups,
+    so each group's output sums over its own part of it."""
+    if len(a_shape) == len(b_shape) == 2:
+        return 2 * out_shape[-2] * out_shape[-1] * a_shape[-1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+# torch's formulas, with _grouped_mm's, and the fused attention kernels' counted at the query's heads (torch 2.13
+# has no formula for the CPU's kernel, which a simulation of a CPU job runs; 2.11's for the GPUs' refuse
+# grouped-query shapes): the query, key and value are each kernel's first arguments, after the output's gradient
+# backward.
 FLOP_FORMULAS = {
     **flop_counter.flop_registry,
+    aten._grouped_mm: flop_counter.shape_wrapper(_grouped_matmul),
     **{
         kernel: flop_counter.shape_wrapper(formula)
         for forward in (
@@ -92,8 +103,8 @@ FLOP_FORMULAS = {
 }
 
 
-# The GEMMs of a step (batched or not, with a bias or not): priced by their shape (``Matmul``).
-MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm}
+# The GEMMs of a step (batched, grouped or not, with a bias or not): priced by their shape (``Matmul``).
+MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm}
 # Ops that move no data: views, and allocations a kernel writes later (what it writes is counted there).
 # ``_unsafe_view`` is a view its schema does not declare; ops without a tensor output launch no kernel.
 NO_DATA = {

@@ -14,9 +14,13 @@ and its token goes on through its other experts and the residual stream. Evaluat
 do not depend on the batch size.
 
 The experts' weights are stacked, one tensor per projection over all experts (``ExpertMLPs``: ``gate`` and ``up``,
-experts x hidden x dim, ``down``, experts x dim x hidden), the layout expert parallelism shards by experts.
+experts x hidden x dim, ``down``, experts x dim x hidden), the layout expert parallelism shards by experts. In
+bfloat16 (``bf16-mixed`` or ``bf16-true``) the experts run as three grouped matmuls (``torch._grouped_mm``, one
+kernel for all experts, as torchtitan's ``GroupedExperts``); in other precisions, or on a GPU older than the A100,
+in a loop over the experts.
 """
 
+import itertools
 import math
 
 import torch
@@ -57,15 +61,62 @@ def swiglu_experts(
     rows: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
     """The SwiGLU experts of the stacked weights ``gate``, ``up`` and ``down``, each on its own rows (``rows``
-    sorted by expert, ``counts[e]`` of them expert e's), their outputs in the same order. The weights are unbound
-    once, not indexed per expert: each index's backward would make a zero gradient of the whole stack (experts
-    squared times an expert's weights, written and added), unbind's stacks the experts' gradients once."""
+    sorted by expert, ``counts[e]`` of them expert e's), their outputs in the same order: three grouped matmuls
+    where ``runs_grouped`` says torch has them, else a loop over the experts."""
+    dtype = compute_dtype(rows)
+    if runs_grouped(rows, dtype, gate):
+        return grouped_swiglu_experts(rows, counts, gate, up, down, dtype)
+    return looped_swiglu_experts(rows, counts, gate, up, down)
+
+
+def grouped_swiglu_experts(
+    rows: torch.Tensor,
+    counts: list[int],
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``swiglu_experts`` as three ``torch._grouped_mm`` calls in ``dtype``, one kernel each for all experts."""
+    # autocast has no policy for _grouped_mm: cast as it casts F.linear's operands
+    rows, gate, up, down = (tensor.to(dtype) for tensor in (rows, gate, up, down))
+    ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32, device=rows.device)
+    hidden = F.silu(torch._grouped_mm(rows, gate.mT, offs=ends)) * torch._grouped_mm(rows, up.mT, offs=ends)
+    return torch._grouped_mm(hidden, down.mT, offs=ends)
+
+
+def looped_swiglu_experts(
+    rows: torch.Tensor, counts: list[int], gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """``swiglu_experts`` as a loop over the experts, three ``F.linear`` each. The weights are unbound once, not
+    indexed per expert: each index's backward would make a zero gradient of the whole stack (experts squared times
+    an expert's weights, written and added), unbind's stacks the experts' gradients once."""
     return torch.cat(
         [
             F.linear(F.silu(F.linear(part, g)) * F.linear(part, u), d)
             for part, g, u, d in zip(rows.split(counts), gate.unbind(0), up.unbind(0), down.unbind(0), strict=True)
         ]
     )
+
+
+def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of ``tensor`` computes in: autocast's where it is on for its device, else its own."""
+    device = tensor.device.type
+    if device in ("cpu", "cuda") and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return tensor.dtype
+
+
+def runs_grouped(rows: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs the experts of ``rows`` (computing in ``dtype``, weights shaped as
+    ``weight``): it takes bfloat16 alone (its meta kernel, which the memory plan runs, refuses the rest); on CUDA
+    it needs compute capability 8.0 and rows of 16-byte multiples. Elsewhere the experts run in a loop."""
+    if dtype != torch.bfloat16:
+        return False
+    if rows.is_cuda:
+        aligned = all(size % 8 == 0 for size in weight.shape[1:])  # 8 bfloat16 values: 16 bytes
+        return aligned and torch.cuda.get_device_capability(rows.device) >= (8, 0)
+    return True
 
 
 class Experts(nn.Module):

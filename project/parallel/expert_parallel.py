@@ -16,6 +16,7 @@ division is by all the data-parallel ranks, as every other gradient's. (FSDP's o
 would do it in the reduction, with a reduce op gloo lacks.)
 """
 
+import warnings
 from typing import Any
 
 import torch
@@ -26,6 +27,10 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from project.models.moe import ExpertMLPs, Experts, holds_values, swiglu_experts
 from project.models.sequence import BlockSequence
+
+# FSDP warns that the experts' output is a view (the last all-to-all's), on which an in-place op would skip its
+# pre-backward hook; ``Experts.forward`` only multiplies it, out of place.
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPExpertParallelMLPs\) returned a view tensor")
 
 
 class ExpertParallelMLPs(ExpertMLPs):

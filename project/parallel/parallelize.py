@@ -144,9 +144,9 @@ def checkpointing_mode(setting: ActivationCheckpointing | None) -> Checkpointing
 
 # torchtitan's per-op policy (torchtitan/models/llama3/infra/parallelize.py, _save_list): the outputs of the
 # compute-heavy ops are kept, all else recomputed; of the matmuls, every second is recomputed too, which halves
-# what they keep for a little compute. Ours also keeps the CPU's attention kernel and the biased matmul (addmm),
-# which the GPT's linear layers run as.
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+# what they keep for a little compute. Ours also keeps the CPU's attention kernel, the biased matmul (addmm), which
+# the GPT's linear layers run as, and the experts' grouped matmul.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._grouped_mm.default}
 _SAVED = _MATMULS | {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,
