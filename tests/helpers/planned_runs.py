@@ -1,13 +1,20 @@
 """The runs of the GPU memory-plan test (``tests/test_gpu.py``), which ``benchmarks/memory_plan.py gpu`` plans
 again on the CPU against the peaks those runs measured (docs/gpu.md)."""
 
-# Presets at sequence 1024, bf16-mixed, a few steps each. The models get their own vocabularies (GPT-2's, padded to
-# 64; Llama 3's); the Markov language's stays small, since its generator holds a dense vocab x vocab matrix, and the
-# embedding, output layer and loss cost the same whichever ids occur.
+# Presets (and a mixture of experts) at sequence 1024, bf16-mixed, a few steps each. The models get their own
+# vocabularies (GPT-2's, padded to 64; Llama 3's); the Markov language's stays small, since its generator holds a
+# dense vocab x vocab matrix, and the embedding, output layer and loss cost the same whichever ids occur.
 PLANNED_MODELS = {  # preset: (its overrides, sequences per step)
     "gpt_125m": (["model=gpt_125m", "model.net.vocab_size=50304"], 8),
     "gpt_350m": (["model=gpt_350m", "model.net.vocab_size=50304"], 8),
     "llama_1b": (["model=llama_1b", "model.net.vocab_size=128256"], 4),
+    # Qwen 3 MoE's kind at 0.7 B: 8 blocks of 32 experts, 4 a token (16,384 rows a block, grouped matmuls in bf16)
+    "moe_0_7b": (
+        ["model=moe", "model.net.vocab_size=128256", "model.net.num_layers=8", "model.net.dim=1024"]
+        + ["model.net.num_heads=16", "model.net.num_kv_heads=4", "model.net.num_experts=32"]
+        + ["model.net.experts_per_token=4", "model.net.expert_hidden_dim=512"],
+        4,
+    ),
 }
 STEPS = 3
 
