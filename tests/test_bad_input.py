@@ -536,6 +536,14 @@ CASES = [
         + ["model.activation_checkpointing=selective"],
         "model.activation_checkpointing: is selective, which experts split over ranks",
     ),
+    (
+        ["model=moe", "strategy=pipeline", "trainer.devices=2", "model.net.load_balancing_weight=0.01"],
+        "model.net.load_balancing_weight: is not 0, but a pipeline's stages cannot add",
+    ),
+    (
+        ["model=moe", "data=tokens", "model.net.load_balancing_weight=-1"],
+        "model.net.load_balancing_weight: must be a number of at least 0, got -1",
+    ),
     (  # expert parallelism is fsdp's
         ["model=moe", "strategy=ddp", "trainer.devices=2", "strategy.expert_parallel_size=2"],
         "strategy.expert_parallel_size: is not a key of strategy (its keys are",

@@ -20,9 +20,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from project.checkpointing.hf import HFWeights, net_options, read_config, write_hf_dir
 from project.models import MoE
 from project.models.lora import LoRA, apply_lora
-from project.models.moe import ExpertMLPs, Experts, swiglu_experts
+from project.models.moe import ExpertMLPs, Experts, auxiliary_loss, mixtures, swiglu_experts
 from project.parallel.fake_process_group import fake_process_group
-from project.parallel.parallelize import apply_fsdp, materialize
+from project.parallel.parallelize import apply_activation_checkpointing, apply_fsdp, materialize
 
 transformers = pytest.importorskip("transformers")
 
@@ -241,6 +241,67 @@ def test_in_bfloat16_the_experts_run_as_grouped_matmuls_equal_to_a_loop():
     with OpsSeen() as seen:
         mlps(rows, counts)
     assert torch.ops.aten._grouped_mm not in seen.ops
+
+
+def tiny_mixture(**options) -> MoE:
+    """3 blocks, the first dense, 6 experts of which 2 a token, weights drawn with std 0.3 (routing far from even)."""
+    torch.manual_seed(0)
+    net = MoE(vocab_size=32, max_length=16, num_layers=3, dim=24, num_heads=2, num_kv_heads=1, hidden_dim=32,
+              num_experts=6, experts_per_token=2, expert_hidden_dim=20, first_dense_layers=1, **options)  # fmt: skip
+    with torch.no_grad():
+        for parameter in net.parameters():
+            parameter.normal_(0, 0.3)
+    return net
+
+
+def router_logits(net: MoE) -> list[torch.Tensor]:
+    """The routers' logits of ``net``'s forwards, appended as they run (forward hooks)."""
+    logits: list[torch.Tensor] = []
+    for block in net.blocks[1:]:
+        block.mlp.router.register_forward_hook(lambda module, inputs, output: logits.append(output))
+    return logits
+
+
+def test_the_balance_loss_is_transformers_and_enters_the_training_loss_weighted():
+    """Each mixture's balance loss equals transformers' ``load_balancing_loss_func`` of its router's logits, and
+    ``auxiliary_loss`` is the weight times their mean, with its gradient reaching the routers as that of
+    transformers' losses does."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    net = tiny_mixture(load_balancing_weight=0.1)
+    logits = router_logits(net)
+    net(torch.randint(0, 32, (4, 16)))
+    ours = auxiliary_loss(net)
+    theirs = 0.1 * torch.stack([load_balancing_loss_func((layer.float(),), 6, 2) for layer in logits]).mean()
+    assert torch.allclose(ours, theirs, rtol=1e-6)
+    assert ours > 0.1 * 2  # routing this uneven costs more than an even one's 2 (experts_per_token)
+    routers = [block.mlp.router.weight for block in net.blocks[1:]]
+    grads = torch.autograd.grad(ours, routers, retain_graph=True)  # the graph both losses share, up to the logits
+    for grad, expected in zip(grads, torch.autograd.grad(theirs, routers), strict=True):
+        assert torch.allclose(grad, expected, rtol=1e-5, atol=1e-8)
+    assert auxiliary_loss(tiny_mixture()) is None  # weight 0: nothing added
+
+
+def test_the_tally_counts_the_routers_choices_once_also_when_recomputed():
+    """Each mixture's tally: each expert's assignments (a hand count of the top 2 of its router's logits), the
+    ones a capacity dropped, over two training forwards; a checkpointed block's recompute in backward adds none."""
+    net = tiny_mixture(capacity_factor=0.5)
+    apply_activation_checkpointing(net, "full")
+    logits = router_logits(net)
+    for _ in range(2):
+        net(torch.randint(0, 32, (4, 16))).square().mean().backward()
+    forwards = logits[:2] + logits[4:6]  # each forward's two mixtures, then their recompute in backward
+    for layer, mixture in mixtures(net).items():
+        tally = mixture.take_tally()
+        chosen = [step[layer - 1].softmax(-1).topk(2).indices.flatten() for step in (forwards[:2], forwards[2:])]
+        counts = [torch.bincount(step, minlength=6) for step in chosen]
+        capacity = math.ceil(0.5 * 64 * 2 / 6)
+        assert tally.forwards == 2 and torch.equal(tally.load, sum(counts))
+        assert tally.dropped == sum(int((count - capacity).clamp(min=0).sum()) for count in counts) > 0
+        assert mixture.take_tally() is None  # taken
+    net.eval()
+    net(torch.randint(0, 32, (4, 16)))
+    assert all(mixture.tally is None for mixture in mixtures(net).values())  # evaluation tallies nothing
 
 
 def test_a_plan_of_a_mixture_routes_evenly_on_fake_tensors():

@@ -1,5 +1,6 @@
 """The report of a real sweep over ddp, fsdp and pipeline, rendered by headless Chromium and read from its DOM."""
 
+import json
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ class RenderedCharts(HTMLParser):
         self.bar_labels: dict[str, list[list[str]]] = defaultdict(list)  # chart id -> per bar trace, its labels
         self.xticks: dict[str, list[str]] = defaultdict(list)  # chart id -> x-axis tick labels
         self.strokes: dict[str, list[str]] = defaultdict(list)  # chart id -> per line trace, its line's stroke colour
+        self.cells: dict[str, list[str]] = defaultdict(list)  # chart id -> a heatmap's cell labels, in drawing order
         self.table: list[list[str]] = []  # the runs table: the header row, then a row per job
         self._text: list[str] | None = None
 
@@ -66,7 +68,8 @@ class RenderedCharts(HTMLParser):
         if chart and tag == "path" and "js-line" in classes and not in_legend:
             self.strokes[chart].append(re.search(r"stroke: (rgb\([^)]*\))", attrs.get("style", "")).group(1))
         in_xtick = any(tag == "g" and "xtick" in attrs.get("class", "").split() for tag, attrs in self.stack)
-        if chart and tag == "text" and ("legendtext" in classes or "bartext" in classes or in_xtick):
+        in_cell = bool(self.stack) and "heatmap-label" in self.stack[-1][1].get("class", "").split()
+        if chart and tag == "text" and ("legendtext" in classes or "bartext" in classes or in_xtick or in_cell):
             self._text = []
         if tag == "tr" and any(attrs.get("id") == "runs" for _, attrs in self.stack):
             self.table.append([])
@@ -90,6 +93,8 @@ class RenderedCharts(HTMLParser):
                 self.legend[chart].append(text)
             elif "bartext" in tag_attrs.get("class", ""):
                 self.bar_labels[chart][-1].append(text)
+            elif "heatmap-label" in self.stack[-2][1].get("class", ""):
+                self.cells[chart].append(text)
             else:
                 self.xticks[chart].append(text)
             self._text = None
@@ -204,3 +209,15 @@ def test_a_sweep_with_broken_job_records_is_reported_and_summarised_without_them
     assert jobs == 3 and rows[0].split("|")[3].strip() == "completed", table
     assert rows[1].split("|")[3].strip().startswith("unreadable: "), table
     assert rows[2].split("|")[3].strip().startswith("unreadable: while parsing"), table
+
+
+@pytest.mark.slow
+def test_the_report_shows_a_mixtures_load_per_expert_over_the_epochs(moe_balanced, tmp_path, home):
+    """The tiny mixture's run (top 2 of 4 experts): a heatmap of each expert's share of the assignments, epoch by
+    epoch, its cells the shares result.json holds, and the balance loss and imbalance as curves."""
+    charts = render_report(moe_balanced, tmp_path, [], home, screenshot=False)
+    history = json.loads((moe_balanced / "result.json").read_text())["history"]
+    assert len(history) == 3
+    assert charts.cells["experts-load-0"] == [f"{row[f'experts/load/{e}']:.3f}" for row in history for e in range(4)]
+    for chart in ("curve-experts-balance_loss", "curve-experts-imbalance"):
+        assert len(charts.traces[chart]) == 1 and charts.xticks[chart] == ["0", "1", "2"], chart

@@ -25,7 +25,16 @@ from project.launch.results import RESULT_FILE, sweep_rows
 from project.options.errors import ConfigError, check_writable
 
 # Curves drawn when the runs logged them, one chart each.
-CURVES = ["train/loss", "val/loss", "train/acc", "val/acc", "val/perplexity"]
+CURVES = [
+    "train/loss",
+    "val/loss",
+    "train/acc",
+    "val/acc",
+    "val/perplexity",
+    "experts/balance_loss",  # a mixture of experts' routing (project.tasks.metrics.ExpertLoad)
+    "experts/imbalance",
+]
+EXPERT_LOAD = "experts/load/"  # experts/load/<e>: expert e's share of a mixture's assignments in the epoch
 FLOOR = "data/entropy_floor"  # drawn on the loss charts: the best loss the data allows
 
 
@@ -174,6 +183,34 @@ def curve_figure(metric: str, jobs: list[Job], colour: dict[str, str], by: str |
     return figure
 
 
+def expert_load_figure(job: Job) -> go.Figure | None:
+    """A mixture of experts' load over the epochs: a heatmap of each expert's share of the assignments (x: expert,
+    y: epoch), the value written in each cell where the experts are few enough to read it (None: not logged)."""
+    rows = [row for row in job.result.get("history", []) if f"{EXPERT_LOAD}0" in row]
+    if not rows:
+        return None
+    experts = sum(key.startswith(EXPERT_LOAD) for key in rows[0])
+    shares = [[row[f"{EXPERT_LOAD}{expert}"] for expert in range(experts)] for row in rows]
+    figure = go.Figure(
+        go.Heatmap(
+            z=shares,
+            x=list(range(experts)),
+            y=[row["epoch"] for row in rows],
+            colorscale=SCALE,
+            colorbar={"title": {"text": "share"}},
+            texttemplate="%{z:.3f}" if experts <= 16 else None,
+            hovertemplate="expert %{x}, epoch %{y}: %{z:.4f} of the assignments<extra></extra>",
+        )
+    )
+    figure.update_layout(
+        title=f"Load per expert: {job.label} (even: {1 / experts:.3g} each)",
+        xaxis={"title": "expert", "dtick": max(1, math.ceil(experts / 16))},
+        yaxis={"title": "epoch", "dtick": max(1, math.ceil(len(rows) / 10))},
+        height=420,
+    )
+    return figure
+
+
 def device_label(device: dict[str, Any]) -> str:
     stage = device.get("stage", 0)
     return f"rank {device['rank']}" + (f" stage {stage}" if stage else "")
@@ -261,7 +298,9 @@ def write_report(
     )
     if rate:
         per_device["throughput"] = device_figure(rate, f"Throughput per device ({rate.split('/')[1]})", jobs)
-    first = next(iter([*curves, *per_device]), None)  # the one that carries plotly.js
+    loads = {f"experts-load-{index}": expert_load_figure(job) for index, job in enumerate(jobs)}
+    experts = {name: figure for name, figure in loads.items() if figure is not None}
+    first = next(iter([*curves, *experts, *per_device]), None)  # the one that carries plotly.js
 
     def charts(figures: dict[str, go.Figure]) -> str:
         return "".join(
@@ -280,6 +319,7 @@ td, th {{border: 1px solid #ccc; padding: 4px 8px; text-align: left;}}
 <p>{len(jobs)} jobs from {sources}{shown}, {time.strftime("%Y-%m-%d %H:%M")}; colour: {html.escape(by or "job")}.</p>
 <h2>Runs</h2>{runs_table(jobs)}
 <h2>Per epoch</h2><div class="charts">{charts(curves)}</div>
+{f'<h2>Experts</h2><div class="charts">{charts(experts)}</div>' if experts else ""}
 <h2>Per device (latest epoch)</h2><div class="charts">{charts(per_device)}</div>
 </body></html>
 """

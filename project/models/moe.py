@@ -18,10 +18,16 @@ experts x hidden x dim, ``down``, experts x dim x hidden), the layout expert par
 bfloat16 (``bf16-mixed`` or ``bf16-true``) the experts run as three grouped matmuls (``torch._grouped_mm``, one
 kernel for all experts, as torchtitan's ``GroupedExperts``); in other precisions, or on a GPU older than the A100,
 in a loop over the experts.
+
+Balance: with ``load_balancing_weight`` w, training adds w x the mixtures' mean Switch balance loss
+(``Experts.balance_loss``) to the loss. Each mixture tallies its routing in training (each expert's assignments,
+the dropped ones, the balance loss), which the per-epoch ``experts/*`` metrics report
+(``project.tasks.metrics.ExpertLoad``).
 """
 
 import itertools
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,7 +38,7 @@ from project.models.gpt import LMHead
 from project.models.llama import Block, SwiGLU, TokenEmbedding, head_options, init_decoder_parameter
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
-from project.options.option_types import PositiveFloat, PositiveInt
+from project.options.option_types import NonNegativeFloat, PositiveFloat, PositiveInt
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 
@@ -121,7 +127,8 @@ def runs_grouped(rows: torch.Tensor, dtype: torch.dtype, weight: torch.Tensor) -
 
 class Experts(nn.Module):
     """A router, ``num_experts`` SwiGLU experts (``experts``) and optionally a shared one: a mixture-of-experts
-    MLP."""
+    MLP. In training it keeps its balance loss times ``load_balancing_weight`` (``auxiliary_loss``), which the
+    training step adds to the loss, and a tally of its routing (``take_tally``), which the epoch's metrics read."""
 
     def __init__(
         self,
@@ -133,6 +140,7 @@ class Experts(nn.Module):
         normalize_weights: bool,
         capacity_factor: float | None,
         shared_hidden_dim: int | None,
+        load_balancing_weight: float = 0.0,
     ) -> None:
         super().__init__()
         self.num_experts, self.experts_per_token = num_experts, experts_per_token
@@ -141,15 +149,29 @@ class Experts(nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False)
         self.experts = ExpertMLPs(num_experts, dim, hidden_dim)
         self.shared = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.load_balancing_weight = load_balancing_weight
+        self.auxiliary_loss: torch.Tensor | None = None  # the last training forward's weighted balance loss
+        self.tally: RoutingTally | None = None  # what the router did since take_tally
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """For each token of ``x`` (tokens x dim): its experts (tokens x experts_per_token) and their weights."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For each token of ``x`` (tokens x dim): its experts (tokens x experts_per_token), their weights, and its
+        probability over all the experts (float32, tokens x experts: the softmax, or the sigmoids normalised to sum
+        to 1, as DeepSeek-V3's balance loss takes them), which the balance loss reads."""
         logits = self.router(x).float()  # scores in float32, as transformers' routers compute them
         scores = logits.softmax(dim=-1) if self.router_scores == "softmax" else logits.sigmoid()
         weights, chosen = scores.topk(self.experts_per_token, dim=-1)
         if self.normalize_weights:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return chosen, weights.to(x.dtype)
+        probabilities = scores if self.router_scores == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(x.dtype), probabilities
+
+    def balance_loss(self, counts: torch.Tensor, probabilities: torch.Tensor) -> torch.Tensor:
+        """The Switch Transformer's load-balancing loss of a batch, as transformers' ``load_balancing_loss_func``
+        computes it for one layer: ``num_experts`` x the sum over the experts of (its assignments per token) x (its
+        mean probability). It is ``experts_per_token`` when the load and the probabilities are even, and more as they
+        gather on the same experts; its gradient reaches the router through the probabilities."""
+        per_token = counts.to(probabilities.dtype) / probabilities.shape[0]
+        return self.num_experts * (per_token * probabilities.mean(dim=0)).sum()
 
     def capacity(self, tokens: int) -> int | None:
         """The most assignments an expert takes of a training batch of ``tokens`` tokens (None: no limit). In
@@ -161,7 +183,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape, dim = x.shape, x.shape[-1]
         x = x.reshape(-1, dim)
-        chosen, weights = self.route(x)
+        chosen, weights, probabilities = self.route(x)
         assignments = chosen.reshape(-1)
         order = assignments.argsort(stable=True)  # by expert; within one, in token order
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device)
@@ -176,6 +198,8 @@ class Experts(nn.Module):
             rank = torch.arange(order.numel(), device=x.device) - starts.repeat_interleave(counts)
             kept = order[rank < capacity]
         tokens = kept // self.experts_per_token
+        if self.training:
+            self._note(counts, kept, probabilities)
         y = self.experts(x[tokens], taken) * weights.reshape(-1)[kept, None]
         out = torch.zeros_like(x).index_add_(0, tokens, y)
         if self.shared is not None:
@@ -193,6 +217,53 @@ class Experts(nn.Module):
         capacity = self.capacity(tokens)
         return counts_list if capacity is None else [min(count, capacity) for count in counts_list]
 
+    def _note(self, counts: torch.Tensor, kept: torch.Tensor, probabilities: torch.Tensor) -> None:
+        """A training forward's balance loss (``auxiliary_loss``, weighted, in the graph, when the weight is not 0)
+        and its tally. Not in a checkpointed block's recompute, which runs inside backward: counted twice else."""
+        balance = self.balance_loss(counts, probabilities)
+        self.auxiliary_loss = self.load_balancing_weight * balance if self.load_balancing_weight else None
+        if not holds_values(counts) or torch._C._current_graph_task_id() != -1:  # a plan's, or a recompute
+            return
+        dropped = counts.sum() - kept.numel()
+        if self.tally is None:
+            self.tally = RoutingTally(counts.clone(), dropped, balance.detach(), 1)
+        else:
+            self.tally.add(counts, dropped, balance.detach())
+
+    def take_tally(self) -> "RoutingTally | None":
+        """The tally since the last call (None: no training forward since), and a fresh one begun."""
+        tally, self.tally = self.tally, None
+        return tally
+
+
+@dataclass
+class RoutingTally:
+    """What a mixture's router did in training forwards: each expert's assignments (``load``, before a capacity
+    drops any), the assignments dropped, the sum of the forwards' balance losses, and the forwards."""
+
+    load: torch.Tensor
+    dropped: torch.Tensor
+    balance: torch.Tensor
+    forwards: int
+
+    def add(self, load: torch.Tensor, dropped: torch.Tensor, balance: torch.Tensor) -> None:
+        self.load += load
+        self.dropped += dropped
+        self.balance += balance
+        self.forwards += 1
+
+
+def mixtures(net: nn.Module) -> dict[int, Experts]:
+    """The mixtures of ``net``'s blocks this rank holds, by block index (a pipeline stage holds some)."""
+    blocks = getattr(net, "blocks", [])
+    return {index: block.mlp for index, block in enumerate(blocks) if isinstance(getattr(block, "mlp", None), Experts)}
+
+
+def auxiliary_loss(net: nn.Module) -> torch.Tensor | None:
+    """The weighted balance losses of ``net``'s last training forward, summed over its mixtures (None: none)."""
+    losses = [mixture.auxiliary_loss for mixture in mixtures(net).values() if mixture.auxiliary_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
 
 class MoE(BlockSequence):
     """Decoder-only transformer of mixture-of-experts blocks, token ids (batch, length) to next-token logits.
@@ -200,7 +271,9 @@ class MoE(BlockSequence):
     Llama's options (``project.models.Llama``; ``hidden_dim``: the dense blocks' MLP width), and: ``num_experts``,
     ``experts_per_token``, ``expert_hidden_dim`` (each expert's MLP width), ``first_dense_layers`` (blocks with a
     dense MLP before the first mixture, DeepSeek's), ``router_scores`` (softmax or sigmoid), ``normalize_weights``,
-    ``capacity_factor`` (null: drop nothing) and ``shared_expert_hidden_dim`` (null: no shared expert).
+    ``capacity_factor`` (null: drop nothing), ``shared_expert_hidden_dim`` (null: no shared expert) and
+    ``load_balancing_weight`` (the weight of the mixtures' mean balance loss in the training loss, as transformers'
+    ``router_aux_loss_coef``; 0: none).
     """
 
     def __init__(
@@ -220,6 +293,7 @@ class MoE(BlockSequence):
         normalize_weights: bool = True,
         capacity_factor: PositiveFloat | None = None,
         shared_expert_hidden_dim: PositiveInt | None = None,
+        load_balancing_weight: NonNegativeFloat = 0.0,
         rope_theta: PositiveFloat = 500000.0,
         rope_scaling: dict | None = None,
         norm_eps: PositiveFloat = 1e-5,
@@ -259,6 +333,7 @@ class MoE(BlockSequence):
                 normalize_weights,
                 capacity_factor,
                 shared_expert_hidden_dim,
+                load_balancing_weight / (num_layers - first_dense_layers),  # the mean over the mixtures
             )
 
         self.stem = TokenEmbedding(vocab_size, dim)
@@ -266,7 +341,7 @@ class MoE(BlockSequence):
         self.head = LMHead(dim, vocab_size, nn.RMSNorm(dim, eps=norm_eps))
         if tie_weights:
             self.head.output.weight = self.stem.tokens.weight
-        self.num_layers = num_layers
+        self.num_layers, self.num_experts = num_layers, num_experts
 
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         """As Llama's: normal with std 0.02, the projections into the residual stream (attention output, every

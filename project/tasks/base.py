@@ -15,6 +15,7 @@ from torchmetrics import Metric
 from project.checkpointing.hf import HFWeights, weights_fingerprint
 from project.data.chat import IGNORE_INDEX
 from project.models.lora import LoRA, apply_lora
+from project.models.moe import MoE, auxiliary_loss, mixtures
 from project.models.nf4 import is_nf4
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
@@ -27,7 +28,7 @@ from project.parallel.parallelize import (
     materialize,
 )
 from project.strategies.laid_out import LaidOutStrategy
-from project.tasks.metrics import SampleMean
+from project.tasks.metrics import ExpertLoad, SampleMean
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -128,6 +129,8 @@ class TrainingModule(L.LightningModule):
         self.compile_each_block = compile  # (not self.compile: that is nn.Module's own method)
         # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
         self.interval_loss = SampleMean()
+        # A mixture of experts' routing over the epoch (the experts/* metrics), from every rank's mixtures.
+        self.expert_load = ExpertLoad(net.num_layers, net.num_experts) if isinstance(net, MoE) else None
         self._configured = False
         self._logged_splits: set[str] = set()  # splits whose metrics Lightning holds for the epoch under way
         _check_optimizer(optimizer, self._optimizer_groups())  # on the meta-device parameters: nothing allocated
@@ -207,7 +210,11 @@ class TrainingModule(L.LightningModule):
         """Every ``trainer.log_every_n_steps`` optimizer steps (0: never), a row ``step/train_loss``: the mean
         training loss over those steps, all ranks' samples (or tokens) together, at x = ``step``. For runs measured
         in steps, and to compare runs step by step; the epoch rows are unchanged. Logged here, once the step's
-        loss is known, rather than after the step, where a checkpoint of this step would be saved first."""
+        loss is known, rather than after the step, where a checkpoint of this step would be saved first. The
+        mixtures' routing since the last step goes into the epoch's ``expert_load`` here too, for the same reason."""
+        if self.expert_load is not None:
+            tallies = {layer: mixture.take_tally() for layer, mixture in mixtures(self.net).items()}
+            self.expert_load.update({layer: tally for layer, tally in tallies.items() if tally is not None})
         # (log_every_n_steps: set on the Trainer by Lightning's logger connector, not declared by its class.)
         every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]
         step = self.trainer.global_step + 1  # the step about to be taken
@@ -223,6 +230,8 @@ class TrainingModule(L.LightningModule):
         epoch = (
             {f"train/{name}": cast(Metric, metric) for name, metric in self.train_metrics.items()} if mid_epoch else {}
         )
+        if mid_epoch and self.expert_load is not None:
+            epoch["expert_load"] = self.expert_load
         return {**epoch, "interval_loss": self.interval_loss}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -254,12 +263,30 @@ class TrainingModule(L.LightningModule):
                 metric._update_count = 1  # it holds updates: compute() without torchmetrics' warning
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The criterion's loss, plus a mixture's weighted balance loss (``model.net.load_balancing_weight``);
+        ``train/loss`` is the criterion's alone, comparable with ``val/loss``."""
         inputs, target = batch
         outputs = self(inputs)
         loss = self.criterion(outputs, target)
         self.update_metrics("train", outputs, target, loss)
         self.log_metrics("train")
-        return loss
+        balance = auxiliary_loss(self.net)
+        return loss if balance is None else loss + balance
+
+    def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
+        """After the epoch's last batch, a mixture's ``experts/*`` metrics (``ExpertLoad``), reduced over every
+        rank: logged here, not at the epoch's end, where the job's result would already have taken the epoch."""
+        trainer = self.trainer
+        if self.expert_load is None:
+            return
+        # (The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.)
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+        epoch_ends = trainer.is_last_batch or processed >= trainer.num_training_batches
+        if not (epoch_ends or trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step):
+            return
+        # Equal on every rank once computed: sync_dist's max keeps them, where Lightning would warn otherwise.
+        self.log_dict(self.expert_load.compute(), on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+        self.expert_load.reset()
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, target = batch

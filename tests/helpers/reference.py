@@ -5,8 +5,10 @@ project; the epoch's sample order, the batching, the loss averaging, the optimiz
 the learning-rate schedule and the metrics are written here from their definitions. With ``model.lora``, the
 adapters are Hugging Face ``peft``'s, given the project's seeded initial values; with its ``quantize_base``
 (QLoRA), the blocks' Linear weights are replaced by their NF4 round trip through torchao's own quantize and
-dequantize, and the loop trains on those plain float32 weights. Strategies that agree with each other can share a
-bug; they cannot share one with this loop.
+dequantize, and the loop trains on those plain float32 weights. For a mixture of experts, the loop reads each
+router's logits (a forward hook) and counts each expert's assignments, the dropped ones and the balance loss from
+them (softmax routers: transformers' ``load_balancing_loss_func``), adding ``load_balancing_weight`` x their mean to
+the loss. Strategies that agree with each other can share a bug; they cannot share one with this loop.
 """
 
 import math
@@ -18,8 +20,9 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 from torch import nn
 from torch.nn import functional as F
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from project.models import init_weights
+from project.models import MoE, init_weights
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> torch.Tensor:
@@ -115,6 +118,65 @@ def lr_factor(cfg: DictConfig, total_steps: int) -> Callable[[int], float]:
     return lambda step: warmup_cosine_factor(step, warmup, total_steps, scheduler.min_lr_ratio)
 
 
+class RouterCounts:
+    """A mixture's routing, counted by hand from its routers' logits (forward hooks), each training forward:
+    per mixture, each expert's assignments (the top ``experts_per_token`` scores), the assignments beyond the
+    capacity, and the balance loss (kept in the graph: ``balance_losses``, to be added to the loss)."""
+
+    def __init__(self, net: MoE, options: DictConfig) -> None:
+        self.options = options
+        self.logits: list[torch.Tensor] = []
+        self.routers = [block.mlp.router for block in net.blocks if hasattr(block.mlp, "router")]
+        for router in self.routers:
+            router.register_forward_hook(self._keep)
+        self.reset()
+
+    def _keep(self, module: nn.Module, inputs: tuple, logits: torch.Tensor) -> None:
+        if module.training:
+            self.logits.append(logits)
+
+    def reset(self) -> None:
+        experts = self.options.num_experts
+        self.load = torch.zeros(len(self.routers), experts, dtype=torch.long)
+        self.dropped, self.balance, self.forwards = 0, torch.zeros(len(self.routers), dtype=torch.float64), 0
+
+    def balance_losses(self) -> list[torch.Tensor]:
+        """The last forward's balance loss of each mixture, its counts added to the epoch's."""
+        options, k = self.options, self.options.experts_per_token
+        losses = []
+        for layer, logits in enumerate(self.logits):
+            logits = logits.float()
+            tokens, experts = logits.shape
+            if options.router_scores == "softmax":
+                chosen = logits.softmax(-1).topk(k, dim=-1).indices
+                loss = load_balancing_loss_func((logits,), experts, k)
+            else:  # the sigmoids normalised to sum to 1 (DeepSeek-V3's), in the Switch form
+                scores = logits.sigmoid()
+                chosen = scores.topk(k, dim=-1).indices
+                share = F.one_hot(chosen, experts).sum(1).double().mean(0)
+                loss = experts * (share * (scores / scores.sum(-1, keepdim=True)).double().mean(0)).sum()
+            counts = torch.bincount(chosen.flatten().cpu(), minlength=experts)
+            if options.capacity_factor is not None:
+                capacity = math.ceil(options.capacity_factor * tokens * k / experts)
+                self.dropped += int((counts - capacity).clamp(min=0).sum())
+            self.load[layer] += counts
+            self.balance[layer] += float(loss.detach())
+            losses.append(loss)
+        self.forwards += 1
+        self.logits.clear()
+        return losses
+
+    def metrics(self) -> dict[str, float]:
+        load = self.load.double()
+        shares = load.sum(0) / load.sum()
+        return {
+            "experts/balance_loss": (self.balance / self.forwards).mean().item(),
+            "experts/imbalance": (load.max(1).values / load.mean(1)).mean().item(),
+            "experts/dropped_share": self.dropped / load.sum().item(),
+            **{f"experts/load/{expert}": share.item() for expert, share in enumerate(shares)},
+        }
+
+
 @dataclass
 class ReferenceRun:
     history: list[dict[str, float]]  # per epoch: train/loss, val/loss, val/acc or val/perplexity (and train/acc)
@@ -142,6 +204,8 @@ def reference_run(
             as_nf4_round_trip(net)
         net = with_peft_lora(net, cfg)
     net = net.to(device)
+    routing = RouterCounts(net, cfg.model.net) if isinstance(net, MoE) else None
+    balance_weight = cfg.model.net.get("load_balancing_weight", 0.0) if routing is not None else 0.0
     mixed = torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None)
     batches_per_epoch = len(x) // global_batch
     accumulate, clip = cfg.trainer.accumulate_grad_batches, cfg.trainer.gradient_clip_val
@@ -162,7 +226,11 @@ def reference_run(
                 losses = element_losses(outputs, y[batch])
             # The mean over an accumulation of equal batches: of every position, its ignored targets counting 0
             # (project.tasks.language_model.TokenCrossEntropy's definition).
-            (losses.mean() / accumulate).backward()
+            loss = losses.mean()
+            if routing is not None:
+                balance = routing.balance_losses()
+                loss = loss + balance_weight * torch.stack(balance).mean() if balance_weight else loss
+            (loss / accumulate).backward()
             if (index + 1) % accumulate == 0 or index + 1 == batches_per_epoch:
                 if clip is not None:
                     grads = [p.grad for p in net.parameters() if p.grad is not None]
@@ -183,6 +251,9 @@ def reference_run(
         net.train()
         val_loss = (val_losses.double().sum() / (y_val != IGNORED).sum()).item()
         row = {"train/loss": loss_sum / count, "val/loss": val_loss}
+        if routing is not None:
+            row.update(routing.metrics())
+            routing.reset()
         if classification:
             row["train/acc"] = correct / count
             row["val/acc"] = (outputs.argmax(-1) == y_val).double().mean().item()
