@@ -604,6 +604,24 @@ def moe_balanced(runs_dir, home):
     return one_run("moe-balanced", MOE_BALANCED, runs_dir, home)
 
 
+# DeepSeek-V3's balancing: sigmoid scores, top 2 of 4, each expert's score bias moved 0.01 a step by the load of both
+# ranks' tokens (compared over the first epoch, as MOE_BALANCED).
+MOE_BIASED = [
+    *(arg for arg in TINY_MOE if not arg.startswith("model.net.experts_per_token")),
+    "model.net.experts_per_token=2",
+    "model.net.router_scores=sigmoid",
+    "model.net.bias_update_rate=0.01",
+]
+
+
+@pytest.fixture(scope="session")
+def moe_biased(runs_dir, home):
+    """The tiny mixture with DeepSeek-V3's score bias under ddp x 2, 16 per device."""
+    return one_run(
+        "moe-biased", [*MOE_BIASED, "strategy=ddp", "trainer.devices=2", "data.batch_size=16"], runs_dir, home
+    )
+
+
 # SGD with momentum, whose step is in proportion to the gradient: Adam's is nearly the same whatever the gradient's
 # scale, so it would not show a gradient summed over ranks where it should be averaged.
 MOE_SGD = [

@@ -10,6 +10,7 @@ from conftest import (
     FIRST_EPOCH,
     GPT_LORA,
     MOE_BALANCED,
+    MOE_BIASED,
     MOE_SGD,
     QLORA,
     TINY,
@@ -75,6 +76,7 @@ RUNS = {
     "llama-qlora-16": {"pipeline": ("llama_qlora_sweep", 2)},  # one replica of 16
     "moe-capped": {"auto": ("moe_auto", None)},  # sigmoid scores; half of each expert's assignments dropped
     "moe-balanced": {"auto": ("moe_balanced", None)},  # top 2 of 4, a balance loss in the training loss
+    "moe-biased": {"ddp": ("moe_biased", None)},  # top 2 of 4, DeepSeek-V3's score bias
     "moe": {"ddp": ("moe_sweep", 0), "fsdp": ("moe_sweep", 1)},
     "moe-16": {"pipeline": ("moe_sweep", 2)},
     "moe-sgd": {"fsdp2-ep2": ("moe_expert_parallel", 1)},  # experts split over 2 ranks, sharded over 2 more
@@ -93,6 +95,7 @@ REFERENCE_ARGS = {
         32,
     ),
     "moe-balanced": (MOE_BALANCED, 32),
+    "moe-biased": ([*MOE_BIASED, "data.batch_size=16"], 32),
     "moe": ([*TINY_MOE, "data.batch_size=16"], 32),
     "moe-16": ([*TINY_MOE, "data.batch_size=16"], 16),
     "moe-sgd": ([*MOE_SGD, "data.batch_size=8"], 32),
@@ -115,5 +118,5 @@ def test_every_strategy_matches_the_hand_written_loop(model, strategy, reference
         # A mixture's balance loss is not a sum over tokens: each rank's (or micro-batch's) forward has its own, of
         # its part of the batch, where the loop's forward sees the whole batch. Its counts are sums: still compared.
         history = [{key: value for key, value in row.items() if key != "experts/balance_loss"} for row in history]
-    epochs = 1 if fixture == "moe_balanced" else None  # top-2 routing: see MOE_BALANCED
+    epochs = 1 if fixture in ("moe_balanced", "moe_biased") else None  # top-2 routing: see MOE_BALANCED
     assert_matches_reference(run, history[FIRST_EPOCH.get(fixture, 0) :], epochs=epochs)  # 4-device layouts resume

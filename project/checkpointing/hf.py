@@ -599,7 +599,12 @@ def _hf_config(family: str, net_cfg: dict[str, Any], dtype: torch.dtype) -> dict
 def _experts_config(family: str, net_cfg: dict[str, Any]) -> dict[str, Any]:
     """A mixture's keys of its config.json. ``ConfigError`` for options its family does not compute."""
     # (A capacity factor drops tokens in training only: the model computes as its family's, and exports.)
-    unsupported = {"first_dense_layers": 0, "router_scores": "softmax", "shared_expert_hidden_dim": None}
+    unsupported = {
+        "first_dense_layers": 0,
+        "router_scores": "softmax",
+        "shared_expert_hidden_dim": None,
+        "bias_update_rate": 0.0,  # a score bias chooses the experts: neither family has one
+    }
     for key, value in unsupported.items():
         if net_cfg.get(key, value) != value:
             raise ConfigError(

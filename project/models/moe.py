@@ -20,9 +20,11 @@ kernel for all experts, as torchtitan's ``GroupedExperts``); in other precisions
 in a loop over the experts.
 
 Balance: with ``load_balancing_weight`` w, training adds w x the mixtures' mean Switch balance loss
-(``Experts.balance_loss``) to the loss. Each mixture tallies its routing in training (each expert's assignments,
-the dropped ones, the balance loss), which the per-epoch ``experts/*`` metrics report
-(``project.tasks.metrics.ExpertLoad``).
+(``Experts.balance_loss``) to the loss. With ``bias_update_rate`` g (DeepSeek-V3's auxiliary-loss-free balancing),
+each mixture adds a bias to the scores that choose the experts (not to the weights of their outputs), and after each
+optimizer step moves an expert's bias by g towards the mean load (``Experts.update_bias``). Each mixture tallies
+its routing in training (each expert's assignments, the dropped ones, the balance loss), which the per-epoch
+``experts/*`` metrics report (``project.tasks.metrics.ExpertLoad``) and the bias update reads.
 """
 
 import itertools
@@ -130,6 +132,8 @@ class Experts(nn.Module):
     MLP. In training it keeps its balance loss times ``load_balancing_weight`` (``auxiliary_loss``), which the
     training step adds to the loss, and a tally of its routing (``take_tally``), which the epoch's metrics read."""
 
+    score_bias: torch.Tensor  # a buffer, registered with a bias_update_rate
+
     def __init__(
         self,
         dim: int,
@@ -141,6 +145,7 @@ class Experts(nn.Module):
         capacity_factor: float | None,
         shared_hidden_dim: int | None,
         load_balancing_weight: float = 0.0,
+        bias_update_rate: float = 0.0,
     ) -> None:
         super().__init__()
         self.num_experts, self.experts_per_token = num_experts, experts_per_token
@@ -150,6 +155,9 @@ class Experts(nn.Module):
         self.experts = ExpertMLPs(num_experts, dim, hidden_dim)
         self.shared = SwiGLU(dim, shared_hidden_dim) if shared_hidden_dim else None
         self.load_balancing_weight = load_balancing_weight
+        self.bias_update_rate = bias_update_rate
+        if bias_update_rate:  # DeepSeek-V3's balancing without a loss: added to the scores that choose, not weigh
+            self.register_buffer("score_bias", torch.zeros(num_experts))
         self.auxiliary_loss: torch.Tensor | None = None  # the last training forward's weighted balance loss
         self.tally: RoutingTally | None = None  # what the router did since take_tally
 
@@ -159,7 +167,11 @@ class Experts(nn.Module):
         to 1, as DeepSeek-V3's balance loss takes them), which the balance loss reads."""
         logits = self.router(x).float()  # scores in float32, as transformers' routers compute them
         scores = logits.softmax(dim=-1) if self.router_scores == "softmax" else logits.sigmoid()
-        weights, chosen = scores.topk(self.experts_per_token, dim=-1)
+        if self.bias_update_rate:
+            chosen = (scores + self.score_bias).topk(self.experts_per_token, dim=-1).indices
+            weights = scores.gather(-1, chosen)
+        else:
+            weights, chosen = scores.topk(self.experts_per_token, dim=-1)
         if self.normalize_weights:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         probabilities = scores if self.router_scores == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
@@ -230,6 +242,13 @@ class Experts(nn.Module):
         else:
             self.tally.add(counts, dropped, balance.detach())
 
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's update after a step of ``load`` (each expert's assignments, every data-parallel rank's):
+        an expert's score bias goes up by ``bias_update_rate`` if it had fewer than the mean, down if more."""
+        load = load.to(self.score_bias.dtype)
+        self.score_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
     def take_tally(self) -> "RoutingTally | None":
         """The tally since the last call (None: no training forward since), and a fresh one begun."""
         tally, self.tally = self.tally, None
@@ -273,7 +292,8 @@ class MoE(BlockSequence):
     dense MLP before the first mixture, DeepSeek's), ``router_scores`` (softmax or sigmoid), ``normalize_weights``,
     ``capacity_factor`` (null: drop nothing), ``shared_expert_hidden_dim`` (null: no shared expert) and
     ``load_balancing_weight`` (the weight of the mixtures' mean balance loss in the training loss, as transformers'
-    ``router_aux_loss_coef``; 0: none).
+    ``router_aux_loss_coef``; 0: none) and ``bias_update_rate`` (DeepSeek-V3's balancing without a loss: each
+    expert's score bias, which chooses but does not weigh, moved by this much after each step; 0: no bias).
     """
 
     def __init__(
@@ -294,6 +314,7 @@ class MoE(BlockSequence):
         capacity_factor: PositiveFloat | None = None,
         shared_expert_hidden_dim: PositiveInt | None = None,
         load_balancing_weight: NonNegativeFloat = 0.0,
+        bias_update_rate: NonNegativeFloat = 0.0,
         rope_theta: PositiveFloat = 500000.0,
         rope_scaling: dict | None = None,
         norm_eps: PositiveFloat = 1e-5,
@@ -334,6 +355,7 @@ class MoE(BlockSequence):
                 capacity_factor,
                 shared_expert_hidden_dim,
                 load_balancing_weight / (num_layers - first_dense_layers),  # the mean over the mixtures
+                bias_update_rate,
             )
 
         self.stem = TokenEmbedding(vocab_size, dim)

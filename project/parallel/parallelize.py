@@ -309,11 +309,12 @@ def materialize(model: BlockSequence, device: torch.device, seed: int, weights: 
     stages (whatever a strategy placed itself stays where it is). Each parameter's full initial value is computed
     on the CPU, one parameter at a time (``project.models.init``), and a sharded parameter keeps its own slice, so
     the weights depend on ``seed`` alone, not on the strategy or the device count. Read weights are read as this
-    rank's slice only; LoRA's adapters, which no Hugging Face dir holds, start from ``seed`` even then.
+    rank's slice only; LoRA's adapters, which no Hugging Face dir holds, start from ``seed`` even then. Buffers
+    start at 0.
     """
-    if any(buffer.is_meta for buffer in model.buffers()):
-        raise NotImplementedError("materialize initialises parameters; this model's buffers would stay empty")
     allocate(model, device)
+    for buffer in model.buffers():  # the models' buffers (a router's balancing bias) start at 0
+        buffer.zero_()
     parameter: torch.Tensor  # a Parameter, or (sharded) its local DTensor piece
     for name, parameter in model.named_parameters():
         if is_nf4(parameter):  # quantized whole, then sharded

@@ -213,8 +213,11 @@ class TrainingModule(L.LightningModule):
         loss is known, rather than after the step, where a checkpoint of this step would be saved first. The
         mixtures' routing since the last step goes into the epoch's ``expert_load`` here too, for the same reason."""
         if self.expert_load is not None:
-            tallies = {layer: mixture.take_tally() for layer, mixture in mixtures(self.net).items()}
-            self.expert_load.update({layer: tally for layer, tally in tallies.items() if tally is not None})
+            held = mixtures(self.net)
+            tallies = {layer: tally for layer, mixture in held.items() if (tally := mixture.take_tally()) is not None}
+            self.expert_load.update(tallies)
+            if any(mixture.bias_update_rate for mixture in held.values()):
+                update_score_biases(held, tallies, self.expert_load.load)
         # (log_every_n_steps: set on the Trainer by Lightning's logger connector, not declared by its class.)
         every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]
         step = self.trainer.global_step + 1  # the step about to be taken
@@ -337,6 +340,19 @@ class TrainingModule(L.LightningModule):
         # Per optimizer step, over this run's steps (epochs, devices, accumulation and max_steps included).
         scheduler = self.scheduler_factory(optimizer, run_steps=self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def update_score_biases(held: dict, tallies: dict, like: torch.Tensor) -> None:
+    """Each held mixture's score bias moved after a step by its load: its assignments of this step on every rank
+    (``tallies``: this rank's, by block index), summed over all ranks (a rank adds zeros for the blocks it does not
+    hold, as a pipeline stage)."""
+    load = torch.zeros_like(like)
+    for layer, tally in tallies.items():
+        load[layer] = tally.load
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(load)
+    for layer, mixture in held.items():
+        mixture.update_bias(load[layer])
 
 
 def lora_base(init_from: str | None, init_seed: int, quantized: bool) -> str:

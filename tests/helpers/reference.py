@@ -126,7 +126,12 @@ class RouterCounts:
     def __init__(self, net: MoE, options: DictConfig) -> None:
         self.options = options
         self.logits: list[torch.Tensor] = []
-        self.routers = [block.mlp.router for block in net.blocks if hasattr(block.mlp, "router")]
+        self.mixtures = [block.mlp for block in net.blocks if hasattr(block.mlp, "router")]
+        self.routers = [mixture.router for mixture in self.mixtures]
+        # DeepSeek-V3's score bias, kept and moved here, and written into the model, whose routing adds it
+        self.rate = options.get("bias_update_rate", 0.0)
+        self.bias = torch.zeros(len(self.routers), options.num_experts)
+        self.step_load = torch.zeros(len(self.routers), options.num_experts, dtype=torch.long)
         for router in self.routers:
             router.register_forward_hook(self._keep)
         self.reset()
@@ -147,12 +152,13 @@ class RouterCounts:
         for layer, logits in enumerate(self.logits):
             logits = logits.float()
             tokens, experts = logits.shape
+            bias = self.bias[layer].to(logits.device)
             if options.router_scores == "softmax":
-                chosen = logits.softmax(-1).topk(k, dim=-1).indices
+                chosen = (logits.softmax(-1) + bias).topk(k, dim=-1).indices
                 loss = load_balancing_loss_func((logits,), experts, k)
             else:  # the sigmoids normalised to sum to 1 (DeepSeek-V3's), in the Switch form
                 scores = logits.sigmoid()
-                chosen = scores.topk(k, dim=-1).indices
+                chosen = (scores + bias).topk(k, dim=-1).indices
                 share = F.one_hot(chosen, experts).sum(1).double().mean(0)
                 loss = experts * (share * (scores / scores.sum(-1, keepdim=True)).double().mean(0)).sum()
             counts = torch.bincount(chosen.flatten().cpu(), minlength=experts)
@@ -160,11 +166,22 @@ class RouterCounts:
                 capacity = math.ceil(options.capacity_factor * tokens * k / experts)
                 self.dropped += int((counts - capacity).clamp(min=0).sum())
             self.load[layer] += counts
+            self.step_load[layer] += counts
             self.balance[layer] += float(loss.detach())
             losses.append(loss)
         self.forwards += 1
         self.logits.clear()
         return losses
+
+    def step(self) -> None:
+        """After an optimizer step: each expert's bias up by the rate if its load in the step was under the mean
+        over the experts, down if over (DeepSeek-V3, section 2.1.2)."""
+        if self.rate:
+            load = self.step_load.float()
+            self.bias += self.rate * torch.sign(load.mean(1, keepdim=True) - load)
+            for mixture, bias in zip(self.mixtures, self.bias, strict=True):
+                mixture.score_bias.copy_(bias)
+        self.step_load.zero_()
 
     def metrics(self) -> dict[str, float]:
         load = self.load.double()
@@ -239,6 +256,8 @@ def reference_run(
                     torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
                 optimizer.step()
                 schedule.step()
+                if routing is not None:
+                    routing.step()
                 optimizer.zero_grad()
             loss_sum += losses.double().sum().item()
             count += (y[batch] != IGNORED).sum().item()  # the metrics: the mean over trained targets
