@@ -645,6 +645,14 @@ def moe_expert_parallel(runs_dir, home):
 
 
 @pytest.fixture(scope="session")
+def moe_pipeline_expert_parallel(runs_dir, home):
+    """The tiny mixture in a pipeline of 2 stages, 2 replicas of it whose ranks split each stage's experts in two
+    (strategy.expert_parallel_size=2), 8 per replica, SGD: a global batch of 16. Every rank counts its collectives."""
+    pipeline = ["strategy=pipeline", "strategy.num_stages=2", "strategy.expert_parallel_size=2", "trainer.devices=4"]
+    return one_run("moe-pipeline-ep", [*MOE_SGD, *pipeline, "data.batch_size=8", TRACKED, *COUNTED], runs_dir, home)
+
+
+@pytest.fixture(scope="session")
 def gpt_fsdp_selective(runs_dir, home):
     """The GPT under fsdp x 2 with selective activation checkpointing (torchtitan's per-op policy), 16 per device."""
     return one_run(

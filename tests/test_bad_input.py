@@ -537,6 +537,11 @@ CASES = [
         "model.activation_checkpointing: is selective, which experts split over ranks",
     ),
     (
+        ["model=moe", "strategy=pipeline", "trainer.devices=4", "strategy.num_stages=2"]
+        + ["strategy.expert_parallel_size=4"],
+        "strategy.expert_parallel_size: is 4, but the 2 data-parallel ranks do not divide into groups of 4",
+    ),
+    (
         ["model=moe", "strategy=pipeline", "trainer.devices=2", "model.net.load_balancing_weight=0.01"],
         "model.net.load_balancing_weight: is not 0, but a pipeline's stages cannot add",
     ),

@@ -59,6 +59,7 @@ PLANNED_RUNS = [
             ("moe_sweep", 2),
             ("moe_expert_parallel", 0),  # experts split over 2 ranks: the plan's all-to-alls route evenly
             ("moe_expert_parallel", 1),
+            ("moe_pipeline_expert_parallel", None),  # ... in each stage of a pipeline
         ]
     ),
 ]

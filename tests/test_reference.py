@@ -80,7 +80,10 @@ RUNS = {
     "moe": {"ddp": ("moe_sweep", 0), "fsdp": ("moe_sweep", 1)},
     "moe-16": {"pipeline": ("moe_sweep", 2)},
     "moe-sgd": {"fsdp2-ep2": ("moe_expert_parallel", 1)},  # experts split over 2 ranks, sharded over 2 more
-    "moe-sgd-16": {"ep2": ("moe_expert_parallel", 0)},
+    "moe-sgd-16": {
+        "ep2": ("moe_expert_parallel", 0),
+        "pipeline2-x-ep2": ("moe_pipeline_expert_parallel", None),  # each stage's experts split over 2 replicas
+    },
 }
 REFERENCE_ARGS = {
     "mlp": ([*TINY, "data.batch_size=64"], 64),

@@ -25,6 +25,7 @@ COUNTED_RUNS = [
     # even routing is the run's), alone and sharded over 2 more.
     ("moe_expert_parallel", 0),
     ("moe_expert_parallel", 1),
+    ("moe_pipeline_expert_parallel", None),  # and in a pipeline of 2 stages: its sends too
 ]
 
 

@@ -16,7 +16,7 @@ from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, ParallelDims, divisors
-from project.parallel.expert_parallel import apply_expert_parallel, expert_counts
+from project.parallel.expert_parallel import apply_expert_parallel, expert_counts, expert_parallel_problem
 from project.parallel.parallelize import (
     Checkpointing,
     apply_activation_checkpointing,
@@ -49,41 +49,7 @@ class FSDPLayout(ShardedLayout):
                 "moves parameter shards from GPU to CPU memory, but this run has no GPU.",
                 "set strategy.cpu_offload=false, or run on GPUs (trainer.accelerator=gpu).",
             )
-        return problem or self._expert_parallel_problem(job, net)
-
-    def _expert_parallel_problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
-        size = self.expert_parallel
-        if size == 1:
-            return None
-        experts = expert_counts(net)
-        if not experts:
-            return ConfigError(
-                "strategy.expert_parallel_size",
-                f"is {size}, but {type(net).__name__} has no mixture of experts to split.",
-                "set strategy.expert_parallel_size=1, or train a mixture (model=moe).",
-            )
-        if experts[0] % size:
-            return ConfigError(
-                "strategy.expert_parallel_size",
-                f"is {size}, which does not divide the {experts[0]} experts (model.net.num_experts).",
-                f"use a divisor of {experts[0]}.",
-            )
-        if job.activation_checkpointing == "selective":
-            # The experts' own FSDP unit gathers inside the checkpointed block: its hooks' ops, which the selective
-            # policy's replay counts, differ between the forward and the recompute, and torch refuses the recompute.
-            return ConfigError(
-                "model.activation_checkpointing",
-                f"is selective, which experts split over ranks (strategy.expert_parallel_size={size}) cannot use yet.",
-                "use model.activation_checkpointing=true (every block recomputed) or false.",
-            )
-        replicas = job.world_size // self.tensor_parallel.size  # (the tensor-parallel size divides it: checked)
-        if replicas % size:
-            return ConfigError(
-                "strategy.expert_parallel_size",
-                f"is {size}, but the {replicas} data-parallel ranks do not divide into groups of {size}.",
-                f"use a divisor of {replicas}, or a multiple of {size} devices (trainer.devices).",
-            )
-        return None
+        return problem or expert_parallel_problem(job, net, self.expert_parallel, self.tensor_parallel.size)
 
     def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> list[nn.Module]:
         """Tensor parallelism if asked, then activation checkpointing if asked, then FSDP2 per block over the

@@ -7,7 +7,8 @@ only the blocks of its stages. A batch is cut into ``microbatches`` and a schedu
 overlaps their forward and backward passes across the stages, so fewer devices sit idle than in ``model_parallel``:
 the idle fraction (bubble) is (S - 1) / (M + S - 1) for S stages and M micro-batches. When there are more ranks than
 one pipeline needs, the rest is data parallel: the ranks form a (pipeline x data_parallel x tensor_parallel) mesh
-and each stage is sharded with FSDP over its data-parallel group.
+and each stage is sharded with FSDP over its data-parallel group; a mixture's experts can be split over groups of
+``expert_parallel`` of those ranks, as under FSDP (``project.parallel.expert_parallel``).
 """
 
 from collections.abc import Generator, Iterator
@@ -26,7 +27,8 @@ from project.layouts.stage_split import stage_split_problem, staged_depth_change
 from project.models.moe import mixtures
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
-from project.parallel.dims import DATA_PARALLEL, PIPELINE, ParallelDims, divisors
+from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, PIPELINE, ParallelDims, divisors
+from project.parallel.expert_parallel import apply_expert_parallel, expert_parallel_problem
 from project.parallel.fake_process_group import fake_process_group
 from project.parallel.parallelize import (
     apply_fsdp,
@@ -83,6 +85,7 @@ class PipelineLayout(ShardedLayout):
     microbatches: int = 4
     stages_per_rank: int = 1
     blocks_per_stage: tuple[int, ...] | None = None
+    expert_parallel: int = 1  # data-parallel ranks that split a mixture's experts (strategy.expert_parallel_size)
 
     @property
     def pipeline_size(self) -> int:
@@ -102,6 +105,7 @@ class PipelineLayout(ShardedLayout):
             tensor_parallel=self.tensor_parallel.size,
             shard=True,
             pipelined=True,
+            expert_parallel=self.expert_parallel,
         )
 
     def problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
@@ -174,7 +178,7 @@ class PipelineLayout(ShardedLayout):
                 "it saves.",
                 "resume it with the strategy that wrote it (or auto), or start the pipeline fresh with ckpt_path=null.",
             )
-        return None
+        return expert_parallel_problem(job, net, self.expert_parallel, ranks * tensor_parallel)
 
     def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> list[StageModule]:
         """This rank's part of ``model`` (on the meta device): the modules of its stages, the others dropped, each
@@ -186,6 +190,8 @@ class PipelineLayout(ShardedLayout):
         ]
         keep_only(model, [module for stage in kept for module in stage.blocks])
         self.tensor_parallel.apply(model, mesh)
+        if self.expert_parallel > 1:
+            apply_expert_parallel(model, mesh[EXPERT])
         if mesh[DATA_PARALLEL].size() > 1:
             param_dtype = fsdp_param_dtype(precision)
             for stage_module in kept:
@@ -197,6 +203,7 @@ class PipelineLayout(ShardedLayout):
                     reshard_after_forward=False,
                     param_dtype=param_dtype,
                     reduce_dtype=torch.float32 if param_dtype is not None else None,
+                    expert_shard_mesh=mesh[EXPERT_SHARD] if self.expert_parallel > 1 else None,
                 )
         return kept
 

@@ -59,6 +59,7 @@ class PipelineStrategy(ShardedStrategy):
         blocks_per_stage: list[PositiveInt] | None = None,
         tensor_parallel_size: PositiveInt = 1,
         sequence_parallel: bool = True,
+        expert_parallel_size: PositiveInt = 1,
         **kwargs: Any,
     ) -> None:
         layout = PipelineLayout(
@@ -69,6 +70,7 @@ class PipelineStrategy(ShardedStrategy):
             microbatches=microbatches,
             stages_per_rank=stages_per_rank,
             blocks_per_stage=tuple(blocks_per_stage) if blocks_per_stage is not None else None,
+            expert_parallel=expert_parallel_size,
         )
         super().__init__(layout, **kwargs)
         self.stage_modules: list[StageModule] = []
