@@ -385,3 +385,27 @@ def test_plan_true_prints_the_plan_and_trains_nothing(tmp_path, home):
     assert "per device fits in 1.00 GiB (memory_plan.device_memory_gb)." in result.stdout
     for trained in ("workers", "checkpoints", "result.json", "config.yaml", "wandb", "memory_plan.json"):
         assert not (job_dir / trained).exists(), trained
+
+
+def test_a_searched_mixture_tries_each_expert_parallel_size_in_fsdp_and_in_pipelines():
+    """The tiny mixture (4 experts) on 8 devices of a node: FSDP and each pipeline try every expert-parallel size
+    that divides the experts and the layout's data-parallel ranks; a dense model tries none."""
+
+    def sizes(overrides: list[str]) -> set[tuple[int, int, int]]:
+        """(pipeline ranks, tensor-parallel size, expert-parallel size) of each layout the search tries."""
+        job = resolved(["data=tokens", "trainer.devices=8", "data.batch_size=2", *overrides])
+        return {
+            (
+                changes.get("strategy.num_stages", 1) // changes.get("strategy.stages_per_rank", 1),
+                changes["strategy.tensor_parallel_size"],
+                changes.get("strategy.expert_parallel_size", 1),
+            )
+            for _, changes in job.layout.search_space(job, 16)
+        }
+
+    fsdp = sizes(["model=moe", "strategy=fsdp"])  # replicas: 8 / tensor-parallel size
+    assert fsdp == {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 2, 2), (1, 2, 4), (1, 4, 1), (1, 4, 2), (1, 8, 1)}
+    pipelines = sizes(["model=moe", "strategy=pipeline", "plan_search.max_pipeline_ranks=4"])
+    assert {(2, 1, 1), (2, 1, 2), (2, 1, 4), (4, 1, 1), (4, 1, 2)} <= pipelines  # 4 and 2 replicas
+    assert (4, 1, 4) not in pipelines and all(ep * pp * tp <= 8 for pp, tp, ep in pipelines)
+    assert {ep for _, _, ep in sizes(["model=llama", "strategy=pipeline"])} == {1}

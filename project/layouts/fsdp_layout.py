@@ -16,7 +16,12 @@ from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, ParallelDims, divisors
-from project.parallel.expert_parallel import apply_expert_parallel, expert_counts, expert_parallel_problem
+from project.parallel.expert_parallel import (
+    apply_expert_parallel,
+    expert_counts,
+    expert_parallel_problem,
+    expert_parallel_sizes,
+)
 from project.parallel.parallelize import (
     Checkpointing,
     apply_activation_checkpointing,
@@ -84,8 +89,7 @@ class FSDPLayout(ShardedLayout):
             replicas = ParallelDims(job.world_size, tensor_parallel=size, shard=True).data_parallel
             if global_batch % replicas:
                 continue
-            expert_sizes = [e for e in divisors(job.devices) if replicas % e == 0 and experts and experts[0] % e == 0]
-            for expert_size in expert_sizes or [1]:
+            for expert_size in expert_parallel_sizes(experts, replicas, job.devices):
                 parts = [f"strategy.tensor_parallel_size={size}" if size > 1 else ""]
                 parts.append(f"strategy.expert_parallel_size={expert_size}" if expert_size > 1 else "")
                 changes = {"strategy.tensor_parallel_size": size, "data.batch_size": global_batch // replicas}

@@ -13,6 +13,7 @@ and each stage is sharded with FSDP over its data-parallel group; a mixture's ex
 
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from itertools import product
 from typing import Any, Literal
 
 import torch
@@ -28,7 +29,12 @@ from project.models.moe import mixtures
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, PIPELINE, ParallelDims, divisors
-from project.parallel.expert_parallel import apply_expert_parallel, expert_parallel_problem
+from project.parallel.expert_parallel import (
+    apply_expert_parallel,
+    expert_counts,
+    expert_parallel_problem,
+    expert_parallel_sizes,
+)
 from project.parallel.fake_process_group import fake_process_group
 from project.parallel.parallelize import (
     apply_fsdp,
@@ -285,8 +291,9 @@ class PipelineLayout(ShardedLayout):
         ``plan_search.max_pipeline_ranks`` ranks, with the most micro-batches up to 2 per pipeline rank that split
         the replica's batch in rounds of the ranks (a bubble of at most (S - 1) / (3 S - 1); each micro-batch costs
         the simulation a pass through every stage, and the step-time model does not see a GPU's lower efficiency on
-        smaller micro-batches). GPipe is left out: its bubble is 1F1B's, its activations more."""
-        world = job.world_size
+        smaller micro-batches). GPipe is left out: its bubble is 1F1B's, its activations more. For a mixture of
+        experts, each with each expert-parallel size within a node that divides the experts and the replicas."""
+        world, experts = job.world_size, expert_counts(job.meta_net())
         for ranks in [r for r in divisors(world)[1:] if r <= job.search.max_pipeline_ranks]:
             for size in divisors(job.devices):
                 if world % (ranks * size):
@@ -299,12 +306,16 @@ class PipelineLayout(ShardedLayout):
                 if not rounds:
                     continue
                 microbatches = rounds[-1]
-                for schedule, per_rank in (("1f1b", 1), ("interleaved_1f1b", 2)):
+                for (schedule, per_rank), expert_size in product(
+                    (("1f1b", 1), ("interleaved_1f1b", 2)), expert_parallel_sizes(experts, replicas, job.devices)
+                ):
                     words = [f"strategy.num_stages={ranks * per_rank}", f"strategy.microbatches={microbatches}"]
                     if per_rank > 1:
                         words += [f"strategy.schedule={schedule}", f"strategy.stages_per_rank={per_rank}"]
                     if size > 1:
                         words.append(f"strategy.tensor_parallel_size={size}")
+                    if expert_size > 1:
+                        words.append(f"strategy.expert_parallel_size={expert_size}")
                     yield (
                         " ".join(words),
                         {
@@ -313,6 +324,7 @@ class PipelineLayout(ShardedLayout):
                             "strategy.schedule": schedule,
                             "strategy.microbatches": microbatches,
                             "strategy.tensor_parallel_size": size,
+                            "strategy.expert_parallel_size": expert_size,
                             "data.batch_size": batch,
                         },
                     )

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from project.models.moe import ExpertMLPs, Experts, holds_values, swiglu_experts
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
+from project.parallel.dims import divisors
 
 if TYPE_CHECKING:
     from project.job.job import Job
@@ -141,6 +142,14 @@ def expert_parallel_problem(job: "Job", net: BlockSequence, size: int, other_ran
             f"use a divisor of {replicas}, or a multiple of {size * other_ranks} devices (trainer.devices).",
         )
     return None
+
+
+def expert_parallel_sizes(experts: list[int], replicas: int, devices_per_node: int) -> list[int]:
+    """The expert-parallel sizes a search tries (1 alone without a mixture): those within a node that divide the
+    experts (``experts``: each mixture's, ``expert_counts``) and the ``replicas`` data-parallel ranks."""
+    if not experts:
+        return [1]
+    return [size for size in divisors(devices_per_node) if replicas % size == 0 and experts[0] % size == 0]
 
 
 def expert_counts(model: nn.Module) -> list[int]:
