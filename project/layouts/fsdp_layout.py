@@ -12,14 +12,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from project.job.job import Change, Job
-from project.layouts.sharded_layout import ShardedLayout
+from project.layouts.sharded_layout import ShardedLayout, expert_parallel_problem
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, ParallelDims, divisors
 from project.parallel.expert_parallel import (
     apply_expert_parallel,
     expert_counts,
-    expert_parallel_problem,
     expert_parallel_sizes,
 )
 from project.parallel.parallelize import (

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from project.accounting.counts import group_link
 from project.checkpointing.files import is_sharded_checkpoint
 from project.job.job import Change, DeviceWork, Job
-from project.layouts.sharded_layout import ShardedLayout
+from project.layouts.sharded_layout import ShardedLayout, expert_parallel_problem
 from project.layouts.stage_split import stage_split_problem, staged_depth_changes
 from project.models.moe import mixtures
 from project.models.sequence import BlockSequence
@@ -32,7 +32,6 @@ from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, PIPELINE,
 from project.parallel.expert_parallel import (
     apply_expert_parallel,
     expert_counts,
-    expert_parallel_problem,
     expert_parallel_sizes,
 )
 from project.parallel.fake_process_group import fake_process_group

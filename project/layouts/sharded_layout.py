@@ -19,6 +19,7 @@ from project.models.nf4 import is_nf4
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import TENSOR_PARALLEL
+from project.parallel.expert_parallel import expert_counts
 from project.parallel.fake_process_group import fake_process_group
 from project.parallel.tensor_parallel_plans import apply_tensor_parallel, model_plan
 
@@ -149,3 +150,39 @@ class ShardedLayout(Layout):
 
     def depth_changes(self, blocks_per_stage: int) -> dict[str, Any]:
         return {"model.net.num_layers": blocks_per_stage}
+
+
+def expert_parallel_problem(job: Job, net: BlockSequence, size: int, other_ranks: int) -> ConfigError | None:
+    """Why ``net`` cannot split its experts over groups of ``size`` data-parallel ranks (None: it can), the job's
+    ranks beyond the data-parallel ones being ``other_ranks`` for each (tensor-parallel, pipeline)."""
+    if size == 1:
+        return None
+    experts = expert_counts(net)
+    if not experts:
+        return ConfigError(
+            "strategy.expert_parallel_size",
+            f"is {size}, but {type(net).__name__} has no mixture of experts to split.",
+            "set strategy.expert_parallel_size=1, or train a mixture (model=moe).",
+        )
+    if experts[0] % size:
+        return ConfigError(
+            "strategy.expert_parallel_size",
+            f"is {size}, which does not divide the {experts[0]} experts (model.net.num_experts).",
+            f"use a divisor of {experts[0]}.",
+        )
+    if job.activation_checkpointing == "selective":
+        # The experts' own FSDP unit gathers inside the checkpointed block: its hooks' ops, which the selective
+        # policy's replay counts, differ between the forward and the recompute, and torch refuses the recompute.
+        return ConfigError(
+            "model.activation_checkpointing",
+            f"is selective, which experts split over ranks (strategy.expert_parallel_size={size}) cannot use yet.",
+            "use model.activation_checkpointing=true (every block recomputed) or false.",
+        )
+    replicas = job.world_size // other_ranks  # (checked to divide it before)
+    if replicas % size:
+        return ConfigError(
+            "strategy.expert_parallel_size",
+            f"is {size}, but the {replicas} data-parallel ranks do not divide into groups of {size}.",
+            f"use a divisor of {replicas}, or a multiple of {size * other_ranks} devices (trainer.devices).",
+        )
+    return None

@@ -17,7 +17,7 @@ would do it in the reduction, with a reduce op gloo lacks.)
 """
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,11 +27,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from project.models.moe import ExpertMLPs, Experts, holds_values, swiglu_experts
 from project.models.sequence import BlockSequence
-from project.options.errors import ConfigError
 from project.parallel.dims import divisors
-
-if TYPE_CHECKING:
-    from project.job.job import Job
 
 # FSDP warns that the experts' output is a view (the last all-to-all's), on which an in-place op would skip its
 # pre-backward hook; ``Experts.forward`` only multiplies it, out of place.
@@ -106,42 +102,6 @@ def apply_expert_parallel(model: BlockSequence, mesh: DeviceMesh) -> None:
     for module in model.modules():
         if isinstance(module, Experts) and not isinstance(module.experts, ExpertParallelMLPs):
             module.experts = ExpertParallelMLPs(module.experts, mesh)
-
-
-def expert_parallel_problem(job: "Job", net: BlockSequence, size: int, other_ranks: int) -> ConfigError | None:
-    """Why ``net`` cannot split its experts over groups of ``size`` data-parallel ranks (None: it can), the job's
-    ranks beyond the data-parallel ones being ``other_ranks`` for each (tensor-parallel, pipeline)."""
-    if size == 1:
-        return None
-    experts = expert_counts(net)
-    if not experts:
-        return ConfigError(
-            "strategy.expert_parallel_size",
-            f"is {size}, but {type(net).__name__} has no mixture of experts to split.",
-            "set strategy.expert_parallel_size=1, or train a mixture (model=moe).",
-        )
-    if experts[0] % size:
-        return ConfigError(
-            "strategy.expert_parallel_size",
-            f"is {size}, which does not divide the {experts[0]} experts (model.net.num_experts).",
-            f"use a divisor of {experts[0]}.",
-        )
-    if job.activation_checkpointing == "selective":
-        # The experts' own FSDP unit gathers inside the checkpointed block: its hooks' ops, which the selective
-        # policy's replay counts, differ between the forward and the recompute, and torch refuses the recompute.
-        return ConfigError(
-            "model.activation_checkpointing",
-            f"is selective, which experts split over ranks (strategy.expert_parallel_size={size}) cannot use yet.",
-            "use model.activation_checkpointing=true (every block recomputed) or false.",
-        )
-    replicas = job.world_size // other_ranks  # (checked to divide it before)
-    if replicas % size:
-        return ConfigError(
-            "strategy.expert_parallel_size",
-            f"is {size}, but the {replicas} data-parallel ranks do not divide into groups of {size}.",
-            f"use a divisor of {replicas}, or a multiple of {size * other_ranks} devices (trainer.devices).",
-        )
-    return None
 
 
 def expert_parallel_sizes(experts: list[int], replicas: int, devices_per_node: int) -> list[int]:
