@@ -308,18 +308,22 @@ def assert_close(a: list[float], b: list[float], rel: float) -> None:
 
 @pytest.fixture(scope="session")
 def reference():
-    """``reference(overrides, global_batch, device="cpu", autocast=None)``: the hand-written loop (reference.py) on
-    the config that ``python train.py <overrides>`` composes, computed once per config."""
+    """``reference(overrides, global_batch, device="cpu", autocast=None, forwards=1)``: the hand-written loop
+    (reference.py) on the config that ``python train.py <overrides>`` composes, computed once per config."""
     from test_config import compose_train
 
     cache: dict[tuple, ReferenceRun] = {}
 
     def run(
-        overrides: list[str], global_batch: int, device: str = "cpu", autocast: torch.dtype | None = None
+        overrides: list[str],
+        global_batch: int,
+        device: str = "cpu",
+        autocast: torch.dtype | None = None,
+        forwards: int = 1,
     ) -> ReferenceRun:
-        key = (tuple(overrides), global_batch, device, autocast)
+        key = (tuple(overrides), global_batch, device, autocast, forwards)
         if key not in cache:
-            cache[key] = reference_run(compose_train(overrides), global_batch, device, autocast)
+            cache[key] = reference_run(compose_train(overrides), global_batch, device, autocast, forwards)
         return cache[key]
 
     return run
@@ -642,6 +646,14 @@ def moe_expert_parallel(runs_dir, home):
     of 32: each pair of ranks also shards its experts with FSDP). Every rank counts its collectives."""
     ep = [*MOE_SGD, "strategy=fsdp", "strategy.expert_parallel_size=2", "data.batch_size=8", TRACKED, *COUNTED]
     return two_job_sweep("moe-ep", [*ep, "trainer.devices=2,4"], runs_dir, home)[1]
+
+
+@pytest.fixture(scope="session")
+def moe_expert_parallel_capped(runs_dir, home):
+    """The tiny mixture's experts split over 2 ranks, 8 per device, each expert taking at most half of a forward's
+    assignments (capacity factor 0.5), where the tokens are routed: on each rank, of its own tokens."""
+    ep = ["strategy=fsdp", "strategy.expert_parallel_size=2", "trainer.devices=2", "model.net.capacity_factor=0.5"]
+    return one_run("moe-ep-capped", [*MOE_SGD, *ep, "data.batch_size=8"], runs_dir, home)
 
 
 @pytest.fixture(scope="session")

@@ -80,6 +80,7 @@ RUNS = {
     "moe": {"ddp": ("moe_sweep", 0), "fsdp": ("moe_sweep", 1)},
     "moe-16": {"pipeline": ("moe_sweep", 2)},
     "moe-sgd": {"fsdp2-ep2": ("moe_expert_parallel", 1)},  # experts split over 2 ranks, sharded over 2 more
+    "moe-sgd-16-capped": {"ep2": ("moe_expert_parallel_capped", None)},  # half of each rank's assignments dropped
     "moe-sgd-16": {
         "ep2": ("moe_expert_parallel", 0),
         "pipeline2-x-ep2": ("moe_pipeline_expert_parallel", None),  # each stage's experts split over 2 replicas
@@ -103,6 +104,8 @@ REFERENCE_ARGS = {
     "moe-16": ([*TINY_MOE, "data.batch_size=16"], 16),
     "moe-sgd": ([*MOE_SGD, "data.batch_size=8"], 32),
     "moe-sgd-16": ([*MOE_SGD, "data.batch_size=8"], 16),
+    # the loop's forwards are the 2 ranks' slices: a capacity drops of the tokens each forward routes
+    "moe-sgd-16-capped": ([*MOE_SGD, "data.batch_size=8", "model.net.capacity_factor=0.5"], 16, 2),
     "qwen2-tp": (["model=qwen2", *TINY_QWEN, "data.batch_size=32"], 32),
     "qwen3-tp": (["model=qwen3", *TINY_QWEN, "data.batch_size=32"], 32),
 }
@@ -114,8 +117,8 @@ def test_every_strategy_matches_the_hand_written_loop(model, strategy, reference
     fixture, job = RUNS[model][strategy]
     job_dir = request.getfixturevalue(fixture)
     run = only_run(job_dir if job is None else job_dir[job])
-    overrides, global_batch = REFERENCE_ARGS[model]
-    history = reference(overrides, global_batch).history
+    overrides, global_batch, *forwards = REFERENCE_ARGS[model]
+    history = reference(overrides, global_batch, forwards=forwards[0] if forwards else 1).history
     assert len(history) == 3  # at least three epochs, each in its own shuffled order
     if strategy != "auto":
         # A mixture's balance loss is not a sum over tokens: each rank's (or micro-batch's) forward has its own, of

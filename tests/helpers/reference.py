@@ -203,12 +203,18 @@ class ReferenceRun:
 
 
 def reference_run(
-    cfg: DictConfig, global_batch: int, device: str = "cpu", autocast: torch.dtype | None = None
+    cfg: DictConfig,
+    global_batch: int,
+    device: str = "cpu",
+    autocast: torch.dtype | None = None,
+    forwards: int = 1,
 ) -> ReferenceRun:
     """Train the configured model on the configured data for ``trainer.max_epochs`` epochs, ``global_batch``
     samples per batch, with the config's gradient accumulation and gradient-norm clipping, on ``device``; with
     ``autocast`` (torch.bfloat16), forward and loss under ``torch.autocast`` in that dtype, the weights and the
-    optimizer in float32 (mixed precision as torch documents it)."""
+    optimizer in float32 (mixed precision as torch documents it). Each batch runs as ``forwards`` forwards of its
+    equal consecutive slices (the data-parallel ranks' slices, in rank order), their gradients averaged: the same
+    step, except where a forward depends on the tokens it sees together (a mixture's capacity and balance loss)."""
     torch.manual_seed(0)  # only so that nothing below depends on the test order; the weights come from cfg.seed
     data = instantiate(cfg.data)
     data.setup("fit")
@@ -238,16 +244,21 @@ def reference_run(
         optimizer.zero_grad()
         for index in range(batches_per_epoch):
             batch = order[index * global_batch : (index + 1) * global_batch]
-            with mixed:
-                outputs = net(x[batch])
-                losses = element_losses(outputs, y[batch])
-            # The mean over an accumulation of equal batches: of every position, its ignored targets counting 0
-            # (project.tasks.language_model.TokenCrossEntropy's definition).
-            loss = losses.mean()
-            if routing is not None:
-                balance = routing.balance_losses()
-                loss = loss + balance_weight * torch.stack(balance).mean() if balance_weight else loss
-            (loss / accumulate).backward()
+            for part in batch.chunk(forwards):
+                with mixed:
+                    outputs = net(x[part])
+                    losses = element_losses(outputs, y[part])
+                # The mean over an accumulation of equal batches: of every position, its ignored targets counting 0
+                # (project.tasks.language_model.TokenCrossEntropy's definition).
+                loss = losses.mean()
+                if routing is not None:
+                    balance = routing.balance_losses()
+                    loss = loss + balance_weight * torch.stack(balance).mean() if balance_weight else loss
+                (loss / (accumulate * forwards)).backward()
+                loss_sum += losses.double().sum().item()
+                count += (y[part] != IGNORED).sum().item()  # the metrics: the mean over trained targets
+                if classification:
+                    correct += (outputs.argmax(-1) == y[part]).sum().item()
             if (index + 1) % accumulate == 0 or index + 1 == batches_per_epoch:
                 if clip is not None:
                     grads = [p.grad for p in net.parameters() if p.grad is not None]
@@ -259,10 +270,6 @@ def reference_run(
                 if routing is not None:
                     routing.step()
                 optimizer.zero_grad()
-            loss_sum += losses.double().sum().item()
-            count += (y[batch] != IGNORED).sum().item()  # the metrics: the mean over trained targets
-            if classification:
-                correct += (outputs.argmax(-1) == y[batch]).sum().item()
         net.eval()  # evaluation as torch defines it (a mixture of experts drops no token there)
         with torch.no_grad(), mixed:
             outputs = net(x_val)
