@@ -25,7 +25,7 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from project.models.moe import ExpertMLPs, Experts, holds_values, swiglu_experts
+from project.models.moe import ExpertMLPs, Experts, holds_values, mixtures, swiglu_experts
 from project.models.sequence import BlockSequence
 from project.parallel.dims import divisors
 
@@ -114,4 +114,4 @@ def expert_parallel_sizes(experts: list[int], replicas: int, devices_per_node: i
 
 def expert_counts(model: nn.Module) -> list[int]:
     """The number of routed experts of each mixture of ``model``."""
-    return [module.num_experts for module in model.modules() if isinstance(module, Experts)]
+    return [mixture.num_experts for mixture in mixtures(model).values()]
