@@ -720,6 +720,18 @@ def llama_fsdp(runs_dir, home):
     )
 
 
+# The tiny Llama under fsdp x 2 in bf16-mixed, in bfloat16 (job 0) and with its blocks' Linear layers in Float8
+# (job 1: torchao, emulated on the CPU; its weights all-gathered in float8). Every width is a multiple of 16. The
+# schedule is set in steps (3 epochs of 8), so that a run stopped after one epoch and resumed follows it too.
+FLOAT8 = [*TINY_LLAMA, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp", "trainer.precision=bf16-mixed"]
+FLOAT8 += ["model.scheduler.total_steps=24", "model.scheduler.warmup_steps=2", "model.scheduler.warmup_fraction=null"]
+
+
+@pytest.fixture(scope="session")
+def llama_float8_sweep(runs_dir, home):
+    return two_job_sweep("llama-float8", [*FLOAT8, "model.float8=false,true", TRACKED, *COUNTED], runs_dir, home)[1]
+
+
 @pytest.fixture(scope="session")
 def llama_split_sweep(runs_dir, home):
     """The Llama's model_parallel and pipeline (1f1b) jobs over 2 devices: jobs 0 and 1."""

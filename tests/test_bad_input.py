@@ -553,6 +553,20 @@ CASES = [
         ["model=moe", "strategy=ddp", "trainer.devices=2", "strategy.expert_parallel_size=2"],
         "strategy.expert_parallel_size: is not a key of strategy (its keys are",
     ),
+    # Float8: not with tensor parallelism, LoRA, or GPUs (planned for) without float8 tensor cores
+    (
+        ["model=llama", "strategy=tensor_parallel", "trainer.devices=2", "model.float8=true"],
+        "model.float8: is true with 2 tensor-parallel ranks (strategy.tensor_parallel_size)",
+    ),
+    (
+        ["model=llama", "model.float8=true", "model.lora={rank:4,alpha:8,dropout:0,targets:[q]}"],
+        "model.float8: is true with LoRA adapters (model.lora)",
+    ),
+    (
+        ["model=llama", "model.float8=true", "plan=true", "cluster=a100_80g_8x"],
+        "model.float8: is true, but cluster=a100_80g_8x's GPUs have no float8 tensor cores",
+    ),
+    (["model=llama", "model.float8_recipe=blockwise"], "model.float8_recipe: must be one of 'tensorwise', 'rowwise'"),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
     # Conversations: a bad record is named by its file and line, before any worker starts

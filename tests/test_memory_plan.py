@@ -60,6 +60,8 @@ PLANNED_RUNS = [
             ("moe_expert_parallel", 0),  # experts split over 2 ranks: the plan's all-to-alls route evenly
             ("moe_expert_parallel", 1),
             ("moe_pipeline_expert_parallel", None),  # ... in each stage of a pipeline
+            ("llama_float8_sweep", 0),  # fsdp x 2 in bf16-mixed...
+            ("llama_float8_sweep", 1),  # ...and in Float8: float8 copies saved for backward, weights gathered in a byte
         ]
     ),
 ]

@@ -26,6 +26,7 @@ COUNTED_RUNS = [
     ("moe_expert_parallel", 0),
     ("moe_expert_parallel", 1),
     ("moe_pipeline_expert_parallel", None),  # and in a pipeline of 2 stages: its sends too
+    pytest.param("llama_float8_sweep", 1, marks=pytest.mark.slow),  # fsdp x 2, Float8 weights gathered in a byte
 ]
 
 

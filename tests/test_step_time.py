@@ -23,6 +23,7 @@ from project.plan.step_time import clock_ratio, collective_seconds, kernel_secon
 CLUSTER = Cluster(
     name="test",
     peak_tflops=100,
+    float8_peak_tflops=200,
     memory_gb=80,
     memory_tb_per_s=1,
     multiprocessors=10,

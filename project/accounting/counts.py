@@ -105,6 +105,19 @@ FLOP_FORMULAS = {
 
 # The GEMMs of a step (batched, grouped or not, with a bias or not): priced by their shape (``Matmul``).
 MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._grouped_mm}
+# Float8 GEMMs (``model.float8``): priced at the float8 peak. torchao's operands are tensor subclasses holding float8
+# ``_data`` and a scale; a dispatch mode sees the GEMM on them (aten.mm) before the subclass turns it into
+# ``_scaled_mm`` (or, emulated, into a matmul of the dequantized operands), so those operands mark one too.
+FLOAT8_MATMULS = {aten._scaled_mm}
+FLOAT8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def _float8_data(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The float8 values a float8 training tensor (torchao's) holds, or None for any other tensor."""
+    data = getattr(tensor, "_data", None)
+    return data if isinstance(data, torch.Tensor) and data.dtype in FLOAT8_DTYPES else None
+
+
 # Ops that move no data: views, and allocations a kernel writes later (what it writes is counted there).
 # ``_unsafe_view`` is a view its schema does not declare; ops without a tensor output launch no kernel.
 NO_DATA = {
@@ -122,13 +135,12 @@ NO_DATA = {
 
 @dataclass(frozen=True)
 class Kernel:
-    """A matmul or attention kernel of a step, by what prices it: ``kind`` (``matmul``, ``attention``, or
-    ``compute`` for another op with a FLOP formula), its FLOPs and the bytes it reads and writes, its output
-    ``tiles`` (a matmul's 128 x 128 output blocks, batch included: how many of a GPU's multiprocessors it keeps
-    busy; 0 where not counted), the exponentials an attention kernel computes (one per score: batch x heads x
-    queries x keys, forward and again in backward) and whether it is causal (its kernels skip the masked half of
-    the products and scores torch's formula counts). As text, a key of ``DevicePlan.kernels``:
-    ``matmul|<flops>|<bytes>|<tiles>|0|0``."""
+    """A matmul or attention kernel of a step, by what prices it: ``kind`` (``matmul``, ``float8_matmul``,
+    ``attention``, or ``compute`` for another op with a FLOP formula), its FLOPs and the bytes it reads and writes, its
+    output ``tiles`` (a matmul's 128 x 128 output blocks, batch included: how many of a GPU's multiprocessors it keeps
+    busy; 0 where not counted), the exponentials an attention kernel computes (one per score: batch x heads x queries x
+    keys, forward and again in backward) and whether it is causal (its kernels skip the masked half of the products and
+    scores torch's formula counts). As text, a key of ``DevicePlan.kernels``: ``matmul|<flops>|<bytes>|<tiles>|0|0``."""
 
     kind: str
     flops: int
@@ -150,7 +162,9 @@ class Kernel:
 
 
 def _bytes(tensors: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
+    """What ``tensors`` hold, a float8 training tensor as its float8 values (it reports its original dtype)."""
+    held = [t for t in tree_leaves(tensors) if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * (1 if _float8_data(t) is not None else t.element_size()) for t in held)
 
 
 def _output_tiles(out: torch.Tensor) -> int:
@@ -308,8 +322,11 @@ class StepCounts(TorchDispatchMode):
         if RECOMPUTING.get():
             self.recomputed_flops += flops
         size = _bytes((args, kwargs)) + _bytes(out)
-        if packet in MATMULS:
-            kernel = Kernel("matmul", flops, size, _output_tiles(out))
+        if packet in MATMULS or packet in FLOAT8_MATMULS:
+            operands = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
+            float8 = packet in FLOAT8_MATMULS or any(_float8_data(item) is not None for item in operands)
+            kind = "float8_matmul" if float8 else "matmul"
+            kernel = Kernel(kind, flops, size, _output_tiles(out))
         elif "attention" in packet.__name__:
             query, key = _argument(func, args, kwargs, "query"), _argument(func, args, kwargs, "key")
             scores = math.prod(query.shape[:-1]) * key.shape[-2] if query is not None and key is not None else 0

@@ -301,6 +301,23 @@ def _check_precision(cfg: DictConfig) -> None:
         )
 
 
+def _check_float8(cfg: DictConfig) -> None:
+    """Float8 matmuls run on GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell); CPUs emulate them."""
+    if not OmegaConf.select(cfg, "model.float8", default=False) or not uses_cuda(cfg):
+        return
+    older = {
+        torch.cuda.get_device_name(index)
+        for index in range(cfg.trainer.devices)
+        if torch.cuda.get_device_capability(index) < (8, 9)
+    }
+    if older:
+        raise ConfigError(
+            "model.float8",
+            f"is true, but {', '.join(sorted(older))} has no float8 tensor cores (compute capability below 8.9).",
+            "set model.float8=false on these GPUs (bf16-mixed is their fastest), or train on H100, H200 or L40S.",
+        )
+
+
 def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None) -> None:
     """``ckpt_path`` (resolved) exists and holds this model: the same parameter names and shapes."""
     if ckpt_path is None:
@@ -579,6 +596,7 @@ def check_config(cfg: DictConfig) -> Job:
     _check_accelerator(cfg)
     _check_process_group(cfg)
     _check_precision(cfg)
+    _check_float8(cfg)
     check_types(cfg)  # every other option against its constructor's type hints, every number finite
     # The data first: the model takes sizes from it (vocabulary, sequence length), so its own keys are to blame.
     datamodule = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
@@ -601,6 +619,12 @@ def check_config(cfg: DictConfig) -> Job:
             "trainer.devices",
             f"is {job.devices}, more than the {job.cluster.devices_per_node} GPUs of one {job.cluster.name} node.",
             f"use trainer.devices={job.cluster.devices_per_node} and trainer.num_nodes for more.",
+        )
+    if job.float8 and job.cluster is not None and job.cluster.float8_peak_tflops is None:
+        raise ConfigError(
+            "model.float8",
+            f"is true, but cluster={job.cluster.name}'s GPUs have no float8 tensor cores (cluster.float8_peak_tflops).",
+            "plan for GPUs that have them (cluster=h100_sxm_8x or h200_8x), or set model.float8=false.",
         )
     problem = layout_problem(job)
     if problem is not None:

@@ -197,6 +197,8 @@ def _mismatch(value: Any, hint: Any) -> str | None:
             return None
         return "one of " + ", ".join(repr(choice) for choice in allowed) if len(allowed) > 1 else repr(allowed[0])
     if origin in (Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(hint):
+            return None
         options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         expectations = [_mismatch(value, option) for option in options]
         if any(expected is None for expected in expectations):

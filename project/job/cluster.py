@@ -12,7 +12,8 @@ Efficiency = Annotated[float, Range(low=0, high=1, low_open=True)]
 
 @dataclass(frozen=True)
 class Cluster:
-    """One kind of GPU node (``conf/cluster``), from its datasheets: each GPU's dense BF16 peak in TFLOPS, memory
+    """One kind of GPU node (``conf/cluster``), from its datasheets: each GPU's dense BF16 peak in TFLOPS (and FP8
+    peak, None for GPUs without float8 tensor cores), memory
     in GB and memory bandwidth in TB/s, its multiprocessors and the exponentials they compute per second (10^12/s:
     softmax's, in attention), the power its peak is rated at and the power limit it
     runs under (W); the GPUs a node joins with NVLink, and the bandwidth each GPU has each way inside a node and to
@@ -22,6 +23,7 @@ class Cluster:
 
     name: str
     peak_tflops: PositiveFloat
+    float8_peak_tflops: PositiveFloat | None
     memory_gb: PositiveFloat
     memory_tb_per_s: PositiveFloat
     multiprocessors: PositiveInt

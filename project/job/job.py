@@ -21,7 +21,7 @@ from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import PositiveInt
 from project.parallel.dims import ParallelDims
-from project.parallel.parallelize import Checkpointing, apply_activation_checkpointing
+from project.parallel.parallelize import Checkpointing
 
 # What a simulation reads of a job's config: its cache key (plan=search) covers these.
 SIMULATED_KEYS = ("model", "data", "strategy", "trainer")
@@ -40,6 +40,10 @@ class TaskModule(Protocol):
     def trainer(self) -> L.Trainer: ...
 
     def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def prepare_net(self, on_float8_gpus: bool, sharded: bool) -> None: ...
+
+    def new_optimizer(self) -> torch.optim.Optimizer: ...
 
     def _optimizer_groups(self) -> list[dict[str, Any]]: ...
 
@@ -187,6 +191,11 @@ class Job:
         return self.uses_cuda or self.cluster is not None
 
     @property
+    def float8(self) -> bool:
+        """Whether the blocks' Linear layers train in Float8 (``model.float8``)."""
+        return bool(self.cfg.model.get("float8", False))
+
+    @property
     def compile(self) -> bool:
         """Whether the model's blocks run under ``torch.compile`` (``model.compile``)."""
         return bool(self.cfg.model.get("compile", False))
@@ -221,10 +230,11 @@ class Job:
             return instantiate(self.cfg.model.net)
 
     def new_module(self) -> TaskModule:
-        """The job's LightningModule around a fresh meta-device net, with the model's own activation checkpointing
-        applied as ``configure_model`` applies it (each layout then cuts or shards its own copy)."""
+        """The job's LightningModule around a fresh meta-device net, with the model's own options (Float8 layers,
+        activation checkpointing) applied as ``configure_model`` applies them on the job's devices (each layout then
+        cuts or shards its own copy)."""
         module = instantiate(self.cfg.model, net=self.meta_net())
-        apply_activation_checkpointing(module.net, module.activation_checkpointing)
+        module.prepare_net(on_float8_gpus=self.on_gpus, sharded=self.dims.shard and self.dims.data_parallel > 1)
         return module
 
     def example_batch(self, module: TaskModule, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -65,6 +65,13 @@ class TensorParallel:
                     "(project/parallel/tensor_parallel_plans.py).",
                     "set strategy.tensor_parallel_size=1.",
                 )
+            if job.float8:
+                return ConfigError(
+                    "model.float8",
+                    f"is true with {size} tensor-parallel ranks (strategy.tensor_parallel_size), whose split layers "
+                    "this project does not convert to Float8.",
+                    "set strategy.tensor_parallel_size=1 (FSDP and pipelines train in Float8), or model.float8=false.",
+                )
             if any(is_nf4(parameter) for parameter in net.parameters()):
                 return ConfigError(
                     "model.lora.quantize_base",

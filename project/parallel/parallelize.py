@@ -146,7 +146,12 @@ def checkpointing_mode(setting: ActivationCheckpointing | None) -> Checkpointing
 # compute-heavy ops are kept, all else recomputed; of the matmuls, every second is recomputed too, which halves
 # what they keep for a little compute. Ours also keeps the CPU's attention kernel, the biased matmul (addmm), which
 # the GPT's linear layers run as, and the experts' grouped matmul.
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten._grouped_mm.default}
+_MATMULS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._grouped_mm.default,
+    torch.ops.aten._scaled_mm.default,  # model.float8 on GPUs
+}
 _SAVED = _MATMULS | {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention.default,

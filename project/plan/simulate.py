@@ -98,7 +98,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         # have none of (they compare equal, and torch warns).
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
         allocate(net, torch.device("cpu"))
-        optimizer = module.optimizer_factory(params=module._optimizer_groups())
+        optimizer = module.new_optimizer()
         # As after a first step: the optimizer's state (a step on zero gradients makes it, without a forward) and
         # the gradients, which Lightning frees only after the next forward.
         for parameter in net.parameters():

@@ -84,6 +84,12 @@ def flops_per_s(cluster: Cluster) -> float:
     return cluster.peak_tflops * 1e12 * clock_ratio(cluster)
 
 
+def float8_flops_per_s(cluster: Cluster) -> float:
+    """The GPU's dense FP8 peak at that clock (a cluster without one is refused for Float8 jobs before this)."""
+    assert cluster.float8_peak_tflops is not None, f"{cluster.name} has no float8 peak"
+    return cluster.float8_peak_tflops * 1e12 * clock_ratio(cluster)
+
+
 def exponentials_per_s(cluster: Cluster) -> float:
     """The softmax exponentials the GPU's special-function units compute a second, at that clock."""
     return cluster.exp_tera_per_s * 1e12 * clock_ratio(cluster)
@@ -103,6 +109,8 @@ def _arithmetic_seconds(kernel: Kernel, cluster: Cluster) -> float:
     """A kernel's arithmetic with its multiprocessors all busy: matmuls at ``matmul_efficiency``; attention's
     products at ``attention_efficiency`` (a causal kernel's half of them) and its exponentials at the special-function
     units' rate."""
+    if kernel.kind == "float8_matmul":
+        return kernel.flops / cluster.matmul_efficiency / float8_flops_per_s(cluster)
     if kernel.kind != "attention":
         return kernel.flops / cluster.matmul_efficiency / flops_per_s(cluster)
     done = 2 if kernel.causal else 1

@@ -14,6 +14,13 @@ from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights, weights_fingerprint
 from project.data.chat import IGNORE_INDEX
+from project.models.float8 import (
+    Float8Recipe,
+    convert_to_float8,
+    plain_weights,
+    precompute_float8_scales,
+    torchao_float8,
+)
 from project.models.lora import LoRA, apply_lora
 from project.models.moe import MoE, auxiliary_loss, mixtures
 from project.models.nf4 import is_nf4
@@ -88,6 +95,8 @@ class TrainingModule(L.LightningModule):
         init_from: str | None = None,
         compile: bool = False,
         lora: dict | None = None,
+        float8: bool = False,
+        float8_recipe: Float8Recipe = "tensorwise",
     ) -> None:
         super().__init__()
         unknown = set(no_weight_decay) - set(NO_DECAY_KINDS)
@@ -101,6 +110,8 @@ class TrainingModule(L.LightningModule):
             _check_scheduler(scheduler)
         self.net = net
         self.lora = None if lora is None else lora_settings(lora)
+        if float8:
+            _check_float8(self.lora)
         if self.lora is not None:
             _check_lora_targets(net, self.lora)
             apply_lora(net, self.lora)
@@ -127,6 +138,9 @@ class TrainingModule(L.LightningModule):
         self.activation_checkpointing = checkpointing_mode(activation_checkpointing)
         self.init_from = init_from  # a Hugging Face model dir whose weights replace the seeded ones
         self.compile_each_block = compile  # (not self.compile: that is nn.Module's own method)
+        self.float8_recipe = float8_recipe if float8 else None  # the blocks' matmuls in float8 (project.models.float8)
+        self.float8_layers: list[str] = []  # those converted, once prepare_net has
+        self.gathers_in_float8 = False  # whether FSDP all-gathers their weights in float8
         # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
         self.interval_loss = SampleMean()
         # A mixture of experts' routing over the epoch (the experts/* metrics), from every rank's mixtures.
@@ -138,18 +152,42 @@ class TrainingModule(L.LightningModule):
     def configure_model(self) -> None:
         if self._configured:
             return  # Lightning calls this again for validate or test after fit
-        apply_activation_checkpointing(self.net, self.activation_checkpointing)
+        strategy = self.trainer.strategy
+        dims = strategy.layout.dims(self.trainer.world_size) if isinstance(strategy, LaidOutStrategy) else None
+        self.prepare_net(
+            on_float8_gpus=strategy.root_device.type == "cuda",
+            sharded=dims is not None and dims.shard and dims.data_parallel > 1,
+        )
         if self.compile_each_block:
             compile_blocks(self.net)
-        strategy = self.trainer.strategy
         if isinstance(strategy, LaidOutStrategy):  # Lightning's own (DDP, one device) keep the whole model
             strategy.parallelize(self.net)
         weights = HFWeights(self.init_from) if self.init_from else None
         materialize(self.net, self.trainer.strategy.root_device, self.init_seed, weights)
         self._configured = True
 
+    def prepare_net(self, on_float8_gpus: bool, sharded: bool) -> None:
+        """What the model's own options do to the plain (meta) net before a layout acts, in torchtitan's order:
+        its Linear layers to Float8 (``model.float8``: on float8 tensor cores ``on_float8_gpus``, else emulated;
+        their weights all-gathered in float8 where FSDP shards them over data-parallel ranks, ``sharded``), then
+        activation checkpointing. ``configure_model`` calls it, and the memory plan for the job it simulates."""
+        if self.float8_recipe is not None:
+            self.gathers_in_float8 = sharded and self.float8_recipe == "tensorwise"
+            self.float8_layers = convert_to_float8(
+                self.net, self.float8_recipe, emulate=not on_float8_gpus, gather_in_float8=self.gathers_in_float8
+            )
+        apply_activation_checkpointing(self.net, self.activation_checkpointing)
+
     def on_fit_start(self) -> None:
-        """With LoRA, say (and log, as hyperparameters) how much of the model trains."""
+        """With Float8, say which layers it converted; with LoRA, say (and log, as hyperparameters) how much of the
+        model trains."""
+        if self.float8_recipe is not None:
+            gathered = "; FSDP gathers their weights in float8" if self.gathers_in_float8 else ""
+            rank_zero_info(
+                f"Float8 ({self.float8_recipe}): {len(self.float8_layers)} Linear layers of the blocks convert their "
+                f"matmuls{gathered}. The embedding, output layer, routers and layers of widths not in 16s keep the "
+                "run's precision."
+            )
         if self.lora is None:
             return
         share = self.trained_parameters / self.total_parameters
@@ -245,6 +283,8 @@ class TrainingModule(L.LightningModule):
         # The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         mid_epoch = processed < trainer.num_training_batches
+        if self.gathers_in_float8:
+            checkpoint["state_dict"] = plain_weights(checkpoint["state_dict"])
         if self.lora is not None:  # what its adapters were trained on, which the checkpoint does not hold
             checkpoint["lora_base"] = lora_base(self.init_from, self.init_seed, self.lora.quantize_base)
         checkpoint["running_metrics"] = {}
@@ -333,8 +373,16 @@ class TrainingModule(L.LightningModule):
         decayed, spared = ([parameters[name] for name in group] for group in self.parameter_groups())
         return [{"params": decayed}, {"params": spared, "weight_decay": 0.0}]
 
-    def configure_optimizers(self):
+    def new_optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer over the parameter groups, with what must follow each of its steps: the float8 scales of the
+        next all-gathers, from the weights the step has just updated (``model.float8`` under FSDP)."""
         optimizer = self.optimizer_factory(params=self._optimizer_groups())
+        if self.gathers_in_float8:
+            optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(self.net))
+        return optimizer
+
+    def configure_optimizers(self):
+        optimizer = self.new_optimizer()
         if self.scheduler_factory is None:
             return optimizer
         # Per optimizer step, over this run's steps (epochs, devices, accumulation and max_steps included).
@@ -371,6 +419,17 @@ def check_lora_base(saved: str | None, init_from: str | None, init_seed: int, qu
             f"gives a base ({here}) other than the one the checkpoint's adapters were trained on ({saved}).",
             "use the model dir (or seed) and model.lora.quantize_base the run started from, unchanged: the "
             "checkpoint holds the adapters alone.",
+        )
+
+
+def _check_float8(lora: LoRA | None) -> None:
+    """Float8 training needs torchao, and trains whole models: LoRA's layers are Linear subclasses of their own."""
+    torchao_float8()
+    if lora is not None:
+        raise ConfigError(
+            "model.float8",
+            "is true with LoRA adapters (model.lora), which Float8 training does not convert.",
+            "set model.float8=false to fine-tune with LoRA, or model.lora=null to train in Float8.",
         )
 
 

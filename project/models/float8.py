@@ -1,0 +1,123 @@
+"""Float8 training (``model.float8``): the blocks' Linear layers run their three matmuls (forward, the input's
+gradient, the weight's gradient) in 8-bit floats, torchao's ``Float8Linear``, as torchtitan trains Llama 3.
+
+Each matmul casts its operands to float8 with a scale computed from their current absolute maximum (dynamic
+scaling): the input and the weight to e4m3, the output's gradient to e5m2 (``tensorwise``: one scale a tensor, the
+fastest), or all three to e4m3 with one power-of-two scale per row (``rowwise``: more accurate, slower). The
+weights themselves, their gradients and the optimizer state keep their dtype: checkpoints and exports are those of
+an ordinary run.
+
+Which layers (``float8_layers``): every ``nn.Linear`` inside the blocks whose two widths are multiples of 16 (what
+the float8 matmul kernels take). Left in their own dtype: the stem and the head (the embedding and the output
+layer, which decide the first and last activations: torchtitan's rule), a mixture's routers (a few experts wide,
+and what picks them should not round), its experts (grouped weights, not Linear layers) and narrower layers.
+
+On CUDA GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell) the matmuls run on float8 tensor cores
+(``torch._scaled_mm``). Elsewhere (CPUs) torchao emulates them: the same casts and scales, the product of the
+dequantized operands in the input's dtype, so a CPU run trains with a GPU run's rounding.
+
+torchao is an optional dependency (``pip install 'project[float8]'``); nothing here imports it until a run asks.
+"""
+
+import dataclasses
+import importlib
+import logging
+from types import ModuleType
+from typing import Any, Literal
+
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from project.models.moe import Experts
+from project.models.sequence import BlockSequence
+from project.options.errors import ConfigError
+
+Float8Recipe = Literal["tensorwise", "rowwise"]
+MULTIPLE = 16  # the float8 matmul kernels' rule for both widths of a weight
+
+
+def torchao_float8() -> ModuleType:
+    """``torchao.float8``, imported quietly (torchao logs a warning for each GPU kernel library it cannot load on
+    this machine, and torch one for each of its types it registers), or a ``ConfigError`` without torchao."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        float8 = importlib.import_module("torchao.float8")
+    except ImportError:
+        raise ConfigError(
+            "model.float8",
+            "needs torchao, which is not installed.",
+            "pip install 'project[float8]' (torchao, the optional extra), or set model.float8=false.",
+        ) from None
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    # torchao 0.18's float8-gathered weight flattens its precomputed scale only if the scale is true as a boolean: a
+    # real one always is (a positive number), but the memory plan's fake one cannot be read, and its trackers
+    # flatten every parameter. Whether a scale is there is what the test means.
+    wrapper = importlib.import_module("torchao.float8.fsdp_utils").WeightWithDynamicFloat8CastTensor
+    wrapper.__tensor_flatten__ = _flatten_with_scale_if_any
+    return float8
+
+
+def _flatten_with_scale_if_any(self: Any) -> tuple[list[str], dict[str, Any]]:
+    tensors = ["_tensor"] if self._precomputed_scale is None else ["_tensor", "_precomputed_scale"]
+    return tensors, {"mm_config": self._linear_mm_config, "dtype": self._dtype}
+
+
+def float8_layers(net: BlockSequence) -> dict[str, nn.Linear]:
+    """The layers Float8 training converts, by name under ``net``: the blocks' Linear layers whose widths are
+    multiples of 16, but for a mixture's routers (module docstring)."""
+    routers = {id(module.router) for module in net.blocks.modules() if isinstance(module, Experts)}
+    return {
+        f"blocks.{index}.{name}": module
+        for index, block in enumerate(net.blocks)
+        for name, module in block.named_modules()
+        if isinstance(module, nn.Linear)
+        and id(module) not in routers
+        and module.in_features % MULTIPLE == 0
+        and module.out_features % MULTIPLE == 0
+    }
+
+
+def convert_to_float8(net: BlockSequence, recipe: Float8Recipe, emulate: bool, gather_in_float8: bool) -> list[str]:
+    """Swap ``float8_layers(net)`` for torchao's ``Float8Linear`` (in place; on the meta device too, keeping each
+    weight's name), and return their names. ``emulate``: compute the float8 matmuls in the input's dtype (CPUs).
+    ``gather_in_float8``: FSDP2 all-gathers their weights cast to float8, a byte a weight (tensorwise only:
+    torchao's weight wrapper; call ``precompute_float8_scales`` after each optimizer step)."""
+    float8 = torchao_float8()
+    config = dataclasses.replace(
+        float8.Float8LinearConfig.from_recipe_name(recipe),
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=gather_in_float8 and recipe == "tensorwise",
+    )
+    chosen = float8_layers(net)
+    ids = {id(module) for module in chosen.values()}
+    float8.convert_to_float8_training(net.blocks, config=config, module_filter_fn=lambda module, _: id(module) in ids)
+    return list(chosen)
+
+
+def precompute_float8_scales(net: nn.Module) -> None:
+    """The float8 scales of every FSDP-sharded Float8 weight from its updated shards, in one all-reduce of their
+    maxima (torchao's ``precompute_float8_dynamic_scale_for_fsdp``): without it each weight's all-gather would
+    reduce its own maximum first, one small collective per layer and step."""
+    torchao_float8().precompute_float8_dynamic_scale_for_fsdp(net)
+
+
+def plain_weights(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (a model's state dict) with the weights FSDP gathers in float8 as the plain tensors they are: torchao
+    wraps each in a tensor subclass (of its DTensor shard) that a checkpoint would otherwise pickle, which only a
+    reader trusting torchao's class could load."""
+    wrapper = importlib.import_module("torchao.float8.fsdp_utils").WeightWithDynamicFloat8CastTensor
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, DTensor) and isinstance(value._local_tensor, wrapper):
+            local = value._local_tensor._tensor
+            return DTensor.from_local(
+                local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
+        return value._tensor if isinstance(value, wrapper) else value
+
+    return {name: plain(value) for name, value in state.items()}
