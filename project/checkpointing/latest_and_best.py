@@ -6,6 +6,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from project.checkpointing.background import WritesInBackground
 from project.options.errors import check_writable
 
 
@@ -17,7 +18,24 @@ class LatestAndBestCheckpoint(ModelCheckpoint):
     epoch ended with a validation whose monitored metric improved; after a run of worse epochs, ``ckpt_path=last``
     would silently repeat them. And it defers the step saves, ``last`` included, until the monitored metric exists:
     a long first epoch, validated at its end, would have no checkpoint until then.
+
+    ``async_save``: a strategy that saves distributed checkpoints (fsdp, tensor_parallel, pipeline) writes them in
+    the background while training goes on (``project.checkpointing.background``); the others write their one file
+    before training goes on, as with ``async_save=False``. Training ends once the last write is on disk.
     """
+
+    def __init__(self, *args: Any, async_save: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.async_save = async_save
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if isinstance(trainer.strategy, WritesInBackground):
+            trainer.strategy.async_save = self.async_save
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if isinstance(trainer.strategy, WritesInBackground):
+            trainer.strategy.finish_checkpoint_writes()
 
     @staticmethod
     def check_config(cfg: DictConfig, name: str, *data: Any) -> None:

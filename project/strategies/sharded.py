@@ -3,17 +3,20 @@
 rank laying out its own part of the plain (meta) model, with checkpoint saves that a killed run cannot leave
 half-written."""
 
-import os
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+from torch.utils._pytree import tree_leaves
 
-from project.checkpointing.files import CHECKPOINT_NOT_SAVED, optimizer_state_by_name
+from project.accounting.memory_trackers import local_bytes
+from project.checkpointing.background import CheckpointWriter, staged_copy_fits, swap_in
+from project.checkpointing.files import CHECKPOINT_NOT_SAVED, META_FILE, optimizer_state_by_name
 from project.job.job import TaskModule
 from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
@@ -30,6 +33,9 @@ class ShardedStrategy(ModelParallelStrategy, LaidOutStrategy):
     def __init__(self, layout: ShardedLayout, **kwargs: Any) -> None:
         super().__init__(tensor_parallel_size=layout.tensor_parallel.size, **kwargs)
         self.layout = layout
+        # Checkpoints written in the background: the checkpoint callback's async_save (LatestAndBestCheckpoint).
+        self.async_save = False
+        self.checkpoint_writer = CheckpointWriter()
 
     def setup_environment(self) -> None:
         # ModelParallelStrategy's, on this strategy's mesh (Lightning's own is (data_parallel, tensor_parallel) with
@@ -74,7 +80,8 @@ class ShardedStrategy(ModelParallelStrategy, LaidOutStrategy):
         return checkpoint
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any = None) -> None:
-        """Write into ``<name>.partial`` and swap it in only once every rank has finished.
+        """Write into ``<name>.partial`` and swap it in only once every rank has finished; in the background where
+        ``async_save`` (``project.checkpointing.background``), else before training goes on.
 
         Lightning writes a sharded checkpoint in place, over the previous one of the same name (``last.ckpt``);
         a run killed meanwhile would leave ``last`` half old, half new. Here ``last`` is the old checkpoint until
@@ -83,28 +90,71 @@ class ShardedStrategy(ModelParallelStrategy, LaidOutStrategy):
         """
         final = Path(self.broadcast(str(filepath)))
         partial = final.with_name(final.name + ".partial")
+        self.finish_checkpoint_writes(before=final)
         if self.global_rank == 0:
             remove(partial)  # left over from a run killed while saving
         self.barrier()
+        if self._writes_in_background(checkpoint):
+            state = {"state_dict": checkpoint.pop("state_dict")}
+            state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+            if self.global_rank == 0:  # Lightning's meta.pt: the loops, callbacks, schedules
+                partial.mkdir(parents=True, exist_ok=True)  # (the other ranks may have made it already)
+                torch.save(checkpoint, partial / META_FILE)
+            self.checkpoint_writer.start(state, partial, final, self.global_rank)
+            return
         try:
             super().save_checkpoint(checkpoint, partial, storage_options)
         except (Exception, CheckpointException) as error:  # DCP's gathers every rank's failures, its own base class
-            cause = _os_error(error) or full_disk(partial)
-            if isinstance(error, CheckpointException):
-                self.barrier()  # DCP raised it on every rank: each has seen the full disk before any frees it
-            remove(partial)  # on every rank: whichever does it first frees the space
-            if cause is None:
+            failure = self._write_failed(error, partial, final)
+            if failure is error:
                 raise
-            raise write_failed(final, "checkpoint", cause, CHECKPOINT_NOT_SAVED) from error
+            raise failure from error
         self.barrier()
         if self.global_rank == 0:
-            previous = final.with_name(final.name + ".previous")
-            remove(previous)
-            if final.exists():
-                os.replace(final, previous)
-            os.replace(partial, final)
-            remove(previous)
+            swap_in(partial, final)
         self.barrier()
+
+    def finish_checkpoint_writes(self, before: Path | None = None) -> None:
+        """Wait for the checkpoint being written in the background, if any, and stop the run if it failed. Every rank
+        calls it together: before the next save (``before``), and when training ends."""
+        pending = self.checkpoint_writer.pending
+        try:
+            self.checkpoint_writer.finish(before)
+        except (Exception, CheckpointException) as error:
+            assert pending is not None
+            failure = self._write_failed(error, pending.partial, pending.final)
+            if failure is error:
+                raise
+            raise failure from error
+
+    def _writes_in_background(self, checkpoint: dict[str, Any]) -> bool:
+        """``async_save`` for a distributed checkpoint, unless this node's ranks' copies of their shards would not
+        fit in host memory (then, once a run, the log says so, and the checkpoints are written synchronously)."""
+        if not (self.async_save and self._save_distributed_checkpoint):  # (else one full file, written by rank 0)
+            return False
+        tensors = tree_leaves([checkpoint["state_dict"], checkpoint.get("optimizer_states")])
+        state_bytes = sum(local_bytes(t) for t in tensors if isinstance(t, torch.Tensor))
+        fits = staged_copy_fits(state_bytes, self.num_processes)
+        if not self.reduce_boolean_decision(fits, all=True):  # every rank decides alike
+            rank_zero_warn(
+                f"callbacks.model_checkpoint.async_save: a copy of each rank's checkpoint ({state_bytes / 2**30:.1f} "
+                "GiB) would not fit in half this node's free host memory; checkpoints are written synchronously."
+            )
+            self.async_save = False
+        return self.async_save
+
+    def _write_failed(self, error: BaseException, partial: Path, final: Path) -> BaseException:
+        """The error a failed write stops the run with: ``WriteFailed`` naming the file and the cause where an
+        ``OSError`` caused it (a full disk), else ``error``; the partial dir is removed on every rank."""
+        cause = _os_error(error) or full_disk(partial)
+        if isinstance(error, CheckpointException):
+            self.barrier()  # DCP raised it on every rank: each has seen the full disk before any frees it
+        remove(partial)  # on every rank: whichever does it first frees the space
+        return error if cause is None else write_failed(final, "checkpoint", cause, CHECKPOINT_NOT_SAVED)
+
+    def teardown(self) -> None:
+        self.checkpoint_writer.close()
+        super().teardown()
 
 
 def _os_error(error: BaseException) -> OSError | None:

@@ -219,3 +219,31 @@ class KillWhileWritingLast(L.Callback):
             save(checkpoint, path, storage_options)
 
         checkpoint_io.save_checkpoint = save_then_die
+
+
+class SlowCheckpointWrites(L.Callback):
+    """Each rank writes its shards of a distributed checkpoint ``seconds`` late, so that training goes on meanwhile
+    when the write is in the background. With ``kill``, the process SIGKILLs itself once its shards of the
+    ``kill``-th ``last.ckpt`` are written, before the metadata that completes the checkpoint: what a node failure
+    in the middle of a write leaves."""
+
+    def __init__(self, seconds: float, kill: int = 0) -> None:
+        self.seconds, self.kill = seconds, kill
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+        write = _FileSystemWriter.write_data
+        writes_of_last = []
+
+        def late_write(writer, plan, planner):
+            time.sleep(self.seconds)
+            written = write(writer, plan, planner)
+            if self.kill and Path(writer.path).name == "last.ckpt.partial":
+                writes_of_last.append(writer.path)
+                if len(writes_of_last) == self.kill:
+                    written.wait()
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+        _FileSystemWriter.write_data = late_write
