@@ -1,7 +1,8 @@
 """The framework's speed on one GPU: ``python benchmarks/gpu.py --out DIR [--pairs N] [--profile [all]]``.
 
 Cases: GPT-2 small and medium (``model=gpt_125m``, ``model=gpt_350m``) and Llama-3.2-1B's shape (``model=llama_1b``),
-each eager and with ``model.compile=true``, on one GPU in ``bf16-mixed``, on the synthetic Markov language
+each eager and with ``model.compile=true``, and the last two also with ``model.float8=true`` (``-float8``), on one GPU
+in ``bf16-mixed``, on the synthetic Markov language
 (``data=tokens``, nothing to download) at sequence length 1024 (``--seq-length``), 2 epochs (``--epochs``) of 40
 steps (``--steps``), checkpointing off. For each case, ``python train.py`` (the framework) and
 ``benchmarks/hand_loop.py`` (the same training written by hand) run one after the other in alternating order,
@@ -11,11 +12,19 @@ first (steady state: compiling, warm-up and the first validation are in the firs
 - ``perf/tokens_per_sec``, ``perf/tflops_per_device`` and ``perf/mfu`` as the framework logs them (its CSV log;
   the median of the steady epochs), and ``memory/peak_allocated_mb``, the highest of the run's epochs;
 - framework / hand throughput: the hand loop's steady epoch time over the framework's (the medians of each run;
-  min / median / max over the pairs). 1 means the framework costs nothing; 0.97, that it is 3% slower.
+  min / median / max over the pairs). 1 means the framework costs nothing; 0.98, that it is 2% slower.
+- a Float8 case's throughput over its bf16 twin's (``perf/tokens_per_sec``).
 
-Targets, printed next to the figures: gpt_350m compiled at 45% MFU or more, llama_1b compiled at 40% or more, and
-every case's framework / hand throughput at 0.97 or more (its median over the pairs). ``--profile`` then traces a few
-steps of a framework run (``ProfileSteps``) of every case that missed a target (``--profile all``: of every case).
+One more case, ``checkpoint-save``: what a checkpoint save costs the training loop. gpt_125m (eager) under
+``strategy=fsdp`` on the one GPU (a distributed checkpoint: 2 GB of weights and AdamW state) saves ``last.ckpt``
+every 10 steps, written synchronously (``async_save=false``) and in the background (``true``); a third run saves
+nothing. A save's stall is the steady epoch time's excess over the run without saves, over the saves of an epoch.
+
+Targets, printed next to the figures: gpt_350m compiled at 50% MFU or more, llama_1b compiled at 40% or more, every
+case's framework / hand throughput at 0.98 or more (its median over the pairs), llama_1b compiled in Float8 at 1.2x
+its bf16 throughput or more, and a background save stalling training less than a fifth of a synchronous one.
+``--profile`` then traces a few steps of a framework run (``ProfileSteps``) of every case that missed a target
+(``--profile all``: of every case).
 
 Prints the tables and writes them to ``--out`` (if given) after each case, so that a run cut short keeps what it
 measured: ``gpu_benchmark.json`` (every figure, the machine, the command) and ``gpu_benchmark.md``; with ``--profile``
@@ -23,13 +32,14 @@ measured: ``gpu_benchmark.json`` (every figure, the machine, the command) and ``
 ``gpu_benchmark_trace.json.gz`` (the first profiled case's). Exits 1 if a run failed; a missed target is a finding,
 not a failure.
 
-Estimated at 7 minutes on an H100 with ``--pairs 1``: on an H200 (2026-11-26, docs/gpu.md) the compiled gpt_350m and
-llama_1b cases took 68 s and 92 s each (a framework and a hand run; each run's wall time is in the JSON: start-up,
-data generation and compiling are about half of it); the whole set has not been timed. About 40 s more per profiled
-case. Without CUDA it exits
-with 2, unless ``--smoke``: the same pipeline on the CPU with the tiny presets (``model=gpt`` and ``model=llama``,
-eager, ``32-true``, sequence 64, 8 steps an epoch), in about 2 minutes on 2 cores, to check the code; its figures
-are of no worth.
+Estimated at 7 minutes on an H100 with ``--pairs 1`` for the six bf16 cases: on an H200 (2026-11-26, docs/gpu.md)
+the compiled gpt_350m and llama_1b cases took 68 s and 92 s each (a framework and a hand run; each run's wall time is
+in the JSON: start-up, data generation and compiling are about half of it). The Float8 cases and ``checkpoint-save``
+have not been timed on a GPU; ``make gpu-check`` can run them as a part of their own (``GPU_BENCHMARK_CASES``,
+docs/gpu.md). About 40 s more per profiled case. Without CUDA it exits with 2, unless ``--smoke``: the same pipeline
+on the CPU with the tiny presets (``model=gpt`` and ``model=llama``, eager, ``32-true``, sequence 64, 8 steps an
+epoch; the Llama in Float8 too, emulated), in a few minutes on 2 cores, to check the code; its figures are of no
+worth.
 """
 
 import argparse
@@ -55,7 +65,7 @@ from gpu_report import machine  # noqa: E402  (date, GPU, torch, CUDA, Python: a
 from overhead import framework_command, run, summary  # noqa: E402
 from readme_figures import QUIET, epochs, table  # noqa: E402  (QUIET: CSV log, no progress bar, no config print)
 
-RATIO_TARGET = 0.97  # framework throughput / hand-loop throughput, i.e. framework epoch time <= hand time / 0.97
+RATIO_TARGET = 0.98  # framework throughput / hand-loop throughput, i.e. framework epoch time <= hand time / 0.98
 # The Markov language keeps data=tokens' small vocabulary: its generator holds a dense vocab x vocab transition matrix
 # and iterates it 10,000 times towards its stationary distribution (vocab 4096 already takes minutes of CPU, 128256
 # would need 66 GB), and draws every token from a row of it. The models get their real vocabularies through
@@ -71,6 +81,18 @@ class Model:
     preset: str  # model=<preset>
     vocab_size: int | None  # the model's vocabulary (model.net.vocab_size); None: the data's
     batch_size: int  # sequences per step (one device)
+    float8: bool = False  # also run in Float8 (model.float8=true)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: Model
+    compile: bool
+    float8: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.model.preset}{'-compile' if self.compile else ''}{'-float8' if self.float8 else ''}"
 
 
 # GPT-2's 50257 tokens rounded up to a multiple of 64 (nanoGPT's 50304: whole tensor-core tiles); Llama 3's own
@@ -78,17 +100,24 @@ class Model:
 # inside an H100's 80 GB: the memory plan (python train.py plan=true with these overrides) puts the peaks at 16.5 GiB,
 # 29 GiB and 46 GiB; llama_1b's model state alone is 1.24 B x 16 bytes = 20 GB (fp32 weights and gradients, two
 # fp32 AdamW moments), its activations at 8 x 1024 tokens 22 GiB.
-GPU_MODELS = [Model("gpt_125m", 50304, 16), Model("gpt_350m", 50304, 16), Model("llama_1b", 128256, 8)]
-GPU_MFU_TARGETS = {"gpt_350m-compile": 0.45, "llama_1b-compile": 0.40}
+GPU_MODELS = [Model("gpt_125m", 50304, 16), Model("gpt_350m", 50304, 16, True), Model("llama_1b", 128256, 8, True)]
+GPU_MFU_TARGETS = {"gpt_350m-compile": 0.50, "llama_1b-compile": 0.40}
+GPU_FLOAT8_TARGETS = {"llama_1b-compile-float8": 1.2}  # Float8 throughput / bf16's (torchtitan: 1.2-1.5x)
 GPU_ARGS = ["trainer.accelerator=gpu", "trainer.devices=1", "trainer.precision=bf16-mixed"]
 # --smoke: the tiny presets on the CPU, eager (compiling takes about 35 s a run on a CPU). The GPU's MFU targets are
 # held against them too, so that a missing perf/mfu (no peak on a CPU) goes through the same path.
-SMOKE_MODELS = [Model("gpt", None, 8), Model("llama", None, 8)]
-SMOKE_MFU_TARGETS = {"gpt": 0.45, "llama": 0.40}
+SMOKE_MODELS = [Model("gpt", None, 8), Model("llama", None, 8, True)]
+SMOKE_MFU_TARGETS = {"gpt": 0.50, "llama": 0.40}
+SMOKE_FLOAT8_TARGETS = {"llama-float8": 1.2}
 SMOKE_ARGS = ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true"]
 # Checkpointing off on both sides (hand_loop.py reads the same switch): a llama_1b checkpoint is 15 GB of weights and
 # AdamW state, whose writing would time the disk, not the training.
 NO_CHECKPOINTS = ["~callbacks.model_checkpoint", "+trainer.enable_checkpointing=false"]
+# checkpoint-save: a distributed checkpoint of last.ckpt alone every SAVE_EVERY steps (no best one: top-k 0).
+CHECKPOINT_CASE = "checkpoint-save"
+SAVE_EVERY = 10
+SAVES = ["strategy=fsdp", "callbacks.model_checkpoint.save_top_k=0"]
+STALL_TARGET = 5.0  # a synchronous save's stall / a background one's: the background one under a fifth
 
 
 class ProfileSteps(L.Callback):
@@ -126,7 +155,9 @@ class ProfileSteps(L.Callback):
             self._profiler.export_chrome_trace(self.trace_file)
 
 
-def case_overrides(model: Model, compile: bool, args: argparse.Namespace, device_args: list[str]) -> list[str]:
+def case_overrides(
+    model: Model, compile: bool, args: argparse.Namespace, device_args: list[str], float8: bool = False
+) -> list[str]:
     """The Hydra overrides of one case, the same for the framework and the hand loop."""
     vocab = (
         []
@@ -143,6 +174,7 @@ def case_overrides(model: Model, compile: bool, args: argparse.Namespace, device
         f"data.num_val={2 * model.batch_size}",  # two whole batches: no odd last one to compile again
         f"trainer.max_epochs={args.epochs}",
         f"model.compile={str(compile).lower()}",
+        f"model.float8={str(float8).lower()}",
         *device_args,
         *QUIET,
         *NO_CHECKPOINTS,
@@ -203,12 +235,48 @@ def measure(name: str, overrides: list[str], pairs: int, first: int, tmp: Path) 
     }
 
 
-def targets(results: list[dict[str, Any]], mfu_targets: dict[str, float]) -> list[dict[str, Any]]:
+def measure_checkpoint_stall(overrides: list[str], steps: int, tmp: Path) -> dict[str, Any]:
+    """``checkpoint-save``: the framework run of ``overrides`` without checkpoints, saving last.ckpt synchronously
+    every ``SAVE_EVERY`` steps, and saving it in the background; each save's stall over the run without saves."""
+    trained = [item for item in overrides if item not in NO_CHECKPOINTS]
+    every = min(SAVE_EVERY, max(1, steps // 2))  # at least two saves an epoch (--smoke's epochs are 8 steps)
+    saving = [*trained, *SAVES, f"callbacks.model_checkpoint.every_n_train_steps={every}"]
+    runs = {
+        "none": overrides,
+        "synchronous": [*saving, "callbacks.model_checkpoint.async_save=false"],
+        "background": [*saving, "callbacks.model_checkpoint.async_save=true"],
+    }
+    epoch_s = {}
+    for kind, args in runs.items():
+        clock, job_dir = tmp / f"checkpoints-{kind}.jsonl", tmp / f"checkpoints-{kind}"
+        times, _ = run(framework_command(args, clock, job_dir), clock, ENV)
+        epoch_s[kind] = statistics.median(times[1:])
+        print(f"  {CHECKPOINT_CASE} {kind}: epochs {', '.join(f'{t:.2f}' for t in times)} s", flush=True)
+    saves = steps // every
+    stall = {kind: (epoch_s[kind] - epoch_s["none"]) / saves for kind in ("synchronous", "background")}
+    return {"epoch_s": epoch_s, "saves_per_epoch": saves, "stall_s": stall, "overrides": runs}
+
+
+def targets(
+    results: list[dict[str, Any]], mfu_targets: dict[str, float], float8_targets: dict[str, float]
+) -> list[dict[str, Any]]:
     """Each target with the measured value and whether it is met (None: not measured)."""
     checks = []
     for result in results:
         name = result["case"]
+        if name == CHECKPOINT_CASE:
+            stall = result.get("stall_s", {})
+            background, synchronous = stall.get("background"), stall.get("synchronous")
+            value = None if background is None or synchronous is None else synchronous / max(background, 1e-6)
+            met = None if value is None else value >= STALL_TARGET
+            checks.append(
+                {"case": name, "metric": "synchronous / background stall", "threshold": STALL_TARGET,
+                 "value": value, "met": met}
+            )  # fmt: skip
+            continue
         wanted = [("perf/mfu", result.get("mfu"), mfu_targets[name])] if name in mfu_targets else []
+        if name in float8_targets:
+            wanted.append(("Float8 / bf16 throughput", result.get("float8_speedup"), float8_targets[name]))
         wanted.append(("framework / hand throughput", result.get("throughput_ratio", {}).get("median"), RATIO_TARGET))
         for metric, value, threshold in wanted:
             checks.append(
@@ -229,10 +297,19 @@ def figure(value: float | None, fmt: str) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
-    rows = []
+    rows, stalls, saves = [], [], None
     for r in report["cases"]:
+        if r["case"] == CHECKPOINT_CASE:
+            if "error" in r:
+                stalls.append(["failed: see the JSON", "", ""])
+                continue
+            epoch_s, stall, saves = r["epoch_s"], r["stall_s"], r["saves_per_epoch"]
+            for kind in ("none", "synchronous", "background"):
+                per_save = "-" if kind == "none" else f"{stall[kind]:.3f}"
+                stalls.append([kind, f"{epoch_s[kind]:.3f}", per_save])
+            continue
         if "error" in r:
-            rows.append([r["case"], f"{r['batch_size']} x {r['seq_length']}", "failed: see the JSON", *[""] * 6])
+            rows.append([r["case"], f"{r['batch_size']} x {r['seq_length']}", "failed: see the JSON", *[""] * 7])
             continue
         ratio = r["throughput_ratio"]
         rows.append(
@@ -246,6 +323,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{r['epoch_s']['framework']:.3f}",
                 f"{r['epoch_s']['hand']:.3f}",
                 summary([ratio["min"], ratio["median"], ratio["max"]]),
+                figure(r.get("float8_speedup"), "{:.3f}"),
             ]
         )
     checks = [
@@ -277,10 +355,22 @@ def markdown(report: dict[str, Any]) -> str:
                 "epoch s, framework",
                 "epoch s, hand",
                 "framework / hand throughput",
+                "Float8 / bf16 throughput",
             ],
             rows,
         ),
         "",
+    ]
+    if stalls:
+        lines += [
+            f"`{CHECKPOINT_CASE}`: {report['settings'].get('checkpoint_model', '')} under strategy=fsdp on one device, "
+            f"last.ckpt saved {saves} times an epoch; a save's stall is the steady epoch's excess over the run "
+            "without saves, over the epoch's saves.",
+            "",
+            table(["checkpoints", "epoch s", "stall s per save"], stalls),
+            "",
+        ]
+    lines += [
         table(["target", "measured", ""], checks),
     ]
     if report["profiles"]:
@@ -353,21 +443,29 @@ def main() -> None:
             file=sys.stderr,
         )
         sys.exit(2)
-    models, mfu_targets, device_args = (
-        (SMOKE_MODELS, SMOKE_MFU_TARGETS, SMOKE_ARGS) if args.smoke else (GPU_MODELS, GPU_MFU_TARGETS, GPU_ARGS)
+    models, mfu_targets, float8_targets, device_args = (
+        (SMOKE_MODELS, SMOKE_MFU_TARGETS, SMOKE_FLOAT8_TARGETS, SMOKE_ARGS)
+        if args.smoke
+        else (GPU_MODELS, GPU_MFU_TARGETS, GPU_FLOAT8_TARGETS, GPU_ARGS)
     )
     if args.steps is None:
         args.steps = 8 if args.smoke else 40
     if args.seq_length is None:
         args.seq_length = 64 if args.smoke else 1024
     compiles = [False] if args.smoke else [False, True]
-    cases = {
-        f"{model.preset}{'-compile' if compile else ''}": (model, compile) for model in models for compile in compiles
-    }
-    unknown = set(args.cases or []) - set(cases)
+    every = [
+        Case(model, compile, float8)
+        for model in models
+        for float8 in ([False, True] if model.float8 else [False])
+        for compile in compiles
+    ]
+    known = {case.name: case for case in every}
+    unknown = set(args.cases or []) - {*known, CHECKPOINT_CASE}
     if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}; choose among {sorted(cases)}")
-    cases = {name: case for name, case in cases.items() if args.cases is None or name in args.cases}
+        parser.error(f"unknown cases {sorted(unknown)}; choose among {sorted(known)} and {CHECKPOINT_CASE}")
+    cases = {name: case for name, case in known.items() if args.cases is None or name in args.cases}
+    checkpoint_model = models[0]  # gpt_125m (gpt with --smoke), eager
+    measure_stall = args.cases is None or CHECKPOINT_CASE in args.cases
     if args.out is not None:
         args.out = args.out.resolve()  # the profiled run writes its trace there from the repo's root
         args.out.mkdir(parents=True, exist_ok=True)
@@ -383,6 +481,8 @@ def main() -> None:
             "data_vocab_size": DATA_VOCAB,
             "ratio_target": RATIO_TARGET,
             "mfu_targets": mfu_targets,
+            "float8_targets": float8_targets,
+            "checkpoint_model": checkpoint_model.preset,
         },
         "cases": [],
         "targets": [],
@@ -391,19 +491,21 @@ def main() -> None:
         "wall_s": 0.0,
     }
     print(
-        f"{report['machine']['gpu'] or 'CPU (smoke)'}, torch {torch.__version__}: {len(cases)} cases, "
+        f"{report['machine']['gpu'] or 'CPU (smoke)'}, torch {torch.__version__}: {len(cases) + measure_stall} cases, "
         f"{args.pairs} pair(s) each",
         flush=True,
     )
     failed = False
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        for index, (name, (model, compile)) in enumerate(cases.items()):
-            overrides = case_overrides(model, compile, args, device_args)
+        for index, (name, case) in enumerate(cases.items()):
+            model, compile = case.model, case.compile
+            overrides = case_overrides(model, compile, args, device_args, case.float8)
             result = {
                 "case": name,
                 "model": model.preset,
                 "compile": compile,
+                "float8": case.float8,
                 "batch_size": model.batch_size,
                 "seq_length": args.seq_length,
                 "model_vocab_size": model.vocab_size,
@@ -416,19 +518,36 @@ def main() -> None:
                 print(error, file=sys.stderr)
                 result["error"] = str(error)[-4000:]
                 failed = True
+            twin = next((r for r in report["cases"] if r["case"] == Case(model, compile, False).name), None)
+            if case.float8 and twin and twin.get("tokens_per_sec") and result.get("tokens_per_sec"):
+                result["float8_speedup"] = result["tokens_per_sec"] / twin["tokens_per_sec"]
             report["cases"].append(result)
-            report["targets"] = targets(report["cases"], mfu_targets)
+            report["targets"] = targets(report["cases"], mfu_targets, float8_targets)
+            report["wall_s"] = time.perf_counter() - started
+            write(report, args.out)
+        if measure_stall:
+            result = {"case": CHECKPOINT_CASE, "model": checkpoint_model.preset}
+            try:
+                overrides = case_overrides(checkpoint_model, False, args, device_args)
+                result.update(measure_checkpoint_stall(overrides, args.steps, tmp))
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                print(error, file=sys.stderr)
+                result["error"] = str(error)[-4000:]
+                failed = True
+            report["cases"].append(result)
+            report["targets"] = targets(report["cases"], mfu_targets, float8_targets)
             report["wall_s"] = time.perf_counter() - started
             write(report, args.out)
         missed = {check["case"] for check in report["targets"] if check["met"] is False}
         profiled = [name for name in cases if args.profile == "all" or (args.profile == "missed" and name in missed)]
         tables = []
         for name in profiled:
-            model, compile = cases[name]
+            case = cases[name]
             trace = args.out / "gpu_benchmark_trace.json.gz" if report["trace"] is None else None
             print(f"  {name}: profiling steps {PROFILE_START} to {PROFILE_START + PROFILE_STEPS - 1}", flush=True)
+            overrides = case_overrides(case.model, case.compile, args, device_args, case.float8)
             try:
-                ops = profile_case(name, case_overrides(model, compile, args, device_args), tmp, trace)
+                ops = profile_case(name, overrides, tmp, trace)
             except (RuntimeError, subprocess.TimeoutExpired) as error:
                 print(error, file=sys.stderr)
                 failed = True

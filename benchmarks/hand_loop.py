@@ -16,9 +16,11 @@ It runs where the framework would: on ``cuda:<LOCAL_RANK>`` (nccl between ranks)
 gpu, or auto on a machine with CUDA, else on the CPU (gloo). On a GPU the in-memory tensors are moved to it once,
 before the first epoch. As the framework does, it computes forward and loss in bfloat16 autocast under
 ``trainer.precision=bf16-mixed``, lets float32 matmuls on a GPU use TF32 with ``tf32`` and compiles each block with
-``model.compile``.
+``model.compile``. With ``model.float8`` it converts the blocks' Linear layers of widths in 16s (not a router) to
+torchao's Float8 training itself, before compiling, as torchao's README does (on a CPU, emulated).
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -58,6 +60,23 @@ def training_device(accelerator: str) -> torch.device:
     return torch.device("cpu")
 
 
+def to_float8(net: torch.nn.Module, recipe: str, device: torch.device, gather: bool) -> None:
+    """torchao's Float8 training on the blocks' Linear layers of widths in 16s but the routers."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(
+        config, emulate=device.type != "cuda", enable_fsdp_float8_all_gather=gather and recipe == "tensorwise"
+    )
+    convert_to_float8_training(
+        net.blocks,
+        config=config,
+        module_filter_fn=lambda module, name: (
+            module.in_features % 16 == 0 and module.out_features % 16 == 0 and not name.endswith("router")
+        ),
+    )
+
+
 def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     def stamp(event: str) -> None:
         if rank == 0:
@@ -79,6 +98,8 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     # Onto the device once: a step then indexes its batch there, with no copy from the host.
     x, y, x_val, y_val = [tensor.to(device) for tensor in data.train_set.tensors + data.val_set.tensors]
     net = init_weights(instantiate(cfg.model.net), cfg.seed).to(device)
+    if cfg.model.get("float8"):
+        to_float8(net, cfg.model.float8_recipe, device, gather=strategy == "fsdp")
     if cfg.model.compile:
         compile_blocks(net)  # before any wrapping, as the framework does
     batch = cfg.data.batch_size  # per data-parallel replica, as the framework's
@@ -106,6 +127,9 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     steps_per_epoch = len(x) // global_batch
     schedule_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.trainer.max_epochs * steps_per_epoch))
     classification = y.dim() == 1
+    scales_after_step = bool(cfg.model.get("float8")) and strategy == "fsdp" and cfg.model.float8_recipe == "tensorwise"
+    if scales_after_step:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     checkpoint_dir = Path(clock_file).with_suffix(".ckpt")
     checkpointing = cfg.trainer.get("enable_checkpointing", True)
 
@@ -143,6 +167,8 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
                 rows = rows[rank * batch : (rank + 1) * batch]
             result = forward_backward(x[rows], y[rows])
             optimizer.step()
+            if scales_after_step:
+                precompute_float8_dynamic_scale_for_fsdp(model)
             schedule_lr.step()
             optimizer.zero_grad()
             if result is not None:

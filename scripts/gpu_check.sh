@@ -6,7 +6,8 @@
 #   bash scripts/gpu_check.sh <bundle dir> <out dir>
 # GPU_PYTHON: the box's interpreter, the one with torch (default python3). GPU_VENV: the venv made over it
 # (default .gpu-venv). GPU_CHECK_PARTS: "tests", "benchmark" or both (the default), for a box whose sessions are short;
-# GPU_TESTS_K: a pytest -k expression, e.g. memory_plan or "not memory_plan", to split the tests too.
+# GPU_TESTS_K: a pytest -k expression, e.g. memory_plan or "not memory_plan", to split the tests too;
+# GPU_BENCHMARK_CASES: the benchmark's cases to run (benchmarks/gpu.py --cases), to split the benchmark.
 # A failed test or benchmark still leaves every table; the exit code is then 1.
 set -uo pipefail
 bundle=$1
@@ -40,7 +41,9 @@ if [[ " $parts " != *" benchmark "* ]]; then
 elif "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     # This box's GPUs measured for the step-time model (under 2 minutes), as cluster file calibrated.yaml
     "$py" -m project.cli.calibrate --name calibrated --out "$out/calibrated.yaml" 2>&1 | tee -a "$log"
-    "$py" benchmarks/gpu.py --out "$out" --profile 2>&1 | tee -a "$log"  # profiles the cases that miss a target
+    # GPU_BENCHMARK_CASES: some of the benchmark's cases (benchmarks/gpu.py --cases), for a part of its own
+    "$py" benchmarks/gpu.py --out "$out" --profile ${GPU_BENCHMARK_CASES:+--cases $GPU_BENCHMARK_CASES} 2>&1 \
+        | tee -a "$log"  # profiles the cases that miss a target
     benchmark=${PIPESTATUS[0]}
     # Each case's throughput and peak beside plan=true's on the datasheet cluster and on calibrated.yaml
     "$py" scripts/gpu_predictions.py "$out" 2>&1 | tee -a "$log"

@@ -46,7 +46,7 @@ def main(out: Path) -> None:
         clusters["calibrated"] = [f"hydra.searchpath=[file://{out.resolve()}]", "cluster=calibrated"]
     rows: list[dict[str, Any]] = []
     for case in report["cases"]:
-        if "error" in case:
+        if "error" in case or "tokens_per_sec" not in case:  # failed, or the checkpoint-save case (no throughput)
             continue
         row = {"case": case["case"], "tokens_per_sec": case["tokens_per_sec"], "peak_mb": case["peak_allocated_mb"]}
         for name, cluster in clusters.items():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_GPT, run_command, train
+from conftest import TINY_GPT, TINY_LLAMA, run_command, train
 from helpers.planned_runs import PLANNED_MODELS, planned_run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -118,6 +118,25 @@ def test_compiled_blocks_match_eager_and_fused_adamw_steps_on_cuda(gpt_runs, run
         record_property(f"{key} compiled vs eager", difference)
         assert difference <= 1e-4, key
     assert series(job_dir, "probe/fused_adamw_on_cuda") == [1.0] * 3
+
+
+def test_float8_trains_within_its_bound_of_bf16_on_float8_tensor_cores(runs_dir, home, record_property):
+    """The tiny Llama compiled on one GPU in bf16-mixed, with and without model.float8 (its matmuls then on float8
+    tensor cores, torch._scaled_mm): every epoch's losses within test_float8's bound of the bf16 run's, and not equal
+    to them. Needs compute capability 8.9 (H100, H200, L40S); skipped below."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs float8 tensor cores (compute capability 8.9 or more)")
+    from test_float8 import LOSS_BOUND
+
+    args = [*TINY_LLAMA, "data.batch_size=32", *BF16, "model.compile=true"]
+    runs = {
+        flag: gpu_run(f"gpu-float8-{flag}", [*args, f"model.float8={flag}"], runs_dir, home)[0]
+        for flag in ("false", "true")
+    }
+    for key in ("train/loss", "val/loss"):
+        difference = largest_relative_difference(series(runs["true"], key), series(runs["false"], key))
+        record_property(f"{key} Float8 vs bf16", difference)
+        assert 0 < difference <= LOSS_BOUND, key
 
 
 def peak_allocated_mb(args: list[str], name: str, runs_dir: Path, home: Path) -> float:
