@@ -74,9 +74,9 @@ def test_a_run_killed_in_the_middle_of_a_background_write_resumes_exactly_from_t
     written_both_ways, tmp_path, home
 ):
     """SIGKILL on every rank while epoch 1's last.ckpt is written in the background (its shards on disk, not its
-    metadata): last.ckpt is still epoch 0's, whole; ckpt_path=last resumes from it, and epochs 1 and 2 come out
-    as the run that was never stopped had them. Before that, each epoch's last.ckpt waited for its best checkpoint's
-    write, and the log says so."""
+    metadata): last.ckpt is still epoch 0's, whole; ckpt_path=last says so and resumes from it, and epochs 1 and 2
+    come out as the run that was never stopped had them. Before that, each epoch's last.ckpt waited for its best
+    checkpoint's write, and the log says so."""
     job_dir = tmp_path / "killed"
     run = [*FSDP, *SLOW, f"hydra.run.dir={job_dir}"]
     killed = train([*run, "+callbacks.slow.kill=2"], home, expect_ok=False)
@@ -87,7 +87,8 @@ def test_a_run_killed_in_the_middle_of_a_background_write_resumes_exactly_from_t
     assert list(partial.glob("*.distcp")) and not (partial / ".metadata").exists()
     log = (job_dir / "train.log").read_text()
     assert "Checkpoint epoch000.ckpt is still being written; last.ckpt waits for it." in log
-    train([*run, "ckpt_path=last"], home)
+    resuming = train([*run, "ckpt_path=last"], home)
+    assert f"{partial} is a checkpoint whose write was cut short" in resuming.output
     resumed, straight = history_of(job_dir), history_of(written_both_ways[False])
     assert [epoch["epoch"] for epoch in resumed] == [0, 1, 2]
     assert resumed[1:] == straight[1:]

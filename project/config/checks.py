@@ -216,6 +216,11 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     saved = _saved_checkpoints(checkpoints)
     if not saved:
         return None if cfg.ckpt_path == "auto" else str(last)
+    for partial in sorted(checkpoints.glob("*.ckpt.partial")):
+        log.warning(
+            f"{partial} is a checkpoint whose write was cut short (the run stopped while saving it): it is left "
+            "out, and the run resumes from the newest whole one."
+        )
     damage = _damage(last) if last.exists() else "does not exist"
     if damage is None:
         return str(last)
