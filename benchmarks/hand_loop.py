@@ -16,8 +16,9 @@ It runs where the framework would: on ``cuda:<LOCAL_RANK>`` (nccl between ranks)
 gpu, or auto on a machine with CUDA, else on the CPU (gloo). On a GPU the in-memory tensors are moved to it once,
 before the first epoch. As the framework does, it computes forward and loss in bfloat16 autocast under
 ``trainer.precision=bf16-mixed``, lets float32 matmuls on a GPU use TF32 with ``tf32`` and compiles each block with
-``model.compile``. With ``model.float8`` it converts the blocks' Linear layers of widths in 16s (not a router) to
-torchao's Float8 training itself, before compiling, as torchao's README does (on a CPU, emulated).
+``model.compile``. With ``model.float8`` it converts the blocks' Linear layers of widths in 16s (not a router; not
+the small ones torchao's filter leaves, unless ``model.float8_small_layers``) to torchao's Float8 training itself,
+before compiling, as torchao's README does (on a CPU, emulated).
 """
 
 import dataclasses
@@ -60,9 +61,12 @@ def training_device(accelerator: str) -> torch.device:
     return torch.device("cpu")
 
 
-def to_float8(net: torch.nn.Module, recipe: str, device: torch.device, gather: bool) -> None:
-    """torchao's Float8 training on the blocks' Linear layers of widths in 16s but the routers."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+def to_float8(net: torch.nn.Module, recipe: str, small_layers: bool, device: torch.device, gather: bool) -> None:
+    """torchao's Float8 training on the blocks' Linear layers of widths in 16s but the routers, and but the small
+    ones unless ``small_layers`` (torchao's own filter)."""
+    from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
+
+    fast_enough = _auto_filter_for_recipe(recipe, filter_fqns=[])
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     config = dataclasses.replace(
@@ -72,7 +76,10 @@ def to_float8(net: torch.nn.Module, recipe: str, device: torch.device, gather: b
         net.blocks,
         config=config,
         module_filter_fn=lambda module, name: (
-            module.in_features % 16 == 0 and module.out_features % 16 == 0 and not name.endswith("router")
+            module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+            and not name.endswith("router")
+            and (small_layers or fast_enough(module, name))
         ),
     )
 
@@ -99,7 +106,7 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     x, y, x_val, y_val = [tensor.to(device) for tensor in data.train_set.tensors + data.val_set.tensors]
     net = init_weights(instantiate(cfg.model.net), cfg.seed).to(device)
     if cfg.model.get("float8"):
-        to_float8(net, cfg.model.float8_recipe, device, gather=strategy == "fsdp")
+        to_float8(net, cfg.model.float8_recipe, cfg.model.float8_small_layers, device, gather=strategy == "fsdp")
     if cfg.model.compile:
         compile_blocks(net)  # before any wrapping, as the framework does
     batch = cfg.data.batch_size  # per data-parallel replica, as the framework's

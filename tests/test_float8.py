@@ -45,19 +45,38 @@ def test_float8_converts_the_blocks_linear_layers_of_widths_in_sixteens_and_no_r
         gpt = GPT(vocab_size=32, max_length=16, num_layers=1, dim=32, num_heads=2)
         moe = MoE(vocab_size=32, max_length=16, num_layers=2, dim=32, num_heads=2, num_kv_heads=1, hidden_dim=64,
                   num_experts=16, experts_per_token=2, expert_hidden_dim=32, first_dense_layers=1)  # fmt: skip
-    names = convert_to_float8(llama, "tensorwise", emulate=True, gather_in_float8=False)
+    names = convert_to_float8(llama, "tensorwise", emulate=True, gather_in_float8=False, small_layers=True)
     expected = {f"blocks.{i}.attention.{layer}" for i in range(2) for layer in ("q", "k", "v", "o")}
     assert set(names) == block_linears(llama) == expected
     layers = ("attention.q", "attention.k", "attention.v", "attention.proj", "mlp.up", "mlp.down")
-    assert convert_to_float8(gpt, "rowwise", emulate=True, gather_in_float8=False) == [
+    assert convert_to_float8(gpt, "rowwise", emulate=True, gather_in_float8=False, small_layers=True) == [
         f"blocks.0.{layer}" for layer in layers
     ]
     assert not isinstance(gpt.head.output, Float8Linear)
-    names = set(convert_to_float8(moe, "tensorwise", emulate=True, gather_in_float8=False))
+    names = set(convert_to_float8(moe, "tensorwise", emulate=True, gather_in_float8=False, small_layers=True))
     dense = {f"blocks.0.mlp.{layer}" for layer in ("gate", "up", "down")}
     attention = {f"blocks.{i}.attention.{layer}" for i in range(2) for layer in ("q", "k", "v", "o")}
     assert names == block_linears(moe) == attention | dense  # the router (16 wide: it would pass) stays
     assert "blocks.1.mlp.router" in dict(moe.named_modules())
+
+
+def test_by_default_float8_leaves_the_layers_torchao_measured_faster_in_bf16():
+    """The size rule on real shapes, from torchao's H100 measurements. Tensorwise leaves a layer whose input is at
+    most 4096 wide and output at most 1024: of Llama-3.2-1B's (width 2048, 8 key/value heads of 64, SwiGLU 8192) the
+    key and value projections (2048 -> 512); of GPT-2 medium's (width 1024) all but the MLP's first layer (1024 ->
+    4096; its second, 4096 -> 1024, is small). Rowwise also leaves the query and output projections (2048 -> 2048)
+    and the SwiGLU's down projection (8192 -> 2048), and all of GPT-2 medium's (its widest input is 1024)."""
+    with torch.device("meta"):
+        llama = Llama(vocab_size=128256, max_length=16, num_layers=1, dim=2048, num_heads=32, num_kv_heads=8,
+                      hidden_dim=8192)  # fmt: skip
+        gpt = GPT(vocab_size=50304, max_length=16, num_layers=1, dim=1024, num_heads=16)
+    assert set(float8_layers(llama, "tensorwise")) == {
+        f"blocks.0.{layer}" for layer in ("attention.q", "attention.o", "mlp.gate", "mlp.up", "mlp.down")
+    }
+    assert set(float8_layers(gpt, "tensorwise")) == {"blocks.0.mlp.up"}
+    assert set(float8_layers(llama, "rowwise")) == {"blocks.0.mlp.gate", "blocks.0.mlp.up"}
+    assert set(float8_layers(gpt, "rowwise")) == set()
+    assert len(float8_layers(llama, "tensorwise", small_layers=True)) == 7
 
 
 def _quantized(tensor: torch.Tensor, dtype: torch.dtype, dim: int | None = None) -> torch.Tensor:
@@ -126,7 +145,7 @@ def test_a_plan_on_gpus_prices_float8_matmuls_at_the_float8_peak_and_gathers_the
         for flag, plan in plans.items()
     }
     net = job.meta_net()
-    converted = sum(module.weight.numel() for module in float8_layers(net).values())
+    converted = sum(module.weight.numel() for module in float8_layers(net, "tensorwise", small_layers=True).values())
     assert gathered["false"] - gathered["true"] == 2 * converted  # (2 - 1) byte, gathered twice a step
 
 
@@ -184,7 +203,7 @@ def test_float8_nets_materialise_with_their_seeded_weights():
         with torch.device("meta"):
             net = Llama(vocab_size=32, max_length=16, num_layers=2, dim=32, num_heads=2, num_kv_heads=1, hidden_dim=64)
         if convert:
-            convert_to_float8(net, "tensorwise", emulate=True, gather_in_float8=False)
+            convert_to_float8(net, "tensorwise", emulate=True, gather_in_float8=False, small_layers=True)
         materialize(net, torch.device("cpu"), seed=3)
         nets.append(net.state_dict())
     assert nets[0].keys() == nets[1].keys()

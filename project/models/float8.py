@@ -8,9 +8,13 @@ weights themselves, their gradients and the optimizer state keep their dtype: ch
 an ordinary run.
 
 Which layers (``float8_layers``): every ``nn.Linear`` inside the blocks whose two widths are multiples of 16 (what
-the float8 matmul kernels take). Left in their own dtype: the stem and the head (the embedding and the output
-layer, which decide the first and last activations: torchtitan's rule), a mixture's routers (a few experts wide,
-and what picks them should not round), its experts (grouped weights, not Linear layers) and narrower layers.
+the float8 matmul kernels take) and which is large enough to gain: torchao's own rule from its H100 measurements
+(``_auto_filter_for_recipe``: under tensorwise scaling, not where the input is at most 4096 wide and the output at
+most 1024; under rowwise, not where the output is at most 2048, the input at most 1024, or both at most 4096 and
+2048). ``model.float8_small_layers`` converts the small ones too (tiny models, CPUs: where the rounding, not the
+speed, is the point). Left in their own dtype: the stem and the head (the embedding and the output layer, which
+decide the first and last activations: torchtitan's rule), a mixture's routers (a few experts wide, and what picks
+them should not round) and its experts (grouped weights, not Linear layers).
 
 On CUDA GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell) the matmuls run on float8 tensor cores
 (``torch._scaled_mm``). Elsewhere (CPUs) torchao emulates them: the same casts and scales, the product of the
@@ -67,10 +71,12 @@ def _flatten_with_scale_if_any(self: Any) -> tuple[list[str], dict[str, Any]]:
     return tensors, {"mm_config": self._linear_mm_config, "dtype": self._dtype}
 
 
-def float8_layers(net: BlockSequence) -> dict[str, nn.Linear]:
+def float8_layers(net: BlockSequence, recipe: Float8Recipe, small_layers: bool = False) -> dict[str, nn.Linear]:
     """The layers Float8 training converts, by name under ``net``: the blocks' Linear layers whose widths are
-    multiples of 16, but for a mixture's routers (module docstring)."""
+    multiples of 16, but for a mixture's routers and, unless ``small_layers``, those torchao measured faster in bf16
+    on H100s under ``recipe`` (its ``_auto_filter_for_recipe``; module docstring)."""
     routers = {id(module.router) for module in net.blocks.modules() if isinstance(module, Experts)}
+    fast_enough = torchao_float8()._auto_filter_for_recipe(recipe, filter_fqns=[])
     return {
         f"blocks.{index}.{name}": module
         for index, block in enumerate(net.blocks)
@@ -79,21 +85,24 @@ def float8_layers(net: BlockSequence) -> dict[str, nn.Linear]:
         and id(module) not in routers
         and module.in_features % MULTIPLE == 0
         and module.out_features % MULTIPLE == 0
+        and (small_layers or fast_enough(module, name))
     }
 
 
-def convert_to_float8(net: BlockSequence, recipe: Float8Recipe, emulate: bool, gather_in_float8: bool) -> list[str]:
-    """Swap ``float8_layers(net)`` for torchao's ``Float8Linear`` (in place; on the meta device too, keeping each
-    weight's name), and return their names. ``emulate``: compute the float8 matmuls in the input's dtype (CPUs).
-    ``gather_in_float8``: FSDP2 all-gathers their weights cast to float8, a byte a weight (tensorwise only:
-    torchao's weight wrapper; call ``precompute_float8_scales`` after each optimizer step)."""
+def convert_to_float8(
+    net: BlockSequence, recipe: Float8Recipe, emulate: bool, gather_in_float8: bool, small_layers: bool = False
+) -> list[str]:
+    """Swap ``float8_layers(net, recipe, small_layers)`` for torchao's ``Float8Linear`` (in place; on the meta
+    device too, keeping each weight's name), and return their names. ``emulate``: compute the float8 matmuls in the
+    input's dtype (CPUs). ``gather_in_float8``: FSDP2 all-gathers their weights cast to float8, a byte a weight
+    (tensorwise only: torchao's weight wrapper; call ``precompute_float8_scales`` after each optimizer step)."""
     float8 = torchao_float8()
     config = dataclasses.replace(
         float8.Float8LinearConfig.from_recipe_name(recipe),
         emulate=emulate,
         enable_fsdp_float8_all_gather=gather_in_float8 and recipe == "tensorwise",
     )
-    chosen = float8_layers(net)
+    chosen = float8_layers(net, recipe, small_layers)
     ids = {id(module) for module in chosen.values()}
     float8.convert_to_float8_training(net.blocks, config=config, module_filter_fn=lambda module, _: id(module) in ids)
     return list(chosen)

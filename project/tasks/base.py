@@ -97,6 +97,7 @@ class TrainingModule(L.LightningModule):
         lora: dict | None = None,
         float8: bool = False,
         float8_recipe: Float8Recipe = "tensorwise",
+        float8_small_layers: bool = False,
     ) -> None:
         super().__init__()
         unknown = set(no_weight_decay) - set(NO_DECAY_KINDS)
@@ -139,6 +140,7 @@ class TrainingModule(L.LightningModule):
         self.init_from = init_from  # a Hugging Face model dir whose weights replace the seeded ones
         self.compile_each_block = compile  # (not self.compile: that is nn.Module's own method)
         self.float8_recipe = float8_recipe if float8 else None  # the blocks' matmuls in float8 (project.models.float8)
+        self.float8_small_layers = float8_small_layers
         self.float8_layers: list[str] = []  # those converted, once prepare_net has
         self.gathers_in_float8 = False  # whether FSDP all-gathers their weights in float8
         # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
@@ -174,7 +176,11 @@ class TrainingModule(L.LightningModule):
         if self.float8_recipe is not None:
             self.gathers_in_float8 = sharded and self.float8_recipe == "tensorwise"
             self.float8_layers = convert_to_float8(
-                self.net, self.float8_recipe, emulate=not on_float8_gpus, gather_in_float8=self.gathers_in_float8
+                self.net,
+                self.float8_recipe,
+                emulate=not on_float8_gpus,
+                gather_in_float8=self.gathers_in_float8,
+                small_layers=self.float8_small_layers,
             )
         apply_activation_checkpointing(self.net, self.activation_checkpointing)
 
@@ -185,8 +191,9 @@ class TrainingModule(L.LightningModule):
             gathered = "; FSDP gathers their weights in float8" if self.gathers_in_float8 else ""
             rank_zero_info(
                 f"Float8 ({self.float8_recipe}): {len(self.float8_layers)} Linear layers of the blocks convert their "
-                f"matmuls{gathered}. The embedding, output layer, routers and layers of widths not in 16s keep the "
-                "run's precision."
+                f"matmuls{gathered}. The embedding, output layer, routers, layers of widths not in 16s and "
+                f"{'' if self.float8_small_layers else 'small layers (model.float8_small_layers) '}keep the run's "
+                "precision."
             )
         if self.lora is None:
             return
