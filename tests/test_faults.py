@@ -442,6 +442,44 @@ def test_a_diverging_ddp_job_stops_every_rank_after_the_same_step_and_its_sweep_
     assert job["status"] == "failed" and "Training diverged at global step 21 (epoch 1, batch 4)" in job["error"]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options, stopped",
+    [
+        ([], "the next step"),  # read when the next step is queued
+        (["callbacks.model_checkpoint.every_n_train_steps=21"], "this step"),  # read at once: a save is due
+    ],
+    ids=["next-step", "save-due"],
+)
+def test_flags_read_a_step_late_name_the_diverged_step_and_no_checkpoint_holds_it(options, stopped, home, tmp_path):
+    """step_checks=a_step_late (what GPU runs do): rank 1's NaN weights before step 21 are named as that step's,
+    read after step 22 is queued (both ranks stop after it), or, where a checkpoint of step 21 is due, read before it
+    is written: last.ckpt stays epoch 0's either way."""
+    job_dir = tmp_path / "job"
+    result = train(
+        [
+            *TINY,
+            "logger=csv",
+            "strategy=ddp",
+            "trainer.devices=2",
+            "data.batch_size=32",
+            "step_checks=a_step_late",
+            *options,
+            "+callbacks.poison._target_=helpers.probes.PoisonWeights",
+            "+callbacks.poison.step=20",
+            "+callbacks.poison.rank=1",
+            f"hydra.run.dir={job_dir}",
+        ],
+        home,
+        expect_ok=False,
+    )
+    assert result.returncode == 1, result.output[-3000:]
+    diverged = "raised TrainingDiverged: Training diverged at global step 21 (epoch 1, batch 4):"
+    cause = "the training loss was not finite (rank 1's was nan)"
+    assert f"- rank 1 {diverged} {cause}. Every rank stopped after {stopped}." in result.output, result.output[-3000:]
+    assert saved_epoch(job_dir / "checkpoints" / "last.ckpt") == 0
+
+
 def test_a_killed_worker_is_named_with_its_signal(home, tmp_path):
     exit_code, output, *_ = signal_rank_1(signal.SIGKILL, home, tmp_path)
     assert exit_code == 1

@@ -38,6 +38,7 @@ TRAIN_KEYS = {
     "tags": list[str],
     "plan": bool | Literal["search"],
     "print_config": bool | Literal["full"],
+    "step_checks": Literal["auto", "each_step", "a_step_late"],
 }
 # Sections that no ``_target_`` builds, checked against the fields of the class they become (``build_job``).
 TYPED_SECTIONS = {"cluster": Cluster, "plan_search": SearchSettings}

@@ -4,7 +4,8 @@ saved before it."""
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -36,11 +37,22 @@ class StopTogether(L.Callback):
     A diverged step raises ``TrainingDiverged`` on every rank before any checkpoint of it is written (Lightning
     runs checkpoint callbacks after the others): the job fails, and a sweep records the trial as failed with the
     message. Only one rank of a pipeline (its last stage) has the loss; the agreement tells the others.
+
+    ``step_checks`` (the config's): reading the agreed flags waits for the device to finish the step. On a GPU that
+    wait each step keeps the host from queueing the next step while the GPU runs this one, which a step whose
+    kernels launch faster than they run hides, but a short one pays in full. ``a_step_late`` reads each training
+    step's flags after the next step is queued: a diverged step is named as before, and training stops one step
+    later; the flags are read at once before any checkpoint is written (``on_save_checkpoint``), at each
+    validation and at the epoch's end, so no checkpoint holds a diverged step. ``each_step`` reads them after their
+    own step. ``auto``: a step late on CUDA devices, each step elsewhere (where reading waits for nothing).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, step_checks: Literal["auto", "each_step", "a_step_late"] = "auto") -> None:
+        self.step_checks = step_checks
         self._signalled = False
         self._cause: str | None = None  # what was not finite on this rank, for the message
+        self._late = False  # reading a step late (on_train_start decides)
+        self._pending: _Flags | None = None  # a step's flags not read yet
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         def note(signum: int, frame) -> None:
@@ -52,11 +64,15 @@ class StopTogether(L.Callback):
         # Read when fit registers its handlers, after setup. (Lightning's private method, replaced on the instance.)
         trainer._signal_connector._sigterm_notifier_fn = note  # type: ignore[method-assign,assignment]
 
-    def _agree(
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        cuda = trainer.strategy.root_device.type == "cuda"
+        self._late = self.step_checks == "a_step_late" or (self.step_checks == "auto" and cuda)
+
+    def _flags(
         self, trainer: L.Trainer, loss: torch.Tensor | None = None, gradients_finite: torch.Tensor | None = None
-    ) -> tuple[bool, bool]:
-        """(any rank signalled, any rank's ``loss`` or gradients not finite), with one device sync, as Lightning's
-        own check at each batch's start has."""
+    ) -> "_Flags":
+        """This rank's notes (signalled; ``loss`` or gradients not finite), agreed over the ranks on the device (one
+        all-reduce, queued), with what the message needs once they are read."""
         device = trainer.strategy.root_device
         no = torch.zeros((), dtype=torch.bool, device=device)
         bad_loss = no if loss is None else (~torch.isfinite(loss.detach())).any()
@@ -64,25 +80,55 @@ class StopTogether(L.Callback):
         flags = torch.stack([torch.tensor(self._signalled, device=device), bad_loss | bad_gradients]).float()
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        signalled, any_diverged = (bool(flag) for flag in flags.tolist())
+        return _Flags(flags, bad_loss, bad_gradients, loss, trainer.global_step, trainer.current_epoch)
+
+    def _read(self, trainer: L.Trainer, flags: "_Flags", batch_idx: int | None = None) -> bool:
+        """Read ``flags`` (waiting for the device): set Lightning's stop flag if any rank was signalled, raise
+        ``TrainingDiverged`` (after step ``flags.step``) if any rank's step was not finite; whether signalled."""
+        signalled, any_diverged = (bool(flag) for flag in flags.agreed.tolist())
         if signalled:
             trainer._signal_connector.received_sigterm = True
-        if any_diverged and loss is not None and bool(bad_loss):
-            self._cause = f"the training loss was not finite (rank {trainer.global_rank}'s was {float(loss.sum())})"
-        elif any_diverged and bool(bad_gradients):
+        if not any_diverged:
+            return signalled
+        if flags.loss is not None and bool(flags.bad_loss):
+            self._cause = (
+                f"the training loss was not finite (rank {trainer.global_rank}'s was {float(flags.loss.sum())})"
+            )
+        elif bool(flags.bad_gradients):
             self._cause = f"the gradient norm was not finite (on rank {trainer.global_rank})"
-        return signalled, any_diverged
+        raise self._divergence(trainer, flags, batch_idx)
+
+    def _agree(self, trainer: L.Trainer) -> bool:
+        """Read the flags of the step not read yet, then agree on a signal now (one device sync, as Lightning's own
+        check at each batch's start has); whether any rank was signalled."""
+        self._read_pending(trainer)
+        return self._read(trainer, self._flags(trainer))
+
+    def _read_pending(self, trainer: L.Trainer) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._read(trainer, pending, pending.batch_idx)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         gradients_finite = getattr(pl_module, "gradients_finite", None)  # the last optimizer step's, when clipping
-        _, diverged = self._agree(trainer, loss if isinstance(loss, torch.Tensor) else None, gradients_finite)
-        if diverged:
-            raise self._divergence(trainer, batch_idx)
+        flags = self._flags(trainer, loss if isinstance(loss, torch.Tensor) else None, gradients_finite)
+        flags.batch_idx = batch_idx
+        if not self._late:
+            self._read(trainer, flags, batch_idx)
+            return
+        self._read_pending(trainer)  # the previous step's: done on the device by now, or nearly
+        self._pending = flags
 
-    def _divergence(self, trainer: L.Trainer, batch_idx: int) -> TrainingDiverged:
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self._read_pending(trainer)  # no checkpoint of a diverged step: every rank builds one, so all read here
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._read_pending(trainer)
+
+    def _divergence(self, trainer: L.Trainer, flags: "_Flags", batch_idx: int | None) -> TrainingDiverged:
         checkpoint = getattr(trainer.checkpoint_callback, "last_model_path", "") or getattr(
             trainer.checkpoint_callback, "best_model_path", ""
         )
@@ -97,8 +143,9 @@ class StopTogether(L.Callback):
             else f"No checkpoint was saved before it; start again with {remedy}."
         )
         message = (
-            f"Training diverged at global step {trainer.global_step} (epoch {trainer.current_epoch}, batch "
-            f"{batch_idx}): {cause}. Every rank stopped after this step. {resume}"
+            f"Training diverged at global step {flags.step} (epoch {flags.epoch}, batch {batch_idx}): {cause}. "
+            f"Every rank stopped after {'the next step' if trainer.global_step > flags.step else 'this step'}. "
+            f"{resume}"
         )
         logging.getLogger(__name__).error(message)
         return TrainingDiverged(message)
@@ -110,3 +157,17 @@ class StopTogether(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._agree(trainer)  # every rank runs as many validation batches (GlobalBatchSampler), so all are here
+
+
+@dataclass
+class _Flags:
+    """One agreement's flags on the device (any rank signalled, any rank's step not finite), this rank's own notes,
+    and the step they are of."""
+
+    agreed: torch.Tensor
+    bad_loss: torch.Tensor
+    bad_gradients: torch.Tensor
+    loss: torch.Tensor | None
+    step: int
+    epoch: int
+    batch_idx: int | None = None

@@ -78,7 +78,7 @@ def train(cfg: DictConfig) -> None:
     if pruning is not None:
         callbacks.append(pruning)
     # Whatever the callbacks group holds: a preempted job must stop cleanly, a diverged one fail on every rank.
-    callbacks.append(StopTogether())
+    callbacks.append(StopTogether(cfg.get("step_checks", "auto")))
     trainer = instantiate(
         cfg.trainer,
         strategy=build_strategy(cfg.strategy),
