@@ -567,6 +567,7 @@ CASES = [
         "model.float8: is true, but cluster=a100_80g_8x's GPUs have no float8 tensor cores",
     ),
     (["model=llama", "model.float8_recipe=blockwise"], "model.float8_recipe: must be one of 'tensorwise', 'rowwise'"),
+    (["step_checks=sometimes"], "step_checks: must be one of 'auto', 'each_step', 'a_step_late', got 'sometimes'"),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
     # Conversations: a bad record is named by its file and line, before any worker starts
