@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from project.checkpointing.files import checkpoint_meta
 
-FSDP = [*TINY, "strategy=fsdp", "trainer.devices=2", "logger=csv"]
-SLOW = ["+callbacks.slow._target_=helpers.probes.SlowCheckpointWrites", "+callbacks.slow.seconds=1"]
+FSDP = [*TINY, "strategy=fsdp", "trainer.devices=2", "logger=csv", "trainer.max_epochs=2"]
+SLOW = ["+callbacks.slow._target_=helpers.probes.SlowCheckpointWrites", "+callbacks.slow.seconds=0.5"]
 # Every epoch's checkpoint kept, and no last.ckpt: each epoch's save is written while the next epoch trains.
 EVERY_EPOCH = ["callbacks.model_checkpoint.save_top_k=-1", "callbacks.model_checkpoint.save_last=false"]
 
@@ -27,7 +27,7 @@ def history_of(job_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def written_both_ways(runs_dir, home) -> dict[bool, Path]:
-    """The fsdp x 2 MLP for 3 epochs, each rank's writes a second late, with ``async_save`` true and false."""
+    """The fsdp x 2 MLP for 2 epochs, each rank's writes half a second late, with ``async_save`` true and false."""
     dirs = {flag: runs_dir / f"async-save-{flag}" for flag in (True, False)}
     for flag, job_dir in dirs.items():
         args = [*FSDP, *SLOW, *EVERY_EPOCH, f"callbacks.model_checkpoint.async_save={flag}", f"hydra.run.dir={job_dir}"]
@@ -58,7 +58,7 @@ def test_a_checkpoint_written_in_the_background_is_the_synchronous_one_bit_for_b
     """Each epoch's checkpoint, written while the next epoch trains (its shards copied to host memory first), holds
     exactly the tensors of the one written before training went on: the model and the optimizer state."""
     names = sorted(path.name for path in (written_both_ways[False] / "checkpoints").iterdir())
-    assert names == ["epoch000.ckpt", "epoch001.ckpt", "epoch002.ckpt"]
+    assert names == ["epoch000.ckpt", "epoch001.ckpt"]
     assert sorted(path.name for path in (written_both_ways[True] / "checkpoints").iterdir()) == names
     for name in names:
         background, synchronous = (
@@ -74,11 +74,13 @@ def test_a_run_killed_in_the_middle_of_a_background_write_resumes_exactly_from_t
     written_both_ways, tmp_path, home
 ):
     """SIGKILL on every rank while epoch 1's last.ckpt is written in the background (its shards on disk, not its
-    metadata): last.ckpt is still epoch 0's, whole; ckpt_path=last says so and resumes from it, and epochs 1 and 2
-    come out as the run that was never stopped had them. Before that, each epoch's last.ckpt waited for its best
+    metadata): last.ckpt is still epoch 0's, whole; ckpt_path=last says so and resumes from it, and epoch 1
+    come out as the run that was never stopped had it. Before that, each epoch's last.ckpt waited for its best
     checkpoint's write, and the log says so."""
     job_dir = tmp_path / "killed"
-    run = [*FSDP, *SLOW, f"hydra.run.dir={job_dir}"]
+    # 3 epochs: killed while training goes on (the test harness's proxied workers hang on a kill after training);
+    # the MLP's SGD has no schedule, so its epoch 1 is the 2-epoch run's.
+    run = [*FSDP, *SLOW, "trainer.max_epochs=3", f"hydra.run.dir={job_dir}"]
     killed = train([*run, "+callbacks.slow.kill=2"], home, expect_ok=False)
     assert killed.returncode != 0
     checkpoints = job_dir / "checkpoints"
@@ -91,4 +93,4 @@ def test_a_run_killed_in_the_middle_of_a_background_write_resumes_exactly_from_t
     assert f"{partial} is a checkpoint whose write was cut short" in resuming.output
     resumed, straight = history_of(job_dir), history_of(written_both_ways[False])
     assert [epoch["epoch"] for epoch in resumed] == [0, 1, 2]
-    assert resumed[1:] == straight[1:]
+    assert resumed[1] == straight[1]
