@@ -3,11 +3,11 @@
 A GPU box (a cluster node, a container) typically has torch with CUDA, Lightning and the Hugging Face libraries
 installed, and no network. This writes, for CPython 3.12 on x86-64 Linux (override with --python-version):
 
-- every package the project's runtime needs (``[project].dependencies``, the ``qlora`` extra's torchao, and pytest
-  for ``pytest -m gpu``) and their dependencies, at the versions installed here (``constraints.txt``'s), except the
-  packages the box has (``--box-has``: torch and the rest, taken as complete installs, their own dependencies met
-  there): hydra-core, omegaconf, the antlr4 runtime, wandb and its dependencies, the Hydra launchers, torchao,
-  pytest;
+- every package the project's runtime needs (``[project].dependencies``, the ``qlora`` and ``float8`` extras'
+  torchao, and pytest for ``pytest -m gpu``) and their dependencies, at the versions installed here
+  (``constraints.txt``'s), except the packages the box has (``--box-has``: torch and the rest, taken as complete
+  installs, their own dependencies met there): hydra-core, omegaconf, the antlr4 runtime, wandb and its
+  dependencies, the Hydra launchers, torchao, pytest;
 - a wheel built from the sdist where a package publishes none (the antlr4 runtime);
 - the project's build backend (setuptools), so that ``make gpu-check`` installs the checkout itself, editable;
 - the project's own wheel, for a box that gets the bundle without the repo.
@@ -88,7 +88,9 @@ def main() -> None:
     args = parser.parse_args()
     markers = target_markers(args.python_version)
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
-    extras = pyproject["project"]["optional-dependencies"]["qlora"]  # QLoRA's torchao, which GPU boxes lack
+    optional = pyproject["project"]["optional-dependencies"]
+    # torchao (QLoRA's NF4, Float8 training), which GPU boxes lack
+    extras = [*optional["qlora"], *optional["float8"]]
     roots = [Requirement(line) for line in [*pyproject["project"]["dependencies"], *extras, "pytest"]]
     on_box = {canonical(name) for name in args.box_has}
     needed = closure(roots, markers, stop=on_box)
