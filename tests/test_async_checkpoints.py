@@ -11,6 +11,7 @@ import torch
 from conftest import TINY, shared_run, train
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from project.checkpointing.background import staged_copy_fits
 from project.checkpointing.files import checkpoint_meta
 
 FSDP = [*TINY, "strategy=fsdp", "trainer.devices=2", "logger=csv", "trainer.max_epochs=2"]
@@ -94,3 +95,12 @@ def test_a_run_killed_in_the_middle_of_a_background_write_resumes_exactly_from_t
     resumed, straight = history_of(job_dir), history_of(written_both_ways[False])
     assert [epoch["epoch"] for epoch in resumed] == [0, 1, 2]
     assert resumed[1] == straight[1]
+
+
+def test_a_copy_is_staged_only_where_half_the_available_host_memory_holds_every_ranks():
+    """The shards' copies of a node's ranks must fit in half of Linux's MemAvailable, read here on its own."""
+    available = next(
+        int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines() if "MemAvailable" in line
+    )
+    assert staged_copy_fits(available // 8, ranks_on_node=2)
+    assert not staged_copy_fits(available // 2, ranks_on_node=2)

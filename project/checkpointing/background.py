@@ -117,8 +117,20 @@ class CheckpointWriter:
                 remove(pending.partial)
 
 
+def available_host_memory() -> int:
+    """Bytes of host memory available now: Linux's ``MemAvailable`` (free memory and the page cache it can drop),
+    else the free pages."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def staged_copy_fits(state_bytes: int, ranks_on_node: int) -> bool:
     """Whether this node's ranks' staged copies (``state_bytes`` each) fit in half the host memory available now:
     where they would not, a checkpoint is written synchronously (the copy is what makes it asynchronous)."""
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return state_bytes * ranks_on_node <= available // 2
+    return state_bytes * ranks_on_node <= available_host_memory() // 2
