@@ -189,11 +189,11 @@ class TrainingModule(L.LightningModule):
         model trains."""
         if self.float8_recipe is not None:
             gathered = "; FSDP gathers their weights in float8" if self.gathers_in_float8 else ""
+            small = "" if self.float8_small_layers else ", the small layers (model.float8_small_layers)"
             rank_zero_info(
                 f"Float8 ({self.float8_recipe}): {len(self.float8_layers)} Linear layers of the blocks convert their "
-                f"matmuls{gathered}. The embedding, output layer, routers, layers of widths not in 16s and "
-                f"{'' if self.float8_small_layers else 'small layers (model.float8_small_layers) '}keep the run's "
-                "precision."
+                f"matmuls{gathered}. The embedding, output layer, routers{small} and layers of widths not in 16s "
+                "keep the run's precision."
             )
         if self.lora is None:
             return
