@@ -397,6 +397,21 @@ def test_jobs_started_in_the_same_second_get_dirs_of_their_own(home, tmp_path):
         assert sorted(path.name for path in (job_dir / "checkpoints").iterdir()) == ["epoch000.ckpt", "last.ckpt"]
 
 
+def poisoned(poison: str, options: list[str]) -> list[str]:
+    """A ddp x 2 TINY run whose rank 1 gets ``poison`` (``helpers.probes``) before global step 21."""
+    return [
+        *TINY,
+        "logger=csv",
+        "strategy=ddp",
+        "trainer.devices=2",
+        "data.batch_size=32",
+        *options,
+        f"+callbacks.poison._target_=helpers.probes.{poison}",
+        "+callbacks.poison.step=20",
+        "+callbacks.poison.rank=1",
+    ]
+
+
 @pytest.mark.parametrize(
     "poison, options, cause",
     [
@@ -413,23 +428,7 @@ def test_a_diverging_ddp_job_stops_every_rank_after_the_same_step_and_its_sweep_
     epoch 0's last.ckpt, which stays epoch 0's (nothing of the diverged epoch is saved); the sweep records the trial
     as failed with the reason, and exits 1."""
     sweep_dir = tmp_path / "sweep"
-    result = train(
-        [
-            "-m",
-            *TINY,
-            "logger=csv",
-            "strategy=ddp",
-            "trainer.devices=2",
-            "data.batch_size=32",
-            *options,
-            f"+callbacks.poison._target_=helpers.probes.{poison}",
-            "+callbacks.poison.step=20",
-            "+callbacks.poison.rank=1",
-            f"hydra.sweep.dir={sweep_dir}",
-        ],
-        home,
-        expect_ok=False,
-    )
+    result = train(["-m", *poisoned(poison, options), f"hydra.sweep.dir={sweep_dir}"], home, expect_ok=False)
     assert result.returncode == 1, result.output[-3000:]
     last = sweep_dir / "0" / "checkpoints" / "last.ckpt"
     diverged = "raised TrainingDiverged: Training diverged at global step 21 (epoch 1, batch 4):"
@@ -456,23 +455,8 @@ def test_flags_read_a_step_late_name_the_diverged_step_and_no_checkpoint_holds_i
     read after step 22 is queued (both ranks stop after it), or, where a checkpoint of step 21 is due, read before it
     is written: last.ckpt stays epoch 0's either way."""
     job_dir = tmp_path / "job"
-    result = train(
-        [
-            *TINY,
-            "logger=csv",
-            "strategy=ddp",
-            "trainer.devices=2",
-            "data.batch_size=32",
-            "step_checks=a_step_late",
-            *options,
-            "+callbacks.poison._target_=helpers.probes.PoisonWeights",
-            "+callbacks.poison.step=20",
-            "+callbacks.poison.rank=1",
-            f"hydra.run.dir={job_dir}",
-        ],
-        home,
-        expect_ok=False,
-    )
+    args = poisoned("PoisonWeights", ["step_checks=a_step_late", *options])
+    result = train([*args, f"hydra.run.dir={job_dir}"], home, expect_ok=False)
     assert result.returncode == 1, result.output[-3000:]
     diverged = "raised TrainingDiverged: Training diverged at global step 21 (epoch 1, batch 4):"
     cause = "the training loss was not finite (rank 1's was nan)"

@@ -25,7 +25,6 @@ torchao is an optional dependency (``pip install 'project[float8]'``); nothing h
 
 import dataclasses
 import importlib
-import logging
 from types import ModuleType
 from typing import Any, Literal
 
@@ -34,30 +33,19 @@ from torch.distributed.tensor import DTensor
 
 from project.models.moe import Experts
 from project.models.sequence import BlockSequence
-from project.options.errors import ConfigError
+from project.models.torchao_import import import_torchao
 
 Float8Recipe = Literal["tensorwise", "rowwise"]
 MULTIPLE = 16  # the float8 matmul kernels' rule for both widths of a weight
 
 
 def torchao_float8() -> ModuleType:
-    """``torchao.float8``, imported quietly (torchao logs a warning for each GPU kernel library it cannot load on
-    this machine, and torch one for each of its types it registers), or a ``ConfigError`` without torchao."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        float8 = importlib.import_module("torchao.float8")
-    except ImportError:
-        raise ConfigError(
-            "model.float8",
-            "needs torchao, which is not installed.",
-            "pip install 'project[float8]' (torchao, the optional extra), or set model.float8=false.",
-        ) from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    """``torchao.float8`` (``import_torchao``)."""
+    float8 = import_torchao(
+        "torchao.float8",
+        "model.float8",
+        "pip install 'project[float8]' (torchao, the optional extra), or set model.float8=false.",
+    )
     # torchao 0.18's float8-gathered weight flattens its precomputed scale only if the scale is true as a boolean: a
     # real one always is (a positive number), but the memory plan's fake one cannot be read, and its trackers
     # flatten every parameter. Whether a scale is there is what the test means.

@@ -11,8 +11,6 @@ torchao is an optional dependency (``pip install 'project[qlora]'``); nothing he
 ``model.lora.quantize_base``.
 """
 
-import importlib
-import logging
 import sys
 from types import ModuleType
 from typing import Any, cast
@@ -22,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from project.models.sequence import BlockSequence
+from project.models.torchao_import import import_torchao
 from project.options.errors import ConfigError
 
 BLOCK = 64  # weights per quantization block (the paper's, torchao's default)
@@ -31,23 +30,12 @@ NF4_MODULE = "torchao.quantization.quantize_.workflows.nf4.nf4_tensor"
 
 
 def torchao_nf4() -> ModuleType:
-    """torchao's NF4 module, imported quietly (torchao logs a warning for each GPU kernel library it cannot load on
-    this machine, and torch one for each of its types it registers), or a ``ConfigError`` without torchao."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        return importlib.import_module(NF4_MODULE)
-    except ImportError:
-        raise ConfigError(
-            "model.lora.quantize_base",
-            "needs torchao, which is not installed.",
-            "pip install 'project[qlora]' (torchao, the optional extra), or set model.lora.quantize_base=false.",
-        ) from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    """torchao's NF4 module (``import_torchao``)."""
+    return import_torchao(
+        NF4_MODULE,
+        "model.lora.quantize_base",
+        "pip install 'project[qlora]' (torchao, the optional extra), or set model.lora.quantize_base=false.",
+    )
 
 
 def quantizable_weights(net: BlockSequence) -> dict[str, nn.Linear]:
