@@ -16,9 +16,10 @@ first (steady state: compiling, warm-up and the first validation are in the firs
 - a Float8 case's throughput over its bf16 twin's (``perf/tokens_per_sec``).
 
 One more case, ``checkpoint-save``: what a checkpoint save costs the training loop. gpt_125m (eager) under
-``strategy=fsdp`` on the one GPU (a distributed checkpoint: 2 GB of weights and AdamW state) saves ``last.ckpt``
-every 10 steps, written synchronously (``async_save=false``) and in the background (``true``); a third run saves
-nothing. A save's stall is the steady epoch time's excess over the run without saves, over the saves of an epoch.
+``strategy=fsdp`` on the one GPU (a distributed checkpoint: about 1.5 GB of fp32 weights and AdamW state) saves
+``last.ckpt`` every 10 steps, written synchronously (``async_save=false``) and in the background (``true``); a third
+run saves nothing. A save's stall is the steady epoch time's excess over the run without saves, over the saves of an
+epoch.
 
 Targets, printed next to the figures: gpt_350m compiled at 50% MFU or more, llama_1b compiled at 40% or more, every
 case's framework / hand throughput at 0.98 or more (its median over the pairs), llama_1b compiled in Float8 at 1.2x
