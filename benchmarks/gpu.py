@@ -1,8 +1,8 @@
 """The framework's speed on one GPU: ``python benchmarks/gpu.py --out DIR [--pairs N] [--profile [all]]``.
 
 Cases: GPT-2 small and medium (``model=gpt_125m``, ``model=gpt_350m``) and Llama-3.2-1B's shape (``model=llama_1b``),
-each eager and with ``model.compile=true``, and the last two also with ``model.float8=true`` (``-float8``), on one GPU
-in ``bf16-mixed``, on the synthetic Markov language
+each eager and with ``model.compile=true``, and the last two also with ``model.float8.enabled=true`` (``-float8``), on
+one GPU in ``bf16-mixed``, on the synthetic Markov language
 (``data=tokens``, nothing to download) at sequence length 1024 (``--seq-length``), 2 epochs (``--epochs``) of 40
 steps (``--steps``), checkpointing off. For each case, ``python train.py`` (the framework) and
 ``benchmarks/hand_loop.py`` (the same training written by hand) run one after the other in alternating order,
@@ -82,7 +82,7 @@ class Model:
     preset: str  # model=<preset>
     vocab_size: int | None  # the model's vocabulary (model.net.vocab_size); None: the data's
     batch_size: int  # sequences per step (one device)
-    float8: bool = False  # also run in Float8 (model.float8=true)
+    float8: bool = False  # also run in Float8 (model.float8.enabled=true)
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def case_overrides(
         f"data.num_val={2 * model.batch_size}",  # two whole batches: no odd last one to compile again
         f"trainer.max_epochs={args.epochs}",
         f"model.compile={str(compile).lower()}",
-        f"model.float8={str(float8).lower()}",
+        f"model.float8.enabled={str(float8).lower()}",
         *device_args,
         *QUIET,
         *NO_CHECKPOINTS,

@@ -16,8 +16,8 @@ It runs where the framework would: on ``cuda:<LOCAL_RANK>`` (nccl between ranks)
 gpu, or auto on a machine with CUDA, else on the CPU (gloo). On a GPU the in-memory tensors are moved to it once,
 before the first epoch. As the framework does, it computes forward and loss in bfloat16 autocast under
 ``trainer.precision=bf16-mixed``, lets float32 matmuls on a GPU use TF32 with ``tf32`` and compiles each block with
-``model.compile``. With ``model.float8`` it converts the blocks' Linear layers of widths in 16s (not a router; not
-the small ones torchao's filter leaves, unless ``model.float8_small_layers``) to torchao's Float8 training itself,
+``model.compile``. With ``model.float8.enabled`` it converts the blocks' Linear layers of widths in 16s (not a router;
+not the small ones torchao's filter leaves, unless ``model.float8.small_layers``) to torchao's Float8 training itself,
 before compiling, as torchao's README does (on a CPU, emulated).
 """
 
@@ -105,8 +105,9 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     # Onto the device once: a step then indexes its batch there, with no copy from the host.
     x, y, x_val, y_val = [tensor.to(device) for tensor in data.train_set.tensors + data.val_set.tensors]
     net = init_weights(instantiate(cfg.model.net), cfg.seed).to(device)
-    if cfg.model.get("float8"):
-        to_float8(net, cfg.model.float8_recipe, cfg.model.float8_small_layers, device, gather=strategy == "fsdp")
+    float8 = cfg.model.get("float8")
+    if float8 is not None and float8.enabled:
+        to_float8(net, float8.recipe, float8.small_layers, device, gather=strategy == "fsdp")
     if cfg.model.compile:
         compile_blocks(net)  # before any wrapping, as the framework does
     batch = cfg.data.batch_size  # per data-parallel replica, as the framework's
@@ -134,7 +135,7 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     steps_per_epoch = len(x) // global_batch
     schedule_lr = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, cfg.trainer.max_epochs * steps_per_epoch))
     classification = y.dim() == 1
-    scales_after_step = bool(cfg.model.get("float8")) and strategy == "fsdp" and cfg.model.float8_recipe == "tensorwise"
+    scales_after_step = float8 is not None and float8.enabled and strategy == "fsdp" and float8.recipe == "tensorwise"
     if scales_after_step:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
     checkpoint_dir = Path(clock_file).with_suffix(".ckpt")

@@ -497,11 +497,11 @@ CASES = [
     (["mode=eval"], "mode: is eval, but there are no weights to evaluate"),
     (["mode=eval", "ckpt_path=last"], "ckpt_path: is 'last', this job dir's own checkpoint"),
     (["model=llama", "model.net.num_kv_heads=3"], "model.net.num_kv_heads: is 3, which does not divide"),
-    (["model=llama", "model.lora={rank:0,alpha:8,dropout:0.0,targets:[q]}"], "model.lora.rank: is 0. Fix: give a"),
+    (["model=llama", "model.lora.rank=-1"], "model.lora.rank: must be an integer of at least 0, got -1"),
     (["model=llama", "model.lora={rank:4,alpha:8,dropout:0.0,targets:[qq]}"], "model.lora.targets: names ['qq']"),
     # QLoRA: a base NF4 cannot store, or one the run would dequantize or split by columns
     (["model=llama", QLORA], "model.lora.quantize_base: stores blocks.0.attention.q.weight ((32, 32)) in NF4"),
-    (["model=llama", QLORA.replace("true}", "yes}")], "model.lora.quantize_base: is 'yes'. Fix: give true"),
+    (["model=llama", QLORA.replace("true}", "yes}")], "model.lora.quantize_base: must be true or false, got 'yes'"),
     ([*NF4_SHAPE, QLORA, "trainer.precision=bf16-true"], "trainer.precision: is bf16-true, which converts"),
     (
         [*NF4_SHAPE, QLORA, "strategy=tensor_parallel", "trainer.devices=2"],
@@ -555,18 +555,18 @@ CASES = [
     ),
     # Float8: not with tensor parallelism, LoRA, or GPUs (planned for) without float8 tensor cores
     (
-        ["model=llama", "strategy=tensor_parallel", "trainer.devices=2", "model.float8=true"],
-        "model.float8: is true with 2 tensor-parallel ranks (strategy.tensor_parallel_size)",
+        ["model=llama", "strategy=tensor_parallel", "trainer.devices=2", "model.float8.enabled=true"],
+        "model.float8.enabled: is true with 2 tensor-parallel ranks (strategy.tensor_parallel_size)",
     ),
     (
-        ["model=llama", "model.float8=true", "model.lora={rank:4,alpha:8,dropout:0,targets:[q]}"],
-        "model.float8: is true with LoRA adapters (model.lora)",
+        ["model=llama", "model.float8.enabled=true", "model.lora.rank=4", "model.lora.targets=[q]"],
+        "model.float8.enabled: is true with LoRA adapters (model.lora)",
     ),
     (
-        ["model=llama", "model.float8=true", "plan=true", "cluster=a100_80g_8x"],
-        "model.float8: is true, but cluster=a100_80g_8x's GPUs have no float8 tensor cores",
+        ["model=llama", "model.float8.enabled=true", "plan=true", "cluster=a100_80g_8x"],
+        "model.float8.enabled: is true, but cluster=a100_80g_8x's GPUs have no float8 tensor cores",
     ),
-    (["model=llama", "model.float8_recipe=blockwise"], "model.float8_recipe: must be one of 'tensorwise', 'rowwise'"),
+    (["model=llama", "model.float8.recipe=blockwise"], "model.float8.recipe: must be one of 'tensorwise', 'rowwise'"),
     (["step_checks=sometimes"], "step_checks: must be one of 'auto', 'each_step', 'a_step_late', got 'sometimes'"),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),

@@ -127,7 +127,7 @@ def test_a_plan_on_gpus_prices_float8_matmuls_at_the_float8_peak_and_gathers_the
     bf16 matmuls. FSDP's all-gathers (forward, and again in backward) carry each converted weight in 1 byte, the rest in
     bfloat16's 2: the step's gathered bytes drop by those weights' elements, twice, over the 2 ranks."""
     plans = {
-        flag: simulate_devices(resolved([*FLOAT8, "cluster=h100_sxm_8x", f"model.float8={flag}"]))[0][0]
+        flag: simulate_devices(resolved([*FLOAT8, "cluster=h100_sxm_8x", f"model.float8.enabled={flag}"]))[0][0]
         for flag in ("false", "true")
     }
     kernels = {flag: [(Kernel.parse(key), n) for key, n in plan.kernels.items()] for flag, plan in plans.items()}
@@ -175,7 +175,7 @@ def test_a_float8_run_resumes_exactly_and_exports_in_bfloat16(llama_float8_sweep
     rounded to bfloat16 (the weights were never float8 themselves)."""
     straight = llama_float8_sweep[1]
     job_dir = tmp_path / "resumed"
-    args = [*FLOAT8, "model.float8=true", f"hydra.run.dir={job_dir}"]
+    args = [*FLOAT8, "model.float8.enabled=true", f"hydra.run.dir={job_dir}"]
     train([*args, "trainer.max_epochs=1"], home)
     train([*args, "ckpt_path=last"], home)
     resumed = history(job_dir)

@@ -128,9 +128,9 @@ def test_float8_trains_within_its_bound_of_bf16_on_float8_tensor_cores(runs_dir,
         pytest.skip("needs float8 tensor cores (compute capability 8.9 or more)")
     from test_float8 import LOSS_BOUND
 
-    args = [*TINY_LLAMA, "data.batch_size=32", *BF16, "model.compile=true", "model.float8_small_layers=true"]
+    args = [*TINY_LLAMA, "data.batch_size=32", *BF16, "model.compile=true", "model.float8.small_layers=true"]
     runs = {
-        flag: gpu_run(f"gpu-float8-{flag}", [*args, f"model.float8={flag}"], runs_dir, home)[0]
+        flag: gpu_run(f"gpu-float8-{flag}", [*args, f"model.float8.enabled={flag}"], runs_dir, home)[0]
         for flag in ("false", "true")
     }
     for key in ("train/loss", "val/loss"):

@@ -15,6 +15,7 @@ LAYERS = [
     ("config", ["project.config"]),
     ("Lightning parts", ["project.tasks", "project.observability", "project.strategies"]),
     ("layouts", ["project.layouts"]),
+    ("model options", ["project.model_options"]),
     ("job", ["project.job"]),
     ("parallelism", ["project.parallel", "project.accounting"]),
     ("checkpoints", ["project.checkpointing"]),

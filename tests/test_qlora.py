@@ -204,7 +204,8 @@ def test_every_preset_can_store_its_base_in_nf4(preset):
         module = instantiate(cfg.model, net=instantiate(cfg.model.net))
     quantized = [p for p in module.net.parameters() if is_nf4(p)]
     linear_per_block = 6 if preset.startswith("gpt") else 7  # q, k, v, proj, up, down; or q, k, v, o, gate, up, down
-    assert module.lora.quantize_base and len(quantized) == linear_per_block * cfg.model.net.num_layers
+    (lora,) = module.options
+    assert lora.quantize_base and len(quantized) == linear_per_block * cfg.model.net.num_layers
 
 
 @pytest.mark.slow

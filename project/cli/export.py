@@ -27,7 +27,7 @@ from torch import nn
 
 from project.checkpointing.files import model_state
 from project.checkpointing.hf import EXPORT_AGAIN, FUSED, NET_CLASSES, hf_name, read_config, write_hf_dir
-from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli
+from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli, trained_lora
 from project.data.chat import ChatDataModule
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
@@ -71,9 +71,9 @@ def export(
 def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path | None = None) -> Path:
     """The LoRA adapters of ``checkpoint`` as a ``peft`` adapter dir ``out``, in transformers' names."""
     cfg = checkpoint_and_config(str(checkpoint), None if config is None else str(config))
-    lora = OmegaConf.select(cfg, "model.lora")
+    lora = trained_lora(cfg)
     if lora is None:
-        raise ConfigError("--adapter", "the run trained no LoRA adapters (model.lora is null).", "export it whole.")
+        raise ConfigError("--adapter", "the run trained no LoRA adapters (model.lora.rank is 0).", "export it whole.")
     net_class = get_class(cfg.model.net._target_)
     if net_class is not Llama:
         # GPT-2 keeps q, k and v as one fused layer, which one peft adapter of this rank cannot express; a

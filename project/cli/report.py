@@ -31,7 +31,7 @@ CURVES = [
     "train/acc",
     "val/acc",
     "val/perplexity",
-    "experts/balance_loss",  # a mixture of experts' routing (project.tasks.metrics.ExpertLoad)
+    "experts/balance_loss",  # a mixture of experts' routing (project.model_options.expert_balancing.ExpertLoad)
     "experts/imbalance",
 ]
 EXPERT_LOAD = "experts/load/"  # experts/load/<e>: expert e's share of a mixture's assignments in the epoch

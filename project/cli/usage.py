@@ -17,11 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.checkpointing.files import checkpoint_meta, checkpoint_shapes, job_config, job_config_file, model_state
 from project.checkpointing.hf import HFWeights
-from project.models.lora import apply_lora, merged
+from project.job.job import InitialWeights
+from project.model_options import LoRAFineTuning
+from project.models.lora import merged
 from project.models.nf4 import dequantized
 from project.options.errors import ConfigError, WriteFailed
 from project.parallel.parallelize import materialize
-from project.tasks.base import check_lora_base, lora_settings
 
 
 def run_cli(prog: str, main: Callable[[], None]) -> None:
@@ -67,18 +68,24 @@ def checkpoint_and_config(checkpoint: str, config: str | None) -> DictConfig:
         ) from None
 
 
+def trained_lora(cfg: DictConfig) -> LoRAFineTuning | None:
+    """The LoRA fine-tuning of the job configured by ``cfg`` (``model.lora``), if it trained adapters."""
+    node = OmegaConf.select(cfg, "model.lora")
+    lora = None if node is None else cast(LoRAFineTuning, instantiate(node))
+    return lora if lora is not None and lora.enabled else None
+
+
 def merged_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, torch.Tensor]:
     """The model's weights in ``checkpoint`` (a file or a sharded dir, of the job configured by ``cfg``), whole. A
     LoRA run's checkpoint holds its adapters alone: its frozen base is rebuilt here as the run built it (from
     ``model.init_from``'s weights, or drawn from the seed), and the adapters are merged into it."""
     state = model_state(checkpoint)
-    lora = OmegaConf.select(cfg, "model.lora")
+    lora = trained_lora(cfg)
     if lora is None:
         return state
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
-    settings = lora_settings(cast(dict, OmegaConf.to_container(lora)))
-    apply_lora(net, settings)
+    lora.build(net)
     adapters = {name for name, parameter in net.named_parameters() if parameter.requires_grad}
     if set(state) != adapters:  # else the missing adapters would be filled with their start, B = 0: no update
         raise ConfigError(
@@ -86,9 +93,9 @@ def merged_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, tor
             f"differs from this LoRA run's adapters in {sorted(set(state) ^ adapters)[:3]}: it is not its checkpoint.",
             "pass a checkpoint of this run, with its job's --config.",
         )
-    init_from = OmegaConf.select(cfg, "model.init_from")
-    saved_base = checkpoint_meta(checkpoint).get("lora_base")
-    check_lora_base(saved_base, init_from, cfg.model.init_seed, settings.quantize_base)
-    materialize(net, torch.device("cpu"), cfg.model.init_seed, HFWeights(init_from) if init_from else None)
+    weights = InitialWeights(OmegaConf.select(cfg, "model.init_from"), cfg.model.init_seed)
+    lora.check_base(checkpoint_meta(checkpoint).get("lora_base"), weights)
+    init_from = weights.init_from
+    materialize(net, torch.device("cpu"), weights.seed, HFWeights(init_from) if init_from else None)
     # A QLoRA base merges as the run computed with it: dequantized.
-    return merged(dequantized({**net.state_dict(), **state}), settings.alpha / settings.rank)
+    return merged(dequantized({**net.state_dict(), **state}), lora.alpha / lora.rank)

@@ -29,11 +29,11 @@ from project.checkpointing.files import checkpoint_shapes
 from project.checkpointing.hf import HFWeights, check_matches
 from project.config.build import build_job, build_strategy, layout_of, uses_cuda
 from project.config.schema import check_types
-from project.job.job import Job, Layout
-from project.models.nf4 import is_nf4
+from project.job.job import Job, Layout, ModelOption
 from project.models.sequence import BlockSequence
 from project.observability.text_sample import TextSample
 from project.options.errors import ConfigError, positive_int
+from project.tasks.base import TrainingModule
 
 log = logging.getLogger(__name__)
 
@@ -306,23 +306,6 @@ def _check_precision(cfg: DictConfig) -> None:
         )
 
 
-def _check_float8(cfg: DictConfig) -> None:
-    """Float8 matmuls run on GPUs of compute capability 8.9 or more (Ada, Hopper, Blackwell); CPUs emulate them."""
-    if not OmegaConf.select(cfg, "model.float8", default=False) or not uses_cuda(cfg):
-        return
-    older = {
-        torch.cuda.get_device_name(index)
-        for index in range(cfg.trainer.devices)
-        if torch.cuda.get_device_capability(index) < (8, 9)
-    }
-    if older:
-        raise ConfigError(
-            "model.float8",
-            f"is true, but {', '.join(sorted(older))} has no float8 tensor cores (compute capability below 8.9).",
-            "set model.float8=false on these GPUs (bf16-mixed is their fastest), or train on H100, H200 or L40S.",
-        )
-
-
 def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None) -> None:
     """``ckpt_path`` (resolved) exists and holds this model: the same parameter names and shapes."""
     if ckpt_path is None:
@@ -365,11 +348,11 @@ def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None)
 
 # The last few models _meta_model built, by their config: plan=search checks dozens of layouts of one model, and
 # building Llama 3.1 8B's 32 blocks, even on the meta device, was most of a check. The checks only read them.
-_META_MODELS: dict[str, tuple[nn.Module, nn.Module]] = {}
+_META_MODELS: dict[str, tuple[BlockSequence, TrainingModule]] = {}
 _META_MODELS_KEPT = 3  # a search's: activation checkpointing off, selective and full
 
 
-def _meta_model(cfg: DictConfig) -> tuple[nn.Module, nn.Module]:
+def _meta_model(cfg: DictConfig) -> tuple[BlockSequence, TrainingModule]:
     """The network and the LightningModule of ``cfg.model`` on the meta device (shapes only, nothing allocated),
     built once per model config."""
     key = json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True, default=str)
@@ -399,19 +382,6 @@ def _build(key: str, build: Callable[[], Any]) -> Any:
             f"cannot be built: {problem}.",
             f"check {key}._target_ and its options (python train.py --cfg job prints them).",
         ) from None
-
-
-def _check_quantized_base(cfg: DictConfig, net: nn.Module) -> None:
-    """An NF4 base (QLoRA) stays in NF4: Lightning's true half precisions convert every weight of the model,
-    which would dequantize it."""
-    precision = _convert_precision_to_unified_args(cfg.trainer.precision)
-    if precision in ("bf16-true", "16-true") and any(is_nf4(parameter) for parameter in net.parameters()):
-        raise ConfigError(
-            "trainer.precision",
-            f"is {precision}, which converts every weight to {precision[:-5]}, the NF4 base "
-            "(model.lora.quantize_base) too.",
-            "use trainer.precision=bf16-mixed (QLoRA's own: the adapters in float32, the matmuls in bfloat16).",
-        )
 
 
 def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
@@ -601,7 +571,6 @@ def check_config(cfg: DictConfig) -> Job:
     _check_accelerator(cfg)
     _check_process_group(cfg)
     _check_precision(cfg)
-    _check_float8(cfg)
     check_types(cfg)  # every other option against its constructor's type hints, every number finite
     # The data first: the model takes sizes from it (vocabulary, sequence length), so its own keys are to blame.
     datamodule = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
@@ -615,7 +584,6 @@ def check_config(cfg: DictConfig) -> Job:
     ckpt_path = resolve_ckpt_path(cfg)
     _check_checkpoint(cfg, module, ckpt_path)
     _check_init_from(cfg, net)
-    _check_quantized_base(cfg, net)
     _check_vocabulary(cfg, datamodule)
     _check_positions(net, datamodule)
     job = build_job(cfg, layout, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
@@ -624,12 +592,6 @@ def check_config(cfg: DictConfig) -> Job:
             "trainer.devices",
             f"is {job.devices}, more than the {job.cluster.devices_per_node} GPUs of one {job.cluster.name} node.",
             f"use trainer.devices={job.cluster.devices_per_node} and trainer.num_nodes for more.",
-        )
-    if job.float8 and job.cluster is not None and job.cluster.float8_peak_tflops is None:
-        raise ConfigError(
-            "model.float8",
-            f"is true, but cluster={job.cluster.name}'s GPUs have no float8 tensor cores (cluster.float8_peak_tflops).",
-            "plan for GPUs that have them (cluster=h100_sxm_8x or h200_8x), or set model.float8=false.",
         )
     problem = layout_problem(job)
     if problem is not None:
@@ -647,18 +609,30 @@ def check_config(cfg: DictConfig) -> Job:
 
 def layout_problem(job: Job) -> ConfigError | None:
     """The first rule of a run that depends on how its devices divide the work and its batch that ``job`` breaks, or
-    None: the devices this machine has, the layout's own rules, a text sample's need for ranks that run the whole
-    model, and the batches each replica gets. ``check_config`` raises it; the memory plan and ``plan=search`` ask it
-    of every layout they try."""
-    net = cast(BlockSequence, _meta_model(job.cfg)[0])
+    None: the devices this machine has, the layout's own rules, each model option's, a text sample's need for ranks
+    that run the whole model, and the batches each replica gets. ``check_config`` raises it; the memory plan and
+    ``plan=search`` ask it of every layout they try."""
+    net, module = _meta_model(job.cfg)
     return (
         _gpus_problem(job.cfg, job.devices)
+        or _options_problem(job, net, module.options)
         or job.layout.problem(job, net)
         or _text_sample_problem(job)
         or _batch_problem(job)
         or _val_interval_problem(job.cfg, job.train_samples // job.samples_per_step)
         or _val_samples_problem(job)
     )
+
+
+def _options_problem(job: Job, net: BlockSequence, options: list[ModelOption]) -> ConfigError | None:
+    """The first rule of the model options (``ModelOption.problem``) that ``job`` breaks, asked before the layout's
+    own rules (an option that cannot take a layout at all says so before the layout's sizes are judged), unless the
+    job's ranks do not divide as its layout says: then it has no dims yet, and the layout's rules name the key."""
+    try:
+        job.dims
+    except ValueError:
+        return None
+    return next(filter(None, (option.problem(job, net) for option in options)), None)
 
 
 def _text_sample_problem(job: Job) -> ConfigError | None:

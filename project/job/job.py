@@ -1,7 +1,9 @@
-"""The typed job every stage after the config checks reads (``Job``), and the contract each layout of its devices
-declares (``Layout``): how the ranks divide, the rules a job is held to, what each device holds and runs in a
-simulated step, and what the memory plan and ``plan=search`` may change. ``project/layouts/`` holds one layout per
-strategy; ``project.config.checks.check_config`` builds the job from the composed config, once."""
+"""The typed job every stage after the config checks reads (``Job``), and the two contracts it holds: each layout of
+its devices (``Layout``: how the ranks divide, the rules a job is held to, what each device holds and runs in a
+simulated step, and what the memory plan and ``plan=search`` may change) and each model option (``ModelOption``: its
+rules, what it makes of the plain model, what it adds to training). ``project/layouts/`` holds one layout per
+strategy, ``project/model_options/`` one file per option; ``project.config.checks.check_config`` builds the job from
+the composed config, once."""
 
 import json
 from abc import ABC, abstractmethod
@@ -15,6 +17,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torchmetrics import Metric
 
 from project.job.cluster import Cluster
 from project.models.sequence import BlockSequence
@@ -41,7 +44,7 @@ class TaskModule(Protocol):
 
     def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def prepare_net(self, on_float8_gpus: bool, sharded: bool) -> None: ...
+    def prepare_net(self, target: "Target") -> None: ...
 
     def new_optimizer(self) -> torch.optim.Optimizer: ...
 
@@ -141,6 +144,80 @@ class Layout(ABC):
 
 
 @dataclass(frozen=True)
+class Target:
+    """What a model option prepares the net for (``ModelOption.prepare``): CUDA GPUs (``cuda``; elsewhere float8
+    matmuls are emulated), and parameters FSDP shards over data-parallel ranks (``sharded``)."""
+
+    cuda: bool
+    sharded: bool
+
+
+@dataclass(frozen=True)
+class InitialWeights:
+    """Where a run's weights start: a Hugging Face model dir's (``model.init_from``), else drawn from ``seed``."""
+
+    init_from: str | None
+    seed: int
+
+
+class ModelOption(ABC):
+    """A model option (``model.<name>``: one file of ``project/model_options/``, built from its typed config): its
+    rules, what it makes of the plain model, and what it adds to training. ``TrainingModule`` applies a job's
+    options that are on in one declared order (``project.model_options.ORDER``), each at its hooks, and so does the
+    memory plan's ``Job.new_module``; the checks and every layout the planner tries ask each for its rules. Each task
+    module works on a copy of its own: an option keeps what it did to that module's net."""
+
+    @property
+    @abstractmethod
+    def enabled(self) -> bool:
+        """Whether the option is on. Off (its keys' off values), nothing below is asked of it."""
+
+    def problem(self, job: "Job", net: BlockSequence) -> ConfigError | None:
+        """The first of its rules ``job`` breaks (``net``: its model on the meta device, every option built), or
+        None: asked before launch and of each layout the planner tries."""
+        return None
+
+    def build(self, net: BlockSequence) -> None:
+        """When the task module is built: what it changes of ``net``'s parameters (on the meta device), which its
+        checkpoints then name."""
+        return None  # (an option that does not override a hook does nothing there)
+
+    def prepare(self, net: BlockSequence, target: Target) -> None:
+        """Before a layout acts on ``net`` (on the meta device), knowing what it runs on: what it does to its
+        modules. Activation checkpointing, compilation and the layout come after."""
+        return None
+
+    def summary(self) -> str | None:
+        """The line logged when training starts, saying what it did; None: nothing to say."""
+        return None
+
+    def training_loss(self, net: BlockSequence) -> torch.Tensor | None:
+        """A term added to a training step's loss (not to the logged ``train/loss``), or None."""
+        return None
+
+    def epoch_metrics(self) -> dict[str, Metric]:
+        """Metrics it keeps over a training epoch, by name, each computing a dict of logged values: logged at the
+        epoch's end, reduced over every rank, and kept in a mid-epoch checkpoint."""
+        return {}
+
+    def before_optimizer_step(self, net: BlockSequence) -> None:
+        """Before each optimizer step, its gradients in."""
+        return None
+
+    def after_optimizer_step(self, net: BlockSequence) -> None:
+        """After each optimizer step (an optimizer post-step hook, which the memory plan's simulated step runs too)."""
+        return None
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any], weights: InitialWeights) -> None:
+        """What it adds to, or changes in, a checkpoint being saved of a run whose weights started as ``weights``."""
+        return None
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any], weights: InitialWeights) -> None:
+        """What it checks of a checkpoint being loaded (``ConfigError``: the run cannot go on from it)."""
+        return None
+
+
+@dataclass(frozen=True)
 class SearchSettings:
     """``plan_search``: the strategy options ``plan=search`` lays out, its deepest pipeline, and whether it leaves
     out the layouts its bound shows slower than the fastest that fits."""
@@ -191,11 +268,6 @@ class Job:
         return self.uses_cuda or self.cluster is not None
 
     @property
-    def float8(self) -> bool:
-        """Whether the blocks' Linear layers train in Float8 (``model.float8``)."""
-        return bool(self.cfg.model.get("float8", False))
-
-    @property
     def compile(self) -> bool:
         """Whether the model's blocks run under ``torch.compile`` (``model.compile``)."""
         return bool(self.cfg.model.get("compile", False))
@@ -229,12 +301,17 @@ class Job:
         with torch.device("meta"):
             return instantiate(self.cfg.model.net)
 
+    @property
+    def target(self) -> Target:
+        """What the job's model options prepare its net for: its GPUs, its data-parallel ranks sharding it or not."""
+        return Target(cuda=self.on_gpus, sharded=self.dims.shard and self.dims.data_parallel > 1)
+
     def new_module(self) -> TaskModule:
-        """The job's LightningModule around a fresh meta-device net, with the model's own options (Float8 layers,
-        activation checkpointing) applied as ``configure_model`` applies them on the job's devices (each layout then
-        cuts or shards its own copy)."""
+        """The job's LightningModule around a fresh meta-device net, prepared as ``configure_model`` prepares it on the
+        job's devices (its model options, then activation checkpointing; each layout then cuts or shards its own
+        copy)."""
         module = instantiate(self.cfg.model, net=self.meta_net())
-        module.prepare_net(on_float8_gpus=self.on_gpus, sharded=self.dims.shard and self.dims.data_parallel > 1)
+        module.prepare_net(self.target)
         return module
 
     def example_batch(self, module: TaskModule, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,6 @@ from project.checkpointing.files import is_sharded_checkpoint
 from project.job.job import Change, DeviceWork, Job
 from project.layouts.sharded_layout import ShardedLayout, expert_parallel_problem
 from project.layouts.stage_split import stage_split_problem, staged_depth_changes
-from project.models.moe import mixtures
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, PIPELINE, ParallelDims, divisors
@@ -167,14 +166,6 @@ class PipelineLayout(ShardedLayout):
                 key + "microbatches",
                 f"is {microbatches}; interleaved_1f1b runs micro-batches in rounds of {ranks} (the pipeline ranks).",
                 f"use a multiple of {ranks}.",
-            )
-        weights = {mixture.load_balancing_weight for mixture in mixtures(net).values()} - {0.0}
-        if weights:
-            # The balance losses are the stages' own, and the schedule's loss is the last stage's criterion alone.
-            return ConfigError(
-                "model.net.load_balancing_weight",
-                "is not 0, but a pipeline's stages cannot add their mixtures' balance losses to the loss yet.",
-                "set model.net.load_balancing_weight=0 under strategy=pipeline, or train with fsdp or ddp.",
             )
         if job.ckpt_path is not None and not is_sharded_checkpoint(job.ckpt_path):
             return ConfigError(

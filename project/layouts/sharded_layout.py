@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from project.job.job import DeviceWork, Job, Layout
-from project.models.nf4 import is_nf4
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import TENSOR_PARALLEL
@@ -64,20 +63,6 @@ class TensorParallel:
                     f"is {size}, but {type(net).__name__} has no tensor-parallel plan "
                     "(project/parallel/tensor_parallel_plans.py).",
                     "set strategy.tensor_parallel_size=1.",
-                )
-            if job.float8:
-                return ConfigError(
-                    "model.float8",
-                    f"is true with {size} tensor-parallel ranks (strategy.tensor_parallel_size), whose split layers "
-                    "this project does not convert to Float8.",
-                    "set strategy.tensor_parallel_size=1 (FSDP and pipelines train in Float8), or model.float8=false.",
-                )
-            if any(is_nf4(parameter) for parameter in net.parameters()):
-                return ConfigError(
-                    "model.lora.quantize_base",
-                    f"stores the base in NF4, which {size} tensor-parallel ranks (strategy.tensor_parallel_size) "
-                    "cannot split: torchao's NF4 splits only by rows, in whole blocks.",
-                    "set strategy.tensor_parallel_size=1 (FSDP shards NF4 weights), or model.lora.quantize_base=false.",
                 )
             for argument, what, value in plan.split_sizes(net):
                 if value % size:

@@ -1,5 +1,6 @@
-"""Float8 training (``model.float8``): the blocks' Linear layers run their three matmuls (forward, the input's
-gradient, the weight's gradient) in 8-bit floats, torchao's ``Float8Linear``, as torchtitan trains Llama 3.
+"""Float8 training (``model.float8``, ``project.model_options.float8_training``): the blocks' Linear layers run their
+three matmuls (forward, the input's gradient, the weight's gradient) in 8-bit floats, torchao's ``Float8Linear``, as
+torchtitan trains Llama 3.
 
 Each matmul casts its operands to float8 with a scale computed from their current absolute maximum (dynamic
 scaling): the input and the weight to e4m3, the output's gradient to e5m2 (``tensorwise``: one scale a tensor, the
@@ -11,7 +12,7 @@ Which layers (``float8_layers``): every ``nn.Linear`` inside the blocks whose tw
 the float8 matmul kernels take) and which is large enough to gain: torchao's own rule from its H100 measurements
 (``_auto_filter_for_recipe``: under tensorwise scaling, not where the input is at most 4096 wide and the output at
 most 1024; under rowwise, not where the output is at most 2048, the input at most 1024, or both at most 4096 and
-2048). ``model.float8_small_layers`` converts the small ones too (tiny models, CPUs: where the rounding, not the
+2048). ``model.float8.small_layers`` converts the small ones too (tiny models, CPUs: where the rounding, not the
 speed, is the point). Left in their own dtype: the stem and the head (the embedding and the output layer, which
 decide the first and last activations: torchtitan's rule), a mixture's routers (a few experts wide, and what picks
 them should not round) and its experts (grouped weights, not Linear layers).
@@ -43,8 +44,8 @@ def torchao_float8() -> ModuleType:
     """``torchao.float8`` (``import_torchao``)."""
     float8 = import_torchao(
         "torchao.float8",
-        "model.float8",
-        "pip install 'project[float8]' (torchao, the optional extra), or set model.float8=false.",
+        "model.float8.enabled",
+        "pip install 'project[float8]' (torchao, the optional extra), or set model.float8.enabled=false.",
     )
     # torchao 0.18's float8-gathered weight flattens its precomputed scale only if the scale is true as a boolean: a
     # real one always is (a positive number), but the memory plan's fake one cannot be read, and its trackers

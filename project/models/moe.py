@@ -24,7 +24,7 @@ Balance: with ``load_balancing_weight`` w, training adds w x the mixtures' mean 
 each mixture adds a bias to the scores that choose the experts (not to the weights of their outputs), and after each
 optimizer step moves an expert's bias by g towards the mean load (``Experts.update_bias``). Each mixture tallies
 its routing in training (each expert's assignments, the dropped ones, the balance loss), which the per-epoch
-``experts/*`` metrics report (``project.tasks.metrics.ExpertLoad``) and the bias update reads.
+``experts/*`` metrics report (``project.model_options.expert_balancing.ExpertLoad``) and the bias update reads.
 """
 
 import itertools

@@ -1,5 +1,6 @@
 """What every task's LightningModule shares: the steps, the optimizer, and the protocol strategies rely on."""
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -12,18 +13,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 
-from project.checkpointing.hf import HFWeights, weights_fingerprint
+from project.checkpointing.hf import HFWeights
 from project.data.chat import IGNORE_INDEX
-from project.models.float8 import (
-    Float8Recipe,
-    convert_to_float8,
-    plain_weights,
-    precompute_float8_scales,
-    torchao_float8,
-)
-from project.models.lora import LoRA, apply_lora
-from project.models.moe import MoE, auxiliary_loss, mixtures
-from project.models.nf4 import is_nf4
+from project.job.job import InitialWeights, ModelOption, Target
+from project.model_options import in_order
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import Seed
@@ -35,7 +28,7 @@ from project.parallel.parallelize import (
     materialize,
 )
 from project.strategies.laid_out import LaidOutStrategy
-from project.tasks.metrics import ExpertLoad, SampleMean
+from project.tasks.metrics import SampleMean
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -73,6 +66,9 @@ class TrainingModule(L.LightningModule):
     override ``update_task_metrics`` for the metrics beyond the loss. They give ``example_batch`` (a batch of the
     data's shapes, for the memory plan's simulated step).
 
+    ``options`` are the model options (``model.<name>``, ``project.model_options``): each acts at its hooks of the
+    ``ModelOption`` contract, in their declared order, where this module builds, prepares, trains and checkpoints.
+
     The protocol strategies use: ``configure_model`` hands ``net`` to ``strategy.parallelize`` (FSDP shards it,
     model/pipeline parallelism split it); a pipeline strategy runs the steps itself with ``criterion`` per
     micro-batch, feeds ``update_metrics`` where outputs exist and calls ``log_metrics`` on every rank; a strategy
@@ -94,10 +90,7 @@ class TrainingModule(L.LightningModule):
         activation_checkpointing: ActivationCheckpointing = False,
         init_from: str | None = None,
         compile: bool = False,
-        lora: dict | None = None,
-        float8: bool = False,
-        float8_recipe: Float8Recipe = "tensorwise",
-        float8_small_layers: bool = False,
+        **options: ModelOption | None,
     ) -> None:
         super().__init__()
         unknown = set(no_weight_decay) - set(NO_DECAY_KINDS)
@@ -110,24 +103,23 @@ class TrainingModule(L.LightningModule):
         if scheduler is not None:
             _check_scheduler(scheduler)
         self.net = net
-        self.lora = None if lora is None else lora_settings(lora)
-        if float8:
-            _check_float8(self.lora)
-        if self.lora is not None:
-            _check_lora_targets(net, self.lora)
-            apply_lora(net, self.lora)
-            # Checkpoints hold the adapters alone: the frozen base is what configure_model gives every run of this
-            # config (model.init_from's weights, or the seeded ones), so a resumed run rebuilds it, and its
-            # checkpoints stay the adapters' size. Loading is then not strict: the base is not in the file.
-            # (Every name of a tied weight: the output layer's too.)
-            named = net.named_parameters(remove_duplicate=False)
-            frozen = {f"net.{name}" for name, parameter in named if not parameter.requires_grad}
-            self._register_state_dict_hook(_without(frozen))
+        # The model options that are on (project.model_options), in their declared order, each a copy of its own: an
+        # option keeps what it did to this module's net.
+        self.options = [copy.deepcopy(option) for option in in_order(options.values())]
+        for option in self.options:
+            option.build(net)
+        named = net.named_parameters(remove_duplicate=False)
+        frozen_names = {f"net.{name}" for name, parameter in named if not parameter.requires_grad}
+        if frozen_names:
+            # Checkpoints hold the trained parameters alone: the frozen ones (a fine-tuned model's base) are what
+            # configure_model gives every run of this config (model.init_from's weights, or the seeded ones), so a
+            # resumed run rebuilds them, and its checkpoints stay small. Loading is then not strict: they are not in
+            # the file. (Every name of a tied weight: the output layer's too.)
+            self._register_state_dict_hook(_without(frozen_names))
             self.strict_loading = False
-            # Every rank builds the same NF4 base (QLoRA). DDP's broadcast of the parameters when it wraps the module
-            # would take it through full precision and quantize it again, moving its values.
-            quantized = [f"net.{name}" for name, parameter in net.named_parameters() if is_nf4(parameter)]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, quantized)
+            # Every rank builds the same frozen weights. DDP's broadcast of the parameters when it wraps the module
+            # would take a quantized one (an NF4 base) through full precision and quantize it again.
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, sorted(frozen_names))
         # Counted here, on the whole model (a rank holds a shard or a stage once the strategy has acted).
         self.trained_parameters = sum(p.numel() for p in net.parameters() if p.requires_grad)
         self.total_parameters = sum(p.numel() for p in net.parameters())
@@ -139,27 +131,27 @@ class TrainingModule(L.LightningModule):
         self.activation_checkpointing = checkpointing_mode(activation_checkpointing)
         self.init_from = init_from  # a Hugging Face model dir whose weights replace the seeded ones
         self.compile_each_block = compile  # (not self.compile: that is nn.Module's own method)
-        self.float8_recipe = float8_recipe if float8 else None  # the blocks' matmuls in float8 (project.models.float8)
-        self.float8_small_layers = float8_small_layers
-        self.float8_layers: list[str] = []  # those converted, once prepare_net has
-        self.gathers_in_float8 = False  # whether FSDP all-gathers their weights in float8
         # The training loss since the last step row (trainer.log_every_n_steps), reduced across ranks when logged.
         self.interval_loss = SampleMean()
-        # A mixture of experts' routing over the epoch (the experts/* metrics), from every rank's mixtures.
-        self.expert_load = ExpertLoad(net.num_layers, net.num_experts) if isinstance(net, MoE) else None
+        # What the model options keep over an epoch, from every rank.
+        self.option_metrics = nn.ModuleDict(
+            {name: metric for option in self.options for name, metric in option.epoch_metrics().items()}
+        )
         self._configured = False
         self._logged_splits: set[str] = set()  # splits whose metrics Lightning holds for the epoch under way
         _check_optimizer(optimizer, self._optimizer_groups())  # on the meta-device parameters: nothing allocated
+
+    @property
+    def initial_weights(self) -> InitialWeights:
+        return InitialWeights(self.init_from, self.init_seed)
 
     def configure_model(self) -> None:
         if self._configured:
             return  # Lightning calls this again for validate or test after fit
         strategy = self.trainer.strategy
         dims = strategy.layout.dims(self.trainer.world_size) if isinstance(strategy, LaidOutStrategy) else None
-        self.prepare_net(
-            on_float8_gpus=strategy.root_device.type == "cuda",
-            sharded=dims is not None and dims.shard and dims.data_parallel > 1,
-        )
+        sharded = dims is not None and dims.shard and dims.data_parallel > 1
+        self.prepare_net(Target(cuda=strategy.root_device.type == "cuda", sharded=sharded))
         if self.compile_each_block:
             compile_blocks(self.net)
         if isinstance(strategy, LaidOutStrategy):  # Lightning's own (DDP, one device) keep the whole model
@@ -168,41 +160,23 @@ class TrainingModule(L.LightningModule):
         materialize(self.net, self.trainer.strategy.root_device, self.init_seed, weights)
         self._configured = True
 
-    def prepare_net(self, on_float8_gpus: bool, sharded: bool) -> None:
-        """What the model's own options do to the plain (meta) net before a layout acts, in torchtitan's order:
-        its Linear layers to Float8 (``model.float8``: on float8 tensor cores ``on_float8_gpus``, else emulated;
-        their weights all-gathered in float8 where FSDP shards them over data-parallel ranks, ``sharded``), then
-        activation checkpointing. ``configure_model`` calls it, and the memory plan for the job it simulates."""
-        if self.float8_recipe is not None:
-            self.gathers_in_float8 = sharded and self.float8_recipe == "tensorwise"
-            self.float8_layers = convert_to_float8(
-                self.net,
-                self.float8_recipe,
-                emulate=not on_float8_gpus,
-                gather_in_float8=self.gathers_in_float8,
-                small_layers=self.float8_small_layers,
-            )
+    def prepare_net(self, target: Target) -> None:
+        """What the model's own settings do to the plain (meta) net before a layout acts, in torchtitan's order: each
+        model option's ``prepare``, then activation checkpointing. ``configure_model`` calls it, and
+        the memory plan for the job it simulates (then compile, which the plan does not, and the layout)."""
+        for option in self.options:
+            option.prepare(self.net, target)
         apply_activation_checkpointing(self.net, self.activation_checkpointing)
 
     def on_fit_start(self) -> None:
-        """With Float8, say which layers it converted; with LoRA, say (and log, as hyperparameters) how much of the
-        model trains."""
-        if self.float8_recipe is not None:
-            gathered = "; FSDP gathers their weights in float8" if self.gathers_in_float8 else ""
-            small = "" if self.float8_small_layers else ", the small layers (model.float8_small_layers)"
-            rank_zero_info(
-                f"Float8 ({self.float8_recipe}): {len(self.float8_layers)} Linear layers of the blocks convert their "
-                f"matmuls{gathered}. The embedding, output layer, routers{small} and layers of widths not in 16s "
-                "keep the run's precision."
-            )
-        if self.lora is None:
+        """Each model option's line, and with frozen parameters how much of the model trains, as hyperparameters."""
+        for option in self.options:
+            line = option.summary()
+            if line is not None:
+                rank_zero_info(line)
+        if self.trained_parameters == self.total_parameters:
             return
         share = self.trained_parameters / self.total_parameters
-        frozen = "frozen, the blocks' Linear weights in 4-bit NF4" if self.lora.quantize_base else "frozen"
-        rank_zero_info(
-            f"LoRA (rank {self.lora.rank} on {', '.join(self.lora.targets)}): training {self.trained_parameters:,} "
-            f"of {self.total_parameters:,} parameters ({share:.2%}); the rest {frozen}."
-        )
         for logger in self.loggers:
             logger.log_hyperparams({"model/trained_parameters": self.trained_parameters, "model/trained_share": share})
 
@@ -255,14 +229,10 @@ class TrainingModule(L.LightningModule):
         """Every ``trainer.log_every_n_steps`` optimizer steps (0: never), a row ``step/train_loss``: the mean
         training loss over those steps, all ranks' samples (or tokens) together, at x = ``step``. For runs measured
         in steps, and to compare runs step by step; the epoch rows are unchanged. Logged here, once the step's
-        loss is known, rather than after the step, where a checkpoint of this step would be saved first. The
-        mixtures' routing since the last step goes into the epoch's ``expert_load`` here too, for the same reason."""
-        if self.expert_load is not None:
-            held = mixtures(self.net)
-            tallies = {layer: tally for layer, mixture in held.items() if (tally := mixture.take_tally()) is not None}
-            self.expert_load.update(tallies)
-            if any(mixture.bias_update_rate for mixture in held.values()):
-                update_score_biases(held, tallies, self.expert_load.load)
+        loss is known, rather than after the step, where a checkpoint of this step would be saved first. Each model
+        option's ``before_optimizer_step`` first."""
+        for option in self.options:
+            option.before_optimizer_step(self.net)
         # (log_every_n_steps: set on the Trainer by Lightning's logger connector, not declared by its class.)
         every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]
         step = self.trainer.global_step + 1  # the step about to be taken
@@ -278,8 +248,8 @@ class TrainingModule(L.LightningModule):
         epoch = (
             {f"train/{name}": cast(Metric, metric) for name, metric in self.train_metrics.items()} if mid_epoch else {}
         )
-        if mid_epoch and self.expert_load is not None:
-            epoch["expert_load"] = self.expert_load
+        if mid_epoch:
+            epoch.update(cast(dict[str, Metric], dict(self.option_metrics.items())))
         return {**epoch, "interval_loss": self.interval_loss}
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -290,20 +260,18 @@ class TrainingModule(L.LightningModule):
         # The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         mid_epoch = processed < trainer.num_training_batches
-        if self.gathers_in_float8:
-            checkpoint["state_dict"] = plain_weights(checkpoint["state_dict"])
-        if self.lora is not None:  # what its adapters were trained on, which the checkpoint does not hold
-            checkpoint["lora_base"] = lora_base(self.init_from, self.init_seed, self.lora.quantize_base)
+        for option in self.options:
+            option.on_save_checkpoint(checkpoint, self.initial_weights)
         checkpoint["running_metrics"] = {}
         for key, metric in self._running_metrics(mid_epoch).items():
             with metric.sync_context():  # sums (the states' reductions) over ranks, then back to this rank's own
                 checkpoint["running_metrics"][key] = {name: getattr(metric, name).clone() for name in metric._defaults}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Rank 0 takes the saved sums, the other ranks start from zero: their sum is the saved one. A LoRA
-        checkpoint's adapters go on only on the base they were trained on (``check_lora_base``)."""
-        if self.lora is not None:
-            check_lora_base(checkpoint.get("lora_base"), self.init_from, self.init_seed, self.lora.quantize_base)
+        """Rank 0 takes the saved sums, the other ranks start from zero: their sum is the saved one. Each model
+        option checks the checkpoint first."""
+        for option in self.options:
+            option.on_load_checkpoint(checkpoint, self.initial_weights)
         for key, metric in self._running_metrics().items():
             metric.reset()
             saved = checkpoint.get("running_metrics", {}).get(key)
@@ -313,30 +281,34 @@ class TrainingModule(L.LightningModule):
                 metric._update_count = 1  # it holds updates: compute() without torchmetrics' warning
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """The criterion's loss, plus a mixture's weighted balance loss (``model.net.load_balancing_weight``);
-        ``train/loss`` is the criterion's alone, comparable with ``val/loss``."""
+        """The criterion's loss, plus the model options' terms; ``train/loss`` is the criterion's alone, comparable
+        with ``val/loss``."""
         inputs, target = batch
         outputs = self(inputs)
         loss = self.criterion(outputs, target)
         self.update_metrics("train", outputs, target, loss)
         self.log_metrics("train")
-        balance = auxiliary_loss(self.net)
-        return loss if balance is None else loss + balance
+        for option in self.options:
+            term = option.training_loss(self.net)
+            if term is not None:
+                loss = loss + term
+        return loss
 
     def on_train_batch_end(self, outputs: object, batch: object, batch_idx: int) -> None:
-        """After the epoch's last batch, a mixture's ``experts/*`` metrics (``ExpertLoad``), reduced over every
-        rank: logged here, not at the epoch's end, where the job's result would already have taken the epoch."""
+        """After the epoch's last batch, the model options' epoch metrics, reduced over every rank: logged here, not
+        at the epoch's end, where the job's result would already have taken the epoch."""
         trainer = self.trainer
-        if self.expert_load is None:
+        if not self.option_metrics:
             return
         # (The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.)
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         epoch_ends = trainer.is_last_batch or processed >= trainer.num_training_batches
         if not (epoch_ends or trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step):
             return
-        # Equal on every rank once computed: sync_dist's max keeps them, where Lightning would warn otherwise.
-        self.log_dict(self.expert_load.compute(), on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
-        self.expert_load.reset()
+        for metric in cast(dict[str, Metric], self.option_metrics).values():
+            # Equal on every rank once computed: sync_dist's max keeps them, where Lightning would warn otherwise.
+            self.log_dict(metric.compute(), on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
+            metric.reset()
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, target = batch
@@ -368,7 +340,7 @@ class TrainingModule(L.LightningModule):
         decayed: list[str] = []
         spared: list[str] = []
         for name, parameter in self.named_parameters():
-            if not parameter.requires_grad:  # frozen (LoRA's base): no gradient, no optimizer state
+            if not parameter.requires_grad:  # frozen (a fine-tuned model's base): no gradient, no optimizer state
                 continue
             module = self.get_submodule(name.rpartition(".")[0])
             spare = any(NO_DECAY_KINDS[kind](name, module) for kind in self.no_weight_decay)
@@ -381,12 +353,15 @@ class TrainingModule(L.LightningModule):
         return [{"params": decayed}, {"params": spared, "weight_decay": 0.0}]
 
     def new_optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer over the parameter groups, with what must follow each of its steps: the float8 scales of the
-        next all-gathers, from the weights the step has just updated (``model.float8`` under FSDP)."""
+        """The optimizer over the parameter groups, with what the model options do after each of its steps."""
         optimizer = self.optimizer_factory(params=self._optimizer_groups())
-        if self.gathers_in_float8:
-            optimizer.register_step_post_hook(lambda *_: precompute_float8_scales(self.net))
+        if self.options:
+            optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
         return optimizer
+
+    def _after_optimizer_step(self) -> None:
+        for option in self.options:
+            option.after_optimizer_step(self.net)
 
     def configure_optimizers(self):
         optimizer = self.new_optimizer()
@@ -397,49 +372,6 @@ class TrainingModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def update_score_biases(held: dict, tallies: dict, like: torch.Tensor) -> None:
-    """Each held mixture's score bias moved after a step by its load: its assignments of this step on every rank
-    (``tallies``: this rank's, by block index), summed over all ranks (a rank adds zeros for the blocks it does not
-    hold, as a pipeline stage)."""
-    load = torch.zeros_like(like)
-    for layer, tally in tallies.items():
-        load[layer] = tally.load
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(load)
-    for layer, mixture in held.items():
-        mixture.update_bias(load[layer])
-
-
-def lora_base(init_from: str | None, init_seed: int, quantized: bool) -> str:
-    """What a LoRA run's frozen base is: the fingerprint of ``model.init_from``'s weights, or the seed drawing it,
-    and whether it is stored in NF4 (QLoRA's adapters learn to correct the quantized weights)."""
-    base = f"weights {weights_fingerprint(init_from)}" if init_from else f"seed {init_seed}"
-    return f"{base} in NF4" if quantized else base
-
-
-def check_lora_base(saved: str | None, init_from: str | None, init_seed: int, quantized: bool) -> None:
-    """``ConfigError`` when the base a LoRA checkpoint's adapters were trained on (``saved``) is not this one."""
-    here = lora_base(init_from, init_seed, quantized)
-    if saved is not None and saved != here:
-        raise ConfigError(
-            "model.init_from" if init_from else "seed",
-            f"gives a base ({here}) other than the one the checkpoint's adapters were trained on ({saved}).",
-            "use the model dir (or seed) and model.lora.quantize_base the run started from, unchanged: the "
-            "checkpoint holds the adapters alone.",
-        )
-
-
-def _check_float8(lora: LoRA | None) -> None:
-    """Float8 training needs torchao, and trains whole models: LoRA's layers are Linear subclasses of their own."""
-    torchao_float8()
-    if lora is not None:
-        raise ConfigError(
-            "model.float8",
-            "is true with LoRA adapters (model.lora), which Float8 training does not convert.",
-            "set model.float8=false to fine-tune with LoRA, or model.lora=null to train in Float8.",
-        )
-
-
 def _without(names: set[str]) -> Callable[..., None]:
     """A state-dict hook that leaves out the parameters ``names`` (under the module's own prefix)."""
 
@@ -448,48 +380,6 @@ def _without(names: set[str]) -> Callable[..., None]:
             state_dict.pop(prefix + name, None)
 
     return hook
-
-
-def lora_settings(settings: dict) -> LoRA:
-    """``model.lora``'s settings, checked: a positive integer rank and alpha, a dropout in [0, 1), some targets, and
-    (optional, false by default) whether to quantize the base."""
-    fields, optional = {"rank", "alpha", "dropout", "targets"}, {"quantize_base"}
-    if not fields <= set(settings) <= fields | optional:
-        raise ConfigError(
-            "model.lora",
-            f"has keys {sorted(settings)}.",
-            f"give {sorted(fields)} (and optionally {sorted(optional)}), or model.lora=null.",
-        )
-    rank, alpha, dropout, targets = (settings[key] for key in ("rank", "alpha", "dropout", "targets"))
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ConfigError("model.lora.rank", f"is {rank!r}.", "give a positive integer, e.g. 8.")
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool) or alpha <= 0:
-        raise ConfigError("model.lora.alpha", f"is {alpha!r}.", "give a positive number, e.g. 16.")
-    if not isinstance(dropout, int | float) or not 0 <= dropout < 1:
-        raise ConfigError("model.lora.dropout", f"is {dropout!r}.", "give a probability in [0, 1), e.g. 0.05.")
-    if isinstance(targets, str) or not targets:
-        raise ConfigError("model.lora.targets", f"is {targets!r}.", "give a list of layer names, e.g. [q, v].")
-    quantize = settings.get("quantize_base", False)
-    if not isinstance(quantize, bool):
-        raise ConfigError(
-            "model.lora.quantize_base", f"is {quantize!r}.", "give true (the base in 4-bit NF4: QLoRA) or false."
-        )
-    return LoRA(rank, float(alpha), float(dropout), tuple(targets), quantize)
-
-
-def _check_lora_targets(net: BlockSequence, lora: LoRA) -> None:
-    """Each of ``lora.targets`` names Linear layers of the net's blocks (of any: a mixture's dense first blocks and
-    its later ones have other layers)."""
-    linear = sorted(
-        {name.rpartition(".")[2] for name, module in net.blocks.named_modules() if isinstance(module, nn.Linear)}
-    )
-    unknown = [target for target in lora.targets if target not in linear]
-    if unknown:
-        raise ConfigError(
-            "model.lora.targets",
-            f"names {unknown}, which are not Linear layers of {type(net).__name__}'s blocks.",
-            f"choose among {linear}.",
-        )
 
 
 # How torch.optim's own errors name each hyperparameter, to point at the config key.

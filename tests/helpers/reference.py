@@ -222,7 +222,7 @@ def reference_run(
         [tensor.to(device) for tensor in split.tensors] for split in (data.train_set, data.val_set)
     )
     net = init_weights(instantiate(cfg.model.net), cfg.seed)
-    if cfg.model.get("lora") is not None:
+    if cfg.model.get("lora") is not None and cfg.model.lora.rank:
         if cfg.model.lora.get("quantize_base"):
             as_nf4_round_trip(net)
         net = with_peft_lora(net, cfg)
