@@ -4,14 +4,13 @@ change of the planner's code leaves its answers as they were.
 
     python scripts/plan_outputs.py /tmp/before            # on the old checkout
     python scripts/plan_outputs.py /tmp/after             # on the new one
-    diff -r /tmp/before /tmp/after                        # nothing, if the plans are unchanged
+    diff -r /tmp/before /tmp/after                        # the commands' own lines only, if the plans are unchanged
 
 Each command runs with an empty plan cache of its own (``paths.cache_dir``), so a search's count of simulated
 layouts is the same every time, and with W&B off. A search over 64 GPUs takes minutes on 2 cores.
 """
 
 import argparse
-import hashlib
 import re
 import shlex
 import subprocess
@@ -56,18 +55,18 @@ def blanked(text: str) -> str:
     return text
 
 
-def run(command: str, out: Path) -> None:
+def run(command: str, out: Path, index: int) -> None:
     """``command`` in the repo with its own empty cache and job dir; its exit code, stdout and stderr's config
-    error (if any) into a file of ``out`` named by the command's hash."""
+    error (if any) into ``out``/``<index>.txt``: the same command of another checkout (its keys spelt anew, say)
+    lands in the same file."""
     with tempfile.TemporaryDirectory() as scratch:
         arguments = shlex.split(command)[2:]  # after python train.py
         arguments += [f"paths.cache_dir={scratch}/cache", f"hydra.run.dir={scratch}/job", "logger=none"]
         done = subprocess.run([sys.executable, "train.py", *arguments], cwd=REPO, capture_output=True, text=True)
     errors = [line for line in done.stderr.splitlines() if line.startswith("Config error")]
-    name = hashlib.sha256(command.encode()).hexdigest()[:12]
     text = f"$ {command}\nexit {done.returncode}\n{done.stdout}{chr(10).join(errors)}\n"
-    (out / f"{name}.txt").write_text(blanked(text))
-    print(f"{name}: exit {done.returncode}: {command}", flush=True)
+    (out / f"{index:02d}.txt").write_text(blanked(text))
+    print(f"{index:02d}: exit {done.returncode}: {command}", flush=True)
 
 
 def main() -> None:
@@ -76,8 +75,8 @@ def main() -> None:
     parser.add_argument("--extra", action="append", default=[], help="another command to run (repeatable)")
     arguments = parser.parse_args()
     arguments.out.mkdir(parents=True, exist_ok=True)
-    for command in documented_commands() + arguments.extra:
-        run(command, arguments.out)
+    for index, command in enumerate(documented_commands() + arguments.extra):
+        run(command, arguments.out, index)
 
 
 if __name__ == "__main__":

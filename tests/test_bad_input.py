@@ -472,7 +472,7 @@ CASES = [
             "trainer.devices=2",
             "callbacks.text_sample.prompt=hi",
         ],
-        "callbacks.text_sample.prompt: is set, but under PipelineStrategy as configured no rank",
+        "callbacks.text_sample.prompt: is set, but under strategy=pipeline as configured no rank",
     ),
     (
         [
@@ -483,7 +483,7 @@ CASES = [
             "trainer.devices=2",
             "callbacks.text_sample.prompt=hi",
         ],
-        "callbacks.text_sample.prompt: is set, but under TensorParallelStrategy",
+        "callbacks.text_sample.prompt: is set, but under strategy=tensor_parallel",
     ),
     # The memory plan: a run predicted not to fit is refused before launch, naming the change that fits
     (

@@ -178,11 +178,11 @@ def test_a_plan_for_gpus_saves_what_the_kernels_above_add_up_to(model, rms_norms
     on_cpu, on_gpus = resolved(overrides), resolved([*overrides, "cluster=h100_sxm_8x"])
     assert not on_cpu.on_gpus and on_gpus.on_gpus
     cpu, gpu = (simulate_devices(job)[0][0] for job in (on_cpu, on_gpus))
-    net = on_cpu.cfg.model.net
-    tokens, layers = on_cpu.batch_size * on_cpu.seq_length, on_cpu.num_layers
+    net = on_cpu.model.net.keywords
+    tokens, layers = on_cpu.batch_size * on_cpu.seq_length, on_cpu.model.num_layers
     rms_norms = rms_norms_a_block * layers + (rms_norms_a_block > 0)
-    added = tokens * net.vocab_size * 2 + layers * 3 * 8
-    assert gpu.activations - cpu.activations == added - rms_norms * tokens * net.dim * 4
+    added = tokens * net["vocab_size"] * 2 + layers * 3 * 8
+    assert gpu.activations - cpu.activations == added - rms_norms * tokens * net["dim"] * 4
     assert gpu.flops == cpu.flops  # the same arithmetic, on other kernels
 
 

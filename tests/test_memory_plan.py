@@ -10,8 +10,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from test_config import compose_train
 
-from project.config.build import build_job, build_strategy, layout_of
+from project.config.build import build_job, build_strategy, layout_of, model_of
 from project.job.job import Job
+from project.layouts.fsdp_layout import FSDPLayout
 from project.parallel.parallelize import block_sizes, split_blocks, stage_modules
 from project.plan.memory_plan import candidate_changes, plan_memory
 
@@ -125,7 +126,7 @@ def resolved(overrides: list[str]) -> Job:
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     data = instantiate(cfg.data)
     layout = layout_of(build_strategy(cfg.strategy), cfg.strategy)
-    return build_job(cfg, layout, None, data.num_train_samples, data.num_val_samples)
+    return build_job(cfg, layout, model_of(cfg), None, data.num_train_samples, data.num_val_samples)
 
 
 def sharded_bytes(parameters, shards: int) -> int:
@@ -336,9 +337,9 @@ def test_selective_checkpointing_is_planned_between_none_and_full():
 def test_a_suggested_strategy_is_set_as_its_config_file_sets_it():
     """A DDP run's suggestions include FSDP over the same devices, its options read from conf/strategy/fsdp.yaml."""
     changes = dict(candidate_changes(resolved([*TINY, "strategy=ddp", "trainer.devices=2", "logger=none"])))
-    fsdp = changes["strategy=fsdp"].cfg.strategy
-    assert fsdp._target_ == "project.strategies.FSDPStrategy" and fsdp.processes == 2
-    assert fsdp.reshard_after_forward is True
+    fsdp = changes["strategy=fsdp"]
+    assert isinstance(fsdp.layout, FSDPLayout) and fsdp.strategy_name == "fsdp" and fsdp.processes_per_node == 2
+    assert fsdp.layout.reshard_after_forward is True
 
 
 def test_the_suggested_change_fits_and_trains(tmp_path, home):
@@ -396,14 +397,8 @@ def test_a_searched_mixture_tries_each_expert_parallel_size_in_fsdp_and_in_pipel
     def sizes(overrides: list[str]) -> set[tuple[int, int, int]]:
         """(pipeline ranks, tensor-parallel size, expert-parallel size) of each layout the search tries."""
         job = resolved(["data=tokens", "trainer.devices=8", "data.batch_size=2", *overrides])
-        return {
-            (
-                changes.get("strategy.num_stages", 1) // changes.get("strategy.stages_per_rank", 1),
-                changes["strategy.tensor_parallel_size"],
-                changes.get("strategy.expert_parallel_size", 1),
-            )
-            for _, changes in job.layout.search_space(job, 16)
-        }
+        dims = (change.job.dims for change in job.layout.search_space(job, 16))
+        return {(dim.pipeline, dim.tensor_parallel, dim.expert_parallel) for dim in dims}
 
     fsdp = sizes(["model=moe", "strategy=fsdp"])  # replicas: 8 / tensor-parallel size
     assert fsdp == {(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 2, 2), (1, 2, 4), (1, 4, 1), (1, 4, 2), (1, 8, 1)}

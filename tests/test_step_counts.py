@@ -113,13 +113,9 @@ def gpt_step_flops(job: Job, batch: int, checkpointing: str) -> int:
     down projection), whose output no gradient needs: torch's recompute stops early. Selective checkpointing keeps
     attention's output and every second matmul's (the block runs q, k, v, proj, up, down: q's, v's and up's): the
     recompute runs k and proj again (2 d^2 a token each), down being past the early stop."""
-    d, layers, tokens, vocab = (
-        job.cfg.model.net.dim,
-        job.cfg.model.net.num_layers,
-        batch * job.cfg.data.seq_length,
-        job.cfg.data.vocab_size,
-    )
-    linears, attention, head = 24 * d * d * tokens, 4 * tokens * job.cfg.data.seq_length * d, 2 * tokens * d * vocab
+    net, seq_length = job.model.net.keywords, job.seq_length
+    d, layers, tokens, vocab = net["dim"], job.model.num_layers, batch * seq_length, net["vocab_size"]
+    linears, attention, head = 24 * d * d * tokens, 4 * tokens * seq_length * d, 2 * tokens * d * vocab
     step = 3 * (layers * linears + head) + 3.5 * layers * attention
     recompute = {
         "false": 0,

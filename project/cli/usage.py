@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from project.checkpointing.files import checkpoint_meta, checkpoint_shapes, job_config, job_config_file, model_state
 from project.checkpointing.hf import HFWeights
-from project.job.job import InitialWeights
+from project.job.model_option import InitialWeights
 from project.model_options import LoRAFineTuning
 from project.models.lora import merged
 from project.models.nf4 import dequantized

@@ -1,22 +1,26 @@
 """The objects a config names, built as the workers build them (the plain model on the meta device, the Lightning
-strategy), and the typed ``Job`` of a config (``build_job``), or of the same config with a few keys changed
-(``changed_job``: the candidates the memory plan and ``plan=search`` try)."""
+strategy), and the typed ``Job`` of a config (``build_job``, ``model_of``). And the way back, from typed jobs to
+what a user types: the job under another strategy option (``with_strategy``: its layout as that option's file sets
+it), and the overrides that make a change the planner suggests (``overrides``): the planner's only dotted keys."""
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.strategies import DDPStrategy
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from project.job.cluster import Cluster
-from project.job.job import Job, Layout, SearchSettings
+from project.job.job import Job, Model, SearchSettings, Setting, ValidationSchedule
+from project.job.layout import DataShape, Layout
 from project.layouts.data_parallel_layout import DataParallelLayout
+from project.observability.text_sample import TextSample
 from project.options.errors import ConfigError
-from project.parallel.parallelize import checkpointing_mode
+from project.parallel.parallelize import Checkpointing, checkpointing_mode
 from project.strategies.laid_out import LaidOutStrategy
 
 STRATEGY_OPTIONS = Path(__file__).resolve().parents[2] / "conf" / "strategy"
@@ -63,15 +67,45 @@ def uses_cuda(cfg: DictConfig) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
-def build_job(cfg: DictConfig, layout: Layout, ckpt_path: str | None, train_samples: int, val_samples: int) -> Job:
-    """The typed job of ``cfg`` (resolved), laid out as ``layout`` (its strategy's); ``ckpt_path`` resolved; the
-    data's training and validation samples. ``project.config.checks.check_config`` builds the job of a checked
-    config; ``changed_job`` those of the changes the planner tries, unchecked."""
+def net_constructor(cfg: DictConfig) -> functools.partial:
+    """``model.net``'s class with its options (``cfg`` resolved), as a plain partial: no net is built."""
+    return _without(instantiate(cfg.model.net, _partial_=True, _convert_="all"))
+
+
+def model_of(cfg: DictConfig, net: functools.partial | None = None) -> Model:
+    """The typed model of ``cfg`` (resolved): the net's constructor (``net``, or ``net_constructor``'s) and the task
+    module's with the options the config gives them, built once (nested objects too: the optimizer's factory, the
+    model options), and the net's depth, activation checkpointing and compilation apart, as the planner changes and
+    reads them. No net is built."""
+    net = net_constructor(cfg) if net is None else net
+    module = instantiate(cfg.model, _partial_=True, _convert_="all", net=None)
+    return Model(
+        name=(cfg.get("choices") or {}).get("model", "?"),
+        net=_without(net, "num_layers"),
+        module=_without(module, "net", "activation_checkpointing", "compile"),
+        num_layers=net.keywords.get("num_layers"),
+        activation_checkpointing=checkpointing_mode(module.keywords.get("activation_checkpointing")),
+        compile=bool(module.keywords.get("compile", False)),
+    )
+
+
+def _without(built: functools.partial, *names: str) -> functools.partial:
+    """``built`` (a partial Hydra made) as a plain partial of the same callable, without the arguments ``names``."""
+    keywords = {name: value for name, value in built.keywords.items() if name not in names}
+    return functools.partial(built.func, *built.args, **keywords)
+
+
+def build_job(
+    cfg: DictConfig, layout: Layout, model: Model, ckpt_path: str | None, train_samples: int, val_samples: int
+) -> Job:
+    """The typed job of ``cfg`` (resolved), laid out as ``layout`` (its strategy's), training ``model``
+    (``model_of``); ``ckpt_path`` resolved; the data's training and validation samples. The only place a config
+    becomes a job: ``project.config.checks.check_config`` builds it once, and the planner changes it, never the
+    config."""
     choices = cfg.get("choices") or {}
     return Job(
-        cfg=cfg,
         layout=layout,
-        model_name=choices.get("model", "?"),
+        model=model,
         strategy_name=choices.get("strategy", "?"),
         devices=cfg.trainer.devices,
         nodes=cfg.trainer.num_nodes,
@@ -79,14 +113,17 @@ def build_job(cfg: DictConfig, layout: Layout, ckpt_path: str | None, train_samp
         accumulate=cfg.trainer.accumulate_grad_batches,
         # None only for trainer.precision=null, which the checks refuse first.
         precision=cast(str, _convert_precision_to_unified_args(cfg.trainer.precision)),
+        accelerator=str(cfg.trainer.accelerator),
         uses_cuda=uses_cuda(cfg),
-        activation_checkpointing=checkpointing_mode(
-            cfg.model.get("activation_checkpointing") or OmegaConf.select(cfg, "strategy.activation_checkpointing")
-        ),
-        seq_length=cfg.data.get("seq_length"),
-        num_layers=OmegaConf.select(cfg, "model.net.num_layers"),
+        data=DataShape(cfg.data.get("seq_length"), cfg.data.get("num_features")),
         train_samples=train_samples,
         val_samples=val_samples,
+        validation=ValidationSchedule(
+            OmegaConf.select(cfg, "trainer.val_check_interval"),
+            cfg.trainer.check_val_every_n_epoch,
+            cfg.trainer.get("limit_train_batches"),
+        ),
+        text_sample_prompt=text_sample_prompt(cfg),
         ckpt_path=ckpt_path,
         cluster=None if cfg.get("cluster") is None else Cluster.of(cfg.cluster),
         device_memory_gb=cfg.memory_plan.device_memory_gb,
@@ -98,23 +135,60 @@ def build_job(cfg: DictConfig, layout: Layout, ckpt_path: str | None, train_samp
     )
 
 
-def changed_job(job: Job, changes: dict[str, Any], strategy: str | None = None) -> Job:
-    """``job`` with ``strategy`` replaced by that option of the ``strategy`` group, as its file in ``conf/strategy``
-    sets it, and dotted keys set (of its layout, batch, devices or model; the data's samples stay the job's). Not
-    checked: ``project.config.checks.layout_problem`` says whether the change can run."""
-    container = cast(dict[str, Any], OmegaConf.to_container(job.cfg))  # a copy: the job's config stays as it is
-    if strategy is not None:
-        container["strategy"] = _strategy_option(strategy)
-    cfg = OmegaConf.create(container)
-    with open_dict(cfg):
-        for key, value in changes.items():
-            OmegaConf.update(cfg, key, value, force_add=True)
-    OmegaConf.resolve(cfg)  # in place: a search builds dozens of these, and each new DictConfig is costly
-    layout = layout_of(build_strategy(cfg.strategy), cfg.strategy)
-    return build_job(cfg, layout, job.ckpt_path, job.train_samples, job.val_samples)
+def text_sample_prompt(cfg: DictConfig) -> str | None:
+    """The key of a text sample's prompt (``TextSample``'s ``callbacks.<name>.prompt``), where one is set: it needs
+    ranks that each run the whole model."""
+    for name, callback in (cfg.callbacks or {}).items():
+        if issubclass(get_class(callback._target_), TextSample) and callback.get("prompt") is not None:
+            return f"callbacks.{name}.prompt"
+    return None
+
+
+def with_strategy(job: Job, name: str) -> Job:
+    """``job`` under the ``strategy`` group's option ``name``, its layout as the option's file sets it (of the job's
+    devices: a file may take them, as a pipeline's stages do), the model's settings kept. Not checked:
+    ``project.config.checks.layout_problem`` says whether it can run."""
+    return replace(job, layout=strategy_option_layout(name, job.devices), strategy_name=name)
 
 
 @functools.cache
-def _strategy_option(name: str) -> dict[str, Any]:
-    """The ``strategy`` group's option ``name``, as its file in ``conf/strategy`` sets it (unresolved)."""
-    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.load(STRATEGY_OPTIONS / f"{name}.yaml")))
+def strategy_option_layout(name: str, devices: int) -> Layout:
+    """The layout of the ``strategy`` group's option ``name`` as its file in ``conf/strategy`` sets it, resolved for
+    ``devices`` per node; built once per option and device count (a search lays out dozens of jobs from one)."""
+    option = OmegaConf.load(STRATEGY_OPTIONS / f"{name}.yaml")
+    cfg = OmegaConf.create({"trainer": {"devices": devices}, "strategy": option})
+    OmegaConf.resolve(cfg)
+    return layout_of(build_strategy(cfg.strategy), cfg.strategy)
+
+
+# Each setting a change can make, as a user types it: the planner's suggestions name them (``overrides``).
+SETTING_KEYS = {
+    Setting.STRATEGY: "strategy",
+    Setting.NUM_STAGES: "strategy.num_stages",
+    Setting.MICROBATCHES: "strategy.microbatches",
+    Setting.SCHEDULE: "strategy.schedule",
+    Setting.STAGES_PER_RANK: "strategy.stages_per_rank",
+    Setting.TENSOR_PARALLEL_SIZE: "strategy.tensor_parallel_size",
+    Setting.EXPERT_PARALLEL_SIZE: "strategy.expert_parallel_size",
+    Setting.DEVICES: "trainer.devices",
+    Setting.NODES: "trainer.num_nodes",
+    Setting.BATCH_SIZE: "data.batch_size",
+    Setting.ACCUMULATE: "trainer.accumulate_grad_batches",
+    Setting.ACTIVATION_CHECKPOINTING: "model.activation_checkpointing",
+}
+# model.activation_checkpointing's values, by the mode each gives.
+CHECKPOINTING_VALUES: dict[Checkpointing, str] = {"off": "false", "selective": "selective", "full": "true"}
+
+
+def overrides(job: Job, settings: frozenset[Setting]) -> str:
+    """The overrides, as a user types them, that set ``settings`` to ``job``'s values, in ``Setting``'s order."""
+    values = {
+        Setting.STRATEGY: job.strategy_name,
+        Setting.DEVICES: job.devices,
+        Setting.NODES: job.nodes,
+        Setting.BATCH_SIZE: job.batch_size,
+        Setting.ACCUMULATE: job.accumulate,
+        Setting.ACTIVATION_CHECKPOINTING: CHECKPOINTING_VALUES[job.model.activation_checkpointing],
+        **job.layout.setting_values(),
+    }
+    return " ".join(f"{SETTING_KEYS[setting]}={values[setting]}" for setting in Setting if setting in settings)

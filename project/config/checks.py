@@ -6,7 +6,6 @@ own (``check_config`` on its class), and the model and data modules check their 
 passes is the run's typed ``Job``, built once (``project.config.build.build_job``).
 """
 
-import json
 import logging
 import math
 import pickle
@@ -27,11 +26,12 @@ from torch import nn
 
 from project.checkpointing.files import checkpoint_shapes
 from project.checkpointing.hf import HFWeights, check_matches
-from project.config.build import build_job, build_strategy, layout_of, uses_cuda
+from project.config.build import build_job, build_strategy, layout_of, model_of, net_constructor, uses_cuda
 from project.config.schema import check_types
-from project.job.job import Job, Layout, ModelOption
+from project.job.job import Job, Model
+from project.job.layout import Layout
+from project.job.model_option import ModelOption
 from project.models.sequence import BlockSequence
-from project.observability.text_sample import TextSample
 from project.options.errors import ConfigError, positive_int
 from project.tasks.base import TrainingModule
 
@@ -180,15 +180,16 @@ def _check_process_group(cfg: DictConfig) -> None:
             )
 
 
-def _gpus_problem(cfg: DictConfig, devices: int) -> ConfigError | None:
-    """On CUDA: what is wrong with asking this machine for ``devices`` GPUs, or None."""
-    if not uses_cuda(cfg):
+def _gpus_problem(accelerator: str, on_cuda: bool, devices: int) -> ConfigError | None:
+    """On CUDA (``on_cuda``, by ``trainer.accelerator``): what is wrong with asking this machine for ``devices`` GPUs,
+    or None."""
+    if not on_cuda:
         return None
     available = torch.cuda.device_count()
     if available == 0:
         return ConfigError(
             "trainer.accelerator",
-            f"is {cfg.trainer.accelerator!r} but this machine has no CUDA GPU.",
+            f"is {accelerator!r} but this machine has no CUDA GPU.",
             "use trainer.accelerator=cpu (or auto), or run on a machine with GPUs.",
         )
     if devices > available:
@@ -346,21 +347,22 @@ def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None)
         )
 
 
-# The last few models _meta_model built, by their config: plan=search checks dozens of layouts of one model, and
-# building Llama 3.1 8B's 32 blocks, even on the meta device, was most of a check. The checks only read them.
-_META_MODELS: dict[str, tuple[BlockSequence, TrainingModule]] = {}
-_META_MODELS_KEPT = 3  # a search's: activation checkpointing off, selective and full
+# The last few models _meta_model built, by their net's and module's constructors and depth: plan=search checks
+# dozens of layouts of one model, and building Llama 3.1 8B's 32 blocks, even on the meta device, was most of a
+# check. The checks only read them.
+_META_MODELS: dict[tuple[Any, ...], tuple[BlockSequence, TrainingModule]] = {}
+_META_MODELS_KEPT = 3
 
 
-def _meta_model(cfg: DictConfig) -> tuple[BlockSequence, TrainingModule]:
-    """The network and the LightningModule of ``cfg.model`` on the meta device (shapes only, nothing allocated),
-    built once per model config."""
-    key = json.dumps(OmegaConf.to_container(cfg.model, resolve=True), sort_keys=True, default=str)
+def _meta_model(model: Model) -> tuple[BlockSequence, TrainingModule]:
+    """The network and the LightningModule of ``model`` on the meta device (shapes only, nothing allocated), its
+    model options built on it, built once per model."""
+    key = (model.net, model.num_layers, model.module)
     if key not in _META_MODELS:
+        net = _build("model.net", model.meta_net)
+        # The LightningModule checks its own options (optimizer, schedule, the model options' targets).
         with torch.device("meta"):
-            net = _build("model.net", lambda: instantiate(cfg.model.net))
-            # The LightningModule checks its own options (optimizer, schedule).
-            module = _build("model", lambda: instantiate(cfg.model, net=net))
+            module = cast(TrainingModule, _build("model", lambda: model.new_module(net)))
         while len(_META_MODELS) >= _META_MODELS_KEPT:
             del _META_MODELS[next(iter(_META_MODELS))]
         _META_MODELS[key] = net, module
@@ -368,12 +370,15 @@ def _meta_model(cfg: DictConfig) -> tuple[BlockSequence, TrainingModule]:
 
 
 def _build(key: str, build: Callable[[], Any]) -> Any:
-    """``build()`` the object of the config node at ``key`` as the workers will; a ``ConfigError`` it raises comes
-    out as it is, any other error as a ``ConfigError`` naming ``key``."""
+    """``build()`` the object of the config node at ``key`` as the workers will (through Hydra, or a constructor
+    ``model_of`` took from it); a ``ConfigError`` it raises comes out as it is, any other error as a ``ConfigError``
+    naming ``key``."""
     try:
         return build()
-    except InstantiationException as error:
-        cause = error.__cause__
+    except ConfigError:
+        raise
+    except Exception as error:
+        cause = error.__cause__ if isinstance(error, InstantiationException) else error
         if isinstance(cause, ConfigError):
             raise cause from None
         problem = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
@@ -441,30 +446,30 @@ def _check_positions(net: Any, datamodule: Any) -> None:
         )
 
 
-def _train_batches(cfg: DictConfig, batches_per_epoch: int) -> int:
+def _train_batches(job: Job, batches_per_epoch: int) -> int:
     """Training batches an epoch runs, as Lightning counts them with ``trainer.limit_train_batches`` (N batches or a
     fraction of the epoch)."""
-    limit = cfg.trainer.get("limit_train_batches")
-    if _is_int(limit):
+    limit = job.validation.limit_train_batches
+    if isinstance(limit, int) and not isinstance(limit, bool):
         return min(batches_per_epoch, limit)
     if isinstance(limit, float):
         return int(batches_per_epoch * limit)
     return batches_per_epoch
 
 
-def _val_interval_problem(cfg: DictConfig, batches_per_epoch: int) -> ConfigError | None:
+def _val_interval_problem(job: Job, batches_per_epoch: int) -> ConfigError | None:
     """``trainer.val_check_interval``: null (each epoch's end), a fraction of an epoch, or every N training batches,
     which within an epoch (``check_val_every_n_epoch`` set) Lightning refuses past the epoch's length, late.
 
     With ``trainer.accumulate_grad_batches`` > 1 a validation must fall where an optimizer step ends: one inside an
     accumulation would save checkpoints holding half a step, which no resumed run can continue exactly.
     """
-    interval = OmegaConf.select(cfg, "trainer.val_check_interval")
+    interval = job.validation.val_check_interval
     fix = (
         "use N training batches (e.g. trainer.val_check_interval=500), a fraction of an epoch in (0, 1], or null "
         "for each epoch's end."
     )
-    every_epoch = cfg.trainer.check_val_every_n_epoch
+    every_epoch = job.validation.check_val_every_n_epoch
     if every_epoch is None and not _is_int(interval):
         return ConfigError(
             "trainer.val_check_interval",
@@ -478,7 +483,7 @@ def _val_interval_problem(cfg: DictConfig, batches_per_epoch: int) -> ConfigErro
         return ConfigError("trainer.val_check_interval", f"is {interval!r}.", fix)
     if isinstance(interval, float) and interval > 1:
         return ConfigError("trainer.val_check_interval", f"is {interval}, a fraction of an epoch above 1.", fix)
-    batches = _train_batches(cfg, batches_per_epoch)
+    batches = _train_batches(job, batches_per_epoch)
     if _is_int(interval) and every_epoch is not None and interval > batches:
         return ConfigError(
             "trainer.val_check_interval",
@@ -486,7 +491,7 @@ def _val_interval_problem(cfg: DictConfig, batches_per_epoch: int) -> ConfigErro
             f"use at most {batches}, or trainer.check_val_every_n_epoch=null to count batches across "
             "epochs (for runs of trainer.max_steps).",
         )
-    accumulate = cfg.trainer.accumulate_grad_batches
+    accumulate = job.accumulate
     if accumulate == 1 or (isinstance(interval, float) and interval == 1.0):
         return None
     every = interval if _is_int(interval) else max(1, int(batches * interval))  # Lightning's val_check_batch
@@ -563,7 +568,7 @@ def check_config(cfg: DictConfig) -> Job:
         "strategy.processes",
         "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.",
     )
-    problem = _gpus_problem(cfg, devices)
+    problem = _gpus_problem(str(cfg.trainer.accelerator), uses_cuda(cfg), devices)
     if problem is not None:
         raise problem
 
@@ -577,7 +582,9 @@ def check_config(cfg: DictConfig) -> Job:
     check_files = getattr(datamodule, "check_files", None)
     if check_files is not None:  # a data module on files checks them now, not mid-epoch (data=shards)
         check_files()
-    net, module = _meta_model(cfg)
+    net_options = _build("model.net", lambda: net_constructor(cfg))  # the constructors and their options only
+    model = _build("model", lambda: model_of(cfg, net_options))
+    net, module = _meta_model(model)
     strategy = _build("strategy", lambda: build_strategy(cfg.strategy))  # checks its options; no process group yet
     layout = layout_of(strategy, cfg.strategy)
     _check_processes(cfg, strategy, layout, devices)
@@ -586,7 +593,7 @@ def check_config(cfg: DictConfig) -> Job:
     _check_init_from(cfg, net)
     _check_vocabulary(cfg, datamodule)
     _check_positions(net, datamodule)
-    job = build_job(cfg, layout, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
+    job = build_job(cfg, layout, model, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
     if job.cluster is not None and job.devices > job.cluster.devices_per_node:
         raise ConfigError(
             "trainer.devices",
@@ -612,14 +619,14 @@ def layout_problem(job: Job) -> ConfigError | None:
     None: the devices this machine has, the layout's own rules, each model option's, a text sample's need for ranks
     that run the whole model, and the batches each replica gets. ``check_config`` raises it; the memory plan and
     ``plan=search`` ask it of every layout they try."""
-    net, module = _meta_model(job.cfg)
+    net, module = _meta_model(job.model)
     return (
-        _gpus_problem(job.cfg, job.devices)
+        _gpus_problem(job.accelerator, job.uses_cuda, job.devices)
         or _options_problem(job, net, module.options)
         or job.layout.problem(job, net)
         or _text_sample_problem(job)
         or _batch_problem(job)
-        or _val_interval_problem(job.cfg, job.train_samples // job.samples_per_step)
+        or _val_interval_problem(job, job.train_samples // job.samples_per_step)
         or _val_samples_problem(job)
     )
 
@@ -629,7 +636,7 @@ def _options_problem(job: Job, net: BlockSequence, options: list[ModelOption]) -
     own rules (an option that cannot take a layout at all says so before the layout's sizes are judged), unless the
     job's ranks do not divide as its layout says: then it has no dims yet, and the layout's rules name the key."""
     try:
-        job.dims
+        job.layout.dims(job.world_size)  # ParallelDims refuses ranks that do not divide
     except ValueError:
         return None
     return next(filter(None, (option.problem(job, net) for option in options)), None)
@@ -637,17 +644,14 @@ def _options_problem(job: Job, net: BlockSequence, options: list[ModelOption]) -
 
 def _text_sample_problem(job: Job) -> ConfigError | None:
     """A text sample (``TextSample``'s prompt set) needs a layout whose ranks each run the whole model."""
-    for name, callback in (job.cfg.callbacks or {}).items():
-        key = f"callbacks.{name}.prompt"
-        sampled = issubclass(get_class(callback._target_), TextSample) and callback.get("prompt") is not None
-        if sampled and not job.dims.runs_whole_model:
-            strategy = str(job.cfg.strategy._target_).rpartition(".")[2]  # only strategies of ours split the model
-            return ConfigError(
-                key,
-                f"is set, but under {strategy} as configured no rank runs the whole model (pipeline stages, "
-                "tensor-parallel splits).",
-                f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.",
-            )
+    key = job.text_sample_prompt
+    if key is not None and not job.dims.runs_whole_model:
+        return ConfigError(
+            key,
+            f"is set, but under strategy={job.strategy_name} as configured no rank runs the whole model (pipeline "
+            "stages, tensor-parallel splits).",
+            f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.",
+        )
     return None
 
 

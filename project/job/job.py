@@ -1,220 +1,28 @@
-"""The typed job every stage after the config checks reads (``Job``), and the two contracts it holds: each layout of
-its devices (``Layout``: how the ranks divide, the rules a job is held to, what each device holds and runs in a
-simulated step, and what the memory plan and ``plan=search`` may change) and each model option (``ModelOption``: its
-rules, what it makes of the plain model, what it adds to training). ``project/layouts/`` holds one layout per
-strategy, ``project/model_options/`` one file per option; ``project.config.checks.check_config`` builds the job from
-the composed config, once."""
+"""The typed job every stage after the config checks reads (``Job``): its layout of the devices (``Layout``,
+``project.job.layout``), its model (``Model``: the net's and the task module's constructors, the model options among
+the latter's arguments, ``project.job.model_option``) and the figures every later stage reads. The config becomes a
+job once (``project.config.checks.check_config``); the memory plan and ``plan=search`` make the jobs they try from it
+with ``dataclasses.replace`` (``Change``), never from a config again."""
 
+import dataclasses
+import functools
+import hashlib
 import json
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum, auto
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-import lightning as L
 import torch
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
-from torch import nn
-from torchmetrics import Metric
 
 from project.job.cluster import Cluster
+from project.job.layout import DataShape, Layout, TaskModule
+from project.job.model_option import Target
 from project.models.sequence import BlockSequence
-from project.options.errors import ConfigError
 from project.options.option_types import PositiveInt
 from project.parallel.dims import ParallelDims
-from project.parallel.parallelize import Checkpointing
-
-# What a simulation reads of a job's config: its cache key (plan=search) covers these.
-SIMULATED_KEYS = ("model", "data", "strategy", "trainer")
-
-
-class TaskModule(Protocol):
-    """What the strategies, the layouts and the memory plan use of a task's LightningModule
-    (``project.tasks.base.TrainingModule``, which sits above them), for type checking."""
-
-    net: BlockSequence
-    criterion: nn.Module
-    optimizer_factory: Callable[..., torch.optim.Optimizer]
-    activation_checkpointing: Checkpointing
-
-    @property
-    def trainer(self) -> L.Trainer: ...
-
-    def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def prepare_net(self, target: "Target") -> None: ...
-
-    def new_optimizer(self) -> torch.optim.Optimizer: ...
-
-    def _optimizer_groups(self) -> list[dict[str, Any]]: ...
-
-    def parameter_groups(self) -> list[list[str]]: ...
-
-    def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None: ...
-
-    def log_metrics(self, split: str) -> None: ...
-
-
-@dataclass
-class DeviceWork:
-    """What one simulated device holds and runs in a training step, as its layout lays it out.
-
-    ``module`` is the LightningModule whose ``net`` (on the meta device, already sharded or cut to this device's
-    part) the device holds; ``stages`` are the parts of it the device runs, in order. A step runs ``microbatches``
-    micro-batches of ``microbatch_size`` samples, at most ``in_flight`` of them between their forward and backward
-    (a pipeline's schedule: GPipe all, 1F1B the stages still ahead).
-    """
-
-    name: str  # how the plan names the device: "rank 0", "stage 1"
-    module: TaskModule
-    stages: list[nn.Module]
-    microbatch_size: int
-    microbatches: int = 1
-    in_flight: int = 1
-    stage_input: torch.Tensor | None = None  # meta tensor of one micro-batch's input, when it comes from another
-    # device (a later stage) rather than from the data
-    stage_output: torch.Tensor | None = None  # meta tensor of one micro-batch's output, when another device takes it
-    last: bool = True  # holds the head: computes the loss
-    receive_buffers: bool = False  # a pipeline stage: a buffer per micro-batch for its inputs and output gradients
-    forward_in_backward: bool = False  # a pipeline: the schedule runs the forwards after Lightning's zero_grad
-    grads_persist: bool = False  # DDP with gradient_as_bucket_view: gradients live in its buckets throughout
-    extra_buffer_bytes: int = 0  # held throughout besides (DDP's buckets, when gradients are not views of them)
-    loss_parallel: bool = False  # logits split by vocabulary across tensor-parallel ranks: torch's loss_parallel
-    unsimulated_collectives: dict[str, int] = field(default_factory=dict)  # bytes by Link key of the step's
-    # collectives the simulation does not run (DDP's all-reduce of the gradients, made by its wrapper; what a
-    # pipeline rank sends to the ranks of its neighbouring stages)...
-    unsimulated_calls: dict[str, int] = field(default_factory=dict)  # ...and how many of each
-
-
-# A layout's change, as the planner names and makes it: the overrides as a user types them, and the keys they set.
-Change = tuple[str, dict[str, Any]]
-
-
-class Layout(ABC):
-    """How a job's devices divide its work: declared by each strategy's layout (``project/layouts/``), read by the
-    checks, the memory plan, the step-time model and ``plan=search``, and applied to the model by the strategy."""
-
-    @abstractmethod
-    def processes_per_node(self, devices: int) -> int:
-        """Processes a node runs for its ``devices``: one per device, or one that drives them all."""
-
-    @abstractmethod
-    def dims(self, world_size: int) -> ParallelDims:
-        """How ``world_size`` ranks divide: pipeline x data parallel x tensor parallel."""
-
-    @property
-    @abstractmethod
-    def saves_sharded_checkpoints(self) -> bool:
-        """Whether each rank saves and loads its own part of a checkpoint (a dir), rather than a single file."""
-
-    @abstractmethod
-    def problem(self, job: "Job", net: BlockSequence) -> ConfigError | None:
-        """The first of the layout's own rules that ``job`` breaks (``net``: its model on the meta device), or
-        None: checked before launch, and asked of each layout the planner tries."""
-
-    @abstractmethod
-    def simulated_devices(self, job: "Job") -> Generator[DeviceWork, None, None]:
-        """For the memory plan: each device of ``job`` whose memory differs, laid out as a real run lays it out
-        (over torch's fake process group where the layout needs ranks)."""
-
-    @abstractmethod
-    def blocks_per_device(self, net: BlockSequence) -> list[int]:
-        """Blocks each of the simulated devices runs, in order."""
-
-    @abstractmethod
-    def depth_changes(self, blocks_per_stage: int) -> dict[str, Any]:
-        """The keys that give each stage (the whole net, where there are no stages) ``blocks_per_stage`` blocks: the
-        shallow copies a deep model's plan is extended from (``project.plan.depth``)."""
-
-    @abstractmethod
-    def bubble_fraction(self) -> float:
-        """For the step-time model: the share of a step each device waits idle (a pipeline's bubble)."""
-
-    @abstractmethod
-    def memory_saving_changes(self, job: "Job") -> Iterator[Change]:
-        """For the memory plan's suggestions: the layout's own changes that lower the memory per device, the
-        smallest first."""
-
-    @abstractmethod
-    def search_space(self, job: "Job", global_batch: int) -> Iterator[Change]:
-        """For ``plan=search``: the layouts of this kind of ``job``'s devices, each replica taking its share of
-        ``global_batch``. The run's checks then drop those the model cannot take."""
-
-
-@dataclass(frozen=True)
-class Target:
-    """What a model option prepares the net for (``ModelOption.prepare``): CUDA GPUs (``cuda``; elsewhere float8
-    matmuls are emulated), and parameters FSDP shards over data-parallel ranks (``sharded``)."""
-
-    cuda: bool
-    sharded: bool
-
-
-@dataclass(frozen=True)
-class InitialWeights:
-    """Where a run's weights start: a Hugging Face model dir's (``model.init_from``), else drawn from ``seed``."""
-
-    init_from: str | None
-    seed: int
-
-
-class ModelOption(ABC):
-    """A model option (``model.<name>``: one file of ``project/model_options/``, built from its typed config): its
-    rules, what it makes of the plain model, and what it adds to training. ``TrainingModule`` applies a job's
-    options that are on in one declared order (``project.model_options.ORDER``), each at its hooks, and so does the
-    memory plan's ``Job.new_module``; the checks and every layout the planner tries ask each for its rules. Each task
-    module works on a copy of its own: an option keeps what it did to that module's net."""
-
-    @property
-    @abstractmethod
-    def enabled(self) -> bool:
-        """Whether the option is on. Off (its keys' off values), nothing below is asked of it."""
-
-    def problem(self, job: "Job", net: BlockSequence) -> ConfigError | None:
-        """The first of its rules ``job`` breaks (``net``: its model on the meta device, every option built), or
-        None: asked before launch and of each layout the planner tries."""
-        return None
-
-    def build(self, net: BlockSequence) -> None:
-        """When the task module is built: what it changes of ``net``'s parameters (on the meta device), which its
-        checkpoints then name."""
-        return None  # (an option that does not override a hook does nothing there)
-
-    def prepare(self, net: BlockSequence, target: Target) -> None:
-        """Before a layout acts on ``net`` (on the meta device), knowing what it runs on: what it does to its
-        modules. Activation checkpointing, compilation and the layout come after."""
-        return None
-
-    def summary(self) -> str | None:
-        """The line logged when training starts, saying what it did; None: nothing to say."""
-        return None
-
-    def training_loss(self, net: BlockSequence) -> torch.Tensor | None:
-        """A term added to a training step's loss (not to the logged ``train/loss``), or None."""
-        return None
-
-    def epoch_metrics(self) -> dict[str, Metric]:
-        """Metrics it keeps over a training epoch, by name, each computing a dict of logged values: logged at the
-        epoch's end, reduced over every rank, and kept in a mid-epoch checkpoint."""
-        return {}
-
-    def before_optimizer_step(self, net: BlockSequence) -> None:
-        """Before each optimizer step, its gradients in."""
-        return None
-
-    def after_optimizer_step(self, net: BlockSequence) -> None:
-        """After each optimizer step (an optimizer post-step hook, which the memory plan's simulated step runs too)."""
-        return None
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any], weights: InitialWeights) -> None:
-        """What it adds to, or changes in, a checkpoint being saved of a run whose weights started as ``weights``."""
-        return None
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any], weights: InitialWeights) -> None:
-        """What it checks of a checkpoint being loaded (``ConfigError``: the run cannot go on from it)."""
-        return None
+from project.parallel.parallelize import Checkpointing, checkpointing_setting
 
 
 @dataclass(frozen=True)
@@ -228,27 +36,90 @@ class SearchSettings:
 
 
 @dataclass(frozen=True)
+class ValidationSchedule:
+    """When a run validates and how much of an epoch it trains: ``trainer.val_check_interval``,
+    ``trainer.check_val_every_n_epoch`` and ``trainer.limit_train_batches`` (Lightning's meanings)."""
+
+    val_check_interval: int | float | None
+    check_val_every_n_epoch: int | None
+    limit_train_batches: int | float | None
+
+
+class Setting(Enum):
+    """What a change the planner tries can set, each a key a user types (``project.config.build.overrides``), in
+    the order a suggestion names them."""
+
+    STRATEGY = auto()
+    NUM_STAGES = auto()
+    MICROBATCHES = auto()
+    SCHEDULE = auto()
+    STAGES_PER_RANK = auto()
+    TENSOR_PARALLEL_SIZE = auto()
+    EXPERT_PARALLEL_SIZE = auto()
+    DEVICES = auto()
+    NODES = auto()
+    BATCH_SIZE = auto()
+    ACCUMULATE = auto()
+    ACTIVATION_CHECKPOINTING = auto()
+
+
+@dataclass(frozen=True)
+class Change:
+    """A job the planner tries (``job``), made from another with ``dataclasses.replace``, and the settings it
+    changes (``sets``): what a suggestion of it names."""
+
+    job: "Job"
+    sets: frozenset[Setting]
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model a job trains (``model``), typed once (``project.config.build.model_of``): its net's and its task
+    module's constructors with their options (the model options among the module's), and apart from them what the
+    planner changes or reads: the net's depth, activation checkpointing and compilation."""
+
+    name: str  # the option chosen in the model group (what the plan's header names)
+    net: functools.partial  # the net's class and model.net's options, but num_layers
+    module: functools.partial  # the task module's class and model's options, but the net and the fields below
+    num_layers: int | None  # the net's blocks, where they are all alike (model.net.num_layers)
+    activation_checkpointing: Checkpointing  # the model's own (model.activation_checkpointing)
+    compile: bool  # model.compile: each block under torch.compile
+
+    def meta_net(self) -> BlockSequence:
+        """The plain model on the meta device: shapes only, no memory."""
+        depth = {} if self.num_layers is None else {"num_layers": self.num_layers}
+        with torch.device("meta"):
+            return self.net(**depth)
+
+    def new_module(self, net: BlockSequence) -> TaskModule:
+        """The task module around ``net``, its model options built on it (``ModelOption.build``)."""
+        return self.module(
+            net=net,
+            activation_checkpointing=checkpointing_setting(self.activation_checkpointing),
+            compile=self.compile,
+        )
+
+
+@dataclass(frozen=True)
 class Job:
-    """A run, checked and typed (``project.config.checks.check_config``): its config resolved (``cfg``, what builds
-    the model and the data and what the workers load), its layout, and the figures every later stage reads.
+    """A run, checked and typed (``project.config.checks.check_config``): its layout, its model, and the figures every
+    later stage reads. The world size, the data-parallel replicas and the global batch are computed here alone."""
 
-    The world size, the data-parallel replicas and the global batch are computed here alone."""
-
-    cfg: DictConfig
     layout: Layout
-    model_name: str  # the options chosen in the model and strategy groups (what the plan's header names)
-    strategy_name: str
+    model: Model
+    strategy_name: str  # the option chosen in the strategy group
     devices: int  # per node
     nodes: int
     batch_size: int  # samples per data-parallel replica per step (data.batch_size)
     accumulate: int  # batches per optimizer step (trainer.accumulate_grad_batches)
     precision: str  # Lightning's name for it: 32-true, bf16-mixed...
-    uses_cuda: bool
-    activation_checkpointing: Checkpointing  # the model's, or else the strategy's own (FSDP's)
-    seq_length: int | None  # tokens per sample; None for data without a sequence
-    num_layers: int | None  # the net's blocks, where they are all alike (model.net.num_layers)
+    accelerator: str  # trainer.accelerator
+    uses_cuda: bool  # whether it trains on CUDA GPUs (accelerator gpu, or auto on a machine with them)
+    data: DataShape
     train_samples: int
     val_samples: int
+    validation: ValidationSchedule
+    text_sample_prompt: str | None  # the key of a text sample's prompt (callbacks.<name>.prompt), where one is set
     ckpt_path: str | None  # the checkpoint this run loads, resolved (ckpt_path=last and auto made a path or None)
     cluster: Cluster | None  # the GPU nodes it is planned for (``cluster``)
     device_memory_gb: float | None  # memory_plan.device_memory_gb
@@ -268,9 +139,15 @@ class Job:
         return self.uses_cuda or self.cluster is not None
 
     @property
-    def compile(self) -> bool:
-        """Whether the model's blocks run under ``torch.compile`` (``model.compile``)."""
-        return bool(self.cfg.model.get("compile", False))
+    def activation_checkpointing(self) -> Checkpointing:
+        """The model's activation checkpointing, or else the layout's own (FSDP's)."""
+        own = self.model.activation_checkpointing
+        return own if own != "off" else self.layout.activation_checkpointing
+
+    @property
+    def seq_length(self) -> int | None:
+        """Tokens per sample; None for data without a sequence."""
+        return self.data.seq_length
 
     @property
     def world_size(self) -> int:
@@ -296,30 +173,54 @@ class Job:
         """Tokens (or samples, for data without a sequence) one data-parallel replica trains in a step."""
         return self.batch_size * (self.seq_length or 1)
 
-    def meta_net(self) -> BlockSequence:
-        """The plain model on the meta device: shapes only, no memory."""
-        with torch.device("meta"):
-            return instantiate(self.cfg.model.net)
-
     @property
     def target(self) -> Target:
         """What the job's model options prepare its net for: its GPUs, its data-parallel ranks sharding it or not."""
         return Target(cuda=self.on_gpus, sharded=self.dims.shard and self.dims.data_parallel > 1)
 
+    def meta_net(self) -> BlockSequence:
+        """The plain model on the meta device: shapes only, no memory."""
+        return self.model.meta_net()
+
     def new_module(self) -> TaskModule:
         """The job's LightningModule around a fresh meta-device net, prepared as ``configure_model`` prepares it on the
         job's devices (its model options, then activation checkpointing; each layout then cuts or shards its own
         copy)."""
-        module = instantiate(self.cfg.model, net=self.meta_net())
+        module = self.model.new_module(self.meta_net())
         module.prepare_net(self.target)
         return module
 
     def example_batch(self, module: TaskModule, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch of ``batch_size`` samples of the shapes and dtypes the job's data feeds ``module``."""
-        return module.example_batch(batch_size, self.cfg.data)
+        return module.example_batch(batch_size, self.data)
 
-    def simulated_config(self) -> str:
-        """What a simulation of this job reads of its config (the keys of ``SIMULATED_KEYS``), resolved, as JSON; the
-        job's own dir (in ``trainer.default_root_dir``: each run has its own) left out."""
-        simulated = {key: OmegaConf.to_container(self.cfg[key], resolve=True) for key in SIMULATED_KEYS}
-        return json.dumps(simulated, sort_keys=True, default=str).replace(str(self.cfg.paths.output_dir), "<job>")
+    def simulation_key(self) -> str:
+        """A digest of what a simulation of this job reads (its model, data, layout, devices, batch and precision),
+        the same in every process: ``plan=search``'s cache key."""
+        simulated = {
+            "model": stable(self.model),
+            "data": stable(self.data),
+            "layout": stable(self.layout),
+            "figures": [self.devices, self.nodes, self.batch_size, self.accumulate, self.precision, self.on_gpus],
+        }
+        return hashlib.sha256(json.dumps(simulated, sort_keys=True).encode()).hexdigest()
+
+
+def stable(value: Any) -> Any:
+    """``value`` as JSON that reads the same in every process: a dataclass as its class and the fields it is built
+    from, a partial as its callable and arguments, a class or function by its qualified name."""
+    if isinstance(value, functools.partial):
+        keywords = {name: stable(argument) for name, argument in sorted(value.keywords.items())}
+        return {"call": stable(value.func), "args": stable(value.args), "keywords": keywords}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {field.name: stable(getattr(value, field.name)) for field in dataclasses.fields(value) if field.init}
+        return {"class": stable(type(value)), **fields}
+    if isinstance(value, (list, tuple)):
+        return [stable(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): stable(item) for key, item in value.items()}
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    if isinstance(value, type) or callable(value):
+        return f"{value.__module__}.{value.__qualname__}"
+    return repr(value)  # torch.dtype, and the like: their repr names them

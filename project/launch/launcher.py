@@ -272,11 +272,11 @@ def resume_command(multirun: bool) -> str:
 
 def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
     launch = resolve_launch(cfg, torchrun)
-    cfg = launch.job.cfg
+    cfg = launch.cfg
     if is_rank_zero() and cfg.print_config == "full":
         print_config_tree(cfg)
     elif is_rank_zero() and cfg.print_config:
-        print_job_summary(launch.job)
+        print_job_summary(launch.job, cfg)
     if not torchrun or is_rank_zero():
         launch.config_file.parent.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, launch.config_file)

@@ -1,5 +1,5 @@
 """One step from the composed Hydra config to a launch (``resolve_launch``), which every later stage reads instead of
-checking or resolving again: the checked, typed ``Job`` (its config resolved: the checkpoint to load, the W&B run),
+checking or resolving again: the config resolved (the checkpoint to load, the W&B run), its checked, typed ``Job``,
 the memory plan, and how the job launches.
 
 Each check and resolution runs once per launch (``tests/test_config.py`` counts them). ``plan=true`` stops after
@@ -17,7 +17,7 @@ from typing import cast
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from hydra.utils import get_class, instantiate
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
@@ -37,10 +37,11 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Launch:
-    """A launch: its checked, typed ``job`` (its config resolved, ``ckpt_path`` the file or dir its strategy
-    loads, or None; the W&B run's name and id set), the memory plan it was launched with (None under torchrun and
-    for evaluations), and how it launches."""
+    """A launch: its config (resolved: ``ckpt_path`` the file or dir its strategy loads, or None; the W&B run's name
+    and id set), what the workers load; its checked, typed ``job``; the memory plan it was launched with (None under
+    torchrun and for evaluations); and how it launches."""
 
+    cfg: DictConfig
     job: Job
     plan: MemoryPlan | None
     torchrun: bool
@@ -57,29 +58,28 @@ class Launch:
         """The resolved config this job trains with: the job's record, and what launched workers load. Other nodes
         keep a copy of their own (the same but for the W&B id, which only rank 0, on node 0, uses)."""
         return (
-            Path(self.job.cfg.paths.output_dir) / "config.yaml"
-            if self.node.rank == 0
-            else self.workers_dir / "config.yaml"
+            Path(self.cfg.paths.output_dir) / "config.yaml" if self.node.rank == 0 else self.workers_dir / "config.yaml"
         )
 
     @property
     def workers_dir(self) -> Path:
-        job_dir = Path(self.job.cfg.paths.output_dir)
+        job_dir = Path(self.cfg.paths.output_dir)
         return job_dir / "workers" if self.node.rank == 0 else job_dir / "workers" / f"node{self.node.rank}"
 
 
 def resolve_launch(cfg: DictConfig, torchrun: bool) -> Launch:
     """The composed config resolved, checked (``ConfigError`` for the first setting that cannot work, before any
     worker or W&B run starts) and planned, once."""
-    job = check_config(resolved_config(cfg))
-    check_fresh_start(job.cfg)
+    cfg = resolved_config(cfg)
+    job = check_config(cfg)
+    check_fresh_start(cfg)
     node = node_task()
     check_launch(job, torchrun, node)
-    warn_if_resumed_differently(job)
-    name_wandb_run(job)
-    job = replace(job, ckpt_path=checkpoint_to_load(job))
-    job.cfg.ckpt_path = job.ckpt_path  # what the workers load
-    return Launch(job, planned_memory(job, torchrun), torchrun, node)
+    warn_if_resumed_differently(job, cfg)
+    name_wandb_run(job, cfg)
+    job = replace(job, ckpt_path=checkpoint_to_load(job, cfg))
+    cfg.ckpt_path = job.ckpt_path  # what the workers load
+    return Launch(cfg, job, planned_memory(job, cfg, torchrun), torchrun, node)
 
 
 def print_memory_plan(cfg: DictConfig) -> None:
@@ -203,10 +203,9 @@ def check_launch(job: Job, torchrun: bool, node: NodeTask) -> None:
 LAYOUT_KEYS = ("choices.strategy", "trainer.devices", "trainer.num_nodes", "data.batch_size")
 
 
-def warn_if_resumed_differently(job: Job) -> None:
+def warn_if_resumed_differently(job: Job, cfg: DictConfig) -> None:
     """A job resuming its own dir with another strategy, device count or batch size than the earlier attempt's
     (its ``config.yaml``) trains on, but no longer gives the uninterrupted run's numbers: said, naming the keys."""
-    cfg = job.cfg
     previous_config = Path(cfg.paths.output_dir) / "config.yaml"
     if cfg.ckpt_path not in ("last", "auto") or job.ckpt_path is None or not previous_config.is_file():
         return
@@ -224,19 +223,18 @@ def warn_if_resumed_differently(job: Job) -> None:
         )
 
 
-def name_wandb_run(job: Job) -> None:
+def name_wandb_run(job: Job, cfg: DictConfig) -> None:
     """A job resuming its own dir (``ckpt_path=last`` or ``auto`` with a checkpoint there) continues its W&B run:
     the id is the one the previous attempt recorded in the job dir's ``config.yaml``; any other job gets a new one.
     So a preempted and requeued job is one W&B run with every epoch once. A run without a name is named after the
     model, the strategy and its layout (``ParallelDims.run_name_tag``), the devices and the nodes."""
-    cfg = job.cfg
     wandb_cfg = OmegaConf.select(cfg, "logger.wandb")
     if wandb_cfg is None:
         return
     if wandb_cfg.get("name") is None:
         with open_dict(wandb_cfg):
             wandb_cfg.name = (
-                f"{job.model_name}-{job.strategy_name}{job.dims.run_name_tag()}-{job.devices}dev-{job.nodes}node"
+                f"{job.model.name}-{job.strategy_name}{job.dims.run_name_tag()}-{job.devices}dev-{job.nodes}node"
             )
     if wandb_cfg.get("id") is not None:
         return
@@ -248,27 +246,27 @@ def name_wandb_run(job: Job) -> None:
         wandb_cfg.id = previous_id or uuid.uuid4().hex[:12]  # what W&B would pick: a short random id
 
 
-def checkpoint_to_load(job: Job) -> str | None:
+def checkpoint_to_load(job: Job, cfg: DictConfig) -> str | None:
     """The job's checkpoint (resolved) as a path its strategy can load: a sharded checkpoint is consolidated into
     ``<job dir>/consolidated.ckpt`` (by one process) for strategies that load single files."""
     path = job.ckpt_path
     if path is None or not is_sharded_checkpoint(path) or job.layout.saves_sharded_checkpoints:
         return path
-    target = Path(job.cfg.paths.output_dir) / "consolidated.ckpt"
+    target = Path(cfg.paths.output_dir) / "consolidated.ckpt"
     if is_rank_zero():
-        module = instantiate(job.cfg.model, net=job.meta_net())  # on the meta device: only its parameter names count
+        module = job.model.new_module(job.meta_net())  # on the meta device: only its parameter names count
         consolidate_checkpoint(path, target, module.parameter_groups())
     if dist.is_initialized():
         dist.barrier()  # torchrun: the other ranks wait for rank 0's file
     return str(target)
 
 
-def planned_memory(job: Job, torchrun: bool) -> MemoryPlan | None:
+def planned_memory(job: Job, cfg: DictConfig, torchrun: bool) -> MemoryPlan | None:
     """The job's memory plan, computed before any worker starts; a run predicted not to fit is refused here
     (``memory_plan.if_over``). Under torchrun the ranks already hold a process group, which the plan's
     simulation needs to itself: ``plan=true`` on a machine without torchrun checks such a job beforehand. An
     evaluation (``mode=eval``) trains no step, which is what a plan simulates."""
-    if torchrun or job.cfg.mode == "eval":
+    if torchrun or cfg.mode == "eval":
         return None
     plan = plan_memory(job, suggest=job.cluster is None)
     suggest_fastest(plan, job)

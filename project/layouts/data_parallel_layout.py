@@ -3,11 +3,11 @@ share of each global batch; over several ranks, DDP all-reduces the gradients af
 
 import math
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
 
 from project.accounting.counts import Link
-from project.job.job import Change, DeviceWork, Job, Layout
+from project.job.job import Change, Job
+from project.job.layout import DeviceWork, Layout
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, ParallelDims
@@ -59,9 +59,6 @@ class DataParallelLayout(Layout):
     def blocks_per_device(self, net: BlockSequence) -> list[int]:
         return [len(net.blocks)]
 
-    def depth_changes(self, blocks_per_stage: int) -> dict[str, Any]:
-        return {"model.net.num_layers": blocks_per_stage}
-
     def bubble_fraction(self) -> float:
         return 0.0
 
@@ -70,4 +67,4 @@ class DataParallelLayout(Layout):
 
     def search_space(self, job: Job, global_batch: int) -> Iterator[Change]:
         """DDP's one layout: every rank a replica."""
-        yield "", {"data.batch_size": global_batch // job.world_size}
+        yield Change(replace(job, batch_size=global_batch // job.world_size), frozenset())

@@ -5,13 +5,14 @@ activation checkpointing, then FSDP. The model's own activation checkpointing an
 the blocks before the layout acts."""
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from project.job.job import Change, Job
+from project.job.job import Change, Job, Setting
 from project.layouts.sharded_layout import ShardedLayout, expert_parallel_problem
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
@@ -77,6 +78,12 @@ class FSDPLayout(ShardedLayout):
     def bubble_fraction(self) -> float:
         return 0.0
 
+    def with_activation_checkpointing(self, mode: Checkpointing) -> "FSDPLayout":
+        return replace(self, activation_checkpointing=mode)
+
+    def setting_values(self) -> dict[Setting, Any]:
+        return {**super().setting_values(), Setting.EXPERT_PARALLEL_SIZE: self.expert_parallel}
+
     def memory_saving_changes(self, job: Job) -> Iterator[Change]:
         return iter(())  # the planner's own changes (checkpointing, a smaller batch, more devices) are FSDP's
 
@@ -89,13 +96,9 @@ class FSDPLayout(ShardedLayout):
             if global_batch % replicas:
                 continue
             for expert_size in expert_parallel_sizes(experts, replicas, job.devices):
-                parts = [f"strategy.tensor_parallel_size={size}" if size > 1 else ""]
-                parts.append(f"strategy.expert_parallel_size={expert_size}" if expert_size > 1 else "")
-                changes = {"strategy.tensor_parallel_size": size, "data.batch_size": global_batch // replicas}
-                yield (
-                    " ".join(part for part in parts if part),
-                    {
-                        **changes,
-                        "strategy.expert_parallel_size": expert_size,
-                    },
+                layout = replace(
+                    self, tensor_parallel=replace(self.tensor_parallel, size=size), expert_parallel=expert_size
                 )
+                sets = {Setting.TENSOR_PARALLEL_SIZE} if size > 1 else set()
+                sets |= {Setting.EXPERT_PARALLEL_SIZE} if expert_size > 1 else set()
+                yield Change(replace(job, layout=layout, batch_size=global_batch // replicas), frozenset(sets))

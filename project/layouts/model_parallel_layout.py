@@ -6,13 +6,14 @@ Every device holds only its stage's parameters, gradients and optimizer state, b
 """
 
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from project.job.job import Change, DeviceWork, Job, Layout
-from project.layouts.stage_split import stage_split_problem, staged_depth_changes
+from project.job.job import Change, Job, Setting
+from project.job.layout import DeviceWork, Layout
+from project.layouts.stage_split import stage_split_problem
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import ParallelDims
@@ -82,8 +83,12 @@ class ModelParallelLayout(Layout):
     def blocks_per_device(self, net: BlockSequence) -> list[int]:
         return [len(stage) for stage in self.stages(net)]
 
-    def depth_changes(self, blocks_per_stage: int) -> dict[str, Any]:
-        return staged_depth_changes(self.num_stages, blocks_per_stage)
+    def at_depth(self, job: Job, blocks_per_stage: int) -> Job:
+        model = replace(job.model, num_layers=blocks_per_stage * self.num_stages)
+        return replace(job, model=model, layout=replace(self, blocks_per_stage=(blocks_per_stage,) * self.num_stages))
+
+    def setting_values(self) -> dict[Setting, Any]:
+        return {Setting.NUM_STAGES: self.num_stages}
 
     def bubble_fraction(self) -> float:
         """The stages run one after another, each device idle while the others compute."""

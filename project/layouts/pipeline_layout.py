@@ -12,7 +12,7 @@ and each stage is sharded with FSDP over its data-parallel group; a mixture's ex
 """
 
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Any, Literal
 
@@ -22,9 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from project.accounting.counts import group_link
 from project.checkpointing.files import is_sharded_checkpoint
-from project.job.job import Change, DeviceWork, Job
+from project.job.job import Change, Job, Setting
+from project.job.layout import DeviceWork
 from project.layouts.sharded_layout import ShardedLayout, expert_parallel_problem
-from project.layouts.stage_split import stage_split_problem, staged_depth_changes
+from project.layouts.stage_split import stage_split_problem
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, PIPELINE, ParallelDims, divisors
@@ -252,8 +253,19 @@ class PipelineLayout(ShardedLayout):
         stages = split_blocks(block_sizes(net), self.num_stages, self.blocks_per_stage)
         return [sum(len(stages[stage]) for stage in self.stages_of(rank)) for rank in range(self.pipeline_size)]
 
-    def depth_changes(self, blocks_per_stage: int) -> dict[str, Any]:
-        return staged_depth_changes(self.num_stages, blocks_per_stage)
+    def at_depth(self, job: Job, blocks_per_stage: int) -> Job:
+        model = replace(job.model, num_layers=blocks_per_stage * self.num_stages)
+        return replace(job, model=model, layout=replace(self, blocks_per_stage=(blocks_per_stage,) * self.num_stages))
+
+    def setting_values(self) -> dict[Setting, Any]:
+        return {
+            **super().setting_values(),
+            Setting.NUM_STAGES: self.num_stages,
+            Setting.MICROBATCHES: self.microbatches,
+            Setting.SCHEDULE: self.schedule,
+            Setting.STAGES_PER_RANK: self.stages_per_rank,
+            Setting.EXPERT_PARALLEL_SIZE: self.expert_parallel,
+        }
 
     def bubble_fraction(self) -> float:
         """The share of a step each rank idles, waiting for the pipeline to fill and drain: (S - 1) / (v M + S - 1)
@@ -265,14 +277,12 @@ class PipelineLayout(ShardedLayout):
     def memory_saving_changes(self, job: Job) -> Iterator[Change]:
         """Smaller micro-batches (fewer activations each, and 1F1B keeps no more of them in flight), then twice the
         stages over twice the devices (each holds half the blocks)."""
-        yield f"strategy.microbatches={2 * self.microbatches}", {"strategy.microbatches": 2 * self.microbatches}
-        yield (
-            f"strategy.num_stages={2 * self.num_stages} trainer.devices={2 * job.devices}",
-            {
-                "strategy.num_stages": 2 * self.num_stages,
-                "trainer.devices": 2 * job.devices,
-                "strategy.processes": 2 * job.devices,  # as the option's file makes it: one per device
-            },
+        yield Change(
+            replace(job, layout=replace(self, microbatches=2 * self.microbatches)), frozenset({Setting.MICROBATCHES})
+        )
+        yield Change(
+            replace(job, layout=replace(self, num_stages=2 * self.num_stages), devices=2 * job.devices),
+            frozenset({Setting.NUM_STAGES, Setting.DEVICES}),
         )
 
     def search_space(self, job: Job, global_batch: int) -> Iterator[Change]:
@@ -296,25 +306,21 @@ class PipelineLayout(ShardedLayout):
                 if not rounds:
                     continue
                 microbatches = rounds[-1]
+                schedules: tuple[tuple[ScheduleName, int], ...] = (("1f1b", 1), ("interleaved_1f1b", 2))
                 for (schedule, per_rank), expert_size in product(
-                    (("1f1b", 1), ("interleaved_1f1b", 2)), expert_parallel_sizes(experts, replicas, job.devices)
+                    schedules, expert_parallel_sizes(experts, replicas, job.devices)
                 ):
-                    words = [f"strategy.num_stages={ranks * per_rank}", f"strategy.microbatches={microbatches}"]
-                    if per_rank > 1:
-                        words += [f"strategy.schedule={schedule}", f"strategy.stages_per_rank={per_rank}"]
-                    if size > 1:
-                        words.append(f"strategy.tensor_parallel_size={size}")
-                    if expert_size > 1:
-                        words.append(f"strategy.expert_parallel_size={expert_size}")
-                    yield (
-                        " ".join(words),
-                        {
-                            "strategy.num_stages": ranks * per_rank,
-                            "strategy.stages_per_rank": per_rank,
-                            "strategy.schedule": schedule,
-                            "strategy.microbatches": microbatches,
-                            "strategy.tensor_parallel_size": size,
-                            "strategy.expert_parallel_size": expert_size,
-                            "data.batch_size": batch,
-                        },
+                    layout = replace(
+                        self,
+                        num_stages=ranks * per_rank,
+                        stages_per_rank=per_rank,
+                        schedule=schedule,
+                        microbatches=microbatches,
+                        tensor_parallel=replace(self.tensor_parallel, size=size),
+                        expert_parallel=expert_size,
                     )
+                    sets = {Setting.NUM_STAGES, Setting.MICROBATCHES}
+                    sets |= {Setting.SCHEDULE, Setting.STAGES_PER_RANK} if per_rank > 1 else set()
+                    sets |= {Setting.TENSOR_PARALLEL_SIZE} if size > 1 else set()
+                    sets |= {Setting.EXPERT_PARALLEL_SIZE} if expert_size > 1 else set()
+                    yield Change(replace(job, layout=layout, batch_size=batch), frozenset(sets))

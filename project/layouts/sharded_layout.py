@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
-from project.job.job import DeviceWork, Job, Layout
+from project.job.job import Job, Setting
+from project.job.layout import DeviceWork, Layout
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import TENSOR_PARALLEL
@@ -140,8 +141,8 @@ class ShardedLayout(Layout):
     def blocks_per_device(self, net: BlockSequence) -> list[int]:
         return [len(net.blocks)]
 
-    def depth_changes(self, blocks_per_stage: int) -> dict[str, Any]:
-        return {"model.net.num_layers": blocks_per_stage}
+    def setting_values(self) -> dict[Setting, Any]:
+        return {Setting.TENSOR_PARALLEL_SIZE: self.tensor_parallel.size}
 
 
 def expert_parallel_problem(job: Job, net: BlockSequence, size: int, other_ranks: int) -> ConfigError | None:

@@ -1,7 +1,6 @@
 """The rules of the layouts that split the model's block sequence into stages (model_parallel, pipeline)."""
 
 from collections.abc import Sequence
-from typing import Any
 
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
@@ -32,11 +31,3 @@ def stage_split_problem(
         )
         return ConfigError(key, f"cannot split the model: {error}.", fix)
     return None
-
-
-def staged_depth_changes(num_stages: int, blocks_per_stage: int) -> dict[str, Any]:
-    """The keys that give each of ``num_stages`` stages ``blocks_per_stage`` blocks (``Layout.depth_changes``)."""
-    return {
-        "model.net.num_layers": blocks_per_stage * num_stages,
-        "strategy.blocks_per_stage": [blocks_per_stage] * num_stages,
-    }

@@ -4,7 +4,7 @@ training (``model.float8``), a mixture's balancing (``model.expert_balancing``).
 
 from collections.abc import Iterable
 
-from project.job.job import ModelOption
+from project.job.model_option import ModelOption
 from project.model_options.expert_balancing import ExpertBalancing
 from project.model_options.float8_training import Float8Training
 from project.model_options.lora_fine_tuning import LoRAFineTuning

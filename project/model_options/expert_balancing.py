@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 import torch
 from torchmetrics import Metric
 
-from project.job.job import Job, ModelOption
+from project.job.job import Job
+from project.job.model_option import ModelOption
 from project.models.moe import MoE, RoutingTally, auxiliary_loss, mixtures
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError

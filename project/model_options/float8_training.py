@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from project.job.job import InitialWeights, Job, ModelOption, Target
+from project.job.job import Job
+from project.job.model_option import InitialWeights, ModelOption, Target
 from project.models.float8 import (
     Float8Recipe,
     convert_to_float8,

@@ -14,7 +14,8 @@ from typing import Any
 from torch import nn
 
 from project.checkpointing.hf import weights_fingerprint
-from project.job.job import InitialWeights, Job, ModelOption
+from project.job.job import Job
+from project.job.model_option import InitialWeights, ModelOption
 from project.models.lora import LoRA, apply_lora
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError

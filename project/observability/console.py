@@ -18,8 +18,9 @@ from project.job.job import Job
 FIRST = ("choices", "overrides", "model", "data", "strategy", "trainer", "logger", "callbacks", "paths")
 
 
-def print_job_summary(job: Job) -> None:
-    """What a job trains, in three lines (``print_config=true``; ``full`` prints the whole config instead)."""
+def print_job_summary(job: Job, cfg: DictConfig) -> None:
+    """What a job trains, in three lines (``print_config=true``; ``full`` prints the whole config instead); ``cfg``:
+    its config, resolved."""
     parameters = sum(parameter.numel() for parameter in job.meta_net().parameters())
     dims = job.dims
     split = [
@@ -29,11 +30,11 @@ def print_job_summary(job: Job) -> None:
     ]
     layout = ", ".join([f"data parallel {dims.data_parallel}", *split])
     print(
-        f"Job: model={job.model_name} ({parameters:,} parameters), strategy={job.strategy_name} ({layout}) on "
+        f"Job: model={job.model.name} ({parameters:,} parameters), strategy={job.strategy_name} ({layout}) on "
         f"{job.devices} device(s) x {job.nodes} node(s), precision {job.precision}\n"
-        f"  data={job.cfg.choices.get('data')}: {job.batch_size} per replica, a global batch of {job.global_batch}, "
-        f"{job.cfg.trainer.max_epochs} epoch(s)\n"
-        f"  the whole config: {job.cfg.paths.output_dir}/config.yaml, or print_config=full",
+        f"  data={cfg.choices.get('data')}: {job.batch_size} per replica, a global batch of {job.global_batch}, "
+        f"{cfg.trainer.max_epochs} epoch(s)\n"
+        f"  the whole config: {cfg.paths.output_dir}/config.yaml, or print_config=full",
         flush=True,
     )
 

@@ -142,6 +142,11 @@ def checkpointing_mode(setting: ActivationCheckpointing | None) -> Checkpointing
     return "selective" if setting == "selective" else "full" if setting is True else "off"
 
 
+def checkpointing_setting(mode: Checkpointing) -> ActivationCheckpointing:
+    """The config setting that asks for ``mode`` (``checkpointing_mode``'s inverse)."""
+    return "selective" if mode == "selective" else mode == "full"
+
+
 # torchtitan's per-op policy (torchtitan/models/llama3/infra/parallelize.py, _save_list): the outputs of the
 # compute-heavy ops are kept, all else recomputed; of the matmuls, every second is recomputed too, which halves
 # what they keep for a little compute. Ours also keeps the CPU's attention kernel, the biased matmul (addmm), which

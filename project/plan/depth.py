@@ -14,7 +14,6 @@ third depth would go unseen, so ``plan=search`` simulates the layout it names in
 
 from dataclasses import fields
 
-from project.config.build import changed_job
 from project.job.job import Job
 from project.plan.memory_plan import MemoryPlan, plan_memory
 from project.plan.simulate import DevicePlan
@@ -33,14 +32,14 @@ def blocks_per_device(job: Job) -> list[int]:
 
 def shallow_copy(job: Job, depth: int) -> Job:
     """``job`` with ``depth`` blocks per stage (each stage of a pipeline or model-parallel split, else the net)."""
-    return changed_job(job, job.layout.depth_changes(depth))
+    return job.layout.at_depth(job, depth)
 
 
 def extrapolated_plan(job: Job) -> MemoryPlan | None:
     """``job``'s memory plan (no suggestion) from its shallow copies, or None where that cannot be: a net without
     ``num_layers`` (blocks not all alike), a device with too few blocks to gain from it (no more than the
     copies' together), or figures that are not on a line."""
-    if job.num_layers is None:
+    if job.model.num_layers is None:
         return None
     blocks = blocks_per_device(job)
     stages = blocks_per_device(shallow_copy(job, 1))  # the stages each device runs: its blocks at one a stage

@@ -17,16 +17,16 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from project.accounting.memory_trackers import MB
-from project.config.build import changed_job
+from project.config.build import overrides, with_strategy
 from project.config.checks import layout_problem
-from project.job.job import Job
+from project.job.job import Change, Job, Setting
 from project.layouts.fsdp_layout import FSDPLayout
 from project.options.errors import ConfigError
 from project.parallel.parallelize import Checkpointing
@@ -106,46 +106,50 @@ def candidate_changes(job: Job) -> Iterator[tuple[str, Job]]:
     holds what FSDP over the same devices holds, and torch's sequence parallelism more.) Selective checkpointing
     comes before full: it recomputes less."""
 
+    for change in _memory_saving_changes(job):
+        yield overrides(change.job, change.sets), change.job
+
+
+def _memory_saving_changes(job: Job) -> Iterator[Change]:
+    checkpointing = frozenset({Setting.ACTIVATION_CHECKPOINTING})
     if job.activation_checkpointing == "off":
-        yield (
-            "model.activation_checkpointing=selective",
-            changed_job(job, {"model.activation_checkpointing": "selective"}),
-        )
-    checkpointing = {} if job.activation_checkpointing == "full" else {"model.activation_checkpointing": True}
-    if checkpointing:
-        yield "model.activation_checkpointing=true", changed_job(job, checkpointing)
-    for change, changes in job.layout.memory_saving_changes(job):
-        yield change, changed_job(job, changes)
+        yield Change(with_checkpointing(job, "selective"), checkpointing)
+    full = job.activation_checkpointing != "full"
+    if full:
+        yield Change(with_checkpointing(job, "full"), checkpointing)
+    yield from job.layout.memory_saving_changes(job)
     devices, nodes = job.devices, job.nodes
+    fsdp = with_strategy(job, "fsdp")
     if not isinstance(job.layout, FSDPLayout) and devices * nodes > 1:
-        yield "strategy=fsdp", changed_job(job, {}, "fsdp")
-        if checkpointing:
-            yield "strategy=fsdp model.activation_checkpointing=true", changed_job(job, checkpointing, "fsdp")
+        yield Change(fsdp, frozenset({Setting.STRATEGY}))
+        if full:
+            yield Change(with_checkpointing(fsdp, "full"), frozenset({Setting.STRATEGY, *checkpointing}))
     batch, accumulate = job.batch_size, job.accumulate
     while batch > 1:
         batch, accumulate = batch // 2, accumulate * 2
-        yield (
-            f"data.batch_size={batch} trainer.accumulate_grad_batches={accumulate}",
-            changed_job(job, {"data.batch_size": batch, "trainer.accumulate_grad_batches": accumulate}),
+        yield Change(
+            replace(job, batch_size=batch, accumulate=accumulate), frozenset({Setting.BATCH_SIZE, Setting.ACCUMULATE})
         )
     while devices * nodes < 1024:
         if nodes == 1 and devices < 8:
             devices *= 2
         else:
             nodes *= 2
-        yield (
-            f"strategy=fsdp trainer.devices={devices} trainer.num_nodes={nodes}",
-            changed_job(job, {"trainer.devices": devices, "trainer.num_nodes": nodes}, "fsdp"),
+        yield Change(
+            replace(fsdp, devices=devices, nodes=nodes), frozenset({Setting.STRATEGY, Setting.DEVICES, Setting.NODES})
         )
+
+
+def with_checkpointing(job: Job, mode: Checkpointing) -> Job:
+    """``job`` with the model's activation checkpointing ``mode`` (``model.activation_checkpointing``)."""
+    return replace(job, model=replace(job.model, activation_checkpointing=mode))
 
 
 def checkpointing_switched(job: Job) -> Job:
     """``job`` with activation checkpointing the other way (off: full; full or selective: off), the model's and
-    FSDP's own too."""
-    switched = {"model.activation_checkpointing": job.activation_checkpointing == "off"}
-    if isinstance(job.layout, FSDPLayout):
-        switched["strategy.activation_checkpointing"] = switched["model.activation_checkpointing"]
-    return changed_job(job, switched)
+    the layout's own (FSDP's) too."""
+    mode: Checkpointing = "full" if job.activation_checkpointing == "off" else "off"
+    return replace(with_checkpointing(job, mode), layout=job.layout.with_activation_checkpointing(mode))
 
 
 def checkpointing_label(mode: Checkpointing) -> str:
@@ -191,7 +195,7 @@ def _size(size: int | None) -> str:
 def format_plan(plan: MemoryPlan, job: Job) -> str:
     """The plan as a table, one row per distinct device, and the verdict."""
     header = (
-        f"Memory plan: model={job.model_name} strategy={job.strategy_name}, "
+        f"Memory plan: model={job.model.name} strategy={job.strategy_name}, "
         f"{job.devices} device(s) x {job.nodes} node(s) = {plan.world_size} process(es), "
         f"precision {job.precision}, data.batch_size={job.batch_size}, activation checkpointing "
         f"{checkpointing_label(plan.activation_checkpointing)} (simulated in {plan.seconds:.1f} s)"

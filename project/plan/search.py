@@ -27,26 +27,26 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from project.config.build import changed_job
+from project.config.build import overrides, with_strategy
 from project.config.checks import layout_problem
 from project.job.cluster import Cluster
-from project.job.job import Job
-from project.layouts.fsdp_layout import FSDPLayout
+from project.job.job import Job, Setting
 from project.options.errors import ConfigError, made_dir
 from project.parallel.parallelize import Checkpointing
 from project.plan.depth import extrapolated_plan
-from project.plan.memory_plan import MemoryPlan, _size, device_capacity, plan_memory
+from project.plan.memory_plan import MemoryPlan, _size, device_capacity, plan_memory, with_checkpointing
 from project.plan.simulate import DevicePlan
 from project.plan.step_time import StepTime, compute_floor, predict_step, throughput_bound, throughput_unit
 
 SEARCHABLE = ("ddp", "fsdp", "pipeline")  # the strategy group's options a search can lay out (conf/strategy)
+CHECKPOINTING_MODES: tuple[Checkpointing, ...] = ("off", "selective", "full")  # each layout is tried with each
 PR_SET_PDEATHSIG = 1  # prctl(2)'s option: the signal a process gets when its parent dies
 SOURCE = Path(__file__).resolve().parents[1]  # the project package: a change to it invalidates the cache
 
@@ -68,26 +68,19 @@ class Candidate:
 def candidate_layouts(job: Job) -> Iterator[Candidate]:
     """Every layout of ``job``'s devices at its global batch that can run (``layout_problem``)."""
     batch = job.global_batch
+    named = {Setting.STRATEGY, Setting.BATCH_SIZE} | ({Setting.ACCUMULATE} if job.accumulate != 1 else set())
     for name in job.search.strategies:
-        base = changed_job(job, {}, name)
-        for text, changes in base.layout.search_space(base, batch):
-            for checkpointing in (False, "selective", True):
-                overrides = {
-                    **changes,
-                    "trainer.accumulate_grad_batches": 1,
-                    "model.activation_checkpointing": checkpointing,
-                }
-                if isinstance(base.layout, FSDPLayout):  # FSDP's own key: the model's says it for all
-                    overrides["strategy.activation_checkpointing"] = False
-                laid_out = changed_job(job, overrides, name)
+        base = with_strategy(job, name)
+        for change in base.layout.search_space(base, batch):
+            # The model's activation checkpointing says it for every layout: a layout's own (FSDP's) is off.
+            layout = change.job.layout.with_activation_checkpointing("off")
+            for checkpointing in CHECKPOINTING_MODES:
+                laid_out = replace(with_checkpointing(change.job, checkpointing), layout=layout, accumulate=1)
                 if layout_problem(laid_out) is not None or laid_out.global_batch != batch:
                     continue
-                words = [f"strategy={name}", text, f"data.batch_size={laid_out.batch_size}"]
-                if job.accumulate != 1:
-                    words.append("trainer.accumulate_grad_batches=1")
-                apart = " ".join(word for word in words if word)
-                typed = f"{apart} model.activation_checkpointing={str(checkpointing).lower()}"  # false, selective, true
-                yield Candidate(typed, laid_out, apart)
+                sets = change.sets | named
+                apart = overrides(laid_out, sets)
+                yield Candidate(overrides(laid_out, sets | {Setting.ACTIVATION_CHECKPOINTING}), laid_out, apart)
 
 
 def _source_digest() -> str:
@@ -98,9 +91,8 @@ def _source_digest() -> str:
 
 
 def cache_key(job: Job, source: str) -> str:
-    """What the simulation reads of ``job`` (``Job.simulated_config``) and the project's ``source`` digest,
-    hashed."""
-    return hashlib.sha256(json.dumps([job.simulated_config(), source]).encode()).hexdigest()[:32]
+    """What the simulation reads of ``job`` (``Job.simulation_key``) and the project's ``source`` digest, hashed."""
+    return hashlib.sha256(json.dumps([job.simulation_key(), source]).encode()).hexdigest()[:32]
 
 
 def _simulate(job: Job, whole: bool) -> dict[str, Any]:
@@ -331,7 +323,7 @@ def format_search(job: Job, found: Search) -> str:
     world = job.world_size
     lines = [
         f"Layouts of {world} {cluster.name} GPU(s) ({job.devices} x {job.nodes} node(s)), "
-        f"model={job.model_name}, global batch {job.global_batch}, ranked by predicted "
+        f"model={job.model.name}, global batch {job.global_batch}, ranked by predicted "
         f"{unit}/s per GPU ({len(ranked) + len(found.pruned)} layouts, {found.simulated} simulated, "
         f"{len(found.pruned)} bounded, the others cached; {found.seconds:.0f} s):"
     ]

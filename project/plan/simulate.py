@@ -35,7 +35,8 @@ from project.accounting.memory_trackers import (
     held_bytes,
     model_state_bytes_per_device,
 )
-from project.job.job import DeviceWork, Job, TaskModule
+from project.job.job import Job
+from project.job.layout import DeviceWork, TaskModule
 from project.parallel.parallelize import allocate
 from project.plan.cuda_kernels import cuda_kernels
 
@@ -118,7 +119,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         grad_buffers: list[torch.Tensor] = []
         # Counted: the forward and backward (what a run's training_step and backward run); not the optimizer's
         # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
-        counts = StepCounts(job.devices, world_dim, fake_mode, fused=job.compile)
+        counts = StepCounts(job.devices, world_dim, fake_mode, fused=job.model.compile)
         activations: int | None = None
         with tracker, _dtensor_shapes_inferred_apart():
             try:

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from project.job.job import Layout
+from project.job.layout import Layout
 from project.models.sequence import BlockSequence
 
 

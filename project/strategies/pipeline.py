@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from project.checkpointing.files import META_FILE, is_sharded_checkpoint
-from project.job.job import TaskModule
+from project.job.layout import TaskModule
 from project.layouts.pipeline_layout import PipelineLayout, ScheduleName, StageModule
 from project.layouts.sharded_layout import TensorParallel
 from project.models.sequence import BlockSequence

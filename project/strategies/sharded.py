@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from project.accounting.memory_trackers import local_bytes
 from project.checkpointing.background import CheckpointWriter, staged_copy_fits, swap_in
 from project.checkpointing.files import CHECKPOINT_NOT_SAVED, META_FILE, optimizer_state_by_name
-from project.job.job import TaskModule
+from project.job.layout import TaskModule
 from project.layouts.sharded_layout import ShardedLayout
 from project.models.sequence import BlockSequence
 from project.options.writes import full_disk, os_error, remove, write_failed

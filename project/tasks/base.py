@@ -7,7 +7,6 @@ from typing import cast
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -15,7 +14,8 @@ from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights
 from project.data.chat import IGNORE_INDEX
-from project.job.job import InitialWeights, ModelOption, Target
+from project.job.layout import DataShape
+from project.job.model_option import InitialWeights, ModelOption, Target
 from project.model_options import in_order
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
@@ -78,7 +78,7 @@ class TrainingModule(L.LightningModule):
     criterion: nn.Module
     train_metrics: nn.ModuleDict
     val_metrics: nn.ModuleDict
-    example_batch: Callable[[int, DictConfig], tuple[torch.Tensor, torch.Tensor]]  # (batch_size, data config)
+    example_batch: Callable[[int, DataShape], tuple[torch.Tensor, torch.Tensor]]  # (batch_size, the data's shape)
 
     def __init__(
         self,

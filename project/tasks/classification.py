@@ -3,9 +3,9 @@
 from typing import cast
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
+from project.job.layout import DataShape
 from project.models.sequence import BlockSequence
 from project.tasks.base import TrainingModule
 from project.tasks.metrics import SampleAccuracy, SampleMean
@@ -28,6 +28,7 @@ class ClassificationModule(TrainingModule):
     def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
         cast(SampleAccuracy, metrics["acc"]).update(outputs, target)
 
-    def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of the shapes and dtypes the data module (``data``, its config) feeds: features and labels."""
+    def example_batch(self, batch_size: int, data: DataShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of the shapes and dtypes the data module (of ``data``'s shape) feeds: features and labels."""
+        assert data.num_features is not None, "a classifier's data has features"
         return torch.zeros(batch_size, data.num_features), torch.zeros(batch_size, dtype=torch.long)

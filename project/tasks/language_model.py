@@ -3,12 +3,12 @@
 from typing import cast
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn import functional as F
 
+from project.job.layout import DataShape
 from project.models.sequence import BlockSequence
 from project.tasks.base import TrainingModule
 from project.tasks.metrics import SampleMean
@@ -48,8 +48,9 @@ class LanguageModelModule(TrainingModule):
         self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
         self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
 
-    def example_batch(self, batch_size: int, data: DictConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of the shapes and dtypes the data module (``data``, its config) feeds: token ids and targets."""
+    def example_batch(self, batch_size: int, data: DataShape) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch of the shapes and dtypes the data module (of ``data``'s shape) feeds: token ids and targets."""
+        assert data.seq_length is not None, "a language model's data has a sequence length"
         tokens = torch.zeros(batch_size, data.seq_length, dtype=torch.long)
         return tokens, tokens
 
