@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from project.checkpointing.files import model_state
-from project.checkpointing.hf import EXPORT_AGAIN, FUSED, NET_CLASSES, hf_name, read_config, write_hf_dir
+from project.checkpointing.hf import EXPORT_AGAIN, NET_CLASSES, family_of, hf_name, read_config, write_hf_dir
 from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli, trained_lora
 from project.data.chat import ChatDataModule
 from project.data.prepared import prepared_meta
@@ -48,7 +48,7 @@ def export(
     net_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.model.net, resolve=True))
     with torch.device("meta"):
         net: nn.Module = instantiate(net_cfg)
-    if not isinstance(net, tuple(NET_CLASSES.values())):
+    if not isinstance(net, NET_CLASSES):
         raise ConfigError(
             "checkpoint",
             f"holds a model of class {type(net).__name__}; Hugging Face model dirs hold GPT, Llama and "
@@ -82,7 +82,7 @@ def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path |
             "--adapter", f"writes Llama adapters; this run's model is a {net_class.__name__}.", "export it merged."
         )
     base = OmegaConf.select(cfg, "model.init_from")
-    if base is not None and (Path(base) / "config.json").is_file() and read_config(base)["model_type"] in FUSED:
+    if base is not None and (Path(base) / "config.json").is_file() and family_of(read_config(base)).fused:
         # Phi-3 fuses q, k and v (and gate and up) as GPT-2 does: peft adapts its fused layers, not their parts.
         raise ConfigError("--adapter", f"the run's base, {base}, fuses the layers adapted.", "export it merged.")
     check_writable("out", out, "give a dir you can write.")

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
-from project.checkpointing.hf import NET_CLASSES, net_options, read_config
+from project.checkpointing.hf import family_of, net_options, read_config
 from project.config.checks import check_config, check_fresh_start
 from project.job.job import Job
 from project.launch.processes import NodeTask, is_rank_zero, node_task
@@ -162,7 +162,7 @@ def shape_from_init_dir(cfg: DictConfig) -> None:
     if path is None or not (Path(path) / "config.json").is_file():
         return  # nothing to read: the checks say what is wrong with the dir
     config = read_config(path)
-    if not issubclass(get_class(cfg.model.net._target_), NET_CLASSES[config["model_type"]]):
+    if not issubclass(get_class(cfg.model.net._target_), family_of(config).net_class):
         return  # another family: the checks name it
     explicit = {override.split("=", 1)[0].lstrip("+~") for override in cfg.overrides}
     with open_dict(cfg):
