@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from project.config.overrides import check_overrides, explain_unknown_keys
+from project.config.overrides import check_overrides, explained_unknown_keys
 from project.config.resolvers import register_resolvers
 from project.launch.processes import torchrun_rank
 from project.launch.results import record_failure
@@ -52,8 +52,8 @@ def main(cfg: DictConfig) -> float | list[float | None] | None:
 
 if __name__ == "__main__":
     check_overrides(sys.argv[1:])  # a malformed override: one sentence, not Hydra's lexer report
-    explain_unknown_keys()  # a misspelt key: the nearest key there is, not Hydra's advice to add it with +
     if torchrun_rank() > 0:
         # torchrun ranks > 0: only rank 0 keeps Hydra's log file and .hydra/ record of the job.
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
-    main()
+    with explained_unknown_keys():  # a misspelt key: the nearest key there is, not Hydra's advice to add it with +
+        main()

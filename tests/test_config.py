@@ -12,7 +12,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf, open_dict
 
 from project.config.checks import check_config
-from project.config.overrides import check_swept_keys, unknown_key_error
+from project.config.overrides import check_swept_keys, explained_unknown_keys, unknown_key_error
 from project.config.resolvers import register_resolvers
 from project.observability.console import program
 from project.options.errors import ConfigError
@@ -235,3 +235,18 @@ def test_an_optuna_search_space_is_checked_but_below_a_searched_group_or_added_w
         cfg.hydra.sweeper.params = {"trainer.max_epoch": "choice(1,2)"}
     with pytest.raises(SystemExit, match="trainer.max_epoch: is not a key of trainer: did you mean trainer.max_epochs"):
         check_swept_keys(cfg)
+
+
+def test_hydra_explains_unknown_keys_inside_the_context_alone(monkeypatch):
+    """Hydra's private override step is wrapped only inside ``explained_unknown_keys`` (train.py's main), put back
+    after, and left alone on a Hydra release it was not written against."""
+    import hydra
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+
+    hydras_own = ConfigLoaderImpl._apply_overrides_to_config
+    with explained_unknown_keys():
+        assert ConfigLoaderImpl._apply_overrides_to_config is not hydras_own
+    assert ConfigLoaderImpl._apply_overrides_to_config is hydras_own
+    monkeypatch.setattr(hydra, "__version__", "1.4.0")
+    with explained_unknown_keys():
+        assert ConfigLoaderImpl._apply_overrides_to_config is hydras_own

@@ -3,6 +3,8 @@ one sentence (which override, what is wrong, the form that works), not the lexer
 have is named with the nearest one it does ("did you mean"), not with Hydra's advice to add it with ``+``."""
 
 import difflib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -10,6 +12,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from project.options.errors import ConfigError, exit_with
 
 _OPENERS = {"[": "]", "(": ")", "{": "}"}
+# The Hydra releases whose private override step explained_unknown_keys wraps (their loader has the same one).
+HYDRA_RELEASES = ("1.3.",)
 
 
 def _unclosed(text: str) -> str | None:
@@ -131,16 +135,26 @@ def _explained(override: Any, cfg: DictConfig) -> ConfigError | None:
     return error
 
 
-def explain_unknown_keys() -> None:
-    """Make Hydra's composition name a key the config lacks with the nearest it has. Hydra has no hook for an
-    override that fails to apply (its message advises adding the key with +, which the constructor then refuses
-    after start-up), so its loader's override step is wrapped: each override applied in turn, as Hydra does, and a
-    missing key's error replaced by ours: the process exits 1 with it, as with every bad input."""
+@contextmanager
+def explained_unknown_keys() -> Iterator[None]:
+    """While inside, Hydra's composition names a key the config lacks with the nearest it has.
+
+    Why a private function of Hydra's is wrapped: Hydra has no hook for an override that fails to apply (its message
+    advises adding the key with +, which the constructor then refuses after start-up), and ``hydra.main`` prints its
+    composition error and exits itself (``run_and_report``), before any code of ours could catch it. So its loader's
+    override step (``ConfigLoaderImpl._apply_overrides_to_config``) is wrapped while ``train.py``'s ``main`` runs,
+    and put back after: each override applied in turn, as Hydra does, and a missing key's error replaced by ours (the
+    process exits 1 with it, as with every bad input). Only on the Hydra releases it was written against
+    (``HYDRA_RELEASES``): on any other, Hydra's own message stands."""
+    import hydra
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.errors import ConfigCompositionException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    apply = ConfigLoaderImpl._apply_overrides_to_config
+    apply = getattr(ConfigLoaderImpl, "_apply_overrides_to_config", None)
+    if apply is None or not hydra.__version__.startswith(HYDRA_RELEASES):
+        yield
+        return
 
     def apply_explained(overrides: list, cfg: DictConfig) -> None:
         for override in overrides:
@@ -156,3 +170,7 @@ def explain_unknown_keys() -> None:
                 exit_with(explained)  # SystemExit: Hydra would add its HYDRA_FULL_ERROR hint below ours
 
     ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_explained)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply)  # type: ignore[method-assign]
