@@ -71,6 +71,23 @@ def test_lora_trains_what_peft_trains_with_its_loss_and_gradients(tmp_path):
     assert all(p.grad is None for p in net.parameters() if not p.requires_grad)
 
 
+def test_lora_is_off_at_rank_0_and_on_with_a_rank_typed_as_a_key():
+    """Every language model has model.lora's keys, off at rank 0 (every weight trains); model.lora.rank=8
+    model.lora.alpha=16 puts adapters on the default targets, q and v, scaled by 16 / 8, the rest frozen."""
+    with torch.device("meta"):
+        plain = instantiate(compose_train(["model=llama", "data=tokens"]).model)
+        adapted = instantiate(
+            compose_train(["model=llama", "data=tokens", "model.lora.rank=8", "model.lora.alpha=16"]).model
+        )
+    assert plain.options == [] and all(parameter.requires_grad for parameter in plain.net.parameters())
+    (lora,) = adapted.options
+    layers = {name: module for name, module in adapted.net.named_modules() if hasattr(module, "lora_a")}
+    assert {name.rpartition(".")[2] for name in layers} == {"q", "v"} and len(layers) == 2 * plain.net.num_layers
+    assert all(layer.lora_a.out_features == 8 and layer.scaling == 2.0 for layer in layers.values())
+    trained = {name for name, parameter in adapted.net.named_parameters() if parameter.requires_grad}
+    assert trained == {f"{name}.lora_{matrix}.weight" for name in layers for matrix in "ab"}
+
+
 def test_a_tied_model_with_lora_saves_its_adapters_alone():
     """A tied output layer is the frozen embedding under a second name: left out under both (Qwen3-0.6B, Llama 3.2
     1B and 3B tie theirs)."""

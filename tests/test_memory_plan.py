@@ -3,18 +3,25 @@ simulated ranks against arithmetic, and the plan as a guard before launch (its r
 
 import csv
 import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
+import hydra
+import omegaconf
 import pytest
 from conftest import TINY, TINY_GPT, only_run, train
 from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from test_config import compose_train
 
-from project.config.build import build_job, build_strategy, layout_of, model_of
+from project.config.build import build_job, build_strategy, layout_of, model_of, with_strategy
+from project.config.checks import layout_problem
 from project.job.job import Job
 from project.layouts.fsdp_layout import FSDPLayout
 from project.parallel.parallelize import block_sizes, split_blocks, stage_modules
 from project.plan.memory_plan import candidate_changes, plan_memory
+from project.plan.search import Candidate, candidate_layouts
 
 MODEL_STATE = ("params", "grads", "optimizer", "model_state")
 
@@ -406,3 +413,36 @@ def test_a_searched_mixture_tries_each_expert_parallel_size_in_fsdp_and_in_pipel
     assert {(2, 1, 1), (2, 1, 2), (2, 1, 4), (4, 1, 1), (4, 1, 2)} <= pipelines  # 4 and 2 replicas
     assert (4, 1, 4) not in pipelines and all(ep * pp * tp <= 8 for pp, tp, ep in pipelines)
     assert {ep for _, _, ep in sizes(["model=llama", "strategy=pipeline"])} == {1}
+
+
+def library_calls(library_dirs: tuple[str, ...], work: Callable[[], object]) -> int:
+    """How many functions of the libraries under ``library_dirs`` ``work()`` calls, counted by a profile hook."""
+    calls = 0
+
+    def profile(frame, event, arg) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename.startswith(library_dirs):
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_the_planner_tries_layouts_without_hydra_or_omegaconf():
+    """Once each strategy option's layout is built (from its file, once) and the model checked, trying every layout
+    of plan=search and simulating one runs no code of Hydra's or OmegaConf's: the candidates are typed jobs."""
+    job = resolved([*TINY_GPT, "trainer.devices=4", "data.batch_size=8", "logger=none"])
+    libraries = tuple(str(Path(module.__file__).parent) for module in (hydra, omegaconf))
+    for name in job.search.strategies:
+        layout_problem(with_strategy(job, name))
+    candidates: list[Candidate] = []
+    assert library_calls(libraries, lambda: candidates.extend(candidate_layouts(job))) == 0
+    assert len(candidates) > 10
+    assert {candidate.job.strategy_name for candidate in candidates} == {"ddp", "fsdp", "pipeline"}
+    pipeline = next(candidate.job for candidate in candidates if candidate.job.strategy_name == "pipeline")
+    assert library_calls(libraries, lambda: plan_memory(pipeline, suggest=False)) == 0
+    assert library_calls(libraries, lambda: list(candidate_changes(pipeline))) == 0

@@ -90,9 +90,16 @@ def model_of(cfg: DictConfig, net: functools.partial | None = None) -> Model:
 
 
 def _without(built: functools.partial, *names: str) -> functools.partial:
-    """``built`` (a partial Hydra made) as a plain partial of the same callable, without the arguments ``names``."""
-    keywords = {name: value for name, value in built.keywords.items() if name not in names}
-    return functools.partial(built.func, *built.args, **keywords)
+    """``built`` (a partial Hydra made) as a plain partial of the same callable, without the arguments ``names``, its
+    arguments' partials plain too (the optimizer's factory): calling it, as the planner does for every layout it
+    simulates, runs no Hydra code (Hydra's partials check each call against its target policy, which their making
+    has passed)."""
+    keywords = {name: _plain(value) for name, value in built.keywords.items() if name not in names}
+    return functools.partial(built.func, *(_plain(argument) for argument in built.args), **keywords)
+
+
+def _plain(value: Any) -> Any:
+    return _without(value) if isinstance(value, functools.partial) else value
 
 
 def build_job(
