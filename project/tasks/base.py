@@ -162,8 +162,8 @@ class TrainingModule(L.LightningModule):
 
     def prepare_net(self, target: Target) -> None:
         """What the model's own settings do to the plain (meta) net before a layout acts, in torchtitan's order: each
-        model option's ``prepare``, then activation checkpointing. ``configure_model`` calls it, and
-        the memory plan for the job it simulates (then compile, which the plan does not, and the layout)."""
+        model option's ``prepare``, then activation checkpointing (then come compile and the layout). Both
+        ``configure_model`` and the memory plan, for the job it simulates, call it."""
         for option in self.options:
             option.prepare(self.net, target)
         apply_activation_checkpointing(self.net, self.activation_checkpointing)
