@@ -11,13 +11,15 @@ import torch
 import torch.nn.functional as F
 from conftest import GPT_LORA, TINY_GPT, run_command, train
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from test_config import compose_train
 from test_hf import LLAMA, LLAMA_EVAL, TOKENS, transformers_val_loss
 from test_plan_search import SEARCH
 
 from project.checkpointing.files import checkpoint_meta
 from project.checkpointing.hf import HFWeights, hf_name, net_options, read_config
-from project.cli.usage import merged_model_state
+from project.cli.usage import merged_model_state, trained_lora
+from project.model_options import LoRAFineTuning
 from project.models import GPT, Llama
 from project.models.init import initial_value
 from project.models.lora import LoRA, apply_lora
@@ -86,6 +88,16 @@ def test_lora_is_off_at_rank_0_and_on_with_a_rank_typed_as_a_key():
     assert all(layer.lora_a.out_features == 8 and layer.scaling == 2.0 for layer in layers.values())
     trained = {name for name, parameter in adapted.net.named_parameters() if parameter.requires_grad}
     assert trained == {f"{name}.lora_{matrix}.weight" for name in layers for matrix in "ab"}
+
+
+def test_a_job_saved_before_lora_was_a_typed_option_still_names_its_adapters():
+    """export and generate read a job's saved config.yaml: one written when model.lora held the keys alone (or null)
+    gives the same option as today's."""
+    old = OmegaConf.create({"model": {"lora": {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "v"]}}})
+    today = compose_train(["model=llama", "data=tokens", "model.lora.rank=4", "model.lora.alpha=8"])
+    assert trained_lora(old) == trained_lora(today) == LoRAFineTuning(rank=4, alpha=8, targets=["q", "v"])
+    assert trained_lora(OmegaConf.create({"model": {"lora": None}})) is None
+    assert trained_lora(compose_train(["model=llama", "data=tokens"])) is None
 
 
 def test_a_tied_model_with_lora_saves_its_adapters_alone():

@@ -8,7 +8,7 @@ The error is ``ConfigError`` (its key the argument: ``--out``, ``checkpoint``), 
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import yaml
@@ -69,10 +69,14 @@ def checkpoint_and_config(checkpoint: str, config: str | None) -> DictConfig:
 
 
 def trained_lora(cfg: DictConfig) -> LoRAFineTuning | None:
-    """The LoRA fine-tuning of the job configured by ``cfg`` (``model.lora``), if it trained adapters."""
+    """The LoRA fine-tuning of the job configured by ``cfg`` (``model.lora``), if it trained adapters. A job saved
+    before model options had a ``_target_`` holds the keys alone, or null: read as the same option."""
     node = OmegaConf.select(cfg, "model.lora")
-    lora = None if node is None else cast(LoRAFineTuning, instantiate(node))
-    return lora if lora is not None and lora.enabled else None
+    if node is None:
+        return None
+    settings = cast(dict[str, Any], OmegaConf.to_container(node))
+    lora = instantiate(node) if "_target_" in settings else LoRAFineTuning(**settings)
+    return lora if lora.enabled else None
 
 
 def merged_model_state(checkpoint: str | Path, cfg: DictConfig) -> dict[str, torch.Tensor]:
