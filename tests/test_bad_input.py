@@ -499,6 +499,12 @@ CASES = [
     (["model=llama", "model.net.num_kv_heads=3"], "model.net.num_kv_heads: is 3, which does not divide"),
     (["model=llama", "model.lora.rank=-1"], "model.lora.rank: must be an integer of at least 0, got -1"),
     (["model=llama", "model.lora={rank:4,alpha:8,dropout:0.0,targets:[qq]}"], "model.lora.targets: names ['qq']"),
+    (["model=llama", "model.lora.quantize_base=true"], "model.lora.quantize_base: is true, but model.lora.rank is 0"),
+    (["model=llama", "+model.compil=true"], "model.compil: is neither an option of LanguageModelModule nor a model"),
+    (
+        ["model=llama", "+model.lorra.rank=8"],
+        "model.lorra: is neither an option of LanguageModelModule nor a model ... Fix: did you mean model.lora?",
+    ),
     # QLoRA: a base NF4 cannot store, or one the run would dequantize or split by columns
     (["model=llama", QLORA], "model.lora.quantize_base: stores blocks.0.attention.q.weight ((32, 32)) in NF4"),
     (["model=llama", QLORA.replace("true}", "yes}")], "model.lora.quantize_base: must be true or false, got 'yes'"),

@@ -81,8 +81,10 @@ def test_lora_is_off_at_rank_0_and_on_with_a_rank_typed_as_a_key():
         adapted = instantiate(
             compose_train(["model=llama", "data=tokens", "model.lora.rank=8", "model.lora.alpha=16"]).model
         )
-    assert plain.options == [] and all(parameter.requires_grad for parameter in plain.net.parameters())
-    (lora,) = adapted.options
+    assert all(parameter.requires_grad for parameter in plain.net.parameters())
+    assert not any(isinstance(option, LoRAFineTuning) for option in plain.options)
+    (lora,) = [option for option in adapted.options if isinstance(option, LoRAFineTuning)]
+    assert lora.rank == 8 and lora.alpha == 16
     layers = {name: module for name, module in adapted.net.named_modules() if hasattr(module, "lora_a")}
     assert {name.rpartition(".")[2] for name in layers} == {"q", "v"} and len(layers) == 2 * plain.net.num_layers
     assert all(layer.lora_a.out_features == 8 and layer.scaling == 2.0 for layer in layers.values())

@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf, open_dict
 from test_config import compose_train
 
-from project.config.build import build_job, build_strategy, layout_of, model_of, with_strategy
+from project.config.build import build_job, build_strategy, layout_of, model_of, strategy_option_layout, with_strategy
 from project.config.checks import layout_problem
 from project.job.job import Job
 from project.layouts.fsdp_layout import FSDPLayout
@@ -339,6 +339,12 @@ def test_selective_checkpointing_is_planned_between_none_and_full():
     none, selective, full = plans
     assert none.activations > selective.activations > full.activations
     assert none.peak > selective.peak > full.peak
+
+
+def test_fsdps_layout_is_the_same_for_any_devices():
+    """The memory plan's suggestions of FSDP over more devices and nodes take FSDP's layout for the job's devices
+    (its file built once) to those devices: right only while conf/strategy/fsdp.yaml puts no device count into it."""
+    assert strategy_option_layout("fsdp", 2) == strategy_option_layout("fsdp", 8) == strategy_option_layout("fsdp", 5)
 
 
 def test_a_suggested_strategy_is_set_as_its_config_file_sets_it():

@@ -17,6 +17,7 @@ from test_hf import transformers_val_loss
 from test_memory_plan import resolved
 from test_plan_search import SEARCH
 
+from project.model_options import LoRAFineTuning
 from project.models import Llama
 from project.models.lora import LoRA, apply_lora
 from project.models.nf4 import empty_nf4, is_nf4, quantizable_weights
@@ -204,7 +205,7 @@ def test_every_preset_can_store_its_base_in_nf4(preset):
         module = instantiate(cfg.model, net=instantiate(cfg.model.net))
     quantized = [p for p in module.net.parameters() if is_nf4(p)]
     linear_per_block = 6 if preset.startswith("gpt") else 7  # q, k, v, proj, up, down; or q, k, v, o, gate, up, down
-    (lora,) = module.options
+    (lora,) = [option for option in module.options if isinstance(option, LoRAFineTuning)]
     assert lora.quantize_base and len(quantized) == linear_per_block * cfg.model.net.num_layers
 
 

@@ -6,14 +6,14 @@ Every device holds only its stage's parameters, gradients and optimizer state, b
 """
 
 from collections.abc import Generator, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from project.job.job import Change, Job, Setting
 from project.job.layout import DeviceWork, Layout
-from project.layouts.stage_split import stage_split_problem
+from project.layouts.stage_split import stage_split_problem, staged_at_depth
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import ParallelDims
@@ -84,8 +84,7 @@ class ModelParallelLayout(Layout):
         return [len(stage) for stage in self.stages(net)]
 
     def at_depth(self, job: Job, blocks_per_stage: int) -> Job:
-        model = replace(job.model, num_layers=blocks_per_stage * self.num_stages)
-        return replace(job, model=model, layout=replace(self, blocks_per_stage=(blocks_per_stage,) * self.num_stages))
+        return staged_at_depth(job, self, blocks_per_stage)
 
     def setting_values(self) -> dict[Setting, Any]:
         return {Setting.NUM_STAGES: self.num_stages}

@@ -25,7 +25,7 @@ from project.checkpointing.files import is_sharded_checkpoint
 from project.job.job import Change, Job, Setting
 from project.job.layout import DeviceWork
 from project.layouts.sharded_layout import ShardedLayout, expert_parallel_problem
-from project.layouts.stage_split import stage_split_problem
+from project.layouts.stage_split import stage_split_problem, staged_at_depth
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import DATA_PARALLEL, EXPERT, EXPERT_SHARD, PIPELINE, ParallelDims, divisors
@@ -254,8 +254,7 @@ class PipelineLayout(ShardedLayout):
         return [sum(len(stages[stage]) for stage in self.stages_of(rank)) for rank in range(self.pipeline_size)]
 
     def at_depth(self, job: Job, blocks_per_stage: int) -> Job:
-        model = replace(job.model, num_layers=blocks_per_stage * self.num_stages)
-        return replace(job, model=model, layout=replace(self, blocks_per_stage=(blocks_per_stage,) * self.num_stages))
+        return staged_at_depth(job, self, blocks_per_stage)
 
     def setting_values(self) -> dict[Setting, Any]:
         return {

@@ -1,10 +1,17 @@
 """The rules of the layouts that split the model's block sequence into stages (model_parallel, pipeline)."""
 
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
+from project.job.job import Job
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.parallelize import block_sizes, split_blocks
+
+if TYPE_CHECKING:  # the two layouts that split the blocks into stages, which use these rules
+    from project.layouts.model_parallel_layout import ModelParallelLayout
+    from project.layouts.pipeline_layout import PipelineLayout
 
 
 def stage_split_problem(
@@ -31,3 +38,10 @@ def stage_split_problem(
         )
         return ConfigError(key, f"cannot split the model: {error}.", fix)
     return None
+
+
+def staged_at_depth(job: Job, layout: "ModelParallelLayout | PipelineLayout", blocks_per_stage: int) -> Job:
+    """``job`` with each of ``layout``'s stages ``blocks_per_stage`` blocks deep (``Layout.at_depth``)."""
+    stages = layout.num_stages
+    model = replace(job.model, num_layers=blocks_per_stage * stages)
+    return replace(job, model=model, layout=replace(layout, blocks_per_stage=(blocks_per_stage,) * stages))

@@ -1,5 +1,5 @@
 """Model options: what a run does to a plain model beyond training it as it is, one file each, each a ``ModelOption``
-(``project.job.job``) built from its typed config under ``model``: LoRA fine-tuning (``model.lora``), Float8
+(``project.job.model_option``) built from its typed config under ``model``: LoRA fine-tuning (``model.lora``), Float8
 training (``model.float8``), a mixture's balancing (``model.expert_balancing``)."""
 
 from collections.abc import Iterable

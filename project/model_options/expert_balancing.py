@@ -1,8 +1,9 @@
 """``model.expert_balancing``: a mixture of experts' balancing as it trains (``project.models.moe``), by the net's own
 settings: its weighted balance loss added to the training loss (``model.net.load_balancing_weight``), each expert's
-score bias moved towards the mean load after every step (``model.net.bias_update_rate``: DeepSeek-V3's balancing
-without a loss), and the routing over each epoch reported (the ``experts/*`` metrics, ``ExpertLoad``). The mixture
-presets (``model=moe`` and those built on it) set it; it has no keys of its own.
+score bias moved towards the mean load once every optimizer step, by that step's load (``model.net.bias_update_rate``:
+DeepSeek-V3's balancing without a loss), and the routing over each epoch reported (the ``experts/*`` metrics,
+``ExpertLoad``). Every language model has it (``conf/model/language_model.yaml``); it has no keys of its own, and does
+nothing for a dense net.
 """
 
 from dataclasses import dataclass, field

@@ -40,7 +40,10 @@ class Float8Training(ModelOption):
     def problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
         """torchao installed; float8 tensor cores on the job's GPUs, or on the cluster it is planned for; no
         tensor-parallel split of the layers, nor LoRA's layers, which it does not convert."""
-        torchao_float8()
+        try:
+            torchao_float8()
+        except ConfigError as missing:
+            return missing
         if job.uses_cuda:
             older = {
                 torch.cuda.get_device_name(index)

@@ -39,6 +39,15 @@ class LoRAFineTuning(ModelOption):
     trained: int = field(default=0, init=False)  # the parameters trained and in all, once built (the whole model)
     total: int = field(default=0, init=False)
 
+    def __post_init__(self) -> None:
+        if self.quantize_base and not self.rank:  # QLoRA asked for, and no adapters: every weight would train
+            raise ConfigError(
+                "model.lora.quantize_base",
+                "is true, but model.lora.rank is 0: no adapters, so no frozen base to store in NF4.",
+                "give the adapters a rank (model.lora.rank=16, say; experiment=qlora sets one), or set "
+                "model.lora.quantize_base=false.",
+            )
+
     @property
     def enabled(self) -> bool:
         return self.rank > 0

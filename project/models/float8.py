@@ -38,6 +38,8 @@ from project.models.torchao_import import import_torchao
 
 Float8Recipe = Literal["tensorwise", "rowwise"]
 MULTIPLE = 16  # the float8 matmul kernels' rule for both widths of a weight
+# The torchao releases whose float8-gathered weight ``torchao_float8`` mends (their __tensor_flatten__ is the same).
+TORCHAO_RELEASES = ("0.18.",)
 
 
 def torchao_float8() -> ModuleType:
@@ -49,9 +51,11 @@ def torchao_float8() -> ModuleType:
     )
     # torchao 0.18's float8-gathered weight flattens its precomputed scale only if the scale is true as a boolean: a
     # real one always is (a positive number), but the memory plan's fake one cannot be read, and its trackers
-    # flatten every parameter. Whether a scale is there is what the test means.
-    wrapper = importlib.import_module("torchao.float8.fsdp_utils").WeightWithDynamicFloat8CastTensor
-    wrapper.__tensor_flatten__ = _flatten_with_scale_if_any
+    # flatten every parameter. Whether a scale is there is what the test means. Mended on the releases it was read
+    # in (TORCHAO_RELEASES) alone: another's own stands.
+    if importlib.import_module("torchao").__version__.startswith(TORCHAO_RELEASES):
+        wrapper = importlib.import_module("torchao.float8.fsdp_utils").WeightWithDynamicFloat8CastTensor
+        wrapper.__tensor_flatten__ = _flatten_with_scale_if_any
     return float8
 
 

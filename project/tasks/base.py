@@ -1,7 +1,9 @@
 """What every task's LightningModule shares: the steps, the optimizer, and the protocol strategies rely on."""
 
 import copy
-from collections.abc import Callable, Sequence
+import difflib
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import cast
 
 import lightning as L
@@ -103,6 +105,7 @@ class TrainingModule(L.LightningModule):
         if scheduler is not None:
             _check_scheduler(scheduler)
         self.net = net
+        _check_options(type(self), options)
         # The model options that are on (project.model_options), in their declared order, each a copy of its own: an
         # option keeps what it did to this module's net.
         self.options = [copy.deepcopy(option) for option in in_order(options.values())]
@@ -380,6 +383,22 @@ def _without(names: set[str]) -> Callable[..., None]:
             state_dict.pop(prefix + name, None)
 
     return hook
+
+
+def _check_options(module: type, options: Mapping[str, object]) -> None:
+    """Each key beyond the constructor's own is a model option (``model.<name>``, a ``_target_`` node), or null: a
+    misspelt key (``+model.compil=true``, ``model.lorra.rank=8``) is refused, naming the nearest there is."""
+    for name, value in options.items():
+        if value is None or isinstance(value, ModelOption):
+            continue
+        known = [key for key in inspect.signature(TrainingModule).parameters if key != "options"]
+        close = difflib.get_close_matches(name, known + list(options), n=2)
+        meant = next((key for key in close if key != name), None)
+        raise ConfigError(
+            f"model.{name}",
+            f"is neither an option of {module.__name__} nor a model option (a node with a _target_).",
+            f"did you mean model.{meant}?" if meant else "remove it (python train.py --cfg job shows model's keys).",
+        )
 
 
 # How torch.optim's own errors name each hyperparameter, to point at the config key.
