@@ -225,7 +225,9 @@ class SlowCheckpointWrites(L.Callback):
     """Each rank writes its shards of a distributed checkpoint ``seconds`` late, so that training goes on meanwhile
     when the write is in the background. With ``kill``, the process SIGKILLs itself once its shards of the
     ``kill``-th ``last.ckpt`` are written, before the metadata that completes the checkpoint: what a node failure
-    in the middle of a write leaves."""
+    in the middle of a write leaves. The epoch after that write's (epoch ``kill``: one ``last.ckpt`` an epoch) waits
+    at its start for the kill, so that it comes while training goes on however the machine's load times the write
+    against the epochs."""
 
     def __init__(self, seconds: float, kill: int = 0) -> None:
         self.seconds, self.kill = seconds, kill
@@ -247,3 +249,7 @@ class SlowCheckpointWrites(L.Callback):
             return written
 
         _FileSystemWriter.write_data = late_write
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        while self.kill and trainer.current_epoch == self.kill:  # until the background write's kill
+            time.sleep(0.05)
