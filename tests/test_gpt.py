@@ -10,12 +10,13 @@ from conftest import only_run
 from hydra.utils import instantiate
 from test_config import compose_train
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from project.accounting.memory_trackers import held_bytes
 from project.data.tokens import MarkovTokenDataModule, TextDataModule, entropy_rate, random_markov_chain
 from project.models import GPT, Llama
 from project.models.gpt import MLP
-from project.parallel.parallelize import apply_activation_checkpointing
+from project.parallel.parallelize import _selective_contexts, apply_activation_checkpointing
 from project.tasks.language_model import TokenCrossEntropy
 
 LM_KEYS = ["train/loss", "val/loss", "val/perplexity"]
@@ -121,6 +122,30 @@ def test_activation_checkpointing_same_loss_less_memory_held_for_backward(build)
         assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
     none, selective, full = held
     assert full < 0.5 * none and full < selective < none, held
+
+
+def test_selective_checkpointing_compiles_with_eager_gradients():
+    """Selective checkpointing under compile's tracing (AOTAutograd, the ``aot_eager`` backend: inductor's input
+    without its kernels) gives eager's loss and gradients. Its contexts are torch's two dispatch modes, which compile
+    requires of them (torch 2.11 checks it while AOTAutograd traces): only a simulation's recompute is marked."""
+    forward, recompute = _selective_contexts()
+    assert isinstance(forward, TorchDispatchMode) and isinstance(recompute, TorchDispatchMode)
+    tokens = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Llama(vocab_size=64, max_length=32, num_layers=2, dim=64, num_heads=4, num_kv_heads=2, hidden_dim=128)
+        apply_activation_checkpointing(model, "selective")
+        if compiled:
+            for block in model.blocks:
+                block.forward = torch.compile(block.forward, backend="aot_eager")
+        loss = TokenCrossEntropy()(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), [parameter.grad for parameter in model.parameters()]))
+    (eager_loss, eager_grads), (compiled_loss, compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    for compiled_grad, eager_grad in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(compiled_grad, eager_grad)
 
 
 @pytest.mark.slow

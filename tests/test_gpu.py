@@ -120,6 +120,24 @@ def test_compiled_blocks_match_eager_and_fused_adamw_steps_on_cuda(gpt_runs, run
     assert series(job_dir, "probe/fused_adamw_on_cuda") == [1.0] * 3
 
 
+def test_selective_checkpointing_compiled_matches_the_loop(reference, runs_dir, home, record_property):
+    """model.activation_checkpointing=selective with model.compile=true (torchtitan's default recipe), on the tiny
+    Llama in float32, against the hand-written loop on the same GPU. Torch 2.11 refused it in the first step (its
+    checkpoint asked compile for two dispatch modes; docs/gpu.md)."""
+    args = [*TINY_LLAMA, "data.batch_size=32", *FP32]
+    job_dir, _ = gpu_run(
+        "gpu-selective-compiled",
+        [*args, "model.compile=true", "model.activation_checkpointing=selective"],
+        runs_dir,
+        home,
+    )
+    expected = reference(args, 32, device="cuda").history
+    for key in ("train/loss", "val/loss"):
+        difference = largest_relative_difference(series(job_dir, key), [row[key] for row in expected])
+        record_property(f"{key} vs loop", difference)
+        assert difference <= 1e-4, key
+
+
 def test_float8_trains_within_its_bound_of_bf16_on_float8_tensor_cores(runs_dir, home, record_property):
     """The tiny Llama compiled on one GPU in bf16-mixed, with and without model.float8 (its matmuls then on float8
     tensor cores, torch._scaled_mm): every epoch's losses within test_float8's bound of the bf16 run's, and not equal

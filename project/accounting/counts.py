@@ -252,6 +252,11 @@ def kept_for_backward(output: Any) -> None:
                 count(tensor)
 
 
+def counting() -> bool:
+    """Whether a memory plan's simulation is counting the ops run now (inside ``counting_kept``)."""
+    return KEPT_FOR_BACKWARD.get() is not None
+
+
 @contextmanager
 def counting_kept(count: Callable[[torch.Tensor], object]) -> Iterator[None]:
     """Within: each tensor selective checkpointing keeps goes to ``count`` (as autograd's to a pack hook)."""

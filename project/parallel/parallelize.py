@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from project.accounting.counts import kept_for_backward, recomputing
+from project.accounting.counts import counting, kept_for_backward, recomputing
 from project.checkpointing.hf import HFWeights
 from project.models.init import initial_value
 from project.models.lora import is_adapter
@@ -173,7 +173,11 @@ def _selective_contexts() -> tuple[Any, Any]:
     the rest again. Torch 2.13 asks the policy in the forward only and replays its answers; earlier versions (the
     GPU box's 2.11) ask again in the recompute and give no output: the matmuls are counted apart in each, so both
     decide alike, and there the plan's activations leave the kept outputs out (its peak, torch's tracker's, has
-    them)."""
+    them).
+
+    Only a simulation's recompute is marked: a real run's contexts are torch's two modes as they are, which is what
+    compile requires of them (torch 2.11 asks it while AOTAutograd traces, where ``torch.compiler.is_compiling()``
+    is False; the plan never compiles)."""
     matmuls = {False: 0, True: 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -186,9 +190,7 @@ def _selective_contexts() -> tuple[Any, Any]:
         return CheckpointPolicy.MUST_SAVE
 
     forward, recompute = create_selective_checkpoint_contexts(policy)
-    if torch.compiler.is_compiling():  # compile takes torch's two modes as they are; the plan never compiles
-        return forward, recompute
-    return forward, _recomputing_in(recompute)
+    return (forward, _recomputing_in(recompute)) if counting() else (forward, recompute)
 
 
 @contextmanager
