@@ -142,10 +142,16 @@ def build_job(
     )
 
 
+def configured_callbacks(cfg: DictConfig) -> dict[str, DictConfig]:
+    """The ``callbacks`` group's entries by name, but those set to null (``callbacks.model_checkpoint=null`` turns
+    one off, as ``~callbacks.model_checkpoint`` does)."""
+    return {name: callback for name, callback in (cfg.callbacks or {}).items() if callback is not None}
+
+
 def text_sample_prompt(cfg: DictConfig) -> str | None:
     """The key of a text sample's prompt (``TextSample``'s ``callbacks.<name>.prompt``), where one is set: it needs
     ranks that each run the whole model."""
-    for name, callback in (cfg.callbacks or {}).items():
+    for name, callback in configured_callbacks(cfg).items():
         if issubclass(get_class(callback._target_), TextSample) and callback.get("prompt") is not None:
             return f"callbacks.{name}.prompt"
     return None

@@ -26,7 +26,15 @@ from torch import nn
 
 from project.checkpointing.files import checkpoint_shapes
 from project.checkpointing.hf import HFWeights, check_matches
-from project.config.build import build_job, build_strategy, layout_of, model_of, net_constructor, uses_cuda
+from project.config.build import (
+    build_job,
+    build_strategy,
+    configured_callbacks,
+    layout_of,
+    model_of,
+    net_constructor,
+    uses_cuda,
+)
 from project.config.schema import check_types
 from project.job.job import Job, Model
 from project.job.layout import Layout
@@ -603,7 +611,7 @@ def check_config(cfg: DictConfig) -> Job:
     problem = layout_problem(job)
     if problem is not None:
         raise problem
-    for name, callback in (cfg.callbacks or {}).items():  # each callback checks its own options, of the data too
+    for name, callback in configured_callbacks(cfg).items():  # each callback checks its own options, of the data too
         callback_rules = getattr(get_class(callback._target_), "check_config", None)
         if callback_rules is not None:
             callback_rules(cfg, name, datamodule)

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpointing.files import AtomicCheckpointIO
-from project.config.build import build_net, build_strategy
+from project.config.build import build_net, build_strategy, configured_callbacks
 from project.launch.job_result import JobResult
 from project.launch.results import RESULT_FILE
 from project.launch.stop_together import StopTogether
@@ -59,7 +59,7 @@ def train(cfg: DictConfig) -> None:
     module = instantiate(cfg.model, net=build_net(cfg))
     loggers = build_loggers(cfg)
     evaluating = cfg.get("mode") == "eval"
-    callbacks = [instantiate(callback) for callback in (cfg.callbacks or {}).values()]
+    callbacks = [instantiate(callback) for callback in configured_callbacks(cfg).values()]
     if evaluating:  # the training job's checkpoint callback state, restored into this job dir, is not needed
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
     # A trial of an Optuna search with a pruner reports to its study after each validation, and may stop early.
