@@ -513,6 +513,10 @@ CASES = [
         [*NF4_SHAPE, QLORA, "strategy=tensor_parallel", "trainer.devices=2"],
         "model.lora.quantize_base: stores the base in NF4, which 2 tensor-parallel ranks",
     ),
+    (
+        [*NF4_SHAPE, QLORA, "strategy=fsdp"],
+        "model.lora.quantize_base: stores the base in NF4, which strategy=fsdp cannot shard over one data-parallel",
+    ),
     # A mixture of experts: its routing, and layouts it has no plan for
     (
         ["model=moe", QLORA.replace("[q,v,up]", "[q,v]")],

@@ -58,9 +58,20 @@ class LoRAFineTuning(ModelOption):
         return LoRA(self.rank, float(self.alpha), float(self.dropout), tuple(self.targets), self.quantize_base)
 
     def problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
-        """An NF4 base is not split over tensor-parallel ranks, nor converted by a true half precision."""
+        """An NF4 base is not split over tensor-parallel ranks, nor sharded by FSDP over one rank, nor converted by
+        a true half precision."""
         if not self.quantize_base:
             return None
+        if job.dims.shard and job.dims.data_parallel == 1:
+            # FSDP2's one-rank path (FSDPParamGroup.wait_for_unshard, torch 2.11 to 2.13) takes a weight's first
+            # all-gather input only; torchao's NF4 weight gathers three (codes, block scales, their scales).
+            return ConfigError(
+                "model.lora.quantize_base",
+                f"stores the base in NF4, which strategy={job.strategy_name} cannot shard over one data-parallel "
+                "rank: torch's FSDP2 gathers one tensor a weight there, and an NF4 weight is three.",
+                "with one data-parallel rank, shard nothing: strategy=auto on one device (or the layout without "
+                "FSDP); or give FSDP 2 or more ranks (trainer.devices).",
+            )
         if job.dims.tensor_parallel > 1:
             return ConfigError(
                 "model.lora.quantize_base",
