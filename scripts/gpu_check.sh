@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # make gpu-check: on a GPU box without network, install the offline bundle (make gpu-bundle) over the system's torch,
-# run the GPU tests (pytest -m gpu) and the GPU benchmark (benchmarks/gpu.py), and write their results to OUT:
-# gpu_check.md and gpu_check.json (the tables), gpu_tests.xml (junit), gpu_benchmark.{md,json}, calibrated.yaml
+# train 3 steps of every feature combination (scripts/gpu_smoke.py), run the GPU tests (pytest -m gpu) and the GPU
+# benchmark (benchmarks/gpu.py), and write their results to OUT: gpu_check.md and gpu_check.json (the tables),
+# gpu_smoke.{md,json}, gpu_tests.xml (junit), gpu_benchmark.{md,json}, calibrated.yaml
 # (python -m project.cli.calibrate), gpu_predictions.{md,json} (the predictions against the benchmark), gpu_check.log.
 #   bash scripts/gpu_check.sh <bundle dir> <out dir>
 # GPU_PYTHON: the box's interpreter, the one with torch (default python3). GPU_VENV: the venv made over it
-# (default .gpu-venv). GPU_CHECK_PARTS: "tests", "benchmark" or both (the default), for a box whose sessions are short;
+# (default .gpu-venv). GPU_CHECK_PARTS: some of "smoke tests benchmark" (all three, the default), for a box whose
+# sessions are short;
 # GPU_TESTS_K: a pytest -k expression, e.g. memory_plan or "not memory_plan", to split the tests too;
 # GPU_BENCHMARK_CASES: the benchmark's cases to run (benchmarks/gpu.py --cases), to split the benchmark.
 # A failed test or benchmark still leaves every table; the exit code is then 1.
@@ -28,7 +30,13 @@ bash scripts/venv.sh "$python" "$venv" --system-site-packages || exit 2  # sees 
 "$venv/bin/python" -m pip install -q --no-index --find-links "$bundle" -e ".[qlora]" pytest 2>&1 | tee "$log"
 [ "${PIPESTATUS[0]}" = 0 ] || exit 2
 py=$venv/bin/python
-parts=${GPU_CHECK_PARTS:-tests benchmark}
+parts=${GPU_CHECK_PARTS:-smoke tests benchmark}
+smoke=not-run
+if [[ " $parts " == *" smoke "* ]]; then
+    # First: every feature combination a user can ask for, 3 steps each, passed or its first error line
+    "$py" scripts/gpu_smoke.py --out "$out" 2>&1 | tee -a "$log"
+    smoke=${PIPESTATUS[0]}
+fi
 tests=not-run
 if [[ " $parts " == *" tests "* ]]; then
     # junit_family xunit1: the one whose reports hold record_property's figures without a warning
@@ -51,4 +59,4 @@ else
     echo "No CUDA device: benchmarks/gpu.py not run." | tee -a "$log"
     benchmark=not-run
 fi
-"$py" scripts/gpu_report.py "$out" --tests-exit "$tests" --benchmark-exit "$benchmark"
+"$py" scripts/gpu_report.py "$out" --smoke-exit "$smoke" --tests-exit "$tests" --benchmark-exit "$benchmark"

@@ -1,10 +1,12 @@
-"""The tables of ``make gpu-check``: ``python scripts/gpu_report.py <out dir> --tests-exit N --benchmark-exit N``.
+"""The tables of ``make gpu-check``: ``python scripts/gpu_report.py <out dir> --smoke-exit N --tests-exit N
+--benchmark-exit N``.
 
-Reads what the check wrote to the out dir (``gpu_tests*.xml``: pytest's junit reports, with the figures the GPU
+Reads what the check wrote to the out dir (``gpu_smoke.md``: every feature combination's 3 steps, when the smoke
+ran; ``gpu_tests*.xml``: pytest's junit reports, with the figures the GPU
 tests record as properties, several where the tests ran in parts; ``gpu_benchmark.json`` when the benchmark ran)
 and writes ``gpu_check.json`` and ``gpu_check.md``: the machine (date, GPU, torch, CUDA), every GPU test's outcome
 and figures, the benchmark's table.
-Exits 1 if a test or the benchmark failed.
+Exits 1 if a smoke run, a test or the benchmark failed.
 """
 
 import argparse
@@ -63,13 +65,19 @@ def figure(value: str) -> str:
     return f"{number:.3g}" if abs(number) < 1e-2 or abs(number) >= 1e4 else f"{number:.4f}".rstrip("0").rstrip(".")
 
 
-def markdown(report: dict[str, Any], benchmark_md: str | None, predictions_md: str | None = None) -> str:
+def markdown(
+    report: dict[str, Any], benchmark_md: str | None, predictions_md: str | None = None, smoke_md: str | None = None
+) -> str:
     m = report["machine"]
     lines = [
         f"# make gpu-check, {m['date']}",
         "",
         f"GPU: {m['gpu'] or 'none (CUDA not available)'}; torch {m['torch']} (CUDA {m['cuda']}); "
         f"Python {m['python']}. Re-measure: `make gpu-check OUT=<dir>` on the box (docs/gpu-offline.md).",
+        "",
+        f"## GPU smoke (`scripts/gpu_smoke.py`, exit code {report['smoke_exit']})",
+        "",
+        smoke_md or "Not run (not asked for) or it wrote no table.",
         "",
         f"## GPU tests (`pytest -m gpu`, exit code {report['tests_exit']})",
         "",
@@ -90,23 +98,26 @@ def markdown(report: dict[str, Any], benchmark_md: str | None, predictions_md: s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
+    parser.add_argument("--smoke-exit", default="not-run", help="scripts/gpu_smoke.py's exit code, or not-run")
     parser.add_argument("--tests-exit", required=True, help="pytest's exit code, or not-run")
     parser.add_argument("--benchmark-exit", required=True, help="the benchmark's exit code, or not-run")
     args = parser.parse_args()
     benchmark_json, benchmark_md = args.out / "gpu_benchmark.json", args.out / "gpu_benchmark.md"
     report = {
         "machine": machine(),
+        "smoke_exit": args.smoke_exit,
         "tests_exit": args.tests_exit,
         "benchmark_exit": args.benchmark_exit,
         "tests": test_results(sorted(args.out.glob("gpu_tests*.xml"))),
         "benchmark": json.loads(benchmark_json.read_text()) if benchmark_json.is_file() else None,
     }
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    predictions_md = args.out / "gpu_predictions.md"
+    predictions_md, smoke_md = args.out / "gpu_predictions.md", args.out / "gpu_smoke.md"
     text = markdown(
         report,
         benchmark_md.read_text() if benchmark_md.is_file() else None,
         predictions_md.read_text() if predictions_md.is_file() else None,
+        smoke_md.read_text() if smoke_md.is_file() else None,
     )
     (args.out / "gpu_check.md").write_text(text)
     print(text)
@@ -115,7 +126,7 @@ def main() -> None:
         for outcome in ("passed", "failed", "error", "skipped")
     }
     print(f"{args.out}/gpu_check.md: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.items()))
-    failed = args.tests_exit not in ("0", "not-run") or args.benchmark_exit not in ("0", "not-run")
+    failed = any(code not in ("0", "not-run") for code in (args.smoke_exit, args.tests_exit, args.benchmark_exit))
     sys.exit(1 if failed else 0)
 
 
