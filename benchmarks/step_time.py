@@ -1,13 +1,16 @@
 """The step-time model against measured throughput: the figures of docs/step-time.md.
 
-    python benchmarks/step_time.py          # every row, about 5 minutes on 2 CPU cores
+    python benchmarks/step_time.py          # every row, about a minute on 2 CPU cores
     python benchmarks/step_time.py 8b       # our own rows and the Llama 3.1 8B rows only
+    python benchmarks/step_time.py --refit  # the three efficiencies fitted again too (below)
 
 First our own runs on one H200 (docs/gpu.md: the GPU benchmark's gpt_350m and llama_1b, eager and compiled). The
-model's three efficiencies (conf/step_time/roofline.yaml) are fitted on them: the values, on a grid of 0.01, that
-make the largest error smallest. Then torchtitan's published throughput (docs/performance.md of pytorch/torchtitan,
-at its commit 820504e of 2025-06-13, and the A100 tables of its earlier version), each row predicted with the
-fitted efficiencies and its hardware's datasheet cluster: nothing is fitted to those rows.
+model's three efficiencies (conf/step_time/roofline.yaml) were fitted on them: the values, on a grid of 0.01, that
+make the largest error smallest (``--refit`` fits them again; without it they are conf/step_time/roofline.yaml's,
+docs/step-time.md says why). Then Float8's matmul efficiency is fitted on the one Float8 run. Then torchtitan's
+published throughput (docs/performance.md of pytorch/torchtitan, at its commit 820504e of 2025-06-13, and the A100
+tables of its earlier version), each row predicted with the fitted efficiencies and its hardware's datasheet
+cluster: nothing is fitted to those rows.
 
 Each row's layout is planned as ``plan=search`` plans it (``extrapolated_plan``: the counts the step time reads are
 exactly the whole simulation's). Table 5's 405B pipelines are not among the rows: 32 micro-batches through 126
@@ -66,6 +69,16 @@ FITTED = [
     Row("docs/gpu.md", "gpt_350m, batch 16 x 1024, compiled", 180468, own("gpt_350m", 50304, 16, True)),
     Row("docs/gpu.md", "llama_1b, batch 8 x 1024, eager", 51349, own("llama_1b", 128256, 8, False)),
     Row("docs/gpu.md", "llama_1b, batch 8 x 1024, compiled", 61892, own("llama_1b", 128256, 8, True)),
+]
+# Float8's own efficiency is fitted, after the three, on the one Float8 run measured: llama_1b compiled at 1.11x
+# its bf16 twin's throughput (docs/gpu.md, 2026-11-28), over the bf16 run above.
+FITTED_FLOAT8 = [
+    Row(
+        "docs/gpu.md",
+        "llama_1b, batch 8 x 1024, compiled, Float8",
+        round(61892 * 1.11),
+        [*own("llama_1b", 128256, 8, True), "model.float8.enabled=true"],
+    )
 ]
 SELECTIVE = ["model.activation_checkpointing=selective"]  # torchtitan's per-op selective AC
 ROWS = [
@@ -151,16 +164,16 @@ def planned(row: Row) -> Planned:
     return Planned(row, job, plan, time.perf_counter() - start)
 
 
-def fit(rows: list[Planned]) -> dict[str, float]:
-    """The efficiencies, to 0.01, whose largest error over ``rows`` is smallest: on a grid of 0.05 from 0.2 to 1,
-    then of 0.01 around the best."""
+def fit(rows: list[Planned], names: tuple[str, ...], fixed: dict[str, float] | None = None) -> dict[str, float]:
+    """The efficiencies ``names``, to 0.01, whose largest error over ``rows`` is smallest (with ``fixed`` as they
+    are): on a grid of 0.05 from 0.2 to 1, then of 0.01 around the best."""
 
     def best(grids: list[list[float]]) -> dict[str, float]:
-        candidates = [dict(zip(EFFICIENCIES, values)) for values in itertools.product(*grids)]
+        candidates = [{**(fixed or {}), **dict(zip(names, values))} for values in itertools.product(*grids)]
         return min(candidates, key=lambda efficiencies: max(abs(row.error(efficiencies)) for row in rows))
 
-    coarse = best([[step / 20 for step in range(4, 21)]] * len(EFFICIENCIES))
-    return best([[round(coarse[name] + step / 100, 2) for step in range(-4, 5)] for name in EFFICIENCIES])
+    coarse = best([[step / 20 for step in range(4, 21)]] * len(names))
+    return best([[round(coarse[name] + step / 100, 2) for step in range(-4, 5)] for name in names])
 
 
 def table(rows: list[Planned], efficiencies: dict[str, float]) -> None:
@@ -178,11 +191,16 @@ def table(rows: list[Planned], efficiencies: dict[str, float]) -> None:
 
 def main() -> None:
     register_resolvers()
-    published = [row for row in ROWS if "8B" in row.what] if sys.argv[1:] == ["8b"] else ROWS
+    published = [row for row in ROWS if "8B" in row.what] if "8b" in sys.argv[1:] else ROWS
     own_rows = [planned(row) for row in FITTED]
-    efficiencies = fit(own_rows)
-    print("Fitted on our H200 rows:", ", ".join(f"{name} {value:.2f}" for name, value in efficiencies.items()))
-    table(own_rows, efficiencies)
+    float8_rows = [planned(row) for row in FITTED_FLOAT8]
+    roofline = OmegaConf.load(REPO / "conf" / "step_time" / "roofline.yaml")
+    efficiencies = (
+        fit(own_rows, EFFICIENCIES) if "--refit" in sys.argv else {name: roofline[name] for name in EFFICIENCIES}
+    )
+    efficiencies = fit(float8_rows, ("float8_matmul_efficiency",), efficiencies)
+    print("On our H200 rows:", ", ".join(f"{name} {value:.2f}" for name, value in efficiencies.items()))
+    table(own_rows + float8_rows, efficiencies)
     print()
     rows = []
     for row in published:

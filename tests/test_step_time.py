@@ -34,6 +34,7 @@ CLUSTER = Cluster(
     intra_node_gb_per_s=100,
     inter_node_gb_per_s=10,
     matmul_efficiency=0.5,
+    float8_matmul_efficiency=0.4,
     attention_efficiency=0.25,
     bandwidth_efficiency=0.8,
 )
@@ -69,12 +70,21 @@ def test_an_elementwise_op_moves_its_inputs_and_output():
     assert not counts.kernels and counts.flops == 0
 
 
-def test_a_fused_chain_reads_only_what_no_elementwise_op_wrote():
-    """Under compile, (x * 2 + 1).exp() is one kernel: it reads x once; the writes are all counted."""
-    x = torch.ones(1000)
+def test_a_fused_chain_reads_only_what_no_elementwise_op_wrote_and_writes_what_is_needed():
+    """Under compile, (x * 2 + 1).exp() is one kernel: it reads x once, and writes only what is needed in memory:
+    what a matmul reads, what autograd keeps (``materialize``), what is alive when the step ends (``flush``)."""
+    x, w = torch.ones(10, 100), torch.ones(100, 10)
     with StepCounts(4, "data_parallel", fused=True) as counts:
-        ((x * 2) + 1).exp()
-    assert counts.moved_bytes == 4_000 + 3 * 4_000
+        y = ((x * 2) + 1).exp()  # reads x: 4,000 B; its two intermediates die in registers
+        assert counts.moved_bytes == 4_000
+        y @ w  # the matmul reads y from memory: the chain wrote it (4,000 B); the matmul's bytes are its kernel's
+        assert counts.moved_bytes == 2 * 4_000
+        kept = y.sin()  # reads nothing from memory (y is the chain's); written only once something needs it
+        counts.materialize(kept)  # autograd keeps it for backward: 4,000 B
+        counts.materialize(kept)  # once
+        alive = kept.cos()  # alive at the step's end: 4,000 B
+        counts.flush()
+    assert counts.moved_bytes == 4 * 4_000 and alive.numel() == 1000
     with StepCounts(4, "data_parallel") as eager:
         ((x * 2) + 1).exp()
     assert eager.moved_bytes == 3 * (4_000 + 4_000)
@@ -123,6 +133,8 @@ def test_each_kernel_is_the_longer_of_its_arithmetic_and_its_bytes():
     assert kernel_seconds(ragged, CLUSTER) == pytest.approx(0.02 / 0.6)
     skinny = Kernel("matmul", 10**9, 10**9, tiles=10)  # 2e-5 s of arithmetic, 1e9 / 8e11 = 1.25e-3 s of bytes
     assert kernel_seconds(skinny, CLUSTER) == pytest.approx(1.25e-3)
+    # Float8: its own share (40%) of the FP8 peak (200 TFLOPS): 1e12 / 8e13 over its two whole waves.
+    assert kernel_seconds(Kernel("float8_matmul", 10**12, 10**8, tiles=20), CLUSTER) == pytest.approx(0.0125)
     # Causal attention: half the counted products at 25% of the peak, half the exponentials at 2e12 a second.
     attention = Kernel("attention", 10**12, 10**6, exponentials=10**10, causal=True)
     assert kernel_seconds(attention, CLUSTER) == pytest.approx(0.5e12 / 2.5e13 + 0.5e10 / 2e12)

@@ -278,8 +278,13 @@ class StepCounts(TorchDispatchMode):
     what a send sends; a receive is the other end of a send).
 
     ``fused`` counts as ``torch.compile`` runs a step: a chain of elementwise ops (any op but a matmul, attention or
-    a collective) is one kernel, so an op does not read again what another such op wrote; every write is still
-    counted (which intermediate a fused kernel keeps in registers is the compiler's choice)."""
+    a collective) is one kernel, so an op does not read again what another such op wrote, and what it writes stays
+    in registers unless something needs it in memory: a matmul, attention kernel or collective that reads it,
+    autograd saving it for backward (``materialize``, from the simulation's pack hook), or its being alive when the
+    step ends (the weights and optimizer state an update writes; ``flush``). Inductor writes a fused kernel's
+    outputs that are read outside it, and no other. So torchao's Float8 casts (a largest magnitude, a scale, a
+    scaled cast) write only their float8 result, as Inductor's fused casts do. ``fused`` may change during a step:
+    a simulation sets it while a compiled block runs (``project.plan.simulate``), the rest staying eager."""
 
     def __init__(
         self, devices_per_node: int, world_dim: str, fake_mode: FakeTensorMode | None = None, fused: bool = False
@@ -297,6 +302,8 @@ class StepCounts(TorchDispatchMode):
         self.collectives: Counter[str] = Counter()
         self.collective_calls: Counter[str] = Counter()
         self._elementwise_outputs: weakref.WeakSet = weakref.WeakSet()  # storages a fusible op wrote (``fused``)
+        # Of those, the bytes not yet counted as written: a fused kernel's output nothing has needed in memory yet
+        self._unwritten: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if any(issubclass(kind, DTensor) for kind in types):
@@ -311,6 +318,7 @@ class StepCounts(TorchDispatchMode):
                 group = _process_group(func, args, kwargs)
                 link = group_link(COLLECTIVES[packet.__name__], group, self.devices_per_node, self.world_dim)
                 tensors = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
+                self.materialize(tensors)
                 self.collectives[link.key] += max((t.numel() * t.element_size() for t in tensors), default=0)
                 self.collective_calls[link.key] += 1
         elif self._on_step_tensors(args, kwargs):
@@ -322,6 +330,7 @@ class StepCounts(TorchDispatchMode):
         return out
 
     def _count_compute(self, func: Any, packet: Any, formula: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        self.materialize(tree_leaves((args, kwargs)))
         flops = formula(*args, **kwargs, out_val=out)
         self.flops += flops
         if RECOMPUTING.get():
@@ -351,11 +360,29 @@ class StepCounts(TorchDispatchMode):
         inputs = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
         if func._overloadpacket is aten.copy_:
             inputs = inputs[1:]
-        if self.fused:
-            inputs = [item for item in inputs if item.untyped_storage() not in self._elementwise_outputs]
-        self.moved_bytes += _bytes(inputs) + _bytes(outputs)
-        if self.fused:
-            self._elementwise_outputs.update(item.untyped_storage() for item in outputs)
+        if not self.fused:
+            self.materialize(inputs)  # an eager op reads a compiled block's output from memory
+            self.moved_bytes += _bytes(inputs) + _bytes(outputs)
+            return
+        self.moved_bytes += _bytes([item for item in inputs if item.untyped_storage() not in self._elementwise_outputs])
+        for item in outputs:
+            storage = item.untyped_storage()
+            self._elementwise_outputs.add(storage)
+            self._unwritten[storage] = self._unwritten.get(storage, 0) + _bytes([item])
+
+    def materialize(self, tensors: Any) -> None:
+        """Count as written what a fused kernel wrote of ``tensors`` and has not been counted yet: something
+        needs it in memory (``fused``)."""
+        for item in tree_leaves(tensors):
+            if isinstance(item, DTensor):  # saved for backward under tensor parallelism: this rank's part
+                item = item._local_tensor
+            if isinstance(item, torch.Tensor):
+                self.moved_bytes += self._unwritten.pop(item.untyped_storage(), 0)
+
+    def flush(self) -> None:
+        """Count as written every fused kernel's output still alive: the step is over (``fused``)."""
+        self.moved_bytes += sum(self._unwritten.values())
+        self._unwritten.clear()
 
     def _on_step_tensors(self, args: tuple, kwargs: dict) -> bool:
         """Whether an op computes on the step's own tensors: not on fake tensors of another mode, which DTensor

@@ -34,6 +34,7 @@ class Cluster:
     intra_node_gb_per_s: PositiveFloat
     inter_node_gb_per_s: PositiveFloat
     matmul_efficiency: Efficiency
+    float8_matmul_efficiency: Efficiency
     attention_efficiency: Efficiency
     bandwidth_efficiency: Efficiency
 

@@ -119,9 +119,10 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         grad_buffers: list[torch.Tensor] = []
         # Counted: the forward and backward (what a run's training_step and backward run); not the optimizer's
         # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
-        counts = StepCounts(job.devices, world_dim, fake_mode, fused=job.model.compile)
+        counts = StepCounts(job.devices, world_dim, fake_mode)
         activations: int | None = None
-        with tracker, _dtensor_shapes_inferred_apart():
+        compiled = _fused_in_blocks(net, counts) if job.model.compile else nullcontext()
+        with tracker, _dtensor_shapes_inferred_apart(), compiled:
             try:
                 if work.extra_buffer_bytes:
                     held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
@@ -143,6 +144,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
                     )
                     counts.counting_collectives = False  # the optimizer's bytes, for the step's time
                     optimizer.step()
+                    counts.flush()
             except OverCapacity:  # it does not fit, whatever the rest of the step holds
                 pass
             comm_bytes = _storage_bytes(held + input_buffers + grad_buffers)
@@ -172,6 +174,49 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         collectives={kind: counted[kind] for kind in sorted(counted) if counted[kind]},
         collective_calls={kind: calls[kind] for kind in sorted(calls) if counted[kind]},
     )
+
+
+@contextmanager
+def _fused_in_blocks(net: nn.Module, counts: StepCounts) -> Iterator[None]:
+    """While inside: ``counts`` counts the blocks' forward and backward as compiled (``StepCounts.fused``), as
+    ``model.compile`` compiles them (``compile_blocks``), and the rest (embedding, head, loss, optimizer) as eager.
+    Forward: a block's hooks around its forward. Backward: a block's starts when its output's gradient is computed
+    and ends when its input's is; between two blocks, the one tensor is the first's output and the second's input,
+    so a depth (+1 at an output, -1 at an input) stays inside from the last block's output to the first's input."""
+    depth = 0
+
+    def enter(*_: Any) -> None:
+        nonlocal depth
+        depth += 1
+        counts.fused = depth > 0
+
+    def leave(*_: Any) -> None:
+        nonlocal depth
+        depth -= 1
+        counts.fused = depth > 0
+
+    def before(block: nn.Module, args: tuple) -> None:
+        for item in args:
+            if isinstance(item, torch.Tensor) and item.requires_grad:
+                item.register_hook(leave)
+        enter()
+
+    def after(block: nn.Module, args: tuple, output: Any) -> None:
+        leave()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(enter)
+
+    handles = [
+        hook
+        for block in getattr(net, "blocks", [])
+        for hook in (block.register_forward_pre_hook(before), block.register_forward_hook(after))
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        counts.fused = False
 
 
 @contextmanager
@@ -216,6 +261,7 @@ def _step(
         zero_grad()
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
+        counts.materialize(tensor)  # kept for backward: in memory, written by a fused kernel too
         if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):  # a linear saves W.T
             # A tensor-parallel activation is a DTensor: its bytes are this rank's part (its local tensor).
             storage = (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()

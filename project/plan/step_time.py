@@ -10,9 +10,11 @@ The model, per device of the plan:
   multiprocessors its last wave of 128 x 128 output tiles keeps busy: small matmuls and narrow shards run further
   from peak) or ``attention_efficiency`` for attention (a causal kernel computes half the products torch's formula
   counts);
+- each Float8 matmul (``torch._scaled_mm``): as a matmul, at ``float8_matmul_efficiency`` of the FP8 peak;
 - every other op (norms, activations, residual adds, softmax, casts, the optimizer): its bytes over the memory
-  bandwidth; under ``model.compile`` an elementwise chain reads only its inputs (``StepCounts.fused``);
-- the bandwidth is the datasheet's times ``bandwidth_efficiency``. The three efficiencies are the same for every
+  bandwidth; under ``model.compile`` an elementwise chain of a block reads only its inputs and writes only what
+  something needs in memory (``StepCounts.fused``);
+- the bandwidth is the datasheet's times ``bandwidth_efficiency``. The four efficiencies are the same for every
   GPU (``conf/step_time/roofline.yaml``): what differs between GPUs comes from their datasheets;
 - each collective: NCCL's ring latency (``ring_latency``, NCCL's own tuning model) plus the bytes a rank puts on
   the wire (an all-gather or reduce-scatter of S bytes over n ranks sends S(n-1)/n, an all-reduce twice that; a
@@ -25,8 +27,8 @@ The model, per device of the plan:
 - a pipeline's idle share (its bubble, ``Layout.bubble_fraction``) stretches the slowest stage.
 
 The step is the slowest device's. What it leaves out: the host's time to launch kernels (a small model's step can
-be shorter than that: docs/gpu.md), contention between overlapped collectives and compute, and which intermediate
-a compiled kernel never writes.
+be shorter than that: docs/gpu.md), contention between overlapped collectives and compute, and where Inductor cuts
+a fused chain in more kernels than needed.
 """
 
 import math
@@ -106,11 +108,12 @@ def wave_share(tiles: int, multiprocessors: int) -> float:
 
 
 def _arithmetic_seconds(kernel: Kernel, cluster: Cluster) -> float:
-    """A kernel's arithmetic with its multiprocessors all busy: matmuls at ``matmul_efficiency``; attention's
+    """A kernel's arithmetic with its multiprocessors all busy: matmuls at ``matmul_efficiency`` (Float8's at
+    ``float8_matmul_efficiency`` of the FP8 peak); attention's
     products at ``attention_efficiency`` (a causal kernel's half of them) and its exponentials at the special-function
     units' rate."""
     if kernel.kind == "float8_matmul":
-        return kernel.flops / cluster.matmul_efficiency / float8_flops_per_s(cluster)
+        return kernel.flops / cluster.float8_matmul_efficiency / float8_flops_per_s(cluster)
     if kernel.kind != "attention":
         return kernel.flops / cluster.matmul_efficiency / flops_per_s(cluster)
     done = 2 if kernel.causal else 1
