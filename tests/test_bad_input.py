@@ -633,6 +633,7 @@ CLI_CASES = [
     ("export", ["{mlp_ckpt}", "{out}"], "checkpoint: holds a model of class MLP; Hugging Face model dirs hold"),
     ("export", ["{files}/lonely.ckpt", "{out}"], "--config: is not given, and "),
     ("export", ["{mlp_ckpt}", "{out}", "--adapter"], "--adapter: the run trained no LoRA adapters"),
+    ("export", ["{gpt_lora_ckpt}", "{files}/chat/model"], "out: {files}/chat/model holds files an export did not"),
     (
         "export",
         ["{gpt_lora_ckpt}", "{out}", "--adapter"],

@@ -4,6 +4,7 @@ trained and in the optimizer. (Every strategy's per-epoch numbers against peft's
 test_reference.py.)"""
 
 import json
+import shutil
 import sys
 
 import pytest
@@ -195,12 +196,32 @@ def test_a_llama_lora_run_exported_merged_and_as_a_peft_adapter_gives_its_val_lo
     assert transformers_val_loss(adapted, overrides) == pytest.approx(run_loss, rel=1e-5)
     untouched = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()  # peft adapted `base`
     assert transformers_val_loss(untouched, overrides) != pytest.approx(run_loss, rel=1e-3)  # the adapters count
+    # Nothing export did not write is replaced: not the run's own base (whose weights the adapters build on), not a
+    # dir of another tool's files unless --replace says so; its own dir again needs no flag.
+    export = [sys.executable, "-m", "project.cli.export", checkpoint]
+    weights = (tmp_path / "hf" / "model.safetensors").read_bytes()
+    result = run_command([*export, str(tmp_path / "hf")], home)
+    assert (
+        result.returncode == 1 and f"out: {tmp_path / 'hf'} is the run's base model (model.init_from)" in result.output
+    )
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == weights
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "config.json").write_text("{}")
+    result = run_command([*export, str(tmp_path / "notes")], home)
+    assert result.returncode == 1 and "holds files an export did not write (config.json)" in result.output
+    assert "add --replace" in result.output and (tmp_path / "notes" / "config.json").read_text() == "{}"
+    assert run_command([*export, str(tmp_path / "notes"), "--replace"], home).returncode == 0
+    assert run_command([*export, str(tmp_path / "merged")], home).returncode == 0
     # The checkpoint holds the adapters alone: a base dir rewritten with other weights is refused, not merged into.
     torch.manual_seed(1)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).save_pretrained(tmp_path / "hf")
     result = run_command([sys.executable, "-m", "project.cli.export", checkpoint, str(tmp_path / "again")], home)
     assert result.returncode == 1 and "model.init_from: gives a base (weights " in result.output, result.output
     assert "other than the one the checkpoint's adapters were trained on" in result.output
+    shutil.rmtree(tmp_path / "hf")  # a base gone since training: named, not a traceback
+    result = run_command([*export, str(tmp_path / "again")], home)
+    assert result.returncode == 1 and "Traceback" not in result.output, result.output
+    assert "model.init_from: is " in result.output and "which holds no model now" in result.output, result.output
 
 
 def test_plan_search_with_lora_ranks_every_layout_tensor_parallel_ones_included(tmp_path, home):

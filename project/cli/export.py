@@ -11,6 +11,11 @@ A run with LoRA (``model.lora``) is exported merged: each adapted weight becomes
 ``--adapter`` (Llama), the adapters alone are written as a ``peft`` adapter dir instead (``adapter_config.json`` and
 ``adapter_model.safetensors``), which ``peft.PeftModel.from_pretrained(<base model>, <out dir>)`` loads onto the
 base model (``model.init_from``'s dir).
+
+Nothing is overwritten that export did not write: the run's own base (``model.init_from``) is refused as the out dir
+(the run's adapters, and its resumes, are of those weights), and so is a dir holding files another tool wrote,
+unless ``--replace`` says to write over them. An export lists what it wrote in ``EXPORTED`` (``.exported.json``), so
+that exporting into the same dir again needs no flag.
 """
 
 import argparse
@@ -36,15 +41,53 @@ from project.models.lora import is_adapter
 from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
 
+# What an export wrote in its dir, by name: another export may write over those files, and no other.
+EXPORTED = ".exported.json"
+
+
+def check_destination(cfg: DictConfig, out: Path, replace: bool) -> None:
+    """``ConfigError`` for an out dir whose files an export would replace but did not write: the run's base model
+    (always), or a dir holding other files (unless ``replace``); and for one that cannot be written."""
+    check_writable("out", out, "give a dir you can write.")
+    base = OmegaConf.select(cfg, "model.init_from")
+    if base is not None and out.is_dir() and Path(base).is_dir() and out.samefile(base):
+        raise ConfigError(
+            "out",
+            f"{out} is the run's base model (model.init_from): its weights would be replaced by the fine-tuned ones, "
+            "and the run's checkpoints, which build on the base, could not be used again.",
+            f"export to a dir of its own, e.g. {out.with_name(out.name + '-finetuned')}.",
+        )
+    if not out.is_dir() or replace:
+        return
+    ours = set(json.loads((out / EXPORTED).read_text())["files"]) if (out / EXPORTED).is_file() else set()
+    others = sorted(path.name for path in out.iterdir() if path.name not in ours | {EXPORTED})
+    if others:
+        listed = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+        raise ConfigError(
+            "out",
+            f"{out} holds files an export did not write ({listed}), which this one would replace or mix with.",
+            "give a new or empty dir, or add --replace to write over them.",
+        )
+
+
+def record_exported(out: Path, files: list[str]) -> None:
+    with written(out / EXPORTED, "export record", EXPORT_AGAIN) as partial:
+        partial.write_text(json.dumps({"files": sorted(files)}, indent=1) + "\n")
+
 
 def export(
-    checkpoint: str | Path, out: str | Path, config: str | Path | None = None, dtype: torch.dtype = torch.float32
+    checkpoint: str | Path,
+    out: str | Path,
+    config: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    replace: bool = False,
 ) -> tuple[Path, list[str]]:
     """The model of ``checkpoint`` as a Hugging Face dir ``out``, with the run's tokenizer (``export_tokenizer``:
     the dir and its tokenizer files' names); ``ConfigError`` naming the argument to fix (before anything is written)
-    for a checkpoint, config or model it cannot export."""
+    for a checkpoint, config, model or out dir it cannot export (``check_destination``)."""
     cfg = checkpoint_and_config(str(checkpoint), None if config is None else str(config))
-    check_writable("out", out, "give a dir you can write.")
+    out = Path(out)
+    check_destination(cfg, out, replace)
     net_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.model.net, resolve=True))
     with torch.device("meta"):
         net: nn.Module = instantiate(net_cfg)
@@ -65,10 +108,14 @@ def export(
             "pass the job's own config with --config <job dir>/config.yaml.",
         )
     write_hf_dir(state, net, net_cfg, out, dtype)
-    return Path(out), export_tokenizer(cfg, Path(out))
+    tokenizer = export_tokenizer(cfg, out)
+    record_exported(out, ["config.json", "model.safetensors", *tokenizer])
+    return out, tokenizer
 
 
-def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path | None = None) -> Path:
+def export_adapter(
+    checkpoint: str | Path, out: str | Path, config: str | Path | None = None, replace: bool = False
+) -> Path:
     """The LoRA adapters of ``checkpoint`` as a ``peft`` adapter dir ``out``, in transformers' names."""
     cfg = checkpoint_and_config(str(checkpoint), None if config is None else str(config))
     lora = trained_lora(cfg)
@@ -85,7 +132,8 @@ def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path |
     if base is not None and (Path(base) / "config.json").is_file() and family_of(read_config(base)).fused:
         # Phi-3 fuses q, k and v (and gate and up) as GPT-2 does: peft adapts its fused layers, not their parts.
         raise ConfigError("--adapter", f"the run's base, {base}, fuses the layers adapted.", "export it merged.")
-    check_writable("out", out, "give a dir you can write.")
+    out = Path(out)
+    check_destination(cfg, out, replace)
     adapters = {name: value for name, value in model_state(checkpoint).items() if is_adapter(name)}
     tensors, targets = {}, set()
     for name, value in adapters.items():
@@ -105,11 +153,11 @@ def export_adapter(checkpoint: str | Path, out: str | Path, config: str | Path |
         "fan_in_fan_out": False,
         "inference_mode": True,
     }
-    out = Path(out)
     with written(out / "adapter_model.safetensors", "adapter weights", EXPORT_AGAIN) as partial:
         save_file(tensors, partial, metadata={"format": "pt"})
     with written(out / "adapter_config.json", "adapter config", EXPORT_AGAIN) as partial:
         partial.write_text(json.dumps(settings, indent=2) + "\n")
+    record_exported(out, ["adapter_model.safetensors", "adapter_config.json"])
     return out
 
 
@@ -157,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         "--adapter", action="store_true", help="write a LoRA run's adapters alone, as a peft adapter dir (Llama)"
     )
     parser.add_argument(
+        "--replace", action="store_true", help="write over files in the out dir that an export did not write"
+    )
+    parser.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         default="float32",
@@ -164,10 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     if args.adapter:
-        out = export_adapter(args.checkpoint, args.out, args.config)
+        out = export_adapter(args.checkpoint, args.out, args.config, args.replace)
         print(f"Wrote {out}: adapter_config.json, adapter_model.safetensors (peft.PeftModel.from_pretrained)")
         return
-    out, tokenizer = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype))
+    out, tokenizer = export(args.checkpoint, args.out, args.config, getattr(torch, args.dtype), args.replace)
     files = ", ".join(["config.json", "model.safetensors", *tokenizer])
     none = "" if tokenizer else " (no tokenizer: the run's data has none, its token ids are bytes or synthetic)"
     print(f"Wrote {out}: {files}{none}")

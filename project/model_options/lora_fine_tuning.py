@@ -9,6 +9,7 @@ resumed run, ``export`` and ``generate`` never put them on another.
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -128,7 +129,16 @@ class LoRAFineTuning(ModelOption):
         return f"{base} in NF4" if self.quantize_base else base
 
     def check_base(self, saved: str | None, weights: InitialWeights) -> None:
-        """``ConfigError`` when the base a checkpoint's adapters were trained on (``saved``) is not this one."""
+        """``ConfigError`` when the base a checkpoint's adapters were trained on (``saved``) is not this one, or is
+        gone."""
+        if weights.init_from and not Path(weights.init_from, "config.json").is_file():
+            raise ConfigError(
+                "model.init_from",
+                f"is {weights.init_from}, which holds no model now: the checkpoint holds the adapters alone, trained "
+                f"on the base there{f' ({saved})' if saved else ''}.",
+                "put the base model dir back where it was, or give the job's config (--config) a model.init_from "
+                "where it is now.",
+            )
         here = self.base(weights)
         if saved is not None and saved != here:
             raise ConfigError(
