@@ -79,8 +79,23 @@ def concurrent_jobs() -> int:
 
 def threads_per_process(processes: int) -> int:
     """The cores this process may use (a SLURM allocation's, or the machine's) split evenly between the processes
-    of every job running at once."""
-    return max(1, len(os.sched_getaffinity(0)) // (processes * concurrent_jobs()))
+    of every job running at once, and no more than the cores the machine's other work leaves idle (its load
+    average): torch's OpenMP threads wait for each other by spinning, so on a busy machine more threads than idle
+    cores spin against the other work (the default run's epoch took 70 s at load 8 on 2 cores with 2 threads,
+    3.8 s with 1, against 0.38 s quiet: docs/launching.md)."""
+    cores = len(os.sched_getaffinity(0))
+    idle = round(cores - os.getloadavg()[0])
+    return max(1, min(cores // (processes * concurrent_jobs()), idle))
+
+
+def set_threads(threads: int) -> None:
+    """Train with ``threads`` intra-op threads, said in one line where that is fewer than torch would take."""
+    if threads < torch.get_num_threads():
+        log.info(
+            f"Training with {threads} intra-op thread(s) of {torch.get_num_threads()}: this job's share of the cores "
+            f"the machine leaves idle (load average {os.getloadavg()[0]:.1f}). OMP_NUM_THREADS=N sets them."
+        )
+    torch.set_num_threads(threads)
 
 
 @contextmanager
@@ -283,8 +298,8 @@ def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
         if launch.plan is not None and launch.node.rank == 0:
             write_plan(launch.plan, Path(cfg.paths.output_dir))  # DeviceMemory logs it next to what it measures
     if launch.in_process:
-        if concurrent_jobs() > 1 and "OMP_NUM_THREADS" not in os.environ:
-            torch.set_num_threads(threads_per_process(1))  # this job's share of the cores
+        if "OMP_NUM_THREADS" not in os.environ:
+            set_threads(threads_per_process(1))  # this job's share of the idle cores
         train(cfg)
     else:
         heartbeat_timeout = cfg.strategy.get("heartbeat_timeout")
