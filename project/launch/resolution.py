@@ -91,7 +91,7 @@ def print_memory_plan(cfg: DictConfig) -> None:
     if cfg.plan == "search":
         print(format_search(job, search(job)))
         return
-    plan = plan_memory(job, suggest=job.cluster is None, alternatives=True)
+    plan = plan_memory(job, suggest=job.cluster is None, alternatives=True, progress=True)
     suggest_fastest(plan, job)
     print(format_plan(plan, job))
     if job.cluster is not None:

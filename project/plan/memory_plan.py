@@ -15,6 +15,7 @@ allocator's fragmentation and CUDA's own context (a GPU's real peak is higher th
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from project.accounting.memory_trackers import MB
 from project.config.build import overrides, with_strategy
@@ -69,18 +71,24 @@ class MemoryPlan:
         return {**asdict(self), "peak": self.peak, "fits": self.fits}
 
 
-def simulate_devices(job: Job, stop_above: int | None = None) -> tuple[list[DevicePlan], bool]:
+def simulate_devices(
+    job: Job, stop_above: int | None = None, progress: str | None = None
+) -> tuple[list[DevicePlan], bool]:
     """Each distinct device of the job (``Layout.simulated_devices``) simulated, in order; with ``stop_above``, only
     up to the first moment a device holds more (``simulate``). Returns the devices, and whether the simulation
-    stopped there."""
+    stopped there. With ``progress``, a bar of that title counts the devices simulated and the time taken."""
     world_dim = job.dims.world_dim
     devices: list[DevicePlan] = []
     works = job.layout.simulated_devices(job)
+    bar = tqdm(desc=progress, unit="device", leave=False, disable=progress is None, file=sys.stderr)
     for work in works:
         devices.append(simulate(work, job, world_dim, stop_above))
+        bar.update()
         if stop_above is not None and devices[-1].peak > stop_above:
             works.close()
+            bar.close()
             return devices, True
+    bar.close()
     return devices, False
 
 
@@ -158,24 +166,31 @@ def checkpointing_label(mode: Checkpointing) -> str:
 
 
 def plan_memory(
-    job: Job, suggest: bool = True, alternatives: bool = False, stop_over_capacity: bool = False
+    job: Job,
+    suggest: bool = True,
+    alternatives: bool = False,
+    stop_over_capacity: bool = False,
+    progress: bool = False,
 ) -> MemoryPlan:
     """The job's memory plan: every distinct device simulated (with ``stop_over_capacity``, up to the first moment
     one holds more than the capacity: the plan is then ``partial``); if it does not fit and ``suggest``, the first of
     ``candidate_changes`` that can run and fits; with ``alternatives``, each device's figures with activation
-    checkpointing switched the other way too."""
+    checkpointing switched the other way too. With ``progress``, a bar for each of those simulations."""
     start = time.perf_counter()
     capacity, source = device_capacity(job)
-    devices, partial = simulate_devices(job, capacity if stop_over_capacity else None)
+    title = (lambda what: f"Simulating {what}") if progress else (lambda what: None)
+    devices, partial = simulate_devices(job, capacity if stop_over_capacity else None, title("the config's layout"))
     plan = MemoryPlan(devices, capacity, source, job.activation_checkpointing, job.world_size, partial=partial)
     if alternatives:
-        for device, other in zip(plan.devices, simulate_devices(checkpointing_switched(job))[0]):
+        switched = checkpointing_switched(job)
+        described = title(f"it with activation checkpointing {checkpointing_label(switched.activation_checkpointing)}")
+        for device, other in zip(plan.devices, simulate_devices(switched, progress=described)[0]):
             device.activations_checkpointed, device.peak_checkpointed = other.activations, other.peak
     if suggest and not plan.fits:
         for change, changed in candidate_changes(job):
             if layout_problem(changed) is not None:
                 continue
-            peak = max(device.peak for device in simulate_devices(changed)[0])
+            peak = max(device.peak for device in simulate_devices(changed, progress=title(change))[0])
             plan.alternatives[change] = peak
             if peak <= capacity:
                 plan.suggestion = change
