@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from project.options.log_records import LOG_FILE_ONLY
 from project.options.writes import remove
 
 log = logging.getLogger(__name__)
@@ -103,8 +104,9 @@ class CheckpointWriter:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        if before is not None and not pending.done:
-            log.info(f"Checkpoint {pending.final.name} is still being written; {before.name} waits for it.")
+        if before is not None and not pending.done:  # the normal course at an improving epoch: the log file's
+            message = f"Checkpoint {pending.final.name} is still being written; {before.name} waits for it."
+            log.info(message, extra=LOG_FILE_ONLY)
         pending.wait()
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ The workers see torchelastic's environment, so Lightning joins them into one pro
 
 import atexit
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -84,7 +85,7 @@ def threads_per_process(processes: int) -> int:
     cores spin against the other work (the default run's epoch took 70 s at load 8 on 2 cores with 2 threads,
     3.8 s with 1, against 0.38 s quiet: docs/launching.md)."""
     cores = len(os.sched_getaffinity(0))
-    idle = round(cores - os.getloadavg()[0])
+    idle = math.ceil(cores - os.getloadavg()[0])  # a core counts as busy once its whole share is
     return max(1, min(cores // (processes * concurrent_jobs()), idle))
 
 

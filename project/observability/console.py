@@ -2,6 +2,7 @@
 finished job's results went."""
 
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -50,14 +51,36 @@ def print_config_tree(cfg: DictConfig) -> None:
     rich.print(tree)
 
 
+# Lightning's start-up lines that say nothing about this job: which accelerators it did not find, an advert, the
+# summary callback it keeps, each rank's joining the group and, but rank 0's, its seed (the same on every rank).
+# The job's log file has them; the console does not.
+LIGHTNING_BOILERPLATE = re.compile(
+    r"(GPU available:|TPU available:|💡 Tip:|Trainer already configured with model summary|Initializing distributed:"
+    r"|\[rank: [1-9]\d*\] Seed set to)"
+)
+
+
+class LogFileOnly(logging.Filter):
+    """On a console handler: drops the records marked ``LOG_FILE_ONLY`` (``project.options.log_records``) and
+    Lightning's ``LIGHTNING_BOILERPLATE``, which other handlers (the job's log file) keep."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        boilerplate = record.name.startswith("lightning") and LIGHTNING_BOILERPLATE.match(record.getMessage())
+        return not (boilerplate or getattr(record, "log_file_only", False))  # LOG_FILE_ONLY's mark
+
+
 def lightning_logs_through_root() -> None:
     """``import lightning`` gives its loggers console handlers of their own ("lightning.pytorch" and
     "lightning.fabric" stop propagating); drop them, so that Lightning's records reach the root logger's handlers
-    (the console and the job's log file) once."""
+    (the console and the job's log file) once, its boilerplate the log file only."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+    for handler in logging.getLogger().handlers:
+        is_console = isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
+        if is_console and not any(isinstance(existing, LogFileOnly) for existing in handler.filters):
+            handler.addFilter(LogFileOnly())
 
 
 def program(name: str) -> str:

@@ -144,7 +144,9 @@ class EpochWandbLogger(WandbLogger):
     ) -> None:
         import wandb  # here, not at the top: a run with other loggers does not pay its import (~0.6 s)
 
-        settings = wandb.Settings(init_timeout=init_timeout_s)
+        # quiet: W&B's own lines at start and its history and summary at the end (a third of a default run's
+        # console) stay off the console; the job's outputs list says where the run is and how to upload it.
+        settings = wandb.Settings(init_timeout=init_timeout_s, quiet=True)
         super().__init__(mode=resolve_wandb_mode(mode), settings=settings, **kwargs)
         # Lightning 2.6 always passes `anonymous`, which wandb 0.31 deprecated with a warning on every run.
         self._wandb_init.pop("anonymous", None)

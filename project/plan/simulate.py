@@ -98,6 +98,10 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         # torchao's NF4 (QLoRA's base) checks FSDP's gathered buffers by their data pointers, which fake tensors
         # have none of (they compare equal, and torch warns).
         warnings.filterwarnings("ignore", "Accessing the data pointer of FakeTensor", UserWarning)
+        # FSDP2 warns when a module it wraps returns a view (an in-place op on it would skip the module's gradient
+        # hook). The simulation's pipeline stages and their embedding and head under FSDP return views of its fake
+        # buffers; nothing changes them in place, and real runs of those layouts print no such warning.
+        warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor", UserWarning)
         allocate(net, torch.device("cpu"))
         optimizer = module.new_optimizer()
         # As after a first step: the optimizer's state (a step on zero gradients makes it, without a forward) and
