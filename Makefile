@@ -36,9 +36,11 @@ $(BIN)/python:
 # replace it (constraints.txt pins no torch). Its installed version, not torch.__version__: PyPI's CUDA wheels are
 # 2.11.0 to pip but say 2.11.0+cu130 at run time.
 $(VENV)/.installed: $(BIN)/python pyproject.toml constraints.txt
+	@echo "make install: torch ($(TORCH_SPEC), unless $(VENV) has one): a minute or two"
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(PIP_TORCH_ARGS) "$(TORCH_SPEC)"
 	$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
 	  > $(VENV)/torch-installed.txt
+	@echo "make install: the project and its pinned dependencies (constraints.txt): a few minutes on a first install"
 	$(BIN)/pip install -q -c constraints.txt -c $(VENV)/torch-installed.txt -e ".[dev]"
 	touch $@
 

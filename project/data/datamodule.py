@@ -22,7 +22,7 @@ class InMemoryDataModule(L.LightningDataModule):
     """Subclasses build ``self.train_set`` and ``self.val_set`` in ``setup``, datasets indexed by a list of indices
     that return that batch (as ``TensorDataset`` is); this class batches them.
 
-    ``batch_size`` is per data-parallel replica (seed 000: "keep batch size per GPU the same"), so the global
+    ``batch_size`` is per data-parallel replica (the tutorial's rule: "keep batch size per GPU the same"), so the global
     batch is ``batch_size`` times the data-parallel replicas (devices x nodes for DDP and FSDP).
     """
 

@@ -1,6 +1,6 @@
 """The seeds' ``LargeModel``: a stack of Linear layers with ReLU between them, as an ordered block sequence.
 
-``MLP(10000, [5000, 1000], 10)`` is exactly seed 000's model (Linear 10000→5000→1000→10 with ReLU).
+``MLP(10000, [5000, 1000], 10)`` is exactly the tutorial's LargeModel (Linear 10000→5000→1000→10 with ReLU).
 """
 
 import math

@@ -26,15 +26,23 @@ def print_job_summary(job: Job, cfg: DictConfig) -> None:
     dims = job.dims
     split = [
         f"{name} {size}"
-        for name, size in (("pipeline", dims.pipeline), ("tensor parallel", dims.tensor_parallel))
+        for name, size in (
+            ("pipeline", dims.pipeline),
+            ("tensor parallel", dims.tensor_parallel),
+            ("expert parallel", dims.expert_parallel),
+        )
         if size > 1
     ]
     layout = ", ".join([f"data parallel {dims.data_parallel}", *split])
+    evaluating = cfg.get("mode") == "eval"
+    weights = job.ckpt_path or OmegaConf.select(cfg, "model.init_from")  # mode=eval's: a checkpoint or a HF dir
+    work = f"one pass over the validation set with {weights}" if evaluating else f"{cfg.trainer.max_epochs} epoch(s)"
     print(
-        f"Job: model={job.model.name} ({parameters:,} parameters), strategy={job.strategy_name} ({layout}) on "
-        f"{job.devices} device(s) x {job.nodes} node(s), precision {job.precision}\n"
+        f"{'Evaluation' if evaluating else 'Job'}: model={job.model.name} ({parameters:,} parameters), "
+        f"strategy={job.strategy_name} ({layout}) on {job.devices} device(s) x {job.nodes} node(s), precision "
+        f"{job.precision}\n"
         f"  data={cfg.choices.get('data')}: {job.batch_size} per replica, a global batch of {job.global_batch}, "
-        f"{cfg.trainer.max_epochs} epoch(s)\n"
+        f"{work}\n"
         f"  the whole config: {cfg.paths.output_dir}/config.yaml, or print_config=full",
         flush=True,
     )
