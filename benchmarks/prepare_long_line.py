@@ -42,7 +42,8 @@ def main() -> None:
         corpus.mkdir()
         write_line(corpus / "one_line.txt", args.megabytes)
         command = [sys.executable, "-m", "project.cli.prepare", str(corpus), "--out", str(out)]
-        command += ["--vocab-size", str(args.vocab_size)]
+        # One document goes to one split whole: the line is all training text (a held-out split needs others).
+        command += ["--vocab-size", str(args.vocab_size), "--val-fraction", "0"]
         start = time.perf_counter()
         subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         seconds = time.perf_counter() - start

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import REPO, PreloadedRun, isolated_env, kill_process_tree, require_extra, resize, train
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
 import project.cli.prepare
 from project.checkpointing.files import META_FILE
-from project.cli.prepare import input_files, is_validation, pieces, prepare
+from project.cli.prepare import bpe_pre_tokenizer, input_files, is_validation, pieces, prepare
 from project.data.sampling import EpochShuffle, GlobalBatchSampler
 from project.data.shards import HEADER_BYTES, ShardsDataModule, read_shard
 from project.options.errors import ConfigError
@@ -59,7 +59,7 @@ def test_a_trained_byte_level_bpe_gives_back_every_document(corpus, tmp_path):
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     files = input_files([corpus])
     assert [path.name for path in files] == [*sorted(p.name for p in STDLIB_JSON.glob("*.py")), "notes.jsonl"]
-    read = list(pieces(files, "text"))
+    read = list(pieces(files, "text", bpe_pre_tokenizer()))
     assert all(last for _, last in read)  # no document longer than a piece: each whole, as it is in its file
     texts = [text for text, _ in read]
     for split in ("train", "val"):
@@ -78,29 +78,91 @@ def test_a_trained_byte_level_bpe_gives_back_every_document(corpus, tmp_path):
         read_shard(first)
 
 
-def test_a_long_line_is_cut_into_pieces_that_the_splits_share(tmp_path, monkeypatch):
-    """One document of one line, 40 times a piece: read in pieces cut before a whitespace, spread over both
-    splits, each split's runs of consecutive pieces decoded back to their text, a separator after each run."""
-    monkeypatch.setattr(project.cli.prepare, "PIECE_CHARS", 500)
-    text = " ".join(f"word{i % 97}x{i}" for i in range(2000))
-    (tmp_path / "one_line.txt").write_text(text)
-    read = list(pieces([tmp_path / "one_line.txt"], "text"))
-    assert "".join(piece for piece, _ in read) == text and [last for _, last in read] == [False] * (len(read) - 1) + [
-        True
-    ]
-    assert len(read) >= 40 and all(len(piece) <= 500 for piece, _ in read)
-    assert all(piece.startswith(" ") for piece, _ in read[1:])  # cut before a space: the next word keeps its own
-    out = tmp_path / "out"
-    meta = prepare([tmp_path / "one_line.txt"], out, vocab_size=400, shard_tokens=5000, val_fraction=0.2)
+# Llama 3's pre-tokenizer pattern (its tokenizer.json): numbers in threes, a newline run with the spaces before it,
+# and a run of spaces before a word giving the word its last one (a boundary that depends on what follows).
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+
+def llama3_like_tokenizer(texts: list[str], path: Path) -> Path:
+    """A byte-level BPE with Llama 3's pre-tokenizer, trained on ``texts``, saved as a tokenizer.json."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"), pre_tokenizers.ByteLevel(use_regex=False)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|end_of_text|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.save(str(path))
+    return path
+
+
+def documents_of(sizes: list[int]) -> list[str]:
+    """Documents of about ``sizes`` characters: Python's json sources again and again (indentation, blank lines,
+    numbers, runs of spaces), each starting at another file."""
+    sources = [path.read_text() for path in sorted(STDLIB_JSON.glob("*.py"))]
+    documents = []
+    for number, size in enumerate(sizes):
+        text, index = "", number
+        while len(text) < size:
+            text += sources[index % len(sources)] + f"\n\n# {number} {size}   spaces\t\t\n"
+            index += 1
+        documents.append(text[:size])
+    return documents
+
+
+def assert_each_document_tokenized_whole(out: Path, documents: list[str], val_fraction: float) -> None:
+    """Each split holds its documents, and no other, each as the tokenizer encodes it whole, then the separator."""
+    meta = json.loads((out / "meta.json").read_text())
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     for split in ("train", "val"):
-        runs: list[str] = []
-        for index, (piece, _) in enumerate(read):
-            if is_validation(index, 0.2) == (split == "val"):
-                follows = index > 0 and is_validation(index - 1, 0.2) == (split == "val")
-                runs[-1:] = [runs[-1] + piece] if follows else [*runs[-1:], piece]
-        assert len(runs) > 2
-        assert decoded_documents(split_tokens(out, split), tokenizer, meta["separator"]["id"]) == runs
+        tokens = split_tokens(out, split)
+        ends = np.flatnonzero(tokens == meta["separator"]["id"])
+        got = [tokens[start:end].tolist() for start, end in zip(np.concatenate([[0], ends[:-1] + 1]), ends)]
+        expected = [
+            tokenizer.encode(text, add_special_tokens=False).ids
+            for index, text in enumerate(documents)
+            if is_validation(index, val_fraction) == (split == "val")
+        ]
+        assert len(got) == len(expected) > 0, split
+        for index, (ours, theirs) in enumerate(zip(got, expected)):
+            assert ours == theirs, f"{split} document {index}: tokens differ from the tokenizer's"
+
+
+@pytest.mark.parametrize("tokenizer", ["trained", "llama3_like"])
+def test_a_long_document_is_cut_where_the_tokenizer_has_a_boundary_and_kept_in_one_split(
+    tokenizer, tmp_path, monkeypatch
+):
+    """Documents of 1 to 60 pieces (pieces of 500 characters here), as a .jsonl and as one long line: each
+    piece is cut where the tokenizer's pre-tokenizer begins a word, so the prepared tokens equal the tokenizer's
+    encoding of the whole document, and each document goes to one split, all of it."""
+    monkeypatch.setattr(project.cli.prepare, "PIECE_CHARS", 500)
+    monkeypatch.setattr(project.cli.prepare, "LOOKAHEAD_CHARS", 100)
+    documents = documents_of([300, 2_000, 8_000, 30_000] * 3)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
+    given = None if tokenizer == "trained" else llama3_like_tokenizer(documents[:2], tmp_path / "tokenizer.json")
+    read = list(pieces([tmp_path / "docs.jsonl"], "text", bpe_pre_tokenizer()))
+    assert sum(last for _, last in read) == len(documents) and len(read) > 150 and all(len(p) <= 500 for p, _ in read)
+    out = tmp_path / "out"
+    prepare([tmp_path / "docs.jsonl"], out, tokenizer_path=given, vocab_size=400, shard_tokens=5000, val_fraction=0.3)
+    assert_each_document_tokenized_whole(out, documents, 0.3)
+
+
+@pytest.mark.slow
+def test_documents_of_10_kb_to_5_mb_are_prepared_as_the_tokenizer_encodes_them(tmp_path):
+    """At the real piece size (64 Ki characters), a corpus of documents of 10 KB to 5 MB (text files, read a
+    piece at a time) through Llama 3's pre-tokenizer: every document's tokens are the tokenizer's."""
+    documents = documents_of([10_000, 200_000, 1_000_000, 5_000_000, 50_000, 10_000])
+    for index, text in enumerate(documents):
+        (tmp_path / f"doc{index}.txt").write_text(text)
+    given = llama3_like_tokenizer(documents[:1], tmp_path / "tokenizer.json")
+    out = tmp_path / "out"
+    files = [tmp_path / f"doc{index}.txt" for index in range(len(documents))]
+    prepare(files, out, tokenizer_path=given, shard_tokens=500_000, val_fraction=0.3)
+    assert_each_document_tokenized_whole(out, documents, 0.3)
 
 
 def test_a_given_tokenizer_with_a_large_vocabulary_writes_uint32(tmp_path):

@@ -3,11 +3,12 @@
 
 Inputs: text files (one document each), ``.jsonl`` files (one document per line, its ``--text-key`` field) and
 ``.parquet`` files (the ``--text-key`` column; needs pyarrow), or directories of them, read in sorted order.
-A document longer than ``PIECE_CHARS`` is taken in pieces of about that length, cut before a whitespace (a text
-file is read a piece at a time), so that memory stays bounded whatever the length of a line.
+A document longer than ``PIECE_CHARS`` is taken in pieces of about that length (a text file is read a piece at a
+time), so that memory stays bounded whatever the length of a line. Each cut is where the tokenizer's own
+pre-tokenizer puts a boundary (``pre_tokenize_str``): no token spans one, so the pieces' tokens are the document's.
 The tokenizer is a Hugging Face ``tokenizer.json`` (GPT-2's, Llama 3's...) or, without one, a byte-level BPE
 trained on the corpus with HF ``tokenizers``. Each document is followed by the separator token. A fixed share of
-the pieces (chosen by a hash of their index: whole documents, where none is long) goes to the validation split.
+the documents (chosen by a hash of their index), all their pieces, goes to the validation split.
 Tokens go into fixed-size shards (``project.data.shards``) per split; ``meta.json`` describes them. HF
 ``tokenizers`` encodes batches of pieces on all cores.
 
@@ -39,9 +40,18 @@ from project.options.writes import written
 SEPARATORS = ["<|endoftext|>", "<|end_of_text|>", "</s>"]  # GPT-2's, Llama 3's, Llama 2's and others'
 ENCODE_BATCH = 256  # pieces per call: HF tokenizers spreads a batch over all cores...
 ENCODE_CHARS = 4 * 2**20  # ...and at most this many characters, as its memory grows many times over with them
-# A longer document is tokenized, and shared between the splits, in pieces of about this many characters: HF
-# tokenizers would take gigabytes for one 50 MB line, and a corpus of a single long text needs a validation split.
+# A longer document is tokenized in pieces of about this many characters: HF tokenizers would take gigabytes for one
+# 50 MB line.
 PIECE_CHARS = 2**16
+# Text past a piece's end that its cut is chosen with: a pre-tokenizer's boundary can depend on what follows it
+# (GPT-2's and Llama 3's patterns give a run of spaces before a word all but its last).
+LOOKAHEAD_CHARS = 2**10
+LOOKBACK_CHARS = 2**13  # the end of a piece that its cut is looked for in first (pre-tokenizing all of it is slow)
+
+
+def bpe_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of the byte-level BPE prepare trains (GPT-2's kind)."""
+    return pre_tokenizers.ByteLevel(add_prefix_space=False)
 
 
 def _skipped(relative: Path) -> bool:
@@ -94,15 +104,17 @@ def input_files(paths: list[Path]) -> list[Path]:
     return files
 
 
-def pieces(files: list[Path], text_key: str) -> Iterator[tuple[str, bool]]:
-    """Every document of the corpus in a fixed order, in pieces of at most ``PIECE_CHARS`` characters, each with
-    whether it ends its document; a text file is read a piece at a time."""
+def pieces(
+    files: list[Path], text_key: str, pre_tokenizer: pre_tokenizers.PreTokenizer | None
+) -> Iterator[tuple[str, bool]]:
+    """Every document of the corpus in a fixed order, in pieces of at most ``PIECE_CHARS`` characters cut at
+    ``pre_tokenizer``'s boundaries, each with whether it ends its document; a text file is read a piece at a time."""
     for path in files:
         if path.suffix == ".jsonl":
             with open(path, encoding="utf-8") as lines:
                 for number, line in enumerate(lines, 1):
                     if line.strip():
-                        yield from _cut(_slices(_jsonl_text(path, number, line, text_key)))
+                        yield from _cut(_slices(_jsonl_text(path, number, line, text_key)), pre_tokenizer)
         elif path.suffix == ".parquet":
             try:
                 import pyarrow.parquet as parquet
@@ -110,29 +122,50 @@ def pieces(files: list[Path], text_key: str) -> Iterator[tuple[str, bool]]:
                 raise ConfigError("inputs", f"{path}: reading parquet needs pyarrow.", "pip install pyarrow.") from None
             for batch in parquet.ParquetFile(path).iter_batches(columns=[text_key]):
                 for text in batch.column(0).to_pylist():
-                    yield from _cut(_slices(text))
+                    yield from _cut(_slices(text), pre_tokenizer)
         else:
             with open(path, encoding="utf-8", errors="replace") as file:
-                yield from _cut(iter(lambda: file.read(PIECE_CHARS), ""))
+                yield from _cut(iter(lambda: file.read(PIECE_CHARS), ""), pre_tokenizer)
 
 
 def _slices(text: str) -> Iterator[str]:
     return (text[start : start + PIECE_CHARS] for start in range(0, len(text), PIECE_CHARS))
 
 
-def _cut(chunks: Iterator[str]) -> Iterator[tuple[str, bool]]:
-    """One document, given as ``chunks`` of text, as pieces of at most ``PIECE_CHARS`` characters, each cut just
-    before a whitespace where there is one (a byte-level BPE's words begin with theirs, so the tokens hardly
-    change), with whether it is the last; an empty document is one empty piece."""
+def _cut(chunks: Iterator[str], pre_tokenizer: pre_tokenizers.PreTokenizer | None) -> Iterator[tuple[str, bool]]:
+    """One document, given as ``chunks`` of text, as pieces of at most ``PIECE_CHARS`` characters, with whether
+    each is the last; an empty document is one empty piece. Each cut is the last boundary of ``pre_tokenizer``'s
+    words within the piece, seen with ``LOOKAHEAD_CHARS`` of what follows (a tokenizer without a pre-tokenizer:
+    the last whitespace). A word longer than a piece is cut where the piece ends: only there can the tokens differ
+    from the whole document's."""
     buffer = ""
     for chunk in chunks:
         buffer += chunk
-        while len(buffer) > PIECE_CHARS:
-            cut = max(buffer.rfind(space, 1, PIECE_CHARS + 1) for space in " \n\t")
-            cut = cut if cut > 0 else PIECE_CHARS
+        while len(buffer) > PIECE_CHARS + LOOKAHEAD_CHARS:
+            cut = _last_boundary(buffer[: PIECE_CHARS + LOOKAHEAD_CHARS], pre_tokenizer) or PIECE_CHARS
             yield buffer[:cut], False
             buffer = buffer[cut:]
+    while len(buffer) > PIECE_CHARS:  # the document's end is in the buffer: its boundaries are final
+        cut = _last_boundary(buffer, pre_tokenizer) or PIECE_CHARS
+        yield buffer[:cut], False
+        buffer = buffer[cut:]
     yield buffer, True
+
+
+def _last_boundary(text: str, pre_tokenizer: pre_tokenizers.PreTokenizer | None) -> int:
+    """The last place in ``text``'s first ``PIECE_CHARS`` characters (not at its start) where ``pre_tokenizer``
+    begins a word, or 0 where there is none."""
+    if pre_tokenizer is None:
+        return max(text.rfind(space, 1, PIECE_CHARS + 1) for space in " \n\t")
+    # The words of the piece's last LOOKBACK_CHARS, those that begin past the first LOOKAHEAD_CHARS of them (a word
+    # the window's start cut differs; a boundary that far from it is the whole text's), else of the whole text.
+    window = max(0, PIECE_CHARS - LOOKBACK_CHARS)
+    for offset, settled in ((window, window + LOOKAHEAD_CHARS if window else 1), (0, 1)):
+        words = pre_tokenizer.pre_tokenize_str(text[offset:])
+        starts = [offset + start for _, (start, _) in words if settled <= offset + start <= PIECE_CHARS]
+        if starts:
+            return max(starts)
+    return 0
 
 
 def _jsonl_text(path: Path, number: int, line: str, text_key: str) -> str:
@@ -171,16 +204,19 @@ def check_arguments(out: Path, vocab_size: int, shard_tokens: int, val_fraction:
     check_writable("--out", out, "give a dir you can write: --out DIR.")
 
 
-def check_documents(files: list[Path], text_key: str, val_fraction: float) -> None:
-    """``ConfigError`` unless the corpus gives each split a piece with text (the validation split none when
-    ``val_fraction`` is 0): read until one of each is found (the first few hundred pieces, for the default
+def check_documents(
+    files: list[Path], text_key: str, val_fraction: float, pre_tokenizer: pre_tokenizers.PreTokenizer | None
+) -> None:
+    """``ConfigError`` unless the corpus gives each split a document with text (the validation split none when
+    ``val_fraction`` is 0): read until one of each is found (the first few hundred documents, for the default
     share)."""
     found = {"train": False, "validation": val_fraction == 0}
     count = documents = 0
-    for count, (text, last) in enumerate(pieces(files, text_key), 1):
-        documents += last
+    for text, last in pieces(files, text_key, pre_tokenizer):
+        count += 1
         if text.strip():
-            found["validation" if is_validation(count - 1, val_fraction) else "train"] = True
+            found["validation" if is_validation(documents, val_fraction) else "train"] = True
+        documents += last
         if all(found.values()):
             return
     if count == 0 or not (found["train"] or (found["validation"] and val_fraction > 0)):
@@ -190,7 +226,7 @@ def check_documents(files: list[Path], text_key: str, val_fraction: float) -> No
         "inputs",
         f"hold {documents} document{'s' * (documents != 1)} ({count} piece{'s' * (count != 1)} of up to "
         f"{PIECE_CHARS:,} characters), which give the {missing} split none (--val-fraction {val_fraction} sends "
-        f"about 1 in {round(1 / val_fraction)} pieces to validation).",
+        f"about 1 in {round(1 / val_fraction)} documents, each whole, to validation).",
         "give more documents, or a --val-fraction nearer 0.5.",
     )
 
@@ -204,7 +240,7 @@ def fingerprint(files: list[Path], settings: dict[str, Any]) -> str:
 def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE (GPT-2's kind: any text round-trips) with ``<|endoftext|>`` as its separator."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = bpe_pre_tokenizer()
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -246,10 +282,9 @@ def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
         tokenizer.save(str(partial))
 
 
-def is_validation(piece: int, val_fraction: float) -> bool:
-    """A fixed, well-spread share of the pieces (of the documents, where none is longer than a piece), the same
-    whatever the batching."""
-    return (piece * 2654435761 % 2**32) / 2**32 < val_fraction
+def is_validation(document: int, val_fraction: float) -> bool:
+    """A fixed, well-spread share of the documents, each whole, the same whatever the batching."""
+    return (document * 2654435761 % 2**32) / 2**32 < val_fraction
 
 
 @dataclass
@@ -308,11 +343,13 @@ def prepare(
     fix = "give a tokenizer.json, as tokenizers and transformers save."
     tokenizer = None if tokenizer_path is None else read_tokenizer(tokenizer_path, "--tokenizer", fix)
     separator_text = separator_token(tokenizer, separator)
-    check_documents(files, text_key, val_fraction)
+    pre_tokenizer = bpe_pre_tokenizer() if tokenizer is None else tokenizer.pre_tokenizer
+    check_documents(files, text_key, val_fraction, pre_tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     settings = {
         "tokenizer": str(tokenizer_path) if tokenizer_path else f"bpe-{vocab_size}",
         "piece_chars": PIECE_CHARS,
+        "pieces": "cut at the pre-tokenizer's boundaries, each document in one split",  # since 2026-11-28
         "text_key": text_key,
         "shard_tokens": shard_tokens,
         "val_fraction": val_fraction,
@@ -330,7 +367,7 @@ def prepare(
     elif progress is not None and tokenizer_file.is_file():
         tokenizer = Tokenizer.from_file(str(tokenizer_file))  # trained by the interrupted run
     else:
-        tokenizer = train_bpe((text for text, _ in pieces(files, text_key)), vocab_size)
+        tokenizer = train_bpe((text for text, _ in pieces(files, text_key, pre_tokenizer)), vocab_size)
         save_tokenizer(tokenizer, tokenizer_file)
     separator_id = tokenizer.token_to_id(separator_text)
     dtype = token_dtype(tokenizer.get_vocab_size())
@@ -359,31 +396,26 @@ def prepare(
     columns = [TextColumn("Tokenizing"), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn()]
     with Progress(*columns) as bar:
         task = bar.add_task("tokenize", total=total_bytes)
-        batch: list[tuple[int, str, bool]] = []
+        batch: list[tuple[int, Split, str, bool]] = []  # (piece, its document's split, text, whether it ends it)
 
-        def split_of(index: int) -> Split:
-            return splits["val" if is_validation(index, val_fraction) else "train"]
-
-        def encode(batch: list[tuple[int, str, bool]]) -> None:
-            todo = [(index, text, last) for index, text, last in batch if index >= split_of(index).start[0]]
-            encodings = tokenizer.encode_batch([text for _, text, _ in todo], add_special_tokens=False)
-            for (index, _, last), encoding in zip(todo, encodings):
-                split = split_of(index)
-                # The separator ends each document, and each run of its pieces in one split: the text that follows
-                # in this split is not what followed this piece.
-                ends = last or split_of(index + 1) is not split
-                tokens = np.array(encoding.ids + [separator_id] * ends, dtype=np.uint32)
+        def encode(batch: list[tuple[int, Split, str, bool]]) -> None:
+            todo = [item for item in batch if item[0] >= item[1].start[0]]
+            encodings = tokenizer.encode_batch([text for _, _, text, _ in todo], add_special_tokens=False)
+            for (index, split, _, last), encoding in zip(todo, encodings):
+                tokens = np.array(encoding.ids + [separator_id] * last, dtype=np.uint32)  # the document's end
                 first = split.start[1] if index == split.start[0] else 0  # a finished shard holds the tokens before
                 split.add(index, tokens[first:], first)
             for split in splits.values():
                 flush(split, final=False)
 
-        characters = 0
-        for index, (text, last) in enumerate(pieces(files, text_key)):
+        characters = document = 0
+        for index, (text, last) in enumerate(pieces(files, text_key, pre_tokenizer)):
             bar.advance(task, len(text.encode("utf-8", errors="replace")))
+            split = splits["val" if is_validation(document, val_fraction) else "train"]
+            document += last
             if index < resume_from:
                 continue  # in finished shards of both splits
-            batch.append((index, text, last))
+            batch.append((index, split, text, last))
             characters += len(text)
             if len(batch) == ENCODE_BATCH or characters >= ENCODE_CHARS:
                 encode(batch)
