@@ -580,10 +580,22 @@ CASES = [
     (["step_checks=sometimes"], "step_checks: must be one of 'auto', 'each_step', 'a_step_late', got 'sometimes'"),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
+    (  # a Qwen 3 dir under model=qwen2: the same net class, another family (its norms, not Qwen 2's biases)
+        ["model=qwen2", "model.init_from={files}/chat/model"],
+        "model.init_from: is a qwen3 model (qkv_bias false), but model.net computes another family's (qkv_bias true)",
+    ),
     # Conversations: a bad record is named by its file and line, before any worker starts
     (
         ["model=qwen3", "data=chat", "model.init_from={files}/chat/model", "data.path={files}/bad_chat.jsonl"],
         "data.path: {files}/bad_chat.jsonl:2: message 0 has no role",
+    ),
+    (
+        ["model=qwen3", "data=chat", "model.init_from={files}/chat/model", "data.path={files}/latin1_chat.jsonl"],
+        "data.path: {files}/latin1_chat.jsonl:2: byte 47 of the line is not UTF-8",
+    ),
+    (
+        ["model=qwen3", "data=chat", "model.init_from={files}/chat-bad-template", "data.path={files}/chat/hello.jsonl"],
+        "data.tokenizer: {files}/chat-bad-template/chat_template.jinja, line 2: the chat template does not parse",
     ),
     (
         ["model=qwen3", "data=chat", "data.path={files}/bad_chat.jsonl"],
@@ -685,6 +697,10 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
     write_example(files / "chat", count=16)  # a chat model dir (its tokenizer and template)
     good = (files / "chat" / "hello.jsonl").read_text().splitlines()[0]
     (files / "bad_chat.jsonl").write_text(good + '\n{"messages": [{"content": "hi"}]}\n')
+    latin1 = '{"messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1")
+    (files / "latin1_chat.jsonl").write_bytes(good.encode() + b"\n" + latin1 + b"\n")
+    shutil.copytree(files / "chat" / "model", files / "chat-bad-template")
+    (files / "chat-bad-template" / "chat_template.jinja").write_text("{% for message in messages %}\n{% if %}")
     (files / "frozen").mkdir()
     freeze(files / "frozen")  # unwritable, for root too
     names = {

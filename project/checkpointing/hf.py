@@ -82,8 +82,15 @@ def net_options(config: dict[str, Any]) -> dict[str, Any]:
         ) from None
 
 
+# The model.net options that tell one family's models from another's with the same net class (Qwen 2's query, key
+# and value biases, Qwen 3's query and key norms): the model group's own, never read from a model dir, so that a dir
+# of another family is refused rather than trained under the group's name.
+FAMILY_KEYS = ("qkv_bias", "qk_norm")
+
+
 def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> None:
-    """``ConfigError`` naming the first ``model.net`` key whose value differs from the Hugging Face model's."""
+    """``ConfigError`` naming the first ``model.net`` key whose value differs from the Hugging Face model's (for a
+    ``FAMILY_KEYS`` one, the family to use)."""
     config = read_config(path)
     family = family_of(config)
     if not isinstance(net, family.net_class):
@@ -100,7 +107,16 @@ def check_matches(path: str | Path, net: nn.Module, net_cfg: dict[str, Any]) -> 
             "which this project's attention (every token sees all before it) does not restrict.",
             f"use data.seq_length={window} or less: within its window the two compute the same.",
         )
-    for key, value in net_options(config).items():
+    options = net_options(config)
+    for key in FAMILY_KEYS:  # first: another family's dir is wrong whatever its shape
+        if key in options and bool(net_cfg.get(key)) != bool(options[key]):
+            raise ConfigError(
+                "model.init_from",
+                f"is a {family.model_type} model ({key} {hydra_value(options[key])}), but model.net computes another "
+                f"family's ({key} {hydra_value(net_cfg.get(key))}).",
+                f"use model={family.model_group} (or one of its presets) with this dir.",
+            )
+    for key, value in options.items():
         if key == "max_length":  # the context it was trained for; GPT-2's position table holds only so many
             if family.position_table and net_cfg.get(key, 0) > value:
                 raise ConfigError(

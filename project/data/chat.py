@@ -54,10 +54,18 @@ def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
         raise ConfigError("data.path", f"{path} holds no .jsonl file.", "pass a .jsonl file or a dir of them.")
     records = []
     for file in files:
-        with open(file, encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
+        with open(file, "rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                where = f"{file}:{number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    raise ConfigError(
+                        "data.path",
+                        f"{where}: byte {error.start + 1} of the line is not UTF-8 ({error.reason}).",
+                        "save the conversations as UTF-8 text.",
+                    ) from None
                 if line.strip():
-                    where = f"{file}:{number}"
                     records.append((where, _messages(where, line)))
     if not records:
         raise ConfigError("data.path", f"{path} holds no conversation (its .jsonl lines are empty).", "add some.")
@@ -159,7 +167,15 @@ class ChatTemplate:
         environment.globals["raise_exception"] = raise_exception
         environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
         self.has_generation_tags = GENERATION_TAG.search(template) is not None
-        self.template = environment.from_string(template)
+        try:
+            self.template = environment.from_string(template)
+        except jinja2.TemplateSyntaxError as error:
+            where = template_file if template_file.is_file() else f"{config_file}'s chat_template"
+            raise ConfigError(
+                "data.tokenizer",
+                f"{where}, line {error.lineno}: the chat template does not parse ({error.message}).",
+                "fix the template, or use a model dir whose template transformers can render.",
+            ) from None
         special = {**config, **self._special_tokens_map(model_dir)}
         names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
         self.special_tokens = {

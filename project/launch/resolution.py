@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
-from project.checkpointing.hf import family_of, net_options, read_config
+from project.checkpointing.hf import FAMILY_KEYS, family_of, net_options, read_config
 from project.config.checks import check_config, check_fresh_start
 from project.job.job import Job
 from project.launch.processes import NodeTask, is_rank_zero, node_task
@@ -156,8 +156,9 @@ def resolved_config(cfg: DictConfig) -> DictConfig:
 def shape_from_init_dir(cfg: DictConfig) -> None:
     """``model.init_from``: ``model.net``'s shape and numeric options (widths, heads, vocabulary, RoPE, norm eps,
     tying) read from the Hugging Face dir's ``config.json``, as ``from_pretrained`` reads them, but for those the
-    command line sets, which the checks hold to the dir (``check_matches``: a conflict names the key). The context
-    length stays the data's: a model may train on a shorter context than it was made for."""
+    command line sets, which the checks hold to the dir (``check_matches``: a conflict names the key), and the
+    family's own (``FAMILY_KEYS``: a dir of another family is refused). The context length stays the data's: a
+    model may train on a shorter context than it was made for."""
     path = OmegaConf.select(cfg, "model.init_from")
     if path is None or not (Path(path) / "config.json").is_file():
         return  # nothing to read: the checks say what is wrong with the dir
@@ -168,7 +169,7 @@ def shape_from_init_dir(cfg: DictConfig) -> None:
     with open_dict(cfg):
         for key, value in net_options(config).items():
             set_here = any(k == f"model.net.{key}" or k.startswith(f"model.net.{key}.") for k in explicit)
-            if key != "max_length" and not set_here:
+            if key not in ("max_length", *FAMILY_KEYS) and not set_here:
                 cfg.model.net[key] = value
 
 
