@@ -32,6 +32,31 @@ def test_without_a_gpu_it_is_refused_naming_the_fix_and_writes_nothing(tmp_path)
     assert not list(tmp_path.iterdir()) and sorted((REPO / "conf" / "cluster").iterdir()) == clusters
 
 
+@pytest.mark.parametrize(
+    "arguments,message",
+    [
+        (["--smoke", "--name", "../../evil"], "--name: is '../../evil': the cluster's name"),
+        (["--smoke", "--name", "a/b"], "--name: is 'a/b'"),
+        (["--smoke", "--shapes", "64x64x64"], "--shapes: is given with --smoke, which times small sizes of its own"),
+        (["--smoke", "--seq", "128"], "--seq: is given with --smoke"),
+        (["--shapes", "0x64x64"], "--shapes: '0x64x64' is not MxNxK."),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_is_timed_or_written(arguments, message):
+    """Checked before any measurement: a name that would write outside conf/cluster, arguments --smoke ignores."""
+    clusters = sorted((REPO / "conf" / "cluster").iterdir())
+    result = subprocess.run(
+        [sys.executable, "-m", "project.cli.calibrate", *arguments],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert result.stderr.startswith(f"python -m project.cli.calibrate: {message}"), result.stderr[-2000:]
+    assert sorted((REPO / "conf" / "cluster").iterdir()) == clusters and not (REPO / "evil.yaml").exists()
+
+
 def test_smoke_runs_every_measurement_on_the_cpu_into_a_cluster_file(tmp_path):
     """--smoke: the matmuls, attention, the copy and a 2-process gloo all-gather, timed here, written as a cluster
     that composes: the code path make gpu-check takes, with the CPU's figures."""

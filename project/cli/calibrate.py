@@ -288,8 +288,24 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     for shape in args.shapes:
-        if not re.fullmatch(r"\d+x\d+x\d+", shape):
-            raise ConfigError("--shapes", f"{shape!r} is not MxNxK.", "give sizes such as 8192x4096x4096.")
+        if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", shape):
+            raise ConfigError("--shapes", f"{shape!r} is not MxNxK.", "give positive sizes such as 8192x4096x4096.")
+    if args.smoke and (args.shapes != MODEL_SHAPES or args.seq != 8192):
+        raise ConfigError(
+            "--shapes" if args.shapes != MODEL_SHAPES else "--seq",
+            "is given with --smoke, which times small sizes of its own on the CPU (a check of the code).",
+            "leave it out with --smoke, or run on a GPU box without --smoke to time these.",
+        )
+    if (
+        args.name is not None
+        and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", args.name)
+        or ".." in (args.name or "")
+    ):
+        raise ConfigError(
+            "--name",
+            f"is {args.name!r}: the cluster's name, which makes its file conf/cluster/<name>.yaml and cluster=<name>.",
+            "give a plain name of letters, digits, '_', '-' and '.', e.g. --name my_h100s (--out chooses the file).",
+        )
     base, measured = calibrate(args.base, SMOKE if args.smoke else Sizes("cuda", args.shapes, args.seq))
     slug = re.sub(r"[^a-z0-9]+", "_", measured.device.lower().removeprefix("nvidia ")).strip("_")
     name = args.name or f"calibrated_{slug}_{measured.devices}x"
