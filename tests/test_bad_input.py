@@ -497,6 +497,10 @@ CASES = [
     (["mode=eval"], "mode: is eval, but there are no weights to evaluate"),
     (["mode=eval", "ckpt_path=last"], "ckpt_path: is 'last', this job dir's own checkpoint"),
     (["model=llama", "model.net.num_kv_heads=3"], "model.net.num_kv_heads: is 3, which does not divide"),
+    (  # degenerate: its interpolation divides by high - low, and the run's loss is NaN from the first step
+        ["model=llama", "model.net.rope_scaling={factor:8,low_freq_factor:4,high_freq_factor:4,original_max_length:8}"],
+        "model.net.rope_scaling: has high_freq_factor 4, not above low_freq_factor 4",
+    ),
     (["model=llama", "model.lora.rank=-1"], "model.lora.rank: must be an integer of at least 0, got -1"),
     (["model=llama", "model.lora={rank:4,alpha:8,dropout:0.0,targets:[qq]}"], "model.lora.targets: names ['qq']"),
     (["model=llama", "model.lora.quantize_base=true"], "model.lora.quantize_base: is true, but model.lora.rank is 0"),

@@ -174,6 +174,41 @@ def head_options(
     return HeadOptions(num_heads, num_kv_heads, width, qkv_bias, qk_norm, norm_eps)
 
 
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_length")
+
+
+def rope_scaling_checked(scaling: dict | None) -> dict | None:
+    """``model.net.rope_scaling``: null, or Llama 3.1's rule with each key a positive number, ``factor`` at least 1
+    and ``high_freq_factor`` above ``low_freq_factor`` (``rope_frequencies`` divides by their difference: a
+    degenerate rule gives NaN frequencies, and a run that diverges at once for no reason a learning rate fixes)."""
+    if not scaling:
+        return None
+    problem = _rope_scaling_problem(scaling)
+    if problem is not None:
+        raise ConfigError(
+            "model.net.rope_scaling",
+            f"{problem} ({dict(scaling)}).",
+            "use Llama 3.1's {factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_length: 8192} "
+            "(a preset's), or null for none.",
+        )
+    return dict(scaling)
+
+
+def _rope_scaling_problem(scaling: dict) -> str | None:
+    missing = [key for key in ROPE_SCALING_KEYS if scaling.get(key) is None]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    values = [scaling[key] for key in ROPE_SCALING_KEYS]
+    if not all(isinstance(value, int | float) and not isinstance(value, bool) and value > 0 for value in values):
+        return "has a value that is not a positive number"
+    factor, low, high, _ = values
+    if factor < 1:
+        return f"has factor {factor}, below 1"
+    if high <= low:
+        return f"has high_freq_factor {high}, not above low_freq_factor {low}"
+    return None
+
+
 class Llama(BlockSequence):
     """Decoder-only transformer mapping token ids (batch, length) to next-token logits (batch, length, vocab).
 
@@ -202,7 +237,7 @@ class Llama(BlockSequence):
     ) -> None:
         super().__init__()
         heads = head_options(dim, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, norm_eps)
-        rope = (rope_theta, dict(rope_scaling) if rope_scaling else None)
+        rope = (rope_theta, rope_scaling_checked(rope_scaling))
         self.stem = TokenEmbedding(vocab_size, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, rope, SwiGLU(dim, hidden_dim)) for _ in range(num_layers))
         self.head = LMHead(dim, vocab_size, nn.RMSNorm(dim, eps=norm_eps))
