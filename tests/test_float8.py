@@ -123,9 +123,10 @@ def test_the_emulated_float8_linear_is_the_hand_written_float8_matmuls():
 
 def test_a_plan_on_gpus_prices_float8_matmuls_at_the_float8_peak_and_gathers_their_weights_in_a_byte():
     """The tiny Llama under fsdp x 2 planned for H100s: each of its 14 block Linear layers runs three float8 matmuls a
-    step (forward, input and weight gradients), priced at the FP8 peak (twice the bf16 one); the output layer's stay
-    bf16 matmuls. FSDP's all-gathers (forward, and again in backward) carry each converted weight in 1 byte, the rest in
-    bfloat16's 2: the step's gathered bytes drop by those weights' elements, twice, over the 2 ranks."""
+    step (forward, input and weight gradients), priced at the FP8 peak (twice the bf16 one) at Float8's own
+    efficiency; the output layer's stay bf16 matmuls. FSDP's all-gathers (forward, and again in backward) carry
+    each converted weight in 1 byte, the rest in bfloat16's 2: the step's gathered bytes drop by those weights'
+    elements, twice, over the 2 ranks."""
     plans = {
         flag: simulate_devices(resolved([*FLOAT8, "cluster=h100_sxm_8x", f"model.float8.enabled={flag}"]))[0][0]
         for flag in ("false", "true")
@@ -137,8 +138,9 @@ def test_a_plan_on_gpus_prices_float8_matmuls_at_the_float8_peak_and_gathers_the
     job = resolved([*FLOAT8, "cluster=h100_sxm_8x"])
     kernel = next(kernel for kernel, _ in kernels["true"] if kernel.kind == "float8_matmul")
     as_bf16 = Kernel("matmul", kernel.flops, 0, kernel.tiles)
+    efficiencies = job.cluster.matmul_efficiency / job.cluster.float8_matmul_efficiency
     assert kernel_seconds(Kernel("float8_matmul", kernel.flops, 0, kernel.tiles), job.cluster) == pytest.approx(
-        kernel_seconds(as_bf16, job.cluster) * job.cluster.peak_tflops / job.cluster.float8_peak_tflops
+        kernel_seconds(as_bf16, job.cluster) * job.cluster.peak_tflops / job.cluster.float8_peak_tflops * efficiencies
     )
     gathered = {
         flag: sum(size for link, size in plan.collectives.items() if link.startswith("all_gather"))

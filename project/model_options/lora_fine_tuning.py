@@ -63,15 +63,16 @@ class LoRAFineTuning(ModelOption):
         a true half precision."""
         if not self.quantize_base:
             return None
-        if job.dims.shard and job.dims.data_parallel == 1:
+        if job.dims.shard and job.dims.data_parallel == 1 and not job.dims.pipelined:
             # FSDP2's one-rank path (FSDPParamGroup.wait_for_unshard, torch 2.11 to 2.13) takes a weight's first
-            # all-gather input only; torchao's NF4 weight gathers three (codes, block scales, their scales).
+            # all-gather input only; torchao's NF4 weight gathers three (codes, block scales, their scales). A
+            # pipeline shards its stages only over 2 or more data-parallel ranks.
             return ConfigError(
                 "model.lora.quantize_base",
                 f"stores the base in NF4, which strategy={job.strategy_name} cannot shard over one data-parallel "
                 "rank: torch's FSDP2 gathers one tensor a weight there, and an NF4 weight is three.",
-                "with one data-parallel rank, shard nothing: strategy=auto on one device (or the layout without "
-                "FSDP); or give FSDP 2 or more ranks (trainer.devices).",
+                "on one device use strategy=auto (FSDP over one rank shards nothing); or give FSDP 2 or more "
+                "data-parallel ranks (trainer.devices).",
             )
         if job.dims.tensor_parallel > 1:
             return ConfigError(
