@@ -323,7 +323,8 @@ class ChatDataModule(InMemoryDataModule):
             )
         self.num_val = num_val
         self.inputs, self.targets = self._tensors(kept)
-        rank_zero_info(
+        # Said when training sets the data up (setup), not here: the checks before launch build the module too.
+        self.summary = (
             f"Chat data: {len(kept)} conversations from {self.path} ({len(kept) - num_val} training, {num_val} "
             f"validation); {truncated} cut to {seq_length + 1} tokens, {len(sequences) - len(kept)} left out with "
             f"no assistant token within them; {int((self.targets != IGNORE_INDEX).sum()):,} trained tokens."
@@ -354,6 +355,7 @@ class ChatDataModule(InMemoryDataModule):
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return
+        rank_zero_info(self.summary)
         split = self.num_train_samples
         self.train_set = TensorDataset(self.inputs[:split], self.targets[:split])
         self.val_set = TensorDataset(self.inputs[split:], self.targets[split:])
