@@ -62,6 +62,8 @@ def train(cfg: DictConfig) -> None:
     callbacks = [instantiate(callback) for callback in configured_callbacks(cfg).values()]
     if evaluating:  # the training job's checkpoint callback state, restored into this job dir, is not needed
         warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
+    if cfg.get("ckpt_path") is not None:  # a resumed run's own checkpoints are there: expected, not a warning
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
     # A trial of an Optuna search with a pruner reports to its study after each validation, and may stop early.
     trial = cfg.get("trial")
     pruning = PruneTrial(trial, cfg.optimized_metric.name) if trial is not None and trial.pruner else None
