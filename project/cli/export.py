@@ -21,6 +21,10 @@ that exporting into the same dir again needs no flag.
 import argparse
 import json
 import shutil
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
@@ -40,6 +44,20 @@ from project.models import Llama
 from project.models.lora import is_adapter
 from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
+
+
+@contextmanager
+def step(what: str) -> Iterator[None]:
+    """``what`` on stderr as it starts, and its seconds once done: a large model's export takes minutes."""
+    print(f"{what}...", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(file=sys.stderr)  # the error's own line follows
+        raise
+    print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
 
 # What an export wrote in its dir, by name: another export may write over those files, and no other.
 EXPORTED = ".exported.json"
@@ -98,7 +116,8 @@ def export(
             "mixture-of-experts models.",
             "export a checkpoint of model=gpt, model=llama or model=moe (or one of their presets or families).",
         )
-    state = merged_model_state(checkpoint, cfg)
+    with step(f"Reading {checkpoint}"):
+        state = merged_model_state(checkpoint, cfg)
     expected = {name for name, _ in net.named_parameters()}  # a tied weight once, under its first name
     state = {name: value for name, value in state.items() if name in expected}
     if set(state) != expected:
@@ -107,7 +126,9 @@ def export(
             f"{checkpoint} lacks {sorted(expected - set(state))[:3]}: it is not a checkpoint of the job's model.",
             "pass the job's own config with --config <job dir>/config.yaml.",
         )
-    write_hf_dir(state, net, net_cfg, out, dtype)
+    size = sum(value.numel() for value in state.values()) * dtype.itemsize
+    with step(f"Writing {out / 'model.safetensors'} ({size / 2**30:.2f} GiB)"):
+        write_hf_dir(state, net, net_cfg, out, dtype)
     tokenizer = export_tokenizer(cfg, out)
     record_exported(out, ["config.json", "model.safetensors", *tokenizer])
     return out, tokenizer
