@@ -31,11 +31,14 @@ bash scripts/venv.sh "$python" "$venv" --system-site-packages || exit 2  # sees 
 [ "${PIPESTATUS[0]}" = 0 ] || exit 2
 py=$venv/bin/python
 parts=${GPU_CHECK_PARTS:-smoke tests benchmark}
+has_cuda() { "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; }
 smoke=not-run
-if [[ " $parts " == *" smoke "* ]]; then
+if [[ " $parts " == *" smoke "* ]] && has_cuda; then
     # First: every feature combination a user can ask for, 3 steps each, passed or its first error line
     "$py" scripts/gpu_smoke.py --out "$out" 2>&1 | tee -a "$log"
     smoke=${PIPESTATUS[0]}
+elif [[ " $parts " == *" smoke "* ]]; then
+    echo "No CUDA device: scripts/gpu_smoke.py not run (--cpu runs it here)." | tee -a "$log"
 fi
 tests=not-run
 if [[ " $parts " == *" tests "* ]]; then
@@ -46,7 +49,7 @@ if [[ " $parts " == *" tests "* ]]; then
 fi
 if [[ " $parts " != *" benchmark "* ]]; then
     benchmark=not-run
-elif "$py" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+elif has_cuda; then
     # This box's GPUs measured for the step-time model (under 2 minutes), as cluster file calibrated.yaml
     "$py" -m project.cli.calibrate --name calibrated --out "$out/calibrated.yaml" 2>&1 | tee -a "$log"
     # GPU_BENCHMARK_CASES: some of the benchmark's cases (benchmarks/gpu.py --cases), for a part of its own
