@@ -24,14 +24,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf, open_dict
+from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from project.config.checks import check_config  # noqa: E402
-from project.config.resolvers import register_resolvers  # noqa: E402
+from project.config.composed import composed_train_config  # noqa: E402
 from project.job.job import Job  # noqa: E402
 from project.plan.depth import extrapolated_plan  # noqa: E402
 from project.plan.memory_plan import MemoryPlan, plan_memory  # noqa: E402
@@ -130,12 +128,7 @@ ROWS = [
 
 def config(overrides: list[str]):
     """The config ``python train.py <overrides>`` resolves to, as the plan reads it."""
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=[*SEQUENCE, "data.num_train=100000", *overrides], return_hydra_config=True)
-    cfg.hydra.runtime.output_dir = "/tmp/unused-job-dir"
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]
+    cfg = composed_train_config([*SEQUENCE, "data.num_train=100000", *overrides])
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -190,7 +183,6 @@ def table(rows: list[Planned], efficiencies: dict[str, float]) -> None:
 
 
 def main() -> None:
-    register_resolvers()
     published = [row for row in ROWS if "8B" in row.what] if "8b" in sys.argv[1:] else ROWS
     own_rows = [planned(row) for row in FITTED]
     float8_rows = [planned(row) for row in FITTED_FLOAT8]

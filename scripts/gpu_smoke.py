@@ -87,26 +87,13 @@ def overrides(combination: dict[str, str], accelerator: str) -> list[str]:
 
 def refusal(args: list[str]) -> str | None:
     """What ``train.py`` would refuse ``args`` with before launch (its ``ConfigError``'s one line), or None."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
     from project.config.checks import check_config
-    from project.config.resolvers import register_resolvers
+    from project.config.composed import composed_train_config
     from project.launch.resolution import resolved_config
     from project.options.errors import ConfigError
 
-    register_resolvers()  # as train.py does
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=args, return_hydra_config=True)
-    cfg.hydra.runtime.output_dir = "/tmp/gpu-smoke-unused"  # check_config reads the job's dir; nothing is written
-    HydraConfig.instance().set_config(cfg)
-    with open_dict(cfg):
-        del cfg["hydra"]  # as hydra.main hands the config to train.py's main: Hydra's own node apart
     try:
-        check_config(resolved_config(cfg))  # as train.py checks it: resolved, then checked
+        check_config(resolved_config(composed_train_config(args)))  # as train.py checks it: resolved, then checked
     except ConfigError as error:
         return str(error).splitlines()[0]
     return None
