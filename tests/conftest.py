@@ -452,6 +452,33 @@ def gpt_ddp_fsdp_sweep(runs_dir, home):
     return jobs
 
 
+# The fused output layer and loss (model.fused_loss) on a vocabulary three times the width: 3 chunks of rows, so
+# that each device's step computes its loss in 2 chunks (project/models/linear_cross_entropy.py: chunk_rows).
+GPT_FUSED = [*TINY_GPT, "data.vocab_size=96", "model.fused_loss=true"]
+
+
+@pytest.fixture(scope="session")
+def gpt_fused_sweep(runs_dir, home):
+    """The fused loss under ddp and fsdp over 2 devices, 16 per device: jobs 0 and 1."""
+    return two_job_sweep(
+        "gpt-fused",
+        [*GPT_FUSED, "trainer.devices=2", "data.batch_size=16", "strategy=ddp,fsdp", TRACKED],
+        runs_dir,
+        home,
+    )[1]
+
+
+@pytest.fixture(scope="session")
+def gpt_fused_model_parallel(runs_dir, home):
+    """The fused loss in the last of 2 model-parallel stages: the targets go to the head's device."""
+    return one_run(
+        "gpt-fused-model-parallel",
+        [*GPT_FUSED, "trainer.devices=2", "data.batch_size=32", "strategy=model_parallel"],
+        runs_dir,
+        home,
+    )
+
+
 # LoRA on the tiny GPT's attention projections and MLP (peft's in the reference loop).
 GPT_LORA = "model.lora={rank:4,alpha:8,dropout:0.0,targets:[q,v,up]}"
 

@@ -581,6 +581,15 @@ CASES = [
         "model.float8.enabled: is true, but cluster=a100_80g_8x's GPUs have no float8 tensor cores",
     ),
     (["model=llama", "model.float8.recipe=blockwise"], "model.float8.recipe: must be one of 'tensorwise', 'rowwise'"),
+    # The fused loss needs the output layer whole in the rank's own model: not a pipeline's, nor a vocabulary split
+    (
+        ["model=gpt", "data=tokens", "strategy=pipeline", "trainer.devices=2", "model.fused_loss=true"],
+        "model.fused_loss: is true under strategy=pipeline, whose ranks do not each run the whole model",
+    ),
+    (
+        ["model=gpt", "data=tokens", "strategy=tensor_parallel", "trainer.devices=2", "model.fused_loss=true"],
+        "model.fused_loss: is true under strategy=tensor_parallel, whose ranks do not each run the whole model",
+    ),
     (["step_checks=sometimes"], "step_checks: must be one of 'auto', 'each_step', 'a_step_late', got 'sometimes'"),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),

@@ -68,6 +68,9 @@ PLANNED_RUNS = [
             ("moe_expert_parallel", 0),  # experts split over 2 ranks: the plan's all-to-alls route evenly
             ("moe_expert_parallel", 1),
             ("moe_pipeline_expert_parallel", None),  # ... in each stage of a pipeline
+            ("gpt_fused_sweep", 0),  # the fused loss: no logits held, the gradients of its output layer instead
+            ("gpt_fused_sweep", 1),
+            ("gpt_fused_model_parallel", None),
             ("llama_float8_sweep", 0),  # fsdp x 2 in bf16-mixed...
             ("llama_float8_sweep", 1),  # ...and in Float8: float8 copies saved for backward, weights gathered in a byte
         ]
@@ -78,7 +81,8 @@ PLANNED_RUNS = [
 TRACKED_RUNS = [
     run
     for run in PLANNED_RUNS
-    if getattr(run, "values", run)[0] not in ("model_parallel_run", "gpt_pipeline_compiled", "llama_auto")
+    if getattr(run, "values", run)[0]
+    not in ("model_parallel_run", "gpt_pipeline_compiled", "llama_auto", "gpt_fused_model_parallel")
     and run != ("llama_split_sweep", 0)
 ]
 
@@ -339,6 +343,34 @@ def test_selective_checkpointing_is_planned_between_none_and_full():
     none, selective, full = plans
     assert none.activations > selective.activations > full.activations
     assert none.peak > selective.peak > full.peak
+
+
+def test_the_fused_loss_plan_keeps_no_logits():
+    """A GPT whose vocabulary (32768) is 512 times its width, in bf16-mixed, 32 x 1024 tokens a step, planned with and
+    without model.fused_loss. For backward, the plain loss keeps its log-softmax (4 bytes for each of the tokens x
+    vocab logits) and the output Linear its bf16 copy of the weight (2 bytes a weight); the fused one keeps the
+    output layer's float32 gradient instead (4 bytes a weight). Both keep the hidden states in bf16 (the Linear's
+    input; the fused loss's gradient of them). And nll_loss keeps its total weight, a float32 scalar. The peak: the
+    plain loss's whole logits in bf16 and float32 and their gradients against one of the fused loss's 4 chunks."""
+    tokens, vocab, dim = 32 * 1024, 32768, 64
+    args = [
+        *TINY_GPT,
+        f"data.vocab_size={vocab}",
+        "data.seq_length=1024",
+        "data.batch_size=32",
+        "data.num_train=64",
+        "data.num_val=32",
+        f"model.net.dim={dim}",
+        "trainer.precision=bf16-mixed",
+        "logger=none",
+    ]
+    plain, fused = (
+        plan_memory(resolved([*args, f"model.fused_loss={fused}"]), suggest=False).devices[0]
+        for fused in ("false", "true")
+    )
+    assert plain.activations - fused.activations == tokens * vocab * 4 + vocab * dim * 2 + 4 - vocab * dim * 4
+    assert plain.params == fused.params
+    assert fused.peak < plain.peak / 2  # 4.26 GiB against 12.2 GiB when written
 
 
 def test_fsdps_layout_is_the_same_for_any_devices():

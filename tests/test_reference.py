@@ -8,6 +8,7 @@ The runs are the session's real ``python train.py`` runs (conftest); the referen
 import pytest
 from conftest import (
     FIRST_EPOCH,
+    GPT_FUSED,
     GPT_LORA,
     MOE_BALANCED,
     MOE_BIASED,
@@ -47,6 +48,11 @@ RUNS = {
         "tensor_parallel": ("gpt_tensor_parallel", None),
         "fsdp-x-tensor_parallel": ("gpt_fsdp_tensor_parallel", None),
         "pipeline-x-tensor_parallel": ("gpt_pipeline_tensor_parallel", None),
+    },
+    "gpt-fused": {  # model.fused_loss: the output layer and the loss in chunks, against the loop's whole logits
+        "ddp": ("gpt_fused_sweep", 0),
+        "fsdp": ("gpt_fused_sweep", 1),
+        "model_parallel": ("gpt_fused_model_parallel", None),
     },
     "llama": {  # ddp: the GPT's and the MLP's
         "auto": ("llama_auto", None),
@@ -89,6 +95,7 @@ RUNS = {
 REFERENCE_ARGS = {
     "mlp": ([*TINY, "data.batch_size=64"], 64),
     "gpt": ([*TINY_GPT, "data.batch_size=32"], 32),
+    "gpt-fused": ([*GPT_FUSED, "data.batch_size=32"], 32),
     "llama": ([*TINY_LLAMA, "data.batch_size=32"], 32),
     "llama-tp": ([*TINY_LLAMA_TP, "data.batch_size=32"], 32),
     "gpt-lora": ([*TINY_GPT, "data.batch_size=32", GPT_LORA], 32),

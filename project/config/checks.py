@@ -624,14 +624,15 @@ def check_config(cfg: DictConfig) -> Job:
 
 def layout_problem(job: Job) -> ConfigError | None:
     """The first rule of a run that depends on how its devices divide the work and its batch that ``job`` breaks, or
-    None: the devices this machine has, the layout's own rules, each model option's, a text sample's need for ranks
-    that run the whole model, and the batches each replica gets. ``check_config`` raises it; the memory plan and
-    ``plan=search`` ask it of every layout they try."""
+    None: the devices this machine has, the layout's own rules, each model option's, the loss's, a text sample's need
+    for ranks that run the whole model, and the batches each replica gets. ``check_config`` raises it; the memory
+    plan and ``plan=search`` ask it of every layout they try."""
     net, module = _meta_model(job.model)
     return (
         _gpus_problem(job.accelerator, job.uses_cuda, job.devices)
         or _options_problem(job, net, module.options)
         or job.layout.problem(job, net)
+        or module.loss_problem(job)
         or _text_sample_problem(job)
         or _batch_problem(job)
         or _val_interval_problem(job, job.train_samples // job.samples_per_step)

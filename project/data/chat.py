@@ -38,10 +38,10 @@ from torch.utils.data import TensorDataset
 
 from project.data.codecs import TokenizerCodec, read_tokenizer
 from project.data.datamodule import InMemoryDataModule
+from project.models.linear_cross_entropy import IGNORE_INDEX
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeInt, OpenFraction, PositiveInt, Seed
 
-IGNORE_INDEX = -100  # the target of a position not trained on: torch's cross_entropy default
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 PAD_ID = 0  # what fills a sequence after its conversation: never a target, and causal attention hides it before
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from project.models.linear_cross_entropy import linear_cross_entropy
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import PositiveInt, Probability
@@ -85,15 +86,18 @@ class Embedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """Final norm (LayerNorm unless given) and the projection to vocabulary logits."""
+    """Final norm (LayerNorm unless given) and the projection to vocabulary logits; given the targets, the summed
+    token loss of those logits instead, without the logits ever whole (``linear_cross_entropy``)."""
 
     def __init__(self, dim: int, vocab_size: int, norm: nn.Module | None = None) -> None:
         super().__init__()
         self.norm = norm if norm is not None else nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(x))
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        if target is None:
+            return self.output(self.norm(x))
+        return linear_cross_entropy(self.norm(x), self.output.weight, target)
 
 
 class GPT(BlockSequence):

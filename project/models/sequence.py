@@ -17,8 +17,10 @@ class BlockSequence(nn.Module):
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's output; given ``target``, what a head that takes the targets makes of them (a language
+        model's ``LMHead``: the summed token loss, its logits never whole)."""
         x = self.stem(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(x)
+        return self.head(x) if target is None else self.head(x, target)

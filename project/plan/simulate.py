@@ -289,10 +289,14 @@ def _step(
         else:  # arrives from the previous device
             x = torch.empty_like(work.stage_input, device="cpu").requires_grad_()
         with autocast, torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), counting_kept(pack):
-            for stage in work.stages:
+            *earlier, final = work.stages
+            for stage in earlier:
                 x = stage(x)
-            pending.append((index, module.criterion(x, target) / work.microbatches if work.last else x))
-        del x  # a last stage's logits: what the loss saved of them stays, the rest is freed, as in the strategy
+            if work.last:  # the loss as the task computes it: of the logits, or in the head (fused_loss)
+                pending.append((index, module.outputs_and_loss(final, x, target)[1] / work.microbatches))
+            else:
+                pending.append((index, final(x)))
+        del x  # what the loss saved of the last stage's output (logits) stays, the rest is freed, as in the strategy
         if index == 1:
             repeat.after_forward(tracker, counts, saved)
 

@@ -15,10 +15,11 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 
 from project.checkpointing.hf import HFWeights
-from project.data.chat import IGNORE_INDEX
+from project.job.job import Job
 from project.job.layout import DataShape
 from project.job.model_option import InitialWeights, ModelOption, Target
 from project.model_options import in_order
+from project.models.linear_cross_entropy import IGNORE_INDEX
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import Seed
@@ -189,8 +190,11 @@ class TrainingModule(L.LightningModule):
     def metrics_for(self, split: str) -> nn.ModuleDict:
         return self.train_metrics if split == "train" else self.val_metrics
 
-    def update_metrics(self, split: str, outputs: torch.Tensor, target: torch.Tensor, loss: torch.Tensor) -> None:
-        """Add a batch to ``split``'s metrics (train or val)."""
+    def update_metrics(
+        self, split: str, outputs: torch.Tensor | None, target: torch.Tensor, loss: torch.Tensor
+    ) -> None:
+        """Add a batch to ``split``'s metrics (train or val); ``outputs`` None where the net computed the loss itself
+        (``outputs_and_loss``)."""
         metrics = self.metrics_for(split)
         # The loss is a sum over the trained targets divided by all the targets (TokenCrossEntropy): the sum, over
         # the trained targets, gives the epoch's mean over every trained sample (or token), whatever the batch
@@ -201,7 +205,8 @@ class TrainingModule(L.LightningModule):
         # Trainer; its class does not declare it.)
         if split == "train" and self.trainer.log_every_n_steps:  # type: ignore[attr-defined]
             self.interval_loss.add(total, trained)
-        self.update_task_metrics(metrics, outputs.detach(), target)
+        if outputs is not None:
+            self.update_task_metrics(metrics, outputs.detach(), target)
 
     def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
         """Metrics beyond the loss (none by default)."""
@@ -283,12 +288,24 @@ class TrainingModule(L.LightningModule):
                     setattr(metric, name, value.to(getattr(metric, name).device))
                 metric._update_count = 1  # it holds updates: compute() without torchmetrics' warning
 
+    def outputs_and_loss(
+        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``net``'s outputs for ``inputs`` and the criterion's loss of them against ``target``. ``net``: the whole
+        net, or the last of the modules a device runs (the memory plan's simulated step). A subclass whose net
+        computes the loss itself returns no outputs (``LanguageModelModule``'s ``fused_loss``)."""
+        outputs = net(inputs)
+        return outputs, self.criterion(outputs, target)
+
+    def loss_problem(self, job: Job) -> ConfigError | None:
+        """Why ``job``'s layout cannot compute this module's loss, or None (it can)."""
+        return None
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """The criterion's loss, plus the model options' terms; ``train/loss`` is the criterion's alone, comparable
         with ``val/loss``."""
         inputs, target = batch
-        outputs = self(inputs)
-        loss = self.criterion(outputs, target)
+        outputs, loss = self.outputs_and_loss(self.net, inputs, target)
         self.update_metrics("train", outputs, target, loss)
         self.log_metrics("train")
         for option in self.options:
@@ -315,8 +332,8 @@ class TrainingModule(L.LightningModule):
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         inputs, target = batch
-        outputs = self(inputs)
-        self.update_metrics("val", outputs, target, self.criterion(outputs, target))
+        outputs, loss = self.outputs_and_loss(self.net, inputs, target)
+        self.update_metrics("val", outputs, target, loss)
         self.log_metrics("val")
 
     def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:

@@ -8,8 +8,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn import functional as F
 
+from project.job.job import Job
 from project.job.layout import DataShape
 from project.models.sequence import BlockSequence
+from project.options.errors import ConfigError
 from project.tasks.base import TrainingModule
 from project.tasks.metrics import SampleMean
 
@@ -40,10 +42,16 @@ class TokenCrossEntropy(nn.Module):
 
 class LanguageModelModule(TrainingModule):
     """``net`` maps token ids (batch, length) to next-token logits. Logs ``train/loss``, ``val/loss`` and
-    ``val/perplexity`` per epoch, and ``data/entropy_floor`` when the data knows its best achievable loss."""
+    ``val/perplexity`` per epoch, and ``data/entropy_floor`` when the data knows its best achievable loss.
 
-    def __init__(self, net: BlockSequence, **kwargs) -> None:
+    ``fused_loss``: the net's head computes the loss from its hidden states a chunk of tokens at a time
+    (``project.models.linear_cross_entropy``), so that the step never holds the (batch, length, vocab) logits, their
+    float32 copy or their gradient; the same loss as ``TokenCrossEntropy`` of the logits. For layouts whose ranks
+    each run the whole model (``loss_problem``)."""
+
+    def __init__(self, net: BlockSequence, fused_loss: bool = False, **kwargs) -> None:
         super().__init__(net, **kwargs)
+        self.fused_loss = fused_loss
         self.criterion = TokenCrossEntropy()
         self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
         self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
@@ -53,6 +61,27 @@ class LanguageModelModule(TrainingModule):
         assert data.seq_length is not None, "a language model's data has a sequence length"
         tokens = torch.zeros(batch_size, data.seq_length, dtype=torch.long)
         return tokens, tokens
+
+    def outputs_and_loss(
+        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if not self.fused_loss:
+            return super().outputs_and_loss(net, inputs, target)
+        return None, net(inputs, target) / target.numel()  # TokenCrossEntropy's division
+
+    def loss_problem(self, job: Job) -> ConfigError | None:
+        """The fused loss takes the output layer's whole weight and the targets in the head, which a pipeline's last
+        stage (its schedule hands the loss function the stage's output) and a tensor-parallel split of the
+        vocabulary (``loss_parallel`` combines the ranks' logits) do not give it."""
+        if self.fused_loss and not job.dims.runs_whole_model:
+            return ConfigError(
+                "model.fused_loss",
+                f"is true under strategy={job.strategy_name}, whose ranks do not each run the whole model "
+                "(pipeline stages, a tensor-parallel split of the output layer).",
+                "set model.fused_loss=false (tensor parallelism keeps the logits split by vocabulary anyway), or "
+                "train with strategy=fsdp, ddp or model_parallel.",
+            )
+        return None
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
