@@ -1,8 +1,9 @@
 """The framework's speed on one GPU: ``python benchmarks/gpu.py --out DIR [--pairs N] [--profile [all]]``.
 
 Cases: GPT-2 small and medium (``model=gpt_125m``, ``model=gpt_350m``) and Llama-3.2-1B's shape (``model=llama_1b``),
-each eager and with ``model.compile=true``, and the last two also with ``model.float8.enabled=true`` (``-float8``), on
-one GPU in ``bf16-mixed``, on the synthetic Markov language
+each eager and with ``model.compile=true``, and the last two also with ``model.float8.enabled=true`` (``-float8``) and
+compiled with ``model.fused_loss=true`` (``-fusedloss``: the output layer and loss in chunks), on one GPU in
+``bf16-mixed``, on the synthetic Markov language
 (``data=tokens``, nothing to download) at sequence length 1024 (``--seq-length``), 2 epochs (``--epochs``) of 40
 steps (``--steps``), checkpointing off. For each case, ``python train.py`` (the framework) and
 ``benchmarks/hand_loop.py`` (the same training written by hand) run one after the other in alternating order,
@@ -13,7 +14,8 @@ first (steady state: compiling, warm-up and the first validation are in the firs
   the median of the steady epochs), and ``memory/peak_allocated_mb``, the highest of the run's epochs;
 - framework / hand throughput: the hand loop's steady epoch time over the framework's (the medians of each run;
   min / median / max over the pairs). 1 means the framework costs nothing; 0.98, that it is 2% slower.
-- a Float8 case's throughput over its bf16 twin's (``perf/tokens_per_sec``).
+- a Float8 or fused-loss case's throughput over its plain twin's (``perf/tokens_per_sec``): the same case in bf16, with
+  the loss of the whole logits.
 
 One more case, ``checkpoint-save``: what a checkpoint save costs the training loop. gpt_125m (eager) under
 ``strategy=fsdp`` on the one GPU (a distributed checkpoint: about 1.5 GB of fp32 weights and AdamW state) saves
@@ -83,17 +85,27 @@ class Model:
     vocab_size: int | None  # the model's vocabulary (model.net.vocab_size); None: the data's
     batch_size: int  # sequences per step (one device)
     float8: bool = False  # also run in Float8 (model.float8.enabled=true)
+    fused_loss: bool = False  # also run compiled with the fused output layer and loss (model.fused_loss=true)
 
 
 @dataclass(frozen=True)
 class Case:
     model: Model
     compile: bool
-    float8: bool
+    float8: bool = False
+    fused_loss: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.model.preset}{'-compile' if self.compile else ''}{'-float8' if self.float8 else ''}"
+        return (
+            f"{self.model.preset}{'-compile' if self.compile else ''}{'-float8' if self.float8 else ''}"
+            f"{'-fusedloss' if self.fused_loss else ''}"
+        )
+
+    @property
+    def twin(self) -> "Case":
+        """The same case in bf16 with the loss of the whole logits."""
+        return Case(self.model, self.compile)
 
 
 # GPT-2's 50257 tokens rounded up to a multiple of 64 (nanoGPT's 50304: whole tensor-core tiles); Llama 3's own
@@ -101,13 +113,17 @@ class Case:
 # inside an H100's 80 GB: the memory plan (python train.py plan=true with these overrides) puts the peaks at 16.5 GiB,
 # 29 GiB and 46 GiB; llama_1b's model state alone is 1.24 B x 16 bytes = 20 GB (fp32 weights and gradients, two
 # fp32 AdamW moments), its activations at 8 x 1024 tokens 22 GiB.
-GPU_MODELS = [Model("gpt_125m", 50304, 16), Model("gpt_350m", 50304, 16, True), Model("llama_1b", 128256, 8, True)]
-GPU_MFU_TARGETS = {"gpt_350m-compile": 0.50, "llama_1b-compile": 0.40}
+GPU_MODELS = [
+    Model("gpt_125m", 50304, 16),
+    Model("gpt_350m", 50304, 16, float8=True, fused_loss=True),
+    Model("llama_1b", 128256, 8, float8=True, fused_loss=True),
+]
+GPU_MFU_TARGETS = {"gpt_350m-compile": 0.50, "gpt_350m-compile-fusedloss": 0.50, "llama_1b-compile": 0.40}
 GPU_FLOAT8_TARGETS = {"llama_1b-compile-float8": 1.2}  # Float8 throughput / bf16's (torchtitan: 1.2-1.5x)
 GPU_ARGS = ["trainer.accelerator=gpu", "trainer.devices=1", "trainer.precision=bf16-mixed"]
 # --smoke: the tiny presets on the CPU, eager (compiling takes about 35 s a run on a CPU). The GPU's MFU targets are
 # held against them too, so that a missing perf/mfu (no peak on a CPU) goes through the same path.
-SMOKE_MODELS = [Model("gpt", None, 8), Model("llama", None, 8, True)]
+SMOKE_MODELS = [Model("gpt", None, 8), Model("llama", None, 8, float8=True, fused_loss=True)]
 SMOKE_MFU_TARGETS = {"gpt": 0.50, "llama": 0.40}
 SMOKE_FLOAT8_TARGETS = {"llama-float8": 1.2}
 SMOKE_ARGS = ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.precision=32-true"]
@@ -157,7 +173,12 @@ class ProfileSteps(L.Callback):
 
 
 def case_overrides(
-    model: Model, compile: bool, args: argparse.Namespace, device_args: list[str], float8: bool = False
+    model: Model,
+    compile: bool,
+    args: argparse.Namespace,
+    device_args: list[str],
+    float8: bool = False,
+    fused_loss: bool = False,
 ) -> list[str]:
     """The Hydra overrides of one case, the same for the framework and the hand loop."""
     vocab = (
@@ -176,6 +197,7 @@ def case_overrides(
         f"trainer.max_epochs={args.epochs}",
         f"model.compile={str(compile).lower()}",
         f"model.float8.enabled={str(float8).lower()}",
+        f"model.fused_loss={str(fused_loss).lower()}",
         *device_args,
         *QUIET,
         *NO_CHECKPOINTS,
@@ -277,7 +299,7 @@ def targets(
             continue
         wanted = [("perf/mfu", result.get("mfu"), mfu_targets[name])] if name in mfu_targets else []
         if name in float8_targets:
-            wanted.append(("Float8 / bf16 throughput", result.get("float8_speedup"), float8_targets[name]))
+            wanted.append(("Float8 / bf16 throughput", result.get("twin_speedup"), float8_targets[name]))
         wanted.append(("framework / hand throughput", result.get("throughput_ratio", {}).get("median"), RATIO_TARGET))
         for metric, value, threshold in wanted:
             checks.append(
@@ -324,7 +346,7 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{r['epoch_s']['framework']:.3f}",
                 f"{r['epoch_s']['hand']:.3f}",
                 summary([ratio["min"], ratio["median"], ratio["max"]]),
-                figure(r.get("float8_speedup"), "{:.3f}"),
+                figure(r.get("twin_speedup"), "{:.3f}"),
             ]
         )
     checks = [
@@ -356,7 +378,7 @@ def markdown(report: dict[str, Any]) -> str:
                 "epoch s, framework",
                 "epoch s, hand",
                 "framework / hand throughput",
-                "Float8 / bf16 throughput",
+                "throughput / plain twin's",
             ],
             rows,
         ),
@@ -455,10 +477,14 @@ def main() -> None:
         args.seq_length = 64 if args.smoke else 1024
     compiles = [False] if args.smoke else [False, True]
     every = [
-        Case(model, compile, float8)
-        for model in models
-        for float8 in ([False, True] if model.float8 else [False])
-        for compile in compiles
+        *(
+            Case(model, compile, float8)
+            for model in models
+            for float8 in ([False, True] if model.float8 else [False])
+            for compile in compiles
+        ),
+        # compiled where there is a GPU: the fused loss is for the MFU target, which is of the compiled case
+        *(Case(model, compiles[-1], fused_loss=True) for model in models if model.fused_loss),
     ]
     known = {case.name: case for case in every}
     unknown = set(args.cases or []) - {*known, CHECKPOINT_CASE}
@@ -501,12 +527,13 @@ def main() -> None:
         tmp = Path(tmp_name)
         for index, (name, case) in enumerate(cases.items()):
             model, compile = case.model, case.compile
-            overrides = case_overrides(model, compile, args, device_args, case.float8)
+            overrides = case_overrides(model, compile, args, device_args, case.float8, case.fused_loss)
             result = {
                 "case": name,
                 "model": model.preset,
                 "compile": compile,
                 "float8": case.float8,
+                "fused_loss": case.fused_loss,
                 "batch_size": model.batch_size,
                 "seq_length": args.seq_length,
                 "model_vocab_size": model.vocab_size,
@@ -519,9 +546,9 @@ def main() -> None:
                 print(error, file=sys.stderr)
                 result["error"] = str(error)[-4000:]
                 failed = True
-            twin = next((r for r in report["cases"] if r["case"] == Case(model, compile, False).name), None)
-            if case.float8 and twin and twin.get("tokens_per_sec") and result.get("tokens_per_sec"):
-                result["float8_speedup"] = result["tokens_per_sec"] / twin["tokens_per_sec"]
+            twin = next((r for r in report["cases"] if r["case"] == case.twin.name), None)
+            if case != case.twin and twin and twin.get("tokens_per_sec") and result.get("tokens_per_sec"):
+                result["twin_speedup"] = result["tokens_per_sec"] / twin["tokens_per_sec"]
             report["cases"].append(result)
             report["targets"] = targets(report["cases"], mfu_targets, float8_targets)
             report["wall_s"] = time.perf_counter() - started
@@ -546,7 +573,7 @@ def main() -> None:
             case = cases[name]
             trace = args.out / "gpu_benchmark_trace.json.gz" if report["trace"] is None else None
             print(f"  {name}: profiling steps {PROFILE_START} to {PROFILE_START + PROFILE_STEPS - 1}", flush=True)
-            overrides = case_overrides(case.model, case.compile, args, device_args, case.float8)
+            overrides = case_overrides(case.model, case.compile, args, device_args, case.float8, case.fused_loss)
             try:
                 ops = profile_case(name, overrides, tmp, trace)
             except (RuntimeError, subprocess.TimeoutExpired) as error:

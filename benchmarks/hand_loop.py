@@ -18,7 +18,8 @@ before the first epoch. As the framework does, it computes forward and loss in b
 ``trainer.precision=bf16-mixed``, lets float32 matmuls on a GPU use TF32 with ``tf32`` and compiles each block with
 ``model.compile``. With ``model.float8.enabled`` it converts the blocks' Linear layers of widths in 16s (not a router;
 not the small ones torchao's filter leaves, unless ``model.float8.small_layers``) to torchao's Float8 training itself,
-before compiling, as torchao's README does (on a CPU, emulated).
+before compiling, as torchao's README does (on a CPU, emulated). With ``model.fused_loss`` (not under pipeline) its
+loss is the net's own ``net(inputs, targets)``, the output layer and loss in chunks, as the framework's.
 """
 
 import dataclasses
@@ -144,11 +145,15 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
     def autocast() -> torch.autocast:  # Lightning's bf16-mixed: forward and loss in bfloat16, backward outside
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
 
-    def forward_backward(inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    fused_loss = cfg.model.get("fused_loss", False)  # the output layer and loss in chunks: the net's head does it
+
+    def forward_backward(
+        inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         if schedule is None:
             with autocast():
-                outputs = model(inputs)
-                loss = mean_loss(outputs, targets)
+                outputs = None if fused_loss else model(inputs)
+                loss = model(inputs, targets) / targets.numel() if outputs is None else mean_loss(outputs, targets)
             loss.backward()
             return outputs, loss
         losses = []
@@ -183,7 +188,7 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
                 outputs, loss = result
                 sums[0] += loss.detach() * y[rows].numel()
                 sums[2] += y[rows].numel()
-                if classification:
+                if classification and outputs is not None:
                     sums[1] += (outputs.detach().argmax(-1) == y[rows]).sum()
             if epoch == 0 and step == 0:
                 stamp("first_step")
@@ -198,6 +203,10 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
                 inputs, targets = x_val[rows], y_val[rows]
                 if strategy == "pipeline" and len(rows) % microbatches:
                     continue  # equal micro-batches only (the framework pads the last; here it is left out)
+                if fused_loss:
+                    val_sums[0] += model(inputs, targets)
+                    val_sums[2] += targets.numel()
+                    continue
                 outputs = forward(inputs)
                 if last_stage:
                     val_sums[0] += F.cross_entropy(

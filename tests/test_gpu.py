@@ -157,6 +157,55 @@ def test_float8_trains_within_its_bound_of_bf16_on_float8_tensor_cores(runs_dir,
         assert 0 < difference <= LOSS_BOUND, key
 
 
+def test_the_fused_loss_is_torchs_to_bf16_precision_in_less_memory_on_cuda(record_property):
+    """``linear_cross_entropy`` at GPT-2 medium's output layer (1024 wide, 50,304 tokens) over 8 x 1024 tokens under
+    bf16 autocast, against ``F.cross_entropy`` of ``F.linear``: the loss to float32 rounding, both gradients to bf16's,
+    and the forward and backward's peak memory below the plain loss's (its bf16 logits, float32 log-softmax and
+    their gradients: about 5 GiB)."""
+    from torch.nn import functional as F
+
+    from project.models.linear_cross_entropy import linear_cross_entropy
+
+    generator = torch.Generator("cuda").manual_seed(0)
+    hidden = torch.randn(8, 1024, 1024, device="cuda", generator=generator).requires_grad_()
+    weight = (torch.randn(50304, 1024, device="cuda", generator=generator) * 0.02).requires_grad_()
+    target = torch.randint(0, 50304, (8, 1024), device="cuda", generator=generator)
+    results = {}
+    for name in ("plain", "fused"):
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if name == "plain":
+                loss = F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), target.flatten(), reduction="sum")
+            else:
+                loss = linear_cross_entropy(hidden, weight, target)
+        grads = torch.autograd.grad(loss, (hidden, weight))
+        results[name] = (loss.detach(), grads, (torch.cuda.max_memory_allocated() - before) / 2**20)
+        del loss
+    (plain, plain_grads, plain_mb), (fused, fused_grads, fused_mb) = results["plain"], results["fused"]
+    record_property("peak MiB plain", plain_mb)
+    record_property("peak MiB fused", fused_mb)
+    assert fused.item() == pytest.approx(plain.item(), rel=1e-5)
+    for got, want in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    assert fused_mb < plain_mb / 2
+
+
+def test_the_fused_loss_trains_as_the_plain_one_compiled_in_bf16(runs_dir, home, record_property):
+    """The tiny GPT (a vocabulary three times its width: 2 chunks a step) compiled in bf16-mixed, with and without
+    model.fused_loss: every epoch's losses within BF16_REL (the chunks' bf16 sums of the weight's gradient round
+    apart)."""
+    args = [*TINY_GPT, "data.vocab_size=96", "data.batch_size=32", *BF16, "model.compile=true"]
+    runs = {
+        flag: gpu_run(f"gpu-fused-loss-{flag}", [*args, f"model.fused_loss={flag}"], runs_dir, home)[0]
+        for flag in ("false", "true")
+    }
+    for key in ("train/loss", "val/loss"):
+        difference = largest_relative_difference(series(runs["true"], key), series(runs["false"], key))
+        record_property(f"{key} fused vs plain", difference)
+        assert difference <= BF16_REL, key
+
+
 def peak_allocated_mb(args: list[str], name: str, runs_dir: Path, home: Path) -> float:
     job_dir, _ = gpu_run(name, args, runs_dir, home)
     return series(job_dir, "memory/peak_allocated_mb")[-1]
