@@ -56,10 +56,12 @@ def plain_sweep(tmp_path_factory, home) -> tuple[str, Path]:
 
 
 def test_each_job_of_a_sweep_labels_its_progress_bars(plain_sweep):
-    """Jobs that share a terminal (joblib runs them at once) say whose bar is whose."""
+    """Jobs that share a terminal (joblib runs them at once) say whose bar is whose. Piped, as here, an epoch's
+    finished bar is one line with its metrics (Rich's 80 columns would print them in a column, a line each)."""
     output, _ = plain_sweep
     for number in (0, 1):
-        assert f"job {number} · Epoch 0/0" in output
+        (bar,) = [line for line in output.splitlines() if f"job {number} · Epoch 0/0" in line]
+        assert "val/loss:" in bar and "train/acc:" in bar, bar
 
 
 def test_a_stray_rank_in_the_environment_is_not_taken_for_a_torchrun_worker(plain_sweep):

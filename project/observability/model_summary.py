@@ -74,7 +74,7 @@ class WholeModelSummary(RichModelSummary):
             table.add_row(*row)
         console = get_console()
         console.print(table)
-        grid = Table.grid(expand=True)
+        grid = Table.grid()
         grid.add_column()
         for label, value in (
             ("Trainable params", get_human_readable_count(trainable_parameters)),

@@ -1,12 +1,15 @@
 """The progress bar: Lightning's Rich bar, redrawn a few times a second rather than at every batch, and labelled
 with its job in a sweep."""
 
+import sys
 import time
 
 import lightning as L
 from lightning.pytorch.callbacks import RichProgressBar
 
 from project.options.option_types import NonNegativeFloat
+
+PIPED_WIDTH = 200  # columns of the console when the output is not a terminal
 
 
 class TimedRichProgressBar(RichProgressBar):
@@ -18,6 +21,10 @@ class TimedRichProgressBar(RichProgressBar):
     """
 
     def __init__(self, min_interval_s: NonNegativeFloat = 0.1, label: str | None = None, **kwargs) -> None:
+        if not sys.stdout.isatty():
+            # Piped or logged (a file, CI, a sweep's log): Rich's console is then 80 columns wide, and each epoch's
+            # finished bar prints its metrics as a column, a line a metric. Wide, the bar and its metrics make a line.
+            kwargs["console_kwargs"] = {"width": PIPED_WIDTH, **(kwargs.get("console_kwargs") or {})}
         super().__init__(**kwargs)
         self.min_interval_s = min_interval_s
         self.label = label  # before each bar's description: which job of a sweep (parallel jobs share a terminal)
