@@ -15,11 +15,12 @@ It is written as one would write it by hand for speed: whole batches indexed fro
 It runs where the framework would: on ``cuda:<LOCAL_RANK>`` (nccl between ranks) when ``trainer.accelerator`` is
 gpu, or auto on a machine with CUDA, else on the CPU (gloo). On a GPU the in-memory tensors are moved to it once,
 before the first epoch. As the framework does, it computes forward and loss in bfloat16 autocast under
-``trainer.precision=bf16-mixed``, lets float32 matmuls on a GPU use TF32 with ``tf32`` and compiles each block with
-``model.compile``. With ``model.float8.enabled`` it converts the blocks' Linear layers of widths in 16s (not a router;
-not the small ones torchao's filter leaves, unless ``model.float8.small_layers``) to torchao's Float8 training itself,
-before compiling, as torchao's README does (on a CPU, emulated). With ``model.fused_loss`` (not under pipeline) its
-loss is the net's own ``net(inputs, targets)``, the output layer and loss in chunks, as the framework's.
+``trainer.precision=bf16-mixed``, lets float32 matmuls on a GPU use TF32 with ``tf32`` and compiles each block (and
+the loss, unless fused) with ``model.compile``. With ``model.float8.enabled`` it converts the blocks' Linear layers of
+widths in 16s (not a router; not the small ones torchao's filter leaves, unless ``model.float8.small_layers``) to
+torchao's Float8 training itself, before compiling, as torchao's README does (on a CPU, emulated). With
+``model.fused_loss`` (not under pipeline) its loss is the net's own ``net(inputs, targets)``, the output layer and
+loss in chunks, as the framework's.
 """
 
 import dataclasses
@@ -146,6 +147,8 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
 
     fused_loss = cfg.model.get("fused_loss", False)  # the output layer and loss in chunks: the net's head does it
+    # As the framework does under model.compile: the loss of the logits compiled with the blocks
+    loss_of = torch.compile(mean_loss) if cfg.model.compile and not fused_loss else mean_loss
 
     def forward_backward(
         inputs: torch.Tensor, targets: torch.Tensor
@@ -153,7 +156,7 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         if schedule is None:
             with autocast():
                 outputs = None if fused_loss else model(inputs)
-                loss = model(inputs, targets) / targets.numel() if outputs is None else mean_loss(outputs, targets)
+                loss = model(inputs, targets) / targets.numel() if outputs is None else loss_of(outputs, targets)
             loss.backward()
             return outputs, loss
         losses = []

@@ -84,3 +84,18 @@ def test_the_gpts_head_gives_the_token_loss_of_its_logits():
         torch.autograd.grad(fused, list(net.parameters())), torch.autograd.grad(plain, list(net.parameters()))
     ):
         torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
+
+
+def test_the_compiled_token_loss_is_the_eager_one():
+    """model.compile's loss (``TokenCrossEntropy.compile_summed``: inductor's kernels) against eager's: the loss and
+    the logits' gradient, ignored targets included, to float32 rounding."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 16, 300, generator=generator).requires_grad_()
+    target = torch.randint(0, 300, (4, 16), generator=generator)
+    target[0, :5] = IGNORE_INDEX
+    eager, compiled = TokenCrossEntropy(), TokenCrossEntropy()
+    compiled.compile_summed()
+    expected = eager(logits, target)
+    loss = compiled(logits, target)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(expected, logits)[0])

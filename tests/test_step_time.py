@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import TINY_GPT
 from test_memory_plan import resolved
 
 from project.accounting.counts import Kernel, Link, StepCounts
@@ -88,6 +89,26 @@ def test_a_fused_chain_reads_only_what_no_elementwise_op_wrote_and_writes_what_i
     with StepCounts(4, "data_parallel") as eager:
         ((x * 2) + 1).exp()
     assert eager.moved_bytes == 3 * (4_000 + 4_000)
+
+
+def test_model_compile_prices_the_loss_of_plain_logits_as_compiled_too():
+    """With model.compile the task compiles its loss (TokenCrossEntropy's ``compile_summed``), and the simulation
+    counts it as a fused kernel: of a GPT whose 2,048-token vocabulary makes the loss most of its memory traffic,
+    a step moves fewer bytes than with the blocks alone counted as compiled, and the same with the loss eager."""
+    from project.plan.simulate import _fused_in_compiled
+
+    job = resolved([*TINY_GPT, "data.vocab_size=2048", "model.compile=true", "logger=none"])
+    module = job.new_module()
+    module.net.to_empty(device="cpu")
+    tokens = torch.randint(0, 2048, (8, 16))
+    moved = {}
+    for compiles_loss in (True, False):
+        module.compiles_loss = compiles_loss
+        module.net.zero_grad(set_to_none=True)  # each backward writes its gradients afresh
+        with StepCounts(1, "data_parallel") as counts, _fused_in_compiled(module.net, module, counts):
+            module.outputs_and_loss(module.net, tokens, tokens)[1].backward()
+        moved[compiles_loss] = counts.moved_bytes
+    assert moved[True] < moved[False]
 
 
 def test_a_matmul_counts_its_flops_bytes_and_output_tiles():

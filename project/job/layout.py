@@ -37,6 +37,7 @@ class TaskModule(Protocol):
 
     net: BlockSequence
     criterion: nn.Module
+    compiles_loss: bool
     optimizer_factory: Callable[..., torch.optim.Optimizer]
     activation_checkpointing: Checkpointing
 

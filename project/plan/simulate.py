@@ -125,7 +125,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
         counts = StepCounts(job.devices, world_dim, fake_mode)
         activations: int | None = None
-        compiled = _fused_in_blocks(net, counts) if job.model.compile else nullcontext()
+        compiled = _fused_in_compiled(net, module, counts) if job.model.compile else nullcontext()
         with tracker, _dtensor_shapes_inferred_apart(), compiled:
             try:
                 if work.extra_buffer_bytes:
@@ -181,12 +181,14 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
 
 
 @contextmanager
-def _fused_in_blocks(net: nn.Module, counts: StepCounts) -> Iterator[None]:
+def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -> Iterator[None]:
     """While inside: ``counts`` counts the blocks' forward and backward as compiled (``StepCounts.fused``), as
-    ``model.compile`` compiles them (``compile_blocks``), and the rest (embedding, head, loss, optimizer) as eager.
+    ``model.compile`` compiles them (``compile_blocks``), and the loss of plain logits where the task compiles it
+    (``compiles_loss``); the rest (embedding, head, optimizer, a tensor-parallel loss) as eager.
     Forward: a block's hooks around its forward. Backward: a block's starts when its output's gradient is computed
     and ends when its input's is; between two blocks, the one tensor is the first's output and the second's input,
-    so a depth (+1 at an output, -1 at an input) stays inside from the last block's output to the first's input."""
+    so a depth (+1 at an output, -1 at an input) stays inside from the last block's output to the first's input.
+    The loss likewise, from its output's gradient (backward's start) to its logits'."""
     depth = 0
 
     def enter(*_: Any) -> None:
@@ -200,20 +202,25 @@ def _fused_in_blocks(net: nn.Module, counts: StepCounts) -> Iterator[None]:
         counts.fused = depth > 0
 
     def before(block: nn.Module, args: tuple) -> None:
+        if block is module.criterion and isinstance(args[0], DTensor):
+            return  # split logits: the loss stays eager (TokenCrossEntropy)
         for item in args:
             if isinstance(item, torch.Tensor) and item.requires_grad:
                 item.register_hook(leave)
         enter()
 
     def after(block: nn.Module, args: tuple, output: Any) -> None:
+        if block is module.criterion and isinstance(args[0], DTensor):
+            return
         leave()
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(enter)
 
+    compiled = [*getattr(net, "blocks", []), *([module.criterion] if module.compiles_loss else [])]
     handles = [
         hook
-        for block in getattr(net, "blocks", [])
-        for hook in (block.register_forward_pre_hook(before), block.register_forward_hook(after))
+        for part in compiled
+        for hook in (part.register_forward_pre_hook(before), part.register_forward_hook(after))
     ]
     try:
         yield

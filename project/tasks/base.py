@@ -79,6 +79,7 @@ class TrainingModule(L.LightningModule):
     """
 
     criterion: nn.Module
+    compiles_loss: bool = False  # whether model.compile compiles the criterion with the blocks (compile_loss)
     train_metrics: nn.ModuleDict
     val_metrics: nn.ModuleDict
     example_batch: Callable[[int, DataShape], tuple[torch.Tensor, torch.Tensor]]  # (batch_size, the data's shape)
@@ -158,6 +159,7 @@ class TrainingModule(L.LightningModule):
         self.prepare_net(Target(cuda=strategy.root_device.type == "cuda", sharded=sharded))
         if self.compile_each_block:
             compile_blocks(self.net)
+            self.compile_loss()
         if isinstance(strategy, LaidOutStrategy):  # Lightning's own (DDP, one device) keep the whole model
             strategy.parallelize(self.net)
         weights = HFWeights(self.init_from) if self.init_from else None
@@ -296,6 +298,9 @@ class TrainingModule(L.LightningModule):
         computes the loss itself returns no outputs (``LanguageModelModule``'s ``fused_loss``)."""
         outputs = net(inputs)
         return outputs, self.criterion(outputs, target)
+
+    def compile_loss(self) -> None:
+        """Compile the loss with the blocks (``model.compile``) where ``compiles_loss``: a subclass's business."""
 
     def loss_problem(self, job: Job) -> ConfigError | None:
         """Why ``job``'s layout cannot compute this module's loss, or None (it can)."""

@@ -31,13 +31,28 @@ class TokenCrossEntropy(nn.Module):
     combines the ranks' partial sums; the loss, the same on every rank, comes back as a plain tensor. Its backward
     must run inside ``loss_parallel`` too (the tensor-parallel strategies' ``backward``)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.summed = summed_token_loss
+
+    def compile_summed(self) -> None:
+        """``torch.compile`` the loss of plain logits (torchtitan compiles its loss too): inductor reads the logits
+        once in their dtype and keeps no float32 log-softmax, where eager writes a float32 copy and its
+        log-softmax, and backward reads and writes both again. Split logits (tensor parallelism) stay eager."""
+        self.summed = torch.compile(summed_token_loss)
+
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if isinstance(logits, DTensor):
             with loss_parallel():
                 # A DTensor's loss is a DTensor (typed as a plain Tensor by torch).
-                total = cast(DTensor, F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum"))
+                total = cast(DTensor, summed_token_loss(logits, target))
                 return total.to_local() / target.numel()
-        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") / target.numel()
+        return self.summed(logits, target) / target.numel()
+
+
+def summed_token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The cross-entropy of (batch, length, vocab) logits summed over the targets (``IGNORE_INDEX`` left out)."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
 
 
 class LanguageModelModule(TrainingModule):
@@ -49,10 +64,13 @@ class LanguageModelModule(TrainingModule):
     float32 copy or their gradient; the same loss as ``TokenCrossEntropy`` of the logits. For layouts whose ranks
     each run the whole model (``loss_problem``)."""
 
+    criterion: TokenCrossEntropy
+
     def __init__(self, net: BlockSequence, fused_loss: bool = False, **kwargs) -> None:
         super().__init__(net, **kwargs)
         self.fused_loss = fused_loss
         self.criterion = TokenCrossEntropy()
+        self.compiles_loss = not fused_loss  # the fused loss is a loop of chunks, each computed whole
         self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
         self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
 
@@ -68,6 +86,10 @@ class LanguageModelModule(TrainingModule):
         if not self.fused_loss:
             return super().outputs_and_loss(net, inputs, target)
         return None, net(inputs, target) / target.numel()  # TokenCrossEntropy's division
+
+    def compile_loss(self) -> None:
+        if self.compiles_loss:
+            self.criterion.compile_summed()
 
     def loss_problem(self, job: Job) -> ConfigError | None:
         """The fused loss takes the output layer's whole weight and the targets in the head, which a pipeline's last
