@@ -112,6 +112,11 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         to_float8(net, float8.recipe, float8.small_layers, device, gather=strategy == "fsdp")
     if cfg.model.compile:
         compile_blocks(net)  # before any wrapping, as the framework does
+    fused_loss = cfg.model.get("fused_loss", False)  # the output layer and loss in chunks: the net's head does it
+    if fused_loss and strategy == "pipeline":
+        sys.exit("model.fused_loss is refused under pipeline (the framework refuses it before launch)")
+    # As the framework does under model.compile: the loss of the logits compiled with the blocks
+    loss_of = torch.compile(mean_loss) if cfg.model.compile and not fused_loss else mean_loss
     batch = cfg.data.batch_size  # per data-parallel replica, as the framework's
     replicas = 1 if strategy == "pipeline" else world
     global_batch = batch * replicas
@@ -128,7 +133,7 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
         microbatches = cfg.strategy.microbatches
         stage = PipelineStage(model, rank, world, device)
         schedule = Schedule1F1B(
-            stage, microbatches, loss_fn=lambda out, tgt: mean_loss(out, tgt) / microbatches, scale_grads=False
+            stage, microbatches, loss_fn=lambda out, tgt: loss_of(out, tgt) / microbatches, scale_grads=False
         )
         eval_schedule = Schedule1F1B(PipelineStage(model, rank, world, device), microbatches)
     last_stage = strategy != "pipeline" or rank == world - 1
@@ -145,10 +150,6 @@ def main(clock_file: str, strategy: str, overrides: list[str]) -> None:
 
     def autocast() -> torch.autocast:  # Lightning's bf16-mixed: forward and loss in bfloat16, backward outside
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.trainer.precision == "bf16-mixed")
-
-    fused_loss = cfg.model.get("fused_loss", False)  # the output layer and loss in chunks: the net's head does it
-    # As the framework does under model.compile: the loss of the logits compiled with the blocks
-    loss_of = torch.compile(mean_loss) if cfg.model.compile and not fused_loss else mean_loss
 
     def forward_backward(
         inputs: torch.Tensor, targets: torch.Tensor

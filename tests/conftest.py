@@ -452,9 +452,10 @@ def gpt_ddp_fsdp_sweep(runs_dir, home):
     return jobs
 
 
-# The fused output layer and loss (model.fused_loss) on a vocabulary three times the width: 3 chunks of rows, so
-# that each device's step computes its loss in 2 chunks (project/models/linear_cross_entropy.py: chunk_rows).
-GPT_FUSED = [*TINY_GPT, "data.vocab_size=96", "model.fused_loss=true"]
+# The fused output layer and loss (model.fused_loss), at most 8192 logits a chunk: 64 of the 96-token vocabulary's
+# rows (project/models/linear_cross_entropy.py: chunk_rows), so that a device's step of 16 x 16 tokens (ddp, fsdp)
+# computes its loss in 4 chunks, and of 32 x 16 (model_parallel) in 8.
+GPT_FUSED = [*TINY_GPT, "data.vocab_size=96", "model.fused_loss=true", "model.fused_loss_chunk_logits=8192"]
 
 
 @pytest.fixture(scope="session")

@@ -192,10 +192,11 @@ def test_the_fused_loss_is_torchs_to_bf16_precision_in_less_memory_on_cuda(recor
 
 
 def test_the_fused_loss_trains_as_the_plain_one_compiled_in_bf16(runs_dir, home, record_property):
-    """The tiny GPT (a vocabulary three times its width: 2 chunks a step) compiled in bf16-mixed, with and without
+    """The tiny GPT (test_reference's fused runs: 8 chunks a step) compiled in bf16-mixed, with and without
     model.fused_loss: every epoch's losses within BF16_REL (the chunks' bf16 sums of the weight's gradient round
     apart)."""
     args = [*TINY_GPT, "data.vocab_size=96", "data.batch_size=32", *BF16, "model.compile=true"]
+    args.append("model.fused_loss_chunk_logits=8192")
     runs = {
         flag: gpu_run(f"gpu-fused-loss-{flag}", [*args, f"model.fused_loss={flag}"], runs_dir, home)[0]
         for flag in ("false", "true")

@@ -5,6 +5,7 @@ autocast to bf16's precision; and the language model's head and loss with it aga
 import pytest
 import torch
 from torch.nn import functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from project.models.gpt import GPT
 from project.models.linear_cross_entropy import IGNORE_INDEX, LOGITS_PER_CHUNK, chunk_rows, linear_cross_entropy
@@ -25,12 +26,13 @@ def torchs(hidden, weight, target):
     return F.cross_entropy(F.linear(hidden, weight).flatten(0, 1), target.flatten(), reduction="sum")
 
 
-@pytest.mark.parametrize("chunk", [None, 1, 4, 64], ids=["rule", "1", "4", "whole"])
-def test_loss_and_both_gradients_equal_torchs_in_float64(chunk):
-    """Every chunking, the targets' ignored rows included, and a gradient scale from backward (1.7) applied."""
+@pytest.mark.parametrize("rows", [1, 4, 64], ids=["1", "4", "whole"])
+def test_loss_and_both_gradients_equal_torchs_in_float64(rows):
+    """Chunks of 1, 4 and all 21 tokens (of a 50-token vocabulary), the targets' ignored rows included, and a
+    gradient scale from backward (1.7) applied."""
     hidden, weight, target = problem(torch.float64)
     expected = torch.autograd.grad(torchs(hidden, weight, target) * 1.7, (hidden, weight))
-    loss = linear_cross_entropy(hidden, weight, target, chunk)
+    loss = linear_cross_entropy(hidden, weight, target, logits_per_chunk=rows * 50)
     assert loss.item() == pytest.approx(torchs(hidden, weight, target).item(), rel=1e-13)
     for got, want in zip(torch.autograd.grad(loss * 1.7, (hidden, weight)), expected):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -42,7 +44,7 @@ def test_under_bf16_autocast_it_is_torchs_to_bf16_precision():
     hidden, weight, target = problem(torch.float32, rows=96, vocab=200)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected_loss = torchs(hidden, weight, target)
-        loss = linear_cross_entropy(hidden, weight, target, chunk=32)
+        loss = linear_cross_entropy(hidden, weight, target, logits_per_chunk=32 * 200)
     assert loss.dtype == expected_loss.dtype == torch.float32
     assert loss.item() == pytest.approx(expected_loss.item(), rel=1e-6)
     expected = torch.autograd.grad(expected_loss, (hidden, weight))
@@ -52,19 +54,24 @@ def test_under_bf16_autocast_it_is_torchs_to_bf16_precision():
 
 
 def test_a_frozen_weight_gets_no_gradient_and_evaluation_none_at_all():
+    """Frozen (LoRA's base): the hidden states' gradient alone. In evaluation (no grad mode, inputs that would
+    want gradients): the loss's own FLOPs alone, 2 x tokens x dim x vocab for the logits, as the plain loss's
+    forward, where the gradients of both would add twice that."""
     hidden, weight, target = problem(torch.float64)
     frozen = weight.detach()
     loss = linear_cross_entropy(hidden, frozen, target)
     (grad,) = torch.autograd.grad(loss, hidden)
     torch.testing.assert_close(grad, torch.autograd.grad(torchs(hidden, frozen, target), hidden)[0])
-    with torch.no_grad():
-        assert not linear_cross_entropy(hidden, weight, target).requires_grad
+    with torch.no_grad(), FlopCounterMode(display=False) as flops:
+        loss = linear_cross_entropy(hidden, weight, target)
+    assert not loss.requires_grad and flops.get_total_flops() == 2 * 21 * 16 * 50
 
 
 def test_chunks_hold_at_most_a_gib_of_float32_logits_in_a_power_of_two_of_tokens():
     assert chunk_rows(rows=16384, vocab=50304) == 4096  # GPT-2's vocabulary: 2^28 / 50304 = 5336 -> 4096, 4 chunks
     assert chunk_rows(rows=8192, vocab=128256) == 2048  # Llama 3's: 2093 -> 2048
     assert chunk_rows(rows=512, vocab=96) == 512  # they fit: one chunk
+    assert chunk_rows(rows=256, vocab=96, logits_per_chunk=8192) == 64  # the tests' runs: 85 -> 64, 4 chunks
     assert chunk_rows(rows=10, vocab=2**29) == 1  # a token's logits over the budget: a token at a time
     for rows, vocab in ((16384, 50304), (8192, 128256), (100000, 5000), (3000, 151936)):
         chunk = chunk_rows(rows, vocab)
@@ -99,3 +106,14 @@ def test_the_compiled_token_loss_is_the_eager_one():
     loss = compiled(logits, target)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
     torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], torch.autograd.grad(expected, logits)[0])
+
+
+def test_the_compiled_chunks_are_the_eager_ones():
+    """The fused loss under model.compile (each chunk's work by inductor's kernels) against its eager self: the loss
+    and both gradients to float32 rounding, over 6 chunks of 4 tokens (the last of 1), ignored targets included."""
+    hidden, weight, target = problem(torch.float32)
+    eager = linear_cross_entropy(hidden, weight, target, logits_per_chunk=4 * 50)
+    compiled = linear_cross_entropy(hidden, weight, target, logits_per_chunk=4 * 50, compiled=True)
+    assert compiled.item() == pytest.approx(eager.item(), rel=1e-6)
+    for got, want in zip(torch.autograd.grad(compiled, (hidden, weight)), torch.autograd.grad(eager, (hidden, weight))):
+        torch.testing.assert_close(got, want)

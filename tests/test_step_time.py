@@ -91,23 +91,26 @@ def test_a_fused_chain_reads_only_what_no_elementwise_op_wrote_and_writes_what_i
     assert eager.moved_bytes == 3 * (4_000 + 4_000)
 
 
-def test_model_compile_prices_the_loss_of_plain_logits_as_compiled_too():
-    """With model.compile the task compiles its loss (TokenCrossEntropy's ``compile_summed``), and the simulation
-    counts it as a fused kernel: of a GPT whose 2,048-token vocabulary makes the loss most of its memory traffic,
-    a step moves fewer bytes than with the blocks alone counted as compiled, and the same with the loss eager."""
+@pytest.mark.parametrize("fused", ["false", "true"], ids=["plain", "fused"])
+def test_model_compile_prices_the_loss_as_compiled_too(fused):
+    """With model.compile the task compiles its loss (TokenCrossEntropy's ``compile_summed``, or the fused loss's
+    chunks), and the simulation counts it as fused kernels: of a GPT whose 2,048-token vocabulary makes the loss most
+    of its memory traffic, a step moves fewer bytes than with the blocks alone counted as compiled."""
     from project.plan.simulate import _fused_in_compiled
 
-    job = resolved([*TINY_GPT, "data.vocab_size=2048", "model.compile=true", "logger=none"])
+    job = resolved(
+        [*TINY_GPT, "data.vocab_size=2048", "model.compile=true", f"model.fused_loss={fused}", "logger=none"]
+    )
     module = job.new_module()
     module.net.to_empty(device="cpu")
     tokens = torch.randint(0, 2048, (8, 16))
     moved = {}
-    for compiles_loss in (True, False):
-        module.compiles_loss = compiles_loss
+    for loss in (module.compiled_loss_module(), None):
+        module.compiled_loss_module = lambda loss=loss: loss
         module.net.zero_grad(set_to_none=True)  # each backward writes its gradients afresh
         with StepCounts(1, "data_parallel") as counts, _fused_in_compiled(module.net, module, counts):
             module.outputs_and_loss(module.net, tokens, tokens)[1].backward()
-        moved[compiles_loss] = counts.moved_bytes
+        moved[loss is not None] = counts.moved_bytes
     assert moved[True] < moved[False]
 
 

@@ -83,7 +83,7 @@ class Model:
     module: functools.partial  # the task module's class and model's options, but the net and the fields below
     num_layers: int | None  # the net's blocks, where they are all alike (model.net.num_layers)
     activation_checkpointing: Checkpointing  # the model's own (model.activation_checkpointing)
-    compile: bool  # model.compile: each block under torch.compile
+    compile: bool  # model.compile: each block, and the loss of the logits, under torch.compile
 
     def meta_net(self) -> BlockSequence:
         """The plain model on the meta device: shapes only, no memory."""

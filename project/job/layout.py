@@ -37,7 +37,6 @@ class TaskModule(Protocol):
 
     net: BlockSequence
     criterion: nn.Module
-    compiles_loss: bool
     optimizer_factory: Callable[..., torch.optim.Optimizer]
     activation_checkpointing: Checkpointing
 
@@ -53,6 +52,8 @@ class TaskModule(Protocol):
     def _optimizer_groups(self) -> list[dict[str, Any]]: ...
 
     def parameter_groups(self) -> list[list[str]]: ...
+
+    def compiled_loss_module(self) -> nn.Module | None: ...
 
     def outputs_and_loss(
         self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor

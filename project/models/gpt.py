@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from project.models.linear_cross_entropy import linear_cross_entropy
+from project.models.linear_cross_entropy import LOGITS_PER_CHUNK, linear_cross_entropy
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import PositiveInt, Probability
@@ -87,7 +87,11 @@ class Embedding(nn.Module):
 
 class LMHead(nn.Module):
     """Final norm (LayerNorm unless given) and the projection to vocabulary logits; given the targets, the summed
-    token loss of those logits instead, without the logits ever whole (``linear_cross_entropy``)."""
+    token loss of those logits instead, without the logits ever whole (``linear_cross_entropy``, at most
+    ``logits_per_chunk`` of them at a time, each chunk's work compiled if ``compiled_loss``)."""
+
+    logits_per_chunk = LOGITS_PER_CHUNK
+    compiled_loss = False  # each chunk's work under torch.compile (model.compile)
 
     def __init__(self, dim: int, vocab_size: int, norm: nn.Module | None = None) -> None:
         super().__init__()
@@ -97,7 +101,7 @@ class LMHead(nn.Module):
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         if target is None:
             return self.output(self.norm(x))
-        return linear_cross_entropy(self.norm(x), self.output.weight, target)
+        return linear_cross_entropy(self.norm(x), self.output.weight, target, self.logits_per_chunk, self.compiled_loss)
 
 
 class GPT(BlockSequence):

@@ -183,8 +183,9 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
 @contextmanager
 def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -> Iterator[None]:
     """While inside: ``counts`` counts the blocks' forward and backward as compiled (``StepCounts.fused``), as
-    ``model.compile`` compiles them (``compile_blocks``), and the loss of plain logits where the task compiles it
-    (``compiles_loss``); the rest (embedding, head, optimizer, a tensor-parallel loss) as eager.
+    ``model.compile`` compiles them (``compile_blocks``), and the loss where the task compiles it
+    (``compiled_loss_module``: the criterion of plain logits, or the fused loss's head); the rest (embedding, head,
+    optimizer, a tensor-parallel loss) as eager.
     Forward: a block's hooks around its forward. Backward: a block's starts when its output's gradient is computed
     and ends when its input's is; between two blocks, the one tensor is the first's output and the second's input,
     so a depth (+1 at an output, -1 at an input) stays inside from the last block's output to the first's input.
@@ -202,7 +203,7 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
         counts.fused = depth > 0
 
     def before(block: nn.Module, args: tuple) -> None:
-        if block is module.criterion and isinstance(args[0], DTensor):
+        if block is loss and isinstance(args[0], DTensor):
             return  # split logits: the loss stays eager (TokenCrossEntropy)
         for item in args:
             if isinstance(item, torch.Tensor) and item.requires_grad:
@@ -210,13 +211,14 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
         enter()
 
     def after(block: nn.Module, args: tuple, output: Any) -> None:
-        if block is module.criterion and isinstance(args[0], DTensor):
+        if block is loss and isinstance(args[0], DTensor):
             return
         leave()
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(enter)
 
-    compiled = [*getattr(net, "blocks", []), *([module.criterion] if module.compiles_loss else [])]
+    loss = module.compiled_loss_module()
+    compiled = [*getattr(net, "blocks", []), *([loss] if loss is not None else [])]
     handles = [
         hook
         for part in compiled

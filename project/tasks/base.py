@@ -79,7 +79,6 @@ class TrainingModule(L.LightningModule):
     """
 
     criterion: nn.Module
-    compiles_loss: bool = False  # whether model.compile compiles the criterion with the blocks (compile_loss)
     train_metrics: nn.ModuleDict
     val_metrics: nn.ModuleDict
     example_batch: Callable[[int, DataShape], tuple[torch.Tensor, torch.Tensor]]  # (batch_size, the data's shape)
@@ -300,7 +299,11 @@ class TrainingModule(L.LightningModule):
         return outputs, self.criterion(outputs, target)
 
     def compile_loss(self) -> None:
-        """Compile the loss with the blocks (``model.compile``) where ``compiles_loss``: a subclass's business."""
+        """Compile the loss with the blocks (``model.compile``), in ``compiled_loss_module``: a subclass's business."""
+
+    def compiled_loss_module(self) -> nn.Module | None:
+        """The module whose forward (and backward) holds the loss ``compile_loss`` compiles, or None: none."""
+        return None
 
     def loss_problem(self, job: Job) -> ConfigError | None:
         """Why ``job``'s layout cannot compute this module's loss, or None (it can)."""

@@ -10,8 +10,11 @@ from torch.nn import functional as F
 
 from project.job.job import Job
 from project.job.layout import DataShape
+from project.models.gpt import LMHead
+from project.models.linear_cross_entropy import LOGITS_PER_CHUNK
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
+from project.options.option_types import PositiveInt
 from project.tasks.base import TrainingModule
 from project.tasks.metrics import SampleMean
 
@@ -61,16 +64,23 @@ class LanguageModelModule(TrainingModule):
 
     ``fused_loss``: the net's head computes the loss from its hidden states a chunk of tokens at a time
     (``project.models.linear_cross_entropy``), so that the step never holds the (batch, length, vocab) logits, their
-    float32 copy or their gradient; the same loss as ``TokenCrossEntropy`` of the logits. For layouts whose ranks
-    each run the whole model (``loss_problem``)."""
+    float32 copy or their gradient; the same loss as ``TokenCrossEntropy`` of the logits; at most
+    ``fused_loss_chunk_logits`` logits a chunk. For layouts whose ranks each run the whole model (``loss_problem``)."""
 
     criterion: TokenCrossEntropy
 
-    def __init__(self, net: BlockSequence, fused_loss: bool = False, **kwargs) -> None:
+    def __init__(
+        self,
+        net: BlockSequence,
+        fused_loss: bool = False,
+        fused_loss_chunk_logits: PositiveInt = LOGITS_PER_CHUNK,
+        **kwargs,
+    ) -> None:
         super().__init__(net, **kwargs)
         self.fused_loss = fused_loss
+        if fused_loss:
+            cast(LMHead, net.head).logits_per_chunk = fused_loss_chunk_logits
         self.criterion = TokenCrossEntropy()
-        self.compiles_loss = not fused_loss  # the fused loss is a loop of chunks, each computed whole
         self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
         self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
 
@@ -88,8 +98,14 @@ class LanguageModelModule(TrainingModule):
         return None, net(inputs, target) / target.numel()  # TokenCrossEntropy's division
 
     def compile_loss(self) -> None:
-        if self.compiles_loss:
+        """The loss of the logits compiled whole, or the fused loss's work on each chunk."""
+        if self.fused_loss:
+            cast(LMHead, self.net.head).compiled_loss = True
+        else:
             self.criterion.compile_summed()
+
+    def compiled_loss_module(self) -> nn.Module | None:
+        return self.net.head if self.fused_loss else self.criterion
 
     def loss_problem(self, job: Job) -> ConfigError | None:
         """The fused loss takes the output layer's whole weight and the targets in the head, which a pipeline's last
@@ -100,7 +116,7 @@ class LanguageModelModule(TrainingModule):
                 "model.fused_loss",
                 f"is true under strategy={job.strategy_name}, whose ranks do not each run the whole model "
                 "(pipeline stages, a tensor-parallel split of the output layer).",
-                "set model.fused_loss=false (tensor parallelism keeps the logits split by vocabulary anyway), or "
+                "set model.fused_loss=false (tensor parallelism splits the output layer by vocabulary already), or "
                 "train with strategy=fsdp, ddp or model_parallel.",
             )
         return None
