@@ -147,14 +147,21 @@ def test_float8_trains_within_its_bound_of_bf16_on_float8_tensor_cores(runs_dir,
     from test_float8 import LOSS_BOUND
 
     args = [*TINY_LLAMA, "data.batch_size=32", *BF16, "model.compile=true", "model.float8.small_layers=true"]
-    runs = {
-        flag: gpu_run(f"gpu-float8-{flag}", [*args, f"model.float8.enabled={flag}"], runs_dir, home)[0]
-        for flag in ("false", "true")
-    }
-    for key in ("train/loss", "val/loss"):
-        difference = largest_relative_difference(series(runs["true"], key), series(runs["false"], key))
+    for key, difference in switched_differences("gpu-float8", args, "model.float8.enabled", runs_dir, home).items():
         record_property(f"{key} Float8 vs bf16", difference)
         assert 0 < difference <= LOSS_BOUND, key
+
+
+def switched_differences(name: str, args: list[str], switch: str, runs_dir: Path, home: Path) -> dict[str, float]:
+    """Two GPU runs of ``args``, the boolean ``switch`` false and true: for the training and validation loss, the
+    largest relative difference of an epoch's."""
+    runs = {
+        flag: gpu_run(f"{name}-{flag}", [*args, f"{switch}={flag}"], runs_dir, home)[0] for flag in ("false", "true")
+    }
+    return {
+        key: largest_relative_difference(series(runs["true"], key), series(runs["false"], key))
+        for key in ("train/loss", "val/loss")
+    }
 
 
 def test_the_fused_loss_is_torchs_to_bf16_precision_in_less_memory_on_cuda(record_property):
@@ -197,12 +204,7 @@ def test_the_fused_loss_trains_as_the_plain_one_compiled_in_bf16(runs_dir, home,
     apart)."""
     args = [*TINY_GPT, "data.vocab_size=96", "data.batch_size=32", *BF16, "model.compile=true"]
     args.append("model.fused_loss_chunk_logits=8192")
-    runs = {
-        flag: gpu_run(f"gpu-fused-loss-{flag}", [*args, f"model.fused_loss={flag}"], runs_dir, home)[0]
-        for flag in ("false", "true")
-    }
-    for key in ("train/loss", "val/loss"):
-        difference = largest_relative_difference(series(runs["true"], key), series(runs["false"], key))
+    for key, difference in switched_differences("gpu-fused-loss", args, "model.fused_loss", runs_dir, home).items():
         record_property(f"{key} fused vs plain", difference)
         assert difference <= BF16_REL, key
 
