@@ -41,6 +41,7 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 BASES = [("H200", "h200_8x"), ("H100", "h100_sxm_8x"), ("A100", "a100_80g_8x")]
 # Llama 3.1 8B's matmuls at 8,192 tokens (M x N x K): its attention projections, its MLP's, and its output layer.
 MODEL_SHAPES = ["8192x4096x4096", "8192x1024x4096", "8192x14336x4096", "8192x4096x14336", "8192x128256x4096"]
+MODEL_SEQ = 8192  # attention's sequence length: Llama 3 8B's training sequence
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="the file to write (default: conf/cluster/<name>.yaml)")
     parser.add_argument("--base", help="the datasheet cluster of this GPU (default: found by its name)")
     parser.add_argument("--shapes", nargs="+", default=MODEL_SHAPES, help="matmuls to time, MxNxK (default: 8B's)")
-    parser.add_argument("--seq", type=int, default=8192, help="attention's sequence length (default 8192)")
+    parser.add_argument("--seq", type=int, default=MODEL_SEQ, help=f"attention's sequence length (default {MODEL_SEQ})")
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes:
         if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", shape):
             raise ConfigError("--shapes", f"{shape!r} is not MxNxK.", "give positive sizes such as 8192x4096x4096.")
-    if args.smoke and (args.shapes != MODEL_SHAPES or args.seq != 8192):
+    if args.smoke and (args.shapes != MODEL_SHAPES or args.seq != MODEL_SEQ):
         raise ConfigError(
             "--shapes" if args.shapes != MODEL_SHAPES else "--seq",
             "is given with --smoke, which times small sizes of its own on the CPU (a check of the code).",

@@ -79,7 +79,8 @@ class Attention(nn.Module):
         # Over each head's width, one weight shared by every head (so a tensor-parallel rank's heads use it too).
         self.q_norm = nn.RMSNorm(heads.head_dim, eps=heads.norm_eps) if heads.qk_norm else None
         self.k_norm = nn.RMSNorm(heads.head_dim, eps=heads.norm_eps) if heads.qk_norm else None
-        self.rope_theta, self.rope_scaling = rope
+        # Checked here, where Llama's and the mixture's blocks both take it: a degenerate rule gives NaN frequencies
+        self.rope_theta, self.rope_scaling = rope[0], rope_scaling_checked(rope[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -237,7 +238,7 @@ class Llama(BlockSequence):
     ) -> None:
         super().__init__()
         heads = head_options(dim, num_heads, num_kv_heads, head_dim, qkv_bias, qk_norm, norm_eps)
-        rope = (rope_theta, rope_scaling_checked(rope_scaling))
+        rope = (rope_theta, rope_scaling)
         self.stem = TokenEmbedding(vocab_size, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, rope, SwiGLU(dim, hidden_dim)) for _ in range(num_layers))
         self.head = LMHead(dim, vocab_size, nn.RMSNorm(dim, eps=norm_eps))

@@ -14,6 +14,7 @@ import rich.tree
 from omegaconf import DictConfig, OmegaConf
 
 from project.job.job import Job
+from project.options.log_records import LOG_FILE_ONLY_KEY
 
 # Groups first in this order, then any other top-level keys.
 FIRST = ("choices", "overrides", "model", "data", "strategy", "trainer", "logger", "callbacks", "paths")
@@ -74,7 +75,7 @@ class LogFileOnly(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         boilerplate = record.name.startswith("lightning") and LIGHTNING_BOILERPLATE.match(record.getMessage())
-        return not (boilerplate or getattr(record, "log_file_only", False))  # LOG_FILE_ONLY's mark
+        return not (boilerplate or getattr(record, LOG_FILE_ONLY_KEY, False))
 
 
 def lightning_logs_through_root() -> None:
