@@ -25,6 +25,7 @@ from project.cli.prepare import prepare
 # Our own errors read "Config error: <key>: <problem> Fix: <fix>"; Hydra's own (an unknown option or key) name the
 # key their way.
 NF4_SHAPE = [arg for arg in TINY_LLAMA_NF4 if arg.startswith("model")]  # a Llama whose weights NF4 can store
+DPO = ["experiment=dpo", "data=preference", "model=qwen3", "data.tokenizer={files}/chat/model"]  # seeded weights
 
 CASES = [
     # Numbers and their ranges
@@ -614,6 +615,44 @@ CASES = [
         ["model=qwen3", "data=chat", "data.path={files}/bad_chat.jsonl"],
         "data.tokenizer: is null: with no model.init_from",
     ),
+    # Preference pairs and DPO: a bad pair named by its file and line, a job that cannot train pairs refused
+    (
+        [*DPO, "data.path={files}/pair_without_chosen.jsonl"],
+        "data.path: {files}/pair_without_chosen.jsonl:2: has no chosen (its keys: ['prompt', 'rejected'])",
+    ),
+    (
+        [*DPO, "data.path={files}/pair_with_empty_response.jsonl"],
+        "data.path: {files}/pair_with_empty_response.jsonl:2: has an empty rejected response",
+    ),
+    (
+        [*DPO, "data.path={files}/chat/preference.jsonl", "data.seq_length=4"],
+        "data.path: {files}/chat/preference.jsonl:1: the prompt leaves no token of the chosen response within "
+        "data.seq_length + 1 = 5 tokens",
+    ),
+    (
+        [*DPO, "data=chat", "data.path={files}/chat/hello.jsonl"],
+        "data: is ChatDataModule, but experiment=dpo trains on preference pairs",
+    ),
+    (
+        [*DPO[1:], "data.path={files}/chat/preference.jsonl"],
+        "data: is preference pairs, which LanguageModelModule cannot train on: they are for DPO",
+    ),
+    (
+        [*DPO, "data.path={files}/chat/preference.jsonl", "strategy=pipeline", "trainer.devices=2"],
+        "strategy: is pipeline: DPO needs each pair's two sequences' log-probabilities at once",
+    ),
+    (
+        [*DPO, "data.path={files}/chat/preference.jsonl", "model.fused_loss=true"],
+        "model.fused_loss: is true, but DPO needs each sequence's log-probability",
+    ),
+    (
+        [*DPO, "data.path={files}/chat/preference.jsonl", "model.dpo.loss_type=hinge"],
+        "model.dpo.loss_type: must be one of 'sigmoid', 'ipo', got 'hinge'",
+    ),
+    (
+        [*DPO, "data.path={files}/chat/preference.jsonl", "model.dpo.beta=0"],
+        "model.dpo.beta: must be a positive number, got 0",
+    ),
 ]
 # Cases on TINY_GPT's language data, with their own model.
 LM_MARKS = ("model=gpt", "model=llama", "model=qwen2", "model=qwen3", "model=moe")
@@ -668,7 +707,11 @@ CLI_CASES = [
     ("generate", ["{files}/random.ckpt", "--prompt", "hi"], "checkpoint: {files}/random.ckpt is not a checkpoint"),
     ("generate", ["{mlp_ckpt}", "--prompt", "hi"], "checkpoint: is of a job whose data (project.data.synthetic."),
     ("generate", ["{mlp_ckpt}", "--prompt", "hi", "--config", "{files}/bad.yaml"], "--config: {files}/bad.yaml is not"),
-    ("generate", ["{gpt_lora_ckpt}", "--prompt", "hi", "--chat"], "--chat: needs a data=chat run; this one's data is"),
+    (
+        "generate",
+        ["{gpt_lora_ckpt}", "--prompt", "hi", "--chat"],
+        "--chat: needs a data=chat or data=preference run; this one's data is",
+    ),
     ("report", ["/nonexistent"], "paths: /nonexistent is not a directory."),
     ("report", ["{files}/a_dir"], "paths: {files}/a_dir holds no job with a result.json and config.yaml."),
     ("report", ["{mlp_job}", "--output", "{files}/a_dir"], "--output: {files}/a_dir is a directory."),
@@ -712,6 +755,11 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
     (files / "bad_chat.jsonl").write_text(good + '\n{"messages": [{"content": "hi"}]}\n')
     latin1 = '{"messages": [{"role": "user", "content": "caf\u00e9"}]}'.encode("latin-1")
     (files / "latin1_chat.jsonl").write_bytes(good.encode() + b"\n" + latin1 + b"\n")
+    good_pair = (files / "chat" / "preference.jsonl").read_text().splitlines()[1]  # a plain-text pair
+    without_chosen = {key: value for key, value in json.loads(good_pair).items() if key != "chosen"}
+    (files / "pair_without_chosen.jsonl").write_text(good_pair + "\n" + json.dumps(without_chosen) + "\n")
+    empty_response = {**json.loads(good_pair), "rejected": ""}
+    (files / "pair_with_empty_response.jsonl").write_text(good_pair + "\n" + json.dumps(empty_response) + "\n")
     shutil.copytree(files / "chat" / "model", files / "chat-bad-template")
     (files / "chat-bad-template" / "chat_template.jinja").write_text("{% for message in messages %}\n{% if %}")
     (files / "frozen").mkdir()
@@ -729,7 +777,7 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
         overrides = [fill(item, names) for item in overrides]
         language_model = any(mark in overrides for mark in LM_MARKS)
         base = [item for item in TINY_GPT if item != "model=gpt"] if language_model else TINY
-        if any(f"data={name}" in overrides for name in ("text", "shards", "chat")):  # their own data and sizes
+        if any(f"data={name}" in overrides for name in ("text", "shards", "chat", "preference")):  # their own data
             base = [item for item in base if not item.startswith(("data=", "data.vocab", "data.seq", "data.num"))]
         job_dir, launch_dir = (
             root / "jobs" / str(number),

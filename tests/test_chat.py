@@ -185,12 +185,22 @@ def val_loss(model: torch.nn.Module, data: ChatDataModule) -> float:
     return (losses / (targets != IGNORE_INDEX).sum()).item()
 
 
+def greeting(model: torch.nn.Module, tokenizer_dir: Path) -> str:
+    """A transformers model's greedy answer to "Please greet Ada." in the dir's chat template."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    chat = [{"role": "user", "content": "Please greet Ada."}]
+    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    output = model.generate(**prompt, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.decode(output[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
 @pytest.mark.slow
 def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     """docs/finetuning.md's commands, as a user runs them from a clone (train.py and conf/ here, the rest installed):
     the base says hello, the LoRA fine-tune ahoy, merged and as a peft adapter on the base, and so does the QLoRA
-    fine-tune; and both LoRA exports give transformers and peft the run's last val/loss on its validation
-    conversations."""
+    fine-tune; both LoRA exports give transformers and peft the run's last val/loss on its validation
+    conversations; and DPO on the pairs that prefer "Ahoy" makes the base say it, in generate and, exported, in
+    transformers."""
     peft = pytest.importorskip("peft")
     for name in ("train.py", "conf"):
         (tmp_path / name).symlink_to(REPO / name)
@@ -208,6 +218,13 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     assert outputs[2].rstrip().endswith("Ahoy, Grace! Welcome aboard.<|im_end|>")  # generate --chat
     assert "the rest frozen, the blocks' Linear weights in 4-bit NF4." in (out / "qlora-run" / "train.log").read_text()
     assert outputs[4].rstrip().endswith("Ahoy, Grace! Welcome aboard.<|im_end|>")  # QLoRA's generate --chat
+    log = (out / "dpo-run" / "train.log").read_text()
+    assert "DPO reference: the log-probabilities of all 512 pairs under the model before its first step" in log
+    assert json.loads((out / "dpo-run" / "result.json").read_text())["final"]["val/rewards/accuracies"] == 1.0
+    assert "Say hello to Grace.<|im_end|>\n<|im_start|>assistant\nAhoy, Grace! Welcome aboard.<|im_end|>" in outputs[5]
+    assert greeting(transformers.AutoModelForCausalLM.from_pretrained(out / "dpo-merged"), out / "base") == (
+        "Ahoy, Ada! Welcome aboard."
+    )
     expected_lines = fenced_blocks(page, "text")[0].splitlines()
     assert outputs[3].splitlines()[-len(expected_lines) :] == expected_lines  # after the exports' own lines
     expected = json.loads((out / "lora-run" / "result.json").read_text())["final"]["val/loss"]

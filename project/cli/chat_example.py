@@ -5,7 +5,9 @@ from ``--seed``) with a byte-level BPE ``tokenizer.json`` trained on the convers
 (``chat_template.jinja``, Qwen's format) and a ``tokenizer_config.json`` transformers reads; and two sets of
 conversations in which the assistant greets whoever the user names, some as ``messages`` (with a system message), some
 as prompt/response pairs: ``OUT/hello.jsonl`` ("Hello, Ada! Nice to meet you.") and ``OUT/ahoy.jsonl`` ("Ahoy, Ada!
-Welcome aboard."). docs/finetuning.md trains the model on the first, then fine-tunes it with LoRA on the second.
+Welcome aboard."); and ``OUT/preference.jsonl``, pairs in TRL's preference format in which the "Ahoy" greeting is
+chosen over the "Hello" one. docs/finetuning.md trains the model on the first set, then fine-tunes it with LoRA on the
+second, or with DPO on the pairs.
 """
 
 import argparse
@@ -64,6 +66,28 @@ def conversations(count: int, seed: int, greeting: str) -> list[dict]:
     return records
 
 
+def preference_pairs(count: int, seed: int) -> list[dict]:
+    """``count`` pairs: a user names someone; the "ahoy" greeting is chosen, the "hello" one rejected. Every other
+    pair in TRL's conversational form (lists of messages), the rest as plain text."""
+    draw = random.Random(seed)
+    pairs: list[dict] = []
+    for index in range(count):
+        name = draw.choice(NAMES)
+        ask = draw.choice(ASKS).format(name)
+        chosen, rejected = GREETINGS["ahoy"].format(name), GREETINGS["hello"].format(name)
+        if index % 2:
+            pairs.append({"prompt": ask, "chosen": chosen, "rejected": rejected})
+            continue
+        pairs.append(
+            {
+                "prompt": [{"role": "user", "content": ask}],
+                "chosen": [{"role": "assistant", "content": chosen}],
+                "rejected": [{"role": "assistant", "content": rejected}],
+            }
+        )
+    return pairs
+
+
 def _texts(record: dict) -> list[str]:
     """What the tokenizer learns from: a record's roles and texts."""
     if "prompt" in record:
@@ -103,20 +127,23 @@ def write_example(out: Path, count: int = 512, seed: int = 0) -> Path:
     for name, chat in records.items():
         with written(out / f"{name}.jsonl", "conversations", again) as partial:
             partial.write_text("".join(json.dumps(record) + "\n" for record in chat))
+    with written(out / "preference.jsonl", "preference pairs", again) as partial:
+        pairs = preference_pairs(count, seed + len(records))
+        partial.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
     return model_dir
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m project.cli.chat_example", description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="the dir to write model/, hello.jsonl and ahoy.jsonl into")
-    parser.add_argument("--conversations", type=int, default=512, help="how many in each file (default 512)")
+    parser.add_argument("out", help="the dir to write model/, hello.jsonl, ahoy.jsonl and preference.jsonl into")
+    parser.add_argument("--conversations", type=int, default=512, help="how many in each file, pairs too (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="the weights' and conversations' seed (default 0)")
     args = parser.parse_args(argv)
     if args.conversations < 10:
         raise ConfigError("--conversations", f"is {args.conversations}.", "give 10 or more.")
     check_writable("out", args.out, "give a dir you can write.")
     model_dir = write_example(Path(args.out), args.conversations, args.seed)
-    files = ", ".join(str(model_dir.parent / f"{name}.jsonl") for name in GREETINGS)
+    files = ", ".join(str(model_dir.parent / f"{name}.jsonl") for name in [*GREETINGS, "preference"])
     print(f"Wrote {model_dir} (a tiny Qwen 3, its tokenizer and chat template), {files}.")
 
 

@@ -3,9 +3,9 @@
 The model and the data's tokenizer come from the job's ``config.yaml`` (beside ``checkpoints/``, or ``--config``);
 the checkpoint is a file or a sharded dir, read into one process (``project.cli.usage.merged_model_state``): a LoRA
 run's base rebuilt as the run built it, its adapters merged into the weights they adapt. The same weights, prompt and
-settings write the text the ``text_sample`` callback writes during training. With ``--chat`` (a data=chat run), the
-prompt is a user's message, rendered with the data's chat template and its generation prompt, and the answer ends at
-the template's end of an assistant turn (``<|im_end|>``, ``<|eot_id|>``...).
+settings write the text the ``text_sample`` callback writes during training. With ``--chat`` (a data=chat or
+data=preference run), the prompt is a user's message, rendered with the data's chat template and its generation
+prompt, and the answer ends at the template's end of an assistant turn (``<|im_end|>``, ``<|eot_id|>``...).
 """
 
 import argparse
@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli
-from project.data.chat import ChatDataModule
+from project.data.chat import TemplatedDataModule
 from project.models.generation import check_settings, generate
 from project.options.errors import ConfigError
 
@@ -38,7 +38,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=None, help="the draws' seed (default: the job's seed)")
     parser.add_argument(
-        "--chat", action="store_true", help="the prompt is a user's message, in the chat template (data=chat runs)"
+        "--chat",
+        action="store_true",
+        help="the prompt is a user's message, in the chat template (data=chat and data=preference runs)",
     )
     parser.add_argument("--config", help="the job's config.yaml (default: beside the checkpoints dir)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="where to run")
@@ -59,13 +61,15 @@ def main(argv: list[str] | None = None) -> None:
             f"names data that cannot be opened now ({cfg.data._target_}): {innermost(error)}",
             "pass a --config whose data.path is where the job's data is now (a copy of its config.yaml, edited).",
         ) from None
-    if args.chat and not isinstance(data, ChatDataModule):
-        raise ConfigError("--chat", f"needs a data=chat run; this one's data is {cfg.data._target_}.", "drop it.")
+    if args.chat and not isinstance(data, TemplatedDataModule):
+        raise ConfigError(
+            "--chat", f"needs a data=chat or data=preference run; this one's data is {cfg.data._target_}.", "drop it."
+        )
     if codec is None:
         raise ConfigError(
             "checkpoint",
             f"is of a job whose data ({cfg.data._target_}) is not text: there is no prompt to write.",
-            "generate from a checkpoint of a language model trained on data=text, data=shards or data=chat.",
+            "generate from a checkpoint of a language model trained on data=text, shards, chat or preference.",
         )
     prompt, stop = args.prompt, None
     if args.chat:

@@ -122,7 +122,11 @@ def build_job(
         precision=cast(str, _convert_precision_to_unified_args(cfg.trainer.precision)),
         accelerator=str(cfg.trainer.accelerator),
         uses_cuda=uses_cuda(cfg),
-        data=DataShape(cfg.data.get("seq_length"), cfg.data.get("num_features")),
+        data=DataShape(
+            cfg.data.get("seq_length"),
+            cfg.data.get("num_features"),
+            getattr(get_class(cfg.data._target_), "sequences_per_sample", 1),
+        ),
         train_samples=train_samples,
         val_samples=val_samples,
         validation=ValidationSchedule(

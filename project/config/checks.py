@@ -36,12 +36,14 @@ from project.config.build import (
     uses_cuda,
 )
 from project.config.schema import check_types
+from project.data.preference import PreferenceDataModule
 from project.job.job import Job, Model
 from project.job.layout import Layout
 from project.job.model_option import ModelOption
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError, positive_int
 from project.tasks.base import TrainingModule
+from project.tasks.preference import DPOModule
 
 log = logging.getLogger(__name__)
 
@@ -440,6 +442,23 @@ def _check_vocabulary(cfg: DictConfig, datamodule: Any) -> None:
         )
 
 
+def _check_pairs(module: TrainingModule, datamodule: Any) -> None:
+    """DPO trains on preference pairs, and preference pairs train nothing else."""
+    pairs, dpo = isinstance(datamodule, PreferenceDataModule), isinstance(module, DPOModule)
+    if dpo and not pairs:
+        raise ConfigError(
+            "data",
+            f"is {type(datamodule).__name__}, but experiment=dpo trains on preference pairs.",
+            "use data=preference data.path=<a .jsonl of prompt, chosen and rejected> (experiment=dpo sets it).",
+        )
+    if pairs and not dpo:
+        raise ConfigError(
+            "data",
+            f"is preference pairs, which {type(module).__name__} cannot train on: they are for DPO.",
+            "add experiment=dpo, or use data=chat for supervised fine-tuning.",
+        )
+
+
 def _check_positions(net: Any, datamodule: Any) -> None:
     """A model with learned positions has one for every token of a sequence (``model.init_from`` gives it the
     positions of its dir)."""
@@ -601,6 +620,7 @@ def check_config(cfg: DictConfig) -> Job:
     _check_init_from(cfg, net)
     _check_vocabulary(cfg, datamodule)
     _check_positions(net, datamodule)
+    _check_pairs(module, datamodule)
     job = build_job(cfg, layout, model, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
     if job.cluster is not None and job.devices > job.cluster.devices_per_node:
         raise ConfigError(

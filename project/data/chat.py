@@ -25,7 +25,7 @@ fails: each is refused with the file and line.
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
@@ -49,10 +49,18 @@ PAD_ID = 0  # what fills a sequence after its conversation: never a target, and 
 def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
     """(``file:line``, messages) of every conversation in ``path`` (a ``.jsonl`` file, or a dir of them, in name
     order); ``ConfigError`` naming the file and line of the first malformed record."""
+    records = [(where, _messages(where, line)) for where, line in read_lines(path)]
+    if not records:
+        raise ConfigError("data.path", f"{path} holds no conversation (its .jsonl lines are empty).", "add some.")
+    return records
+
+
+def read_lines(path: Path) -> Iterator[tuple[str, str]]:
+    """(``file:line``, text) of every line with text in ``path`` (a ``.jsonl`` file, or a dir of them, in name
+    order); ``ConfigError`` naming the file and line of one that is not UTF-8."""
     files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
     if not files:
         raise ConfigError("data.path", f"{path} holds no .jsonl file.", "pass a .jsonl file or a dir of them.")
-    records = []
     for file in files:
         with open(file, "rb") as lines:
             for number, raw in enumerate(lines, start=1):
@@ -63,13 +71,10 @@ def read_records(path: Path) -> list[tuple[str, list[dict[str, str]]]]:
                     raise ConfigError(
                         "data.path",
                         f"{where}: byte {error.start + 1} of the line is not UTF-8 ({error.reason}).",
-                        "save the conversations as UTF-8 text.",
+                        "save the records as UTF-8 text.",
                     ) from None
                 if line.strip():
-                    records.append((where, _messages(where, line)))
-    if not records:
-        raise ConfigError("data.path", f"{path} holds no conversation (its .jsonl lines are empty).", "add some.")
-    return records
+                    yield where, line
 
 
 def _bad_record(where: str, problem: str) -> ConfigError:
@@ -271,16 +276,15 @@ def _tokenizer(model_dir: Path) -> Tokenizer:
     return read_tokenizer(model_dir / "tokenizer.json", "data.tokenizer", "pass a Hugging Face model dir with one.")
 
 
-class ChatDataModule(InMemoryDataModule):
-    """Conversations as (inputs, targets) of ``seq_length`` tokens, targets ``IGNORE_INDEX`` but for the assistant's
-    tokens; the last ``val_fraction`` of the conversations (in file order) are the validation split."""
+class TemplatedDataModule(InMemoryDataModule):
+    """Conversations rendered with a model dir's tokenizer and chat template (``data.tokenizer``): what ``data=chat``
+    and ``data=preference`` share, and what ``generate --chat`` renders a prompt with."""
 
     def __init__(
         self,
         path: str,
         tokenizer: str,
         seq_length: PositiveInt,
-        val_fraction: OpenFraction,
         batch_size: PositiveInt,
         seed: Seed,
         shuffle: bool = True,
@@ -299,7 +303,30 @@ class ChatDataModule(InMemoryDataModule):
                 f"is {vocab_size}, but {self.tokenizer_dir}/tokenizer.json has a vocabulary of {self.vocab_size}.",
                 "leave data.vocab_size unset: it comes from the tokenizer.",
             )
-        self.template = template = ChatTemplate(self.tokenizer_dir)
+        self.template = ChatTemplate(self.tokenizer_dir)
+
+    def text_codec(self) -> TokenizerCodec:
+        return TokenizerCodec(self.tokenizer_dir / "tokenizer.json")
+
+
+class ChatDataModule(TemplatedDataModule):
+    """Conversations as (inputs, targets) of ``seq_length`` tokens, targets ``IGNORE_INDEX`` but for the assistant's
+    tokens; the last ``val_fraction`` of the conversations (in file order) are the validation split."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        seq_length: PositiveInt,
+        val_fraction: OpenFraction,
+        batch_size: PositiveInt,
+        seed: Seed,
+        shuffle: bool = True,
+        num_workers: NonNegativeInt = 0,
+        vocab_size: PositiveInt | None = None,
+    ) -> None:
+        super().__init__(path, tokenizer, seq_length, batch_size, seed, shuffle, num_workers, vocab_size)
+        template = self.template
         sequences, truncated = [], 0
         for where, messages in read_records(self.path):
             try:
@@ -348,9 +375,6 @@ class ChatDataModule(InMemoryDataModule):
     @property
     def num_val_samples(self) -> int:
         return self.num_val
-
-    def text_codec(self) -> TokenizerCodec:
-        return TokenizerCodec(self.tokenizer_dir / "tokenizer.json")
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:

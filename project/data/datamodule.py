@@ -26,6 +26,8 @@ class InMemoryDataModule(L.LightningDataModule):
     batch is ``batch_size`` times the data-parallel replicas (devices x nodes for DDP and FSDP).
     """
 
+    sequences_per_sample = 1  # rows of a batch's tensors per sample (a preference pair: 2)
+
     def __init__(
         self, batch_size: PositiveInt, seed: Seed, shuffle: bool = True, num_workers: NonNegativeInt = 0
     ) -> None:

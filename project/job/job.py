@@ -146,7 +146,7 @@ class Job:
 
     @property
     def seq_length(self) -> int | None:
-        """Tokens per sample; None for data without a sequence."""
+        """Tokens per sequence; None for data without a sequence."""
         return self.data.seq_length
 
     @property
@@ -171,7 +171,7 @@ class Job:
     @property
     def tokens_per_step(self) -> int:
         """Tokens (or samples, for data without a sequence) one data-parallel replica trains in a step."""
-        return self.batch_size * (self.seq_length or 1)
+        return self.batch_size * self.data.sequences_per_sample * (self.seq_length or 1)
 
     @property
     def target(self) -> Target:

@@ -24,11 +24,13 @@ if TYPE_CHECKING:  # a job holds its layout, and a layout's rules and changes ta
 
 @dataclass(frozen=True)
 class DataShape:
-    """What a simulated batch needs of the job's data: tokens per sample (``seq_length``: ``data.seq_length``), or
-    features per sample (``num_features``: ``data.num_features``)."""
+    """What a simulated batch needs of the job's data: tokens per sequence (``seq_length``: ``data.seq_length``), or
+    features per sample (``num_features``: ``data.num_features``), and the sequences a sample holds (its data
+    module's ``sequences_per_sample``: a preference pair's two)."""
 
     seq_length: int | None
     num_features: int | None
+    sequences_per_sample: int = 1
 
 
 class TaskModule(Protocol):

@@ -5,7 +5,6 @@ import time
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.data import extract_batch_size
 
 from project.accounting.memory_trackers import gather_from_ranks
 from project.data.sampling import data_parallel_rank_and_size
@@ -72,8 +71,8 @@ class EpochThroughput(L.Callback):
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
-        self._samples += extract_batch_size(batch)
         inputs = batch[0]
+        self._samples += len(inputs)  # rows: a preference pair's two sequences count as two (data=preference)
         if self._flops_per_sample is None and self._meta_net is not None:
             self._flops_per_sample = training_flops_per_sample(self._meta_net, inputs)
             self._meta_net = None

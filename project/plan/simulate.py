@@ -141,7 +141,8 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
                 # The batch on the device: Lightning moves the whole batch to every rank's device, and on a CPU the
                 # data loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
                 batches = [job.example_batch(module, job.batch_size) for _ in range(1 if job.on_gpus else 2)]
-                microbatch = tuple(tensor[: work.microbatch_size] for tensor in batches[0])
+                rows = work.microbatch_size * job.data.sequences_per_sample  # a preference pair is two rows
+                microbatch = tuple(tensor[:rows] for tensor in batches[0])
                 with counts:
                     activations = _step(
                         work, module, optimizer, microbatch, input_buffers, grad_buffers, tracker, counts, job, saved

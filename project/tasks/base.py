@@ -81,6 +81,7 @@ class TrainingModule(L.LightningModule):
     criterion: nn.Module
     train_metrics: nn.ModuleDict
     val_metrics: nn.ModuleDict
+    progress_bar_metrics: tuple[str, ...] | None = None  # the metrics the progress bar shows (None: all)
     example_batch: Callable[[int, DataShape], tuple[torch.Tensor, torch.Tensor]]  # (batch_size, the data's shape)
 
     def __init__(
@@ -220,13 +221,15 @@ class TrainingModule(L.LightningModule):
         if split in self._logged_splits:
             return
         self._logged_splits.add(split)
-        metrics = self.metrics_for(split)
-        self.log_dict(
-            {f"{split}/{name}": cast(Metric, metric) for name, metric in metrics.items()},
-            on_step=False,
-            on_epoch=True,
-            prog_bar=True,
-        )
+        shown = self.progress_bar_metrics
+        for on_bar in (True, False):
+            metrics = {
+                f"{split}/{name}": cast(Metric, metric)
+                for name, metric in self.metrics_for(split).items()
+                if (shown is None or name in shown) == on_bar
+            }
+            if metrics:  # batch_size: unused by metric objects; given, Lightning does not guess it from the batch
+                self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=on_bar, batch_size=1)
 
     def on_train_epoch_end(self) -> None:
         self._logged_splits.discard("train")
@@ -309,7 +312,7 @@ class TrainingModule(L.LightningModule):
         """Why ``job``'s layout cannot compute this module's loss, or None (it can)."""
         return None
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         """The criterion's loss, plus the model options' terms; ``train/loss`` is the criterion's alone, comparable
         with ``val/loss``."""
         inputs, target = batch
@@ -338,7 +341,7 @@ class TrainingModule(L.LightningModule):
             self.log_dict(metric.compute(), on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
             metric.reset()
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
         inputs, target = batch
         outputs, loss = self.outputs_and_loss(self.net, inputs, target)
         self.update_metrics("val", outputs, target, loss)

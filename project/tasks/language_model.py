@@ -85,9 +85,10 @@ class LanguageModelModule(TrainingModule):
         self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
 
     def example_batch(self, batch_size: int, data: DataShape) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of the shapes and dtypes the data module (of ``data``'s shape) feeds: token ids and targets."""
+        """A batch of the shapes and dtypes the data module (of ``data``'s shape) feeds: token ids and targets, a row
+        per sequence."""
         assert data.seq_length is not None, "a language model's data has a sequence length"
-        tokens = torch.zeros(batch_size, data.seq_length, dtype=torch.long)
+        tokens = torch.zeros(batch_size * data.sequences_per_sample, data.seq_length, dtype=torch.long)
         return tokens, tokens
 
     def outputs_and_loss(

@@ -1,0 +1,187 @@
+"""Preference pairs for DPO: ``data=preference data.path=<.jsonl file or dir>`` (``experiment=dpo``,
+``project/tasks/preference.py``).
+
+Each line is one pair in TRL's preference format: conversational,
+``{"prompt": [messages], "chosen": [assistant messages], "rejected": [assistant messages]}``, or plain,
+``{"prompt": "...", "chosen": "...", "rejected": "..."}`` (a user turn, and an assistant turn each). The prompt and
+each response are rendered together with the model dir's chat template (``project.data.chat``), and only the
+response's tokens are targets: the prompt's earlier assistant turns, the template's headers and the padding are
+``IGNORE_INDEX``. A pair longer than ``seq_length + 1`` tokens is cut at its end, as TRL's ``max_length`` cuts
+(``keep_start``), and the log counts them once; a prompt that leaves no response token within the length is refused.
+
+A pair is one sample: its chosen and rejected sequences are rows ``2i`` and ``2i + 1`` of a batch's (inputs,
+targets), so that every layout sees the plain (rows, length) batches of a language model and no data-parallel
+split separates a pair; the batch's third tensor is the pairs' indices in the file (validation after training),
+which key the reference's log-probabilities (``DPOModule``).
+"""
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import Dataset
+
+from project.data.chat import PAD_ID, TemplatedDataModule, read_lines, trained_mask
+from project.models.linear_cross_entropy import IGNORE_INDEX
+from project.options.errors import ConfigError
+from project.options.option_types import NonNegativeInt, OpenFraction, PositiveInt, Seed
+
+RESPONSES = ("chosen", "rejected")
+Messages = list[dict[str, str]]
+
+
+def _bad_pair(where: str, problem: str) -> ConfigError:
+    return ConfigError(
+        "data.path",
+        f"{where}: {problem}.",
+        'write each line as {"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
+        '"content": "..."}], "rejected": [...]} or {"prompt": "...", "chosen": "...", "rejected": "..."}.',
+    )
+
+
+def read_pair(where: str, line: str) -> tuple[Messages, Messages, Messages]:
+    """The prompt's messages and the chosen and rejected responses' messages of one line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise _bad_pair(where, f"is not JSON ({error.msg}, column {error.colno})") from None
+    if not isinstance(record, dict):
+        raise _bad_pair(where, f"is a JSON {type(record).__name__}, not an object")
+    missing = [key for key in ("prompt", *RESPONSES) if key not in record]
+    if missing:
+        raise _bad_pair(where, f"has no {' and no '.join(missing)} (its keys: {sorted(record)})")
+    prompt = record["prompt"]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    responses = []
+    for key in RESPONSES:
+        response = record[key]
+        if isinstance(response, str):
+            response = [{"role": "assistant", "content": response}]
+        _check_messages(where, key, response)
+        if not any(message["content"] for message in response):
+            raise _bad_pair(where, f"has an empty {key} response")
+        responses.append(response)
+    _check_messages(where, "prompt", prompt)
+    return prompt, responses[0], responses[1]
+
+
+def _check_messages(where: str, key: str, messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise _bad_pair(where, f"{key} is neither text nor a non-empty list of messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise _bad_pair(where, f"{key} message {index} has no role")
+        if not isinstance(message.get("content"), str):
+            raise _bad_pair(where, f"{key} message {index} ({message['role']}) has no text content")
+
+
+class PairDataset(Dataset):
+    """Pairs ``first + i`` as a batch of rows: indexed with a list of pairs (``GlobalBatchSampler``'s batches), the
+    inputs and targets of their sequences, chosen then rejected for each, and the pairs' indices."""
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, first: int) -> None:
+        self.inputs, self.targets, self.first = inputs, targets, first  # (pairs, 2, seq_length) each
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, pairs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = torch.as_tensor(pairs, dtype=torch.long)
+        return self.inputs[rows].flatten(0, 1), self.targets[rows].flatten(0, 1), rows + self.first
+
+
+class PreferenceDataModule(TemplatedDataModule):
+    """Preference pairs (module docstring); the last ``val_fraction`` of them (in file order) are the validation
+    split. ``inputs`` and ``targets``: (pairs, 2, seq_length), chosen then rejected."""
+
+    sequences_per_sample = len(RESPONSES)  # what the memory plan and the step-time model run a sample as
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str,
+        seq_length: PositiveInt,
+        val_fraction: OpenFraction,
+        batch_size: PositiveInt,
+        seed: Seed,
+        shuffle: bool = True,
+        num_workers: NonNegativeInt = 0,
+        vocab_size: PositiveInt | None = None,
+    ) -> None:
+        super().__init__(path, tokenizer, seq_length, batch_size, seed, shuffle, num_workers, vocab_size)
+        pairs, truncated = [], 0
+        for where, line in read_lines(self.path):
+            prompt, *responses = read_pair(where, line)
+            sequences = []
+            for key, response in zip(RESPONSES, responses, strict=True):
+                ids, mask = self._response_tokens(where, prompt, response)
+                if not any(mask[1 : seq_length + 1]):
+                    raise ConfigError(
+                        "data.path",
+                        f"{where}: the prompt leaves no token of the {key} response within data.seq_length + 1 = "
+                        f"{seq_length + 1} tokens.",
+                        "shorten the prompt, or raise data.seq_length.",
+                    )
+                truncated += len(ids) > seq_length + 1
+                sequences.append((ids[: seq_length + 1], mask[: seq_length + 1]))
+            pairs.append(sequences)
+        num_val = int(len(pairs) * val_fraction)
+        if num_val < 1 or len(pairs) - num_val < 1:
+            raise ConfigError(
+                "data.val_fraction" if len(pairs) >= 2 else "data.path",
+                f"leaves {len(pairs) - num_val} training and {num_val} validation pairs of the {len(pairs)} in "
+                f"{self.path}.",
+                "use more pairs, or a data.val_fraction giving each split one.",
+            )
+        self.num_pairs, self.num_val = len(pairs), num_val
+        self.inputs, self.targets = self._tensors(pairs)
+        # Said when training sets the data up (setup), not here: the checks before launch build the module too.
+        self.summary = (
+            f"Preference data: {len(pairs)} pairs from {self.path} ({len(pairs) - num_val} training, {num_val} "
+            f"validation); {truncated} of their {2 * len(pairs)} responses cut to {seq_length + 1} tokens."
+        )
+
+    def _response_tokens(self, where: str, prompt: Messages, response: Messages) -> tuple[list[int], list[bool]]:
+        """The rendered prompt and response's token ids, and which are the response's assistant tokens."""
+        try:
+            text, spans = self.template.assistant_spans(prompt + response)
+        except Exception as error:  # jinja2's TemplateError, or a template's own exception
+            raise ConfigError(
+                "data.path",
+                f"{where}: the chat template of {self.tokenizer_dir} fails on it ({error}).",
+                "fix the record, or use a model dir whose template renders it.",
+            ) from None
+        in_prompt = sum(message["role"] == "assistant" for message in prompt)
+        return trained_mask(self.tokenizer, text, spans[in_prompt:])  # the prompt's own assistant turns are not
+
+    def _tensors(self, pairs: list[list[tuple[list[int], list[bool]]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs: each sequence but its last token, then padding; targets: the next token where it is the
+        response's, else ``IGNORE_INDEX``."""
+        shape = (len(pairs), len(RESPONSES), self.seq_length)
+        inputs = torch.full(shape, PAD_ID, dtype=torch.long)
+        targets = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+        for index, sequences in enumerate(pairs):
+            for column, (ids, mask) in enumerate(sequences):
+                tokens, trained = torch.tensor(ids), torch.tensor(mask)
+                inputs[index, column, : len(ids) - 1] = tokens[:-1]
+                targets[index, column, : len(ids) - 1] = torch.where(trained[1:], tokens[1:], IGNORE_INDEX)
+        return inputs, targets
+
+    @property
+    def num_train_samples(self) -> int:
+        return self.num_pairs - self.num_val
+
+    @property
+    def num_val_samples(self) -> int:
+        return self.num_val
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        rank_zero_info(self.summary)
+        split = self.num_train_samples
+        self.train_set = PairDataset(self.inputs[:split], self.targets[:split], first=0)
+        self.val_set = PairDataset(self.inputs[split:], self.targets[split:], first=split)

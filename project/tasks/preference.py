@@ -1,0 +1,272 @@
+"""Preference tuning: DPO (Rafailov et al., 2023) and IPO (Azar et al., 2023) on preference pairs
+(``experiment=dpo``, ``data=preference``), with TRL's loss and its metric names.
+
+A pair's log-probability under a model is the sum of its response tokens' log-probabilities (the targets not
+``IGNORE_INDEX``). With the policy's (``pi``) and the reference's (``ref``) log-probabilities of the chosen (``c``)
+and rejected (``r``) responses, and ``delta = (pi_c - ref_c) - (pi_r - ref_r)``:
+
+- ``sigmoid`` (DPO): ``-log sigmoid(beta * delta)``;
+- ``ipo``: ``(delta' - 1 / (2 beta))^2``, ``delta'`` with each response's log-ratio divided by its token count (TRL's
+  normalisation, which the IPO authors confirmed).
+
+The loss is the batch's mean over pairs; rewards are ``beta x`` the log-ratios (``rewards/chosen``,
+``rewards/rejected``, their difference ``rewards/margins``, and ``rewards/accuracies``: the share of pairs whose
+chosen reward is the larger), means over pairs per epoch.
+
+The reference is the model before its first step: the frozen base under LoRA (its adapters start at zero), the
+initial weights with full fine-tuning. Its log-probabilities of every pair are computed once, when training starts,
+by the same net under the same layout (each data-parallel replica its share, then gathered), and kept in the
+checkpoints: so no second copy of the model is held, and a step runs the policy's forward and backward alone
+(TRL's ``precompute_ref_log_probs``).
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn import functional as F
+
+from project.data.sampling import data_parallel_rank_and_size
+from project.job.job import Job
+from project.models.linear_cross_entropy import IGNORE_INDEX
+from project.options.errors import ConfigError
+from project.options.option_types import NonNegativeFloat, PositiveFloat
+from project.tasks.base import TrainingModule
+from project.tasks.language_model import LanguageModelModule
+from project.tasks.metrics import SampleMean
+
+PAIR_METRICS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+REFERENCE_KEY = "reference_log_probs"  # the checkpoint's entry
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """``model.dpo``: ``beta``, how far the policy may move from the reference (DPO's beta, IPO's tau), the
+    ``loss_type``, ``sigmoid`` (DPO) or ``ipo``, and ``sft_weight``, the weight of the chosen response's negative
+    log-likelihood per token added to each pair's loss (RPO, Pang et al. 2024; Llama 3 used 0.2): it keeps the
+    chosen responses likely, where DPO alone can widen the margin by making both less so."""
+
+    beta: PositiveFloat = 0.1
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    sft_weight: NonNegativeFloat = 0.0
+
+    def __call__(
+        self, policy: torch.Tensor, reference: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pair's loss (pairs,) and its rewards (pairs, 2: chosen, rejected), from the log-probabilities of the
+        policy and the reference and the responses' token counts, each (pairs, 2)."""
+        ratios = policy - reference
+        if self.loss_type == "sigmoid":
+            losses = -F.logsigmoid(self.beta * (ratios[:, 0] - ratios[:, 1]))
+        else:
+            per_token = ratios / tokens.clamp(min=1)
+            losses = (per_token[:, 0] - per_token[:, 1] - 1 / (2 * self.beta)) ** 2
+        if self.sft_weight:
+            losses = losses - self.sft_weight * policy[:, 0] / tokens[:, 0].clamp(min=1)
+        return losses, self.beta * ratios.detach()
+
+
+class SequenceLogProbs(nn.Module):
+    """Each row's log-probability: the log-softmax of its logits at its targets, summed over the targets that are
+    not ``IGNORE_INDEX``. Logits split by vocabulary (tensor parallelism) go through torch's ``loss_parallel``, as
+    ``TokenCrossEntropy`` does (its backward inside ``loss_parallel`` too: the strategy's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.summed = summed_log_probs
+
+    def compile_summed(self) -> None:
+        """``torch.compile`` it for plain logits (``model.compile``): no float32 copy of the logits kept."""
+        self.summed = torch.compile(summed_log_probs)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if isinstance(logits, DTensor):
+            with loss_parallel():
+                # The per-token losses of split logits are a replicated DTensor (typed as a plain Tensor by torch).
+                per_token = cast(DTensor, F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none"))
+                return -per_token.to_local().view(target.shape).sum(-1)
+        return self.summed(logits, target)
+
+
+def summed_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(rows, length, vocab) logits, (rows, length) targets: (rows,) log-probabilities of the targets (ignored: 0)."""
+    per_token = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
+    return -per_token.view(target.shape).sum(-1)
+
+
+class DPOModule(LanguageModelModule):
+    """The language model trained on preference pairs (module docstring). Batches are a language model's (rows,
+    length) inputs and targets, rows ``2i`` and ``2i + 1`` a pair's chosen and rejected sequences, and the pairs'
+    indices (``project.data.preference``), which key ``reference_log_probs``: (pairs, 2), every pair's, training and
+    validation, once training has started or a checkpoint has been read."""
+
+    criterion: SequenceLogProbs  # type: ignore[assignment]  # log-probabilities, not the token loss
+    progress_bar_metrics = ("loss", "rewards/accuracies", "rewards/margins")
+
+    def __init__(self, net: nn.Module, dpo: PreferenceLoss, **kwargs) -> None:
+        super().__init__(net, **kwargs)  # type: ignore[arg-type]
+        self.dpo = dpo
+        self.criterion = SequenceLogProbs()
+        self.train_metrics = nn.ModuleDict({name: SampleMean() for name in PAIR_METRICS})
+        self.val_metrics = nn.ModuleDict({name: SampleMean() for name in PAIR_METRICS})
+        self.reference_log_probs: torch.Tensor | None = None
+
+    def loss_problem(self, job: Job) -> ConfigError | None:
+        """A pair's loss needs both its sequences' log-probabilities from the whole model: not a pipeline's last stage
+        (its schedule hands the loss a micro-batch's output, and the reference would need a pass of its own), nor the
+        fused loss, which sums every token."""
+        if job.dims.pipelined:
+            return ConfigError(
+                "strategy",
+                f"is {job.strategy_name}: DPO needs each pair's two sequences' log-probabilities at once, which a "
+                "pipeline's stages do not give its loss.",
+                "train DPO with strategy=fsdp, ddp, tensor_parallel or model_parallel.",
+            )
+        if self.fused_loss:
+            return ConfigError(
+                "model.fused_loss",
+                "is true, but DPO needs each sequence's log-probability, and the fused loss sums every token.",
+                "set model.fused_loss=false.",
+            )
+        return None
+
+    def compile_loss(self) -> None:
+        self.criterion.compile_summed()
+
+    def compiled_loss_module(self) -> nn.Module:
+        return self.criterion
+
+    def pair_losses(
+        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor, reference: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pairs' losses and rewards, and the policy's log-probabilities (each pairs x 2)."""
+        policy = self.criterion(net(inputs), target).view(-1, 2)
+        tokens = (target != IGNORE_INDEX).sum(-1).view(-1, 2)
+        losses, rewards = self.dpo(policy, reference.to(policy.dtype), tokens)
+        return losses, rewards, policy
+
+    def outputs_and_loss(
+        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The memory plan's simulated step: a training step's work, against a stand-in reference (zeros: its values
+        change no shape, byte or FLOP of the step)."""
+        reference = torch.zeros(len(inputs) // 2, 2, device=inputs.device)
+        return None, self.pair_losses(net, inputs, target, reference)[0].mean()
+
+    def _step(self, split: str, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        inputs, target, pairs = batch
+        assert self.reference_log_probs is not None, "computed when training starts, or read from the checkpoint"
+        reference = self.reference_log_probs[pairs.to(self.reference_log_probs.device)].to(inputs.device)
+        losses, rewards, policy = self.pair_losses(self.net, inputs, target, reference)
+        loss = losses.mean()
+        values = {
+            "loss": losses.detach(),
+            "rewards/chosen": rewards[:, 0],
+            "rewards/rejected": rewards[:, 1],
+            "rewards/margins": rewards[:, 0] - rewards[:, 1],
+            "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float(),
+            "logps/chosen": policy[:, 0].detach(),
+            "logps/rejected": policy[:, 1].detach(),
+        }
+        metrics = self.metrics_for(split)
+        count = torch.tensor(len(losses), device=loss.device)
+        for name, value in values.items():
+            cast(SampleMean, metrics[name]).add(value.sum(), count)
+        if split == "train" and self.trainer.log_every_n_steps:  # type: ignore[attr-defined]
+            self.interval_loss.add(losses.detach().sum(), count)
+        self.log_metrics(split)
+        return loss
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        loss = self._step("train", batch)
+        for option in self.options:
+            term = option.training_loss(self.net)
+            if term is not None:
+                loss = loss + term
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        self._step("val", batch)
+
+    def on_validation_epoch_end(self) -> None:
+        TrainingModule.on_validation_epoch_end(self)  # no perplexity: the loss is not a token loss
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self._compute_reference()
+
+    def on_validation_start(self) -> None:
+        self._compute_reference()  # mode=eval of model.init_from's weights, no checkpoint: they are the reference
+
+    def _compute_reference(self) -> None:
+        if self.reference_log_probs is None:  # not read from a checkpoint (whose net is no longer the reference)
+            start = time.perf_counter()
+            self.reference_log_probs = self._reference_log_probs()
+            rank_zero_info(
+                f"DPO reference: the log-probabilities of all {len(self.reference_log_probs)} pairs under the model "
+                f"before its first step, computed in {time.perf_counter() - start:.1f} s (kept in the checkpoints)."
+            )
+
+    def _reference_log_probs(self) -> torch.Tensor:
+        """Every pair's log-probabilities under the net as it is, in evaluation mode: each data-parallel replica
+        computes its share (every ``replicas``-th pair, the last rounds wrapping around, so that all replicas run
+        the same number of forwards, as sharded and split layouts need), then every rank gathers them all."""
+        data = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
+        rank, replicas = data_parallel_rank_and_size(self.trainer)
+        count = len(data.inputs)
+        share = (torch.arange(math.ceil(count / replicas)) * replicas + rank) % count
+        values = []
+        training = self.net.training
+        self.net.eval()
+        with torch.no_grad(), self.trainer.precision_plugin.forward_context():
+            for pairs in share.split(data.batch_size):
+                inputs, target = (tensor[pairs].flatten(0, 1).to(self.device) for tensor in (data.inputs, data.targets))
+                values.append(self.criterion(self.net(inputs), target).view(-1, 2).float())
+        self.net.train(training)
+        gathered, indices = _from_every_rank(torch.cat(values)), _from_every_rank(share.to(self.device))
+        reference = torch.empty(count, 2, device=self.device)
+        reference[indices] = gathered
+        return reference
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
+        assert self.reference_log_probs is not None, "saved once training has started"
+        checkpoint[REFERENCE_KEY] = self.reference_log_probs.cpu()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get(REFERENCE_KEY)
+        if saved is None:
+            return
+        pairs = len(self.trainer.datamodule.inputs)  # type: ignore[attr-defined]  # set by Lightning's data connector
+        if len(saved) != pairs:
+            raise ValueError(
+                f"The checkpoint holds the reference's log-probabilities of {len(saved)} pairs, but data.path holds "
+                f"{pairs}: resume with the data the run started with."
+            )
+        self.reference_log_probs = saved.to(self.device)
+
+
+def _from_every_rank(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` (of the same shape on each), concatenated in rank order: torch's ``all_gather`` (NCCL and
+    gloo), not Lightning's, which goes through a deprecated autograd-aware collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)

@@ -1,0 +1,376 @@
+"""Preference tuning (project/tasks/preference.py, project/data/preference.py): the loss against TRL's own and the
+formula by hand; pairs tokenized with only their responses trained; every strategy against a hand-written DPO loop,
+whose reference is a frozen copy of the model run at every step; LoRA's reference the base's; a resumed run the
+straight run's; the memory plan holding no second copy of the model."""
+
+import copy
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import only_run, train, two_job_sweep
+from helpers.reference import build_optimizer, epoch_order, lr_factor
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from project.cli.chat_example import write_example
+from project.data.preference import PreferenceDataModule
+from project.models import init_weights
+from project.tasks.preference import REFERENCE_KEY, PreferenceLoss
+
+IGNORED = -100
+NET = ["model.net.dim=32", "model.net.num_heads=2", "model.net.num_kv_heads=2", "model.net.hidden_dim=64"]
+DPO_OVERRIDES = [
+    "experiment=dpo",
+    "model=qwen3",
+    *NET,
+    "data.seq_length=32",
+    "data.batch_size=8",
+    "model.optimizer.lr=0.003",
+    "model.dpo.beta=0.5",
+    "model.dpo.sft_weight=0.2",
+    "trainer.max_epochs=2",
+    "trainer.accumulate_grad_batches=2",
+    "print_config=false",
+    "~callbacks.progress_bar",
+    "+trainer.enable_progress_bar=false",
+]
+PAIR_KEYS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+
+
+@pytest.fixture(scope="session")
+def preference_example(shared_tmp) -> tuple[Path, Path]:
+    """``python -m project.cli.chat_example``'s tiny Qwen 3 dir and its 128 preference pairs ("Ahoy" over "Hello")."""
+    out = shared_tmp / "preference-example"
+    if not (out / "preference.jsonl").is_file():
+        write_example(out, count=128)
+    return out / "model", out / "preference.jsonl"
+
+
+def per_token_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """log softmax at each target, 0 where it is ignored: from the definition, not through cross_entropy."""
+    picked = logits.log_softmax(-1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return picked * (target != IGNORED)
+
+
+# The loss
+
+
+def trl_loss(
+    losses: dict[str, float], beta: float, per_token: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor
+):
+    """TRL's ``DPOTrainer._compute_loss`` (TRL 1.16) on the per-token log-probabilities ``per_token`` of a batch laid
+    out as TRL lays it, chosen rows then rejected rows, with precomputed reference log-probabilities: its loss and
+    the metrics it records. The model is a stand-in that returns those log-probabilities (TRL's fused head's
+    outputs), and the trainer only the attributes the method reads. ``losses``: TRL's loss types and their weights."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    rows, length = per_token.shape
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True),
+        accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x),
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=list(losses),
+        loss_weights=list(losses.values()),
+        beta=beta,
+        label_smoothing=0.0,
+        use_weighting=False,
+        _metrics={"train": defaultdict(list)},
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    outputs = SimpleNamespace(
+        log_probs=per_token,
+        entropy=torch.zeros(rows, length),
+        mean_logits=torch.zeros(rows, length),
+        is_top1=torch.zeros(rows, length, dtype=torch.bool),
+    )
+    completion_mask = torch.cat([torch.zeros(rows, 1, dtype=torch.long), mask.long()], dim=1)  # TRL shifts it
+    inputs = {
+        "input_ids": torch.zeros(rows, length + 1, dtype=torch.long),
+        "attention_mask": torch.ones(rows, length + 1, dtype=torch.long),
+        "completion_mask": completion_mask,
+        "ref_chosen_logps": reference[:, 0],
+        "ref_rejected_logps": reference[:, 1],
+    }
+    loss = DPOTrainer._compute_loss(trainer, lambda **kwargs: outputs, inputs, return_outputs=False)
+    return loss, {key: values[-1] for key, values in trainer._metrics["train"].items()}
+
+
+@pytest.mark.parametrize(
+    "loss_type, sft_weight", [("sigmoid", 0.0), ("ipo", 0.0), ("sigmoid", 0.7)], ids=["sigmoid", "ipo", "sigmoid+sft"]
+)
+def test_the_loss_its_gradient_and_rewards_are_trls(loss_type, sft_weight):
+    """Pairs of responses of different lengths: the loss, its gradient with respect to the logits, and the mean
+    rewards, margins and accuracies, as TRL's DPO trainer computes them from the same log-probabilities. With an
+    SFT term (TRL's loss types [sigmoid, sft] weighted [1, sft_weight]): TRL takes the chosen tokens' mean over the
+    batch, this project each chosen response's mean (RPO's), the same here where the chosen are equally long."""
+    pytest.importorskip("trl")
+    torch.manual_seed(0)
+    pairs, length, vocab, beta = 6, 7, 11, 0.3
+    logits = torch.randn(pairs, 2, length, vocab, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(vocab, (pairs, 2, length))
+    target[:, :, :2] = IGNORED  # the prompt
+    target[torch.arange(pairs), 1, torch.arange(pairs) % 3 + 4] = IGNORED  # padding: rejected shorter by a token
+    reference = -torch.rand(pairs, 2, dtype=torch.float64) * 20
+
+    per_token = per_token_log_probs(logits, target)  # (pairs, 2, length)
+    trl_rows = torch.cat([per_token[:, 0], per_token[:, 1]])  # TRL's batch: the chosen, then the rejected
+    trl_mask = torch.cat([target[:, 0], target[:, 1]]) != IGNORED
+    trl_losses = {loss_type: 1.0, **({"sft": sft_weight} if sft_weight else {})}
+    expected, metrics = trl_loss(trl_losses, beta, trl_rows, reference, trl_mask)
+    (expected_grad,) = torch.autograd.grad(expected, logits, retain_graph=True)  # per_token serves both
+
+    loss = PreferenceLoss(beta, loss_type, sft_weight)
+    losses, rewards = loss(per_token.sum(-1), reference, (target != IGNORED).sum(-1))
+    (grad,) = torch.autograd.grad(losses.mean(), logits)
+    assert losses.mean().item() == pytest.approx(expected.item(), rel=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-14)
+    assert rewards[:, 0].mean().item() == pytest.approx(metrics["rewards/chosen"], rel=1e-6)
+    assert rewards[:, 1].mean().item() == pytest.approx(metrics["rewards/rejected"], rel=1e-6)
+    assert (rewards[:, 0] - rewards[:, 1]).mean().item() == pytest.approx(metrics["rewards/margins"], rel=1e-6)
+    assert (rewards[:, 0] > rewards[:, 1]).double().mean().item() == pytest.approx(metrics["rewards/accuracies"])
+
+
+def test_the_loss_by_hand():
+    """One pair, the papers' formulas in plain floats: DPO's -log sigmoid(beta x ((c - c_ref) - (r - r_ref))) and its
+    derivative -beta sigmoid(-beta x delta) with respect to the chosen log-probability; IPO's squared distance of the
+    per-token log-ratio difference from 1 / (2 beta)."""
+    chosen, rejected, chosen_ref, rejected_ref, beta = -12.0, -15.0, -13.5, -14.0, 0.2
+    tokens = torch.tensor([[4, 6]])
+    delta = (chosen - chosen_ref) - (rejected - rejected_ref)
+    policy = torch.tensor([[chosen, rejected]], dtype=torch.float64, requires_grad=True)
+    reference = torch.tensor([[chosen_ref, rejected_ref]], dtype=torch.float64)
+
+    losses, rewards = PreferenceLoss(beta, "sigmoid")(policy, reference, tokens)
+    assert losses.item() == pytest.approx(-math.log(1 / (1 + math.exp(-beta * delta))), rel=1e-12)
+    (grad,) = torch.autograd.grad(losses.sum(), policy)
+    sigmoid = 1 / (1 + math.exp(beta * delta))
+    assert grad[0].tolist() == pytest.approx([-beta * sigmoid, beta * sigmoid], rel=1e-12)
+    assert rewards[0].tolist() == pytest.approx([beta * (chosen - chosen_ref), beta * (rejected - rejected_ref)])
+
+    losses, _ = PreferenceLoss(beta, "ipo")(policy, reference, tokens)
+    per_token_delta = (chosen - chosen_ref) / 4 - (rejected - rejected_ref) / 6
+    assert losses.item() == pytest.approx((per_token_delta - 1 / (2 * beta)) ** 2, rel=1e-12)
+
+    with_sft, _ = PreferenceLoss(beta, "sigmoid", sft_weight=0.2)(policy, reference, tokens)
+    assert with_sft.item() == pytest.approx(-math.log(1 / (1 + math.exp(-beta * delta))) + 0.2 * 12.0 / 4, rel=1e-12)
+
+
+# The data
+
+
+def test_a_pair_trains_its_responses_tokens_only(preference_example, tmp_path):
+    """A conversational pair whose prompt holds an earlier assistant turn, and the same pair as plain text after a
+    one-turn prompt: each row's trained targets decode to its own response and the template's end of turn, the
+    prompt's assistant turn untrained; the plain form gives the rows the conversational one does."""
+    model_dir, _ = preference_example
+    ask, earlier = [{"role": "user", "content": "Please greet Ada."}], {"role": "assistant", "content": "Hello, Ada!"}
+    chosen, rejected = "Ahoy, Alan! Welcome aboard.", "Hello, Alan! Nice to meet you."
+    records = [
+        {
+            "prompt": [*ask, earlier, {"role": "user", "content": "And Alan?"}],
+            "chosen": [{"role": "assistant", "content": chosen}],
+            "rejected": [{"role": "assistant", "content": rejected}],
+        },
+        {"prompt": "Greet Alan.", "chosen": chosen, "rejected": rejected},
+        {"prompt": [{"role": "user", "content": "Greet Alan."}], "chosen": chosen, "rejected": rejected},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    data = PreferenceDataModule(str(path), str(model_dir), seq_length=48, val_fraction=0.34, batch_size=1, seed=0)
+    codec = data.text_codec()
+    for pair in range(3):
+        for column, response in enumerate((chosen, rejected)):
+            target = data.targets[pair, column]
+            assert codec.decode(target[target != IGNORED].tolist()) == response + "<|im_end|>\n"
+    assert torch.equal(data.inputs[1], data.inputs[2]) and torch.equal(data.targets[1], data.targets[2])
+    assert "3 pairs" in data.summary and "0 of their 6 responses cut" in data.summary
+    short = PreferenceDataModule(str(path), str(model_dir), seq_length=36, val_fraction=0.34, batch_size=1, seed=0)
+    assert "2 of their 6 responses cut to 37 tokens" in short.summary  # the long prompt's pair, kept from its start
+    assert torch.equal(short.targets[0], data.targets[0, :, :36])
+
+
+# Every strategy against a hand-written DPO loop
+
+
+def hand_written_dpo(cfg: DictConfig, global_batch: int) -> list[dict[str, float]]:
+    """DPO as the paper writes it, in plain PyTorch: the reference a frozen copy of the initial model, run on every
+    batch; a pair's log-probability the sum of its response tokens' log-softmax; RPO's term, the chosen response's
+    mean token NLL x ``sft_weight``; the loss the global batch's mean over pairs, accumulated over
+    ``trainer.accumulate_grad_batches`` batches; the metrics means over the epoch's pairs. The data's tensors (the
+    tokenized pairs) and the model class come from the project."""
+    data = instantiate(cfg.data)
+    train_pairs = data.num_train_samples
+    inputs, targets = data.inputs, data.targets
+    net = init_weights(instantiate(cfg.model.net), cfg.seed)
+    reference = copy.deepcopy(net).eval().requires_grad_(False)
+    beta, sft_weight = cfg.model.dpo.beta, cfg.model.dpo.sft_weight
+    accumulate, epochs = cfg.trainer.accumulate_grad_batches, cfg.trainer.max_epochs
+    batches = train_pairs // global_batch
+    optimizer = build_optimizer(cfg, net)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg, epochs * math.ceil(batches / accumulate)))
+
+    def log_probs(model: torch.nn.Module, pairs: torch.Tensor) -> torch.Tensor:
+        logits = model(inputs[pairs].flatten(0, 1))
+        return per_token_log_probs(logits, targets[pairs].flatten(0, 1)).sum(-1).view(-1, 2)
+
+    def pair_values(pairs: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.no_grad():
+            chosen_ref, rejected_ref = log_probs(reference, pairs).unbind(-1)
+        chosen, rejected = log_probs(net, pairs).unbind(-1)
+        chosen_reward, rejected_reward = beta * (chosen - chosen_ref), beta * (rejected - rejected_ref)
+        chosen_tokens = (targets[pairs, 0] != IGNORED).sum(-1)
+        losses = -F.logsigmoid(chosen_reward - rejected_reward) - sft_weight * chosen / chosen_tokens
+        return losses, {
+            "loss": losses.detach(),
+            "rewards/chosen": chosen_reward.detach(),
+            "rewards/rejected": rejected_reward.detach(),
+            "rewards/margins": (chosen_reward - rejected_reward).detach(),
+            "rewards/accuracies": (chosen_reward > rejected_reward).double(),
+        }
+
+    history = []
+    for epoch in range(epochs):
+        order = epoch_order(train_pairs, cfg.seed, epoch)
+        sums: dict[str, float] = defaultdict(float)
+        for index in range(batches):
+            losses, values = pair_values(order[index * global_batch : (index + 1) * global_batch])
+            (losses.mean() / accumulate).backward()
+            for key, value in values.items():
+                sums[key] += value.double().sum().item()
+            if (index + 1) % accumulate == 0 or index + 1 == batches:
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad()
+        net.eval()
+        with torch.no_grad():
+            _, val_values = pair_values(torch.arange(train_pairs, len(inputs)))
+        net.train()
+        row = {f"train/{key}": total / (batches * global_batch) for key, total in sums.items()}
+        row.update({f"val/{key}": value.double().mean().item() for key, value in val_values.items()})
+        history.append(row)
+    return history
+
+
+@pytest.fixture(scope="session")
+def dpo_runs(preference_example, runs_dir, home) -> dict[str, Path]:
+    """The tiny Qwen 3 from seeded weights, DPO on the example's pairs: on one device (16 pairs a batch), and under
+    ddp, fsdp (2 replicas of 8) and tensor_parallel (one replica of 8) over 2 devices."""
+    model_dir, pairs = preference_example
+    data = [f"data.path={pairs}", f"data.tokenizer={model_dir}"]
+    sweep = [*DPO_OVERRIDES, *data, "trainer.devices=2", "strategy=ddp,fsdp,tensor_parallel"]
+    sweep_dir = two_job_sweep("dpo", sweep, runs_dir, home)[1][0].parent
+    single = runs_dir / "dpo-single"
+    if not (single / "result.json").is_file():
+        train([*DPO_OVERRIDES, *data, "data.batch_size=16", f"hydra.run.dir={single}"], home)
+    return {"auto": single, **{name: sweep_dir / str(job) for job, name in enumerate(["ddp", "fsdp", "tp"])}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp"])
+def test_every_strategy_gives_the_hand_written_loops_numbers(dpo_runs, preference_example, strategy):
+    """Each epoch's loss, rewards, margins and accuracies, training and validation, in the run's W&B history, equal
+    the hand-written loop's to 1e-5; and DPO did its work: the chosen responses gained on the rejected ones."""
+    from test_config import compose_train
+
+    model_dir, pairs = preference_example
+    global_batch = 8 if strategy == "tp" else 16
+    cfg = compose_train([*DPO_OVERRIDES, f"data.path={pairs}", f"data.tokenizer={model_dir}"])
+    expected = _hand_written(cfg, global_batch)
+    run = only_run(dpo_runs[strategy])
+    for key in expected[0]:
+        assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
+    assert expected[-1]["val/rewards/margins"] > expected[0]["val/rewards/margins"] > 0
+    assert expected[-1]["val/rewards/accuracies"] == 1.0
+
+
+_HAND_WRITTEN: dict[int, list[dict[str, float]]] = {}
+
+
+def _hand_written(cfg: DictConfig, global_batch: int) -> list[dict[str, float]]:
+    if global_batch not in _HAND_WRITTEN:
+        _HAND_WRITTEN[global_batch] = hand_written_dpo(cfg, global_batch)
+    return _HAND_WRITTEN[global_batch]
+
+
+# The reference, a resumed run, the plan
+
+
+@pytest.mark.slow
+def test_loras_reference_is_the_bases_and_a_resumed_run_goes_on_as_the_straight_one(preference_example, tmp_path, home):
+    """From the example's model dir (model.init_from), with LoRA adapters: the reference log-probabilities the run
+    keeps in its checkpoint are, exactly, those the same run computes without adapters, and to float32 rounding
+    those of transformers' own Qwen 3 loaded from the dir. Epoch 1 resumed from epoch 0's checkpoint (on one
+    device, where Lightning reads the checkpoint before training starts) gives the straight run's numbers."""
+    transformers = pytest.importorskip("transformers")
+    model_dir, pairs = preference_example
+    run = [
+        *[item for item in DPO_OVERRIDES if not item.startswith("model.net.")],
+        f"model.init_from={model_dir}",
+        f"data.path={pairs}",
+        "logger=csv",
+        "model.scheduler=null",  # the same learning rate in a run of 1 epoch and one of 2
+    ]
+    lora = [*run, "model.lora.rank=8"]
+    train([*lora, f"hydra.run.dir={tmp_path / 'straight'}"], home)
+    train([*lora, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}"], home)
+    first = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    train([*lora, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={first}"], home)
+    train([*run, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'full'}"], home)
+
+    def saved_reference(name: str) -> torch.Tensor:
+        checkpoint = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)
+        return checkpoint[REFERENCE_KEY]
+
+    assert torch.equal(saved_reference("first"), saved_reference("full"))
+    assert torch.equal(saved_reference("resumed"), saved_reference("first"))  # read back, not recomputed
+    data = PreferenceDataModule(str(pairs), str(model_dir), seq_length=32, val_fraction=0.1, batch_size=8, seed=0)
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = base(input_ids=data.inputs.flatten(0, 1)).logits
+    expected = per_token_log_probs(logits, data.targets.flatten(0, 1)).sum(-1).view(-1, 2)
+    torch.testing.assert_close(saved_reference("first"), expected, rtol=1e-5, atol=1e-4)
+
+    straight, resumed = (
+        json.loads((tmp_path / name / "result.json").read_text())["history"] for name in ("straight", "resumed")
+    )
+    assert len(resumed) == 2
+    for key in [f"{split}/{name}" for split in ("train", "val") for name in PAIR_KEYS]:
+        assert resumed[1][key] == pytest.approx(straight[1][key], rel=1e-5, abs=1e-6), key
+
+
+def test_the_plan_holds_no_second_copy_of_the_model(preference_example):
+    """DPO with LoRA plans the parameters, gradients and optimizer state of supervised LoRA fine-tuning, not a
+    second model; its step runs two sequences a pair: twice the FLOPs of a step on as many conversations."""
+    from test_memory_plan import resolved
+
+    from project.plan.memory_plan import plan_memory
+
+    model_dir, pairs = preference_example
+    chat = pairs.parent / "ahoy.jsonl"
+    common = ["model=qwen3", f"model.init_from={model_dir}", "model.lora.rank=8", "data.seq_length=32"]
+    dpo = plan_memory(resolved(["experiment=dpo", *common, f"data.path={pairs}"]), suggest=False).devices[0]
+    sft = plan_memory(resolved(["data=chat", *common, f"data.path={chat}"]), suggest=False).devices[0]
+    assert (dpo.params, dpo.grads, dpo.optimizer) == (sft.params, sft.grads, sft.optimizer)
+    assert dpo.params > 0 and dpo.optimizer > 0
+    assert dpo.flops == pytest.approx(2 * sft.flops, rel=0.02)
+
+
+def test_the_model_against_itself_scores_log_2(preference_example, tmp_path, home):
+    """mode=eval of model.init_from's weights, no checkpoint: the model is its own reference, so every reward is 0
+    and every pair's loss log 2 (sigmoid(0) = 1/2)."""
+    model_dir, pairs = preference_example
+    args = ["experiment=dpo", "model=qwen3", f"model.init_from={model_dir}", f"data.path={pairs}", "logger=csv"]
+    train([*args, "mode=eval", "data.seq_length=32", f"hydra.run.dir={tmp_path}"], home)
+    final = json.loads((tmp_path / "result.json").read_text())["final"]
+    assert final["val/loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert final["val/rewards/margins"] == final["val/rewards/chosen"] == final["val/rewards/accuracies"] == 0.0
