@@ -264,26 +264,27 @@ def hand_written_dpo(cfg: DictConfig, global_batch: int) -> list[dict[str, float
 @pytest.fixture(scope="session")
 def dpo_runs(preference_example, runs_dir, home) -> dict[str, Path]:
     """The tiny Qwen 3 from seeded weights, DPO on the example's pairs: on one device (16 pairs a batch), and under
-    ddp, fsdp (2 replicas of 8) and tensor_parallel (one replica of 8) over 2 devices."""
+    ddp, fsdp (2 replicas of 8), tensor_parallel and model_parallel (one replica of 8) over 2 devices."""
     model_dir, pairs = preference_example
     data = [f"data.path={pairs}", f"data.tokenizer={model_dir}"]
-    sweep = [*DPO_OVERRIDES, *data, "trainer.devices=2", "strategy=ddp,fsdp,tensor_parallel"]
+    sweep = [*DPO_OVERRIDES, *data, "trainer.devices=2", "strategy=ddp,fsdp,tensor_parallel,model_parallel"]
     sweep_dir = two_job_sweep("dpo", sweep, runs_dir, home)[1][0].parent
     single = runs_dir / "dpo-single"
     if not (single / "result.json").is_file():
         train([*DPO_OVERRIDES, *data, "data.batch_size=16", f"hydra.run.dir={single}"], home)
-    return {"auto": single, **{name: sweep_dir / str(job) for job, name in enumerate(["ddp", "fsdp", "tp"])}}
+    strategies = ["ddp", "fsdp", "tp", "model_parallel"]
+    return {"auto": single, **{name: sweep_dir / str(job) for job, name in enumerate(strategies)}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp"])
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp", "model_parallel"])
 def test_every_strategy_gives_the_hand_written_loops_numbers(dpo_runs, preference_example, strategy):
     """Each epoch's loss, rewards, margins and accuracies, training and validation, in the run's W&B history, equal
     the hand-written loop's to 1e-5; and DPO did its work: the chosen responses gained on the rejected ones."""
     from test_config import compose_train
 
     model_dir, pairs = preference_example
-    global_batch = 8 if strategy == "tp" else 16
+    global_batch = 16 if strategy in ("auto", "ddp", "fsdp") else 8  # one replica of 8 under tp and model_parallel
     cfg = compose_train([*DPO_OVERRIDES, f"data.path={pairs}", f"data.tokenizer={model_dir}"])
     expected = _hand_written(cfg, global_batch)
     run = only_run(dpo_runs[strategy])
