@@ -89,6 +89,9 @@ def test_every_option_composes_and_resolves(override, prepared_corpus, chat_mode
         partners = ["model=gpt", f"data.path={prepared_corpus}"]
     if override in ("data=chat", "experiment=lora", "experiment=qlora"):  # a chat model dir, its tokenizer and chats
         partners = ["model=qwen3", f"model.init_from={chat_model_dir}", f"data.path={chat_model_dir.parent}/ahoy.jsonl"]
+    if override in ("data=preference", "experiment=dpo"):  # the chat model dir and its preference pairs
+        pairs = f"data.path={chat_model_dir.parent}/preference.jsonl"
+        partners = ["model=qwen3", f"model.init_from={chat_model_dir}", pairs]
     cfg = compose_train([override, *partners])
     del cfg.hydra
     OmegaConf.resolve(cfg)  # every interpolation resolves

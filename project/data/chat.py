@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from project.data.codecs import TokenizerCodec, read_tokenizer
 from project.data.datamodule import InMemoryDataModule
@@ -278,13 +278,15 @@ def _tokenizer(model_dir: Path) -> Tokenizer:
 
 class TemplatedDataModule(InMemoryDataModule):
     """Conversations rendered with a model dir's tokenizer and chat template (``data.tokenizer``): what ``data=chat``
-    and ``data=preference`` share, and what ``generate --chat`` renders a prompt with."""
+    and ``data=preference`` share, and what ``generate --chat`` renders a prompt with. A subclass's ``read`` reads
+    the records at ``path``, whole, when the module is built: before any worker starts."""
 
     def __init__(
         self,
         path: str,
         tokenizer: str,
         seq_length: PositiveInt,
+        val_fraction: OpenFraction,
         batch_size: PositiveInt,
         seed: Seed,
         shuffle: bool = True,
@@ -304,62 +306,43 @@ class TemplatedDataModule(InMemoryDataModule):
                 "leave data.vocab_size unset: it comes from the tokenizer.",
             )
         self.template = ChatTemplate(self.tokenizer_dir)
+        # Every sample's inputs and targets, how many of the last are the validation split, and what setup says of
+        # them (when training sets the data up: the checks before launch build the module too).
+        self.inputs, self.targets, self.num_val, self.summary = self.read(val_fraction)
 
-    def text_codec(self) -> TokenizerCodec:
-        return TokenizerCodec(self.tokenizer_dir / "tokenizer.json")
+    def read(self, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, int, str]:
+        """(inputs, targets, validation samples, a summary line) of the records at ``path``."""
+        raise NotImplementedError
 
-
-class ChatDataModule(TemplatedDataModule):
-    """Conversations as (inputs, targets) of ``seq_length`` tokens, targets ``IGNORE_INDEX`` but for the assistant's
-    tokens; the last ``val_fraction`` of the conversations (in file order) are the validation split."""
-
-    def __init__(
-        self,
-        path: str,
-        tokenizer: str,
-        seq_length: PositiveInt,
-        val_fraction: OpenFraction,
-        batch_size: PositiveInt,
-        seed: Seed,
-        shuffle: bool = True,
-        num_workers: NonNegativeInt = 0,
-        vocab_size: PositiveInt | None = None,
-    ) -> None:
-        super().__init__(path, tokenizer, seq_length, batch_size, seed, shuffle, num_workers, vocab_size)
-        template = self.template
-        sequences, truncated = [], 0
-        for where, messages in read_records(self.path):
-            try:
-                ids, mask = trained_mask(self.tokenizer, *template.assistant_spans(messages))
-            except Exception as error:  # jinja2's TemplateError, or a template's own exception
-                raise ConfigError(
-                    "data.path",
-                    f"{where}: the chat template of {self.tokenizer_dir} fails on it ({error}).",
-                    "fix the record, or use a model dir whose template renders it.",
-                ) from None
-            truncated += len(ids) > seq_length + 1
-            sequences.append((ids[: seq_length + 1], mask[: seq_length + 1]))
-        kept = [(ids, mask) for ids, mask in sequences if any(mask[1:])]  # a target of the assistant's to train
-        num_val = int(len(kept) * val_fraction)
-        if num_val < 1 or len(kept) - num_val < 1:
+    def rendered(self, where: str, messages: list[dict[str, str]], untrained: int = 0) -> tuple[list[int], list[bool]]:
+        """A conversation's token ids and whether each is an assistant's, its first ``untrained`` assistant turns
+        left out; ``ConfigError`` naming the record's ``where`` for a template that fails on it."""
+        try:
+            text, spans = self.template.assistant_spans(messages)
+        except Exception as error:  # jinja2's TemplateError, or a template's own exception
             raise ConfigError(
-                "data.val_fraction" if len(kept) >= 2 else "data.path",
-                f"leaves {len(kept) - num_val} training and {num_val} validation conversations of the {len(kept)} "
-                f"in {self.path} with an assistant token within data.seq_length + 1 = {seq_length + 1} tokens.",
-                "use more conversations, a longer data.seq_length, or a data.val_fraction giving each split one.",
-            )
-        self.num_val = num_val
-        self.inputs, self.targets = self._tensors(kept)
-        # Said when training sets the data up (setup), not here: the checks before launch build the module too.
-        self.summary = (
-            f"Chat data: {len(kept)} conversations from {self.path} ({len(kept) - num_val} training, {num_val} "
-            f"validation); {truncated} cut to {seq_length + 1} tokens, {len(sequences) - len(kept)} left out with "
-            f"no assistant token within them; {int((self.targets != IGNORE_INDEX).sum()):,} trained tokens."
-        )
+                "data.path",
+                f"{where}: the chat template of {self.tokenizer_dir} fails on it ({error}).",
+                "fix the record, or use a model dir whose template renders it.",
+            ) from None
+        return trained_mask(self.tokenizer, text, spans[untrained:])
 
-    def _tensors(self, sequences: list[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs: each conversation but its last token, then padding; targets: the next token where it is the
-        assistant's, else ``IGNORE_INDEX``."""
+    def validation_count(self, count: int, val_fraction: float, kind: str, which: str = "") -> int:
+        """How many of ``count`` samples (``kind``: conversations, pairs; ``which``: those kept) are the validation
+        split; ``ConfigError`` unless both splits get one."""
+        num_val = int(count * val_fraction)
+        if num_val < 1 or count - num_val < 1:
+            raise ConfigError(
+                "data.val_fraction" if count >= 2 else "data.path",
+                f"leaves {count - num_val} training and {num_val} validation {kind} of the {count} in "
+                f"{self.path}{which}.",
+                f"use more {kind}, a longer data.seq_length, or a data.val_fraction giving each split one.",
+            )
+        return num_val
+
+    def sequence_tensors(self, sequences: list[tuple[list[int], list[bool]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs: each sequence but its last token, then padding to ``seq_length``; targets: the next token where it
+        is trained, else ``IGNORE_INDEX``."""
         inputs = torch.full((len(sequences), self.seq_length), PAD_ID, dtype=torch.long)
         targets = torch.full((len(sequences), self.seq_length), IGNORE_INDEX, dtype=torch.long)
         for row, (ids, mask) in enumerate(sequences):
@@ -376,10 +359,40 @@ class ChatDataModule(TemplatedDataModule):
     def num_val_samples(self) -> int:
         return self.num_val
 
+    def text_codec(self) -> TokenizerCodec:
+        return TokenizerCodec(self.tokenizer_dir / "tokenizer.json")
+
+    def split(self, inputs: torch.Tensor, targets: torch.Tensor, first: int) -> Dataset:
+        """The dataset of the samples ``first`` on of ``inputs`` and ``targets`` (a split of them)."""
+        return TensorDataset(inputs, targets)
+
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
             return
         rank_zero_info(self.summary)
-        split = self.num_train_samples
-        self.train_set = TensorDataset(self.inputs[:split], self.targets[:split])
-        self.val_set = TensorDataset(self.inputs[split:], self.targets[split:])
+        start = self.num_train_samples
+        self.train_set = self.split(self.inputs[:start], self.targets[:start], first=0)
+        self.val_set = self.split(self.inputs[start:], self.targets[start:], first=start)
+
+
+class ChatDataModule(TemplatedDataModule):
+    """Conversations as (inputs, targets) of ``seq_length`` tokens, targets ``IGNORE_INDEX`` but for the assistant's
+    tokens; the last ``val_fraction`` of the conversations (in file order) are the validation split."""
+
+    def read(self, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, int, str]:
+        seq_length = self.seq_length
+        sequences, truncated = [], 0
+        for where, messages in read_records(self.path):
+            ids, mask = self.rendered(where, messages)
+            truncated += len(ids) > seq_length + 1
+            sequences.append((ids[: seq_length + 1], mask[: seq_length + 1]))
+        kept = [(ids, mask) for ids, mask in sequences if any(mask[1:])]  # a target of the assistant's to train
+        within = f" with an assistant token within data.seq_length + 1 = {seq_length + 1} tokens"
+        num_val = self.validation_count(len(kept), val_fraction, "conversations", within)
+        inputs, targets = self.sequence_tensors(kept)
+        summary = (
+            f"Chat data: {len(kept)} conversations from {self.path} ({len(kept) - num_val} training, {num_val} "
+            f"validation); {truncated} cut to {seq_length + 1} tokens, {len(sequences) - len(kept)} left out with "
+            f"no assistant token within them; {int((targets != IGNORE_INDEX).sum()):,} trained tokens."
+        )
+        return inputs, targets, num_val, summary

@@ -20,13 +20,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset
 
-from project.data.chat import PAD_ID, TemplatedDataModule, read_lines, trained_mask
-from project.models.linear_cross_entropy import IGNORE_INDEX
+from project.data.chat import TemplatedDataModule, read_lines
 from project.options.errors import ConfigError
-from project.options.option_types import NonNegativeInt, OpenFraction, PositiveInt, Seed
 
 RESPONSES = ("chosen", "rejected")
 Messages = list[dict[str, str]]
@@ -99,25 +96,15 @@ class PreferenceDataModule(TemplatedDataModule):
 
     sequences_per_sample = len(RESPONSES)  # what the memory plan and the step-time model run a sample as
 
-    def __init__(
-        self,
-        path: str,
-        tokenizer: str,
-        seq_length: PositiveInt,
-        val_fraction: OpenFraction,
-        batch_size: PositiveInt,
-        seed: Seed,
-        shuffle: bool = True,
-        num_workers: NonNegativeInt = 0,
-        vocab_size: PositiveInt | None = None,
-    ) -> None:
-        super().__init__(path, tokenizer, seq_length, batch_size, seed, shuffle, num_workers, vocab_size)
+    def read(self, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, int, str]:
+        seq_length = self.seq_length
         pairs, truncated = [], 0
         for where, line in read_lines(self.path):
             prompt, *responses = read_pair(where, line)
             sequences = []
+            untrained = sum(message["role"] == "assistant" for message in prompt)  # the prompt's own turns
             for key, response in zip(RESPONSES, responses, strict=True):
-                ids, mask = self._response_tokens(where, prompt, response)
+                ids, mask = self.rendered(where, prompt + response, untrained)
                 if not any(mask[1 : seq_length + 1]):
                     raise ConfigError(
                         "data.path",
@@ -128,60 +115,14 @@ class PreferenceDataModule(TemplatedDataModule):
                 truncated += len(ids) > seq_length + 1
                 sequences.append((ids[: seq_length + 1], mask[: seq_length + 1]))
             pairs.append(sequences)
-        num_val = int(len(pairs) * val_fraction)
-        if num_val < 1 or len(pairs) - num_val < 1:
-            raise ConfigError(
-                "data.val_fraction" if len(pairs) >= 2 else "data.path",
-                f"leaves {len(pairs) - num_val} training and {num_val} validation pairs of the {len(pairs)} in "
-                f"{self.path}.",
-                "use more pairs, or a data.val_fraction giving each split one.",
-            )
-        self.num_pairs, self.num_val = len(pairs), num_val
-        self.inputs, self.targets = self._tensors(pairs)
-        # Said when training sets the data up (setup), not here: the checks before launch build the module too.
-        self.summary = (
+        num_val = self.validation_count(len(pairs), val_fraction, "pairs")
+        inputs, targets = self.sequence_tensors([sequence for pair in pairs for sequence in pair])
+        summary = (
             f"Preference data: {len(pairs)} pairs from {self.path} ({len(pairs) - num_val} training, {num_val} "
             f"validation); {truncated} of their {2 * len(pairs)} responses cut to {seq_length + 1} tokens."
         )
+        shape = (len(pairs), len(RESPONSES), seq_length)
+        return inputs.view(shape), targets.view(shape), num_val, summary
 
-    def _response_tokens(self, where: str, prompt: Messages, response: Messages) -> tuple[list[int], list[bool]]:
-        """The rendered prompt and response's token ids, and which are the response's assistant tokens."""
-        try:
-            text, spans = self.template.assistant_spans(prompt + response)
-        except Exception as error:  # jinja2's TemplateError, or a template's own exception
-            raise ConfigError(
-                "data.path",
-                f"{where}: the chat template of {self.tokenizer_dir} fails on it ({error}).",
-                "fix the record, or use a model dir whose template renders it.",
-            ) from None
-        in_prompt = sum(message["role"] == "assistant" for message in prompt)
-        return trained_mask(self.tokenizer, text, spans[in_prompt:])  # the prompt's own assistant turns are not
-
-    def _tensors(self, pairs: list[list[tuple[list[int], list[bool]]]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs: each sequence but its last token, then padding; targets: the next token where it is the
-        response's, else ``IGNORE_INDEX``."""
-        shape = (len(pairs), len(RESPONSES), self.seq_length)
-        inputs = torch.full(shape, PAD_ID, dtype=torch.long)
-        targets = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-        for index, sequences in enumerate(pairs):
-            for column, (ids, mask) in enumerate(sequences):
-                tokens, trained = torch.tensor(ids), torch.tensor(mask)
-                inputs[index, column, : len(ids) - 1] = tokens[:-1]
-                targets[index, column, : len(ids) - 1] = torch.where(trained[1:], tokens[1:], IGNORE_INDEX)
-        return inputs, targets
-
-    @property
-    def num_train_samples(self) -> int:
-        return self.num_pairs - self.num_val
-
-    @property
-    def num_val_samples(self) -> int:
-        return self.num_val
-
-    def setup(self, stage: str) -> None:
-        if self.train_set is not None:
-            return
-        rank_zero_info(self.summary)
-        split = self.num_train_samples
-        self.train_set = PairDataset(self.inputs[:split], self.targets[:split], first=0)
-        self.val_set = PairDataset(self.inputs[split:], self.targets[split:], first=split)
+    def split(self, inputs: torch.Tensor, targets: torch.Tensor, first: int) -> Dataset:
+        return PairDataset(inputs, targets, first)
