@@ -639,7 +639,7 @@ CASES = [
     ),
     (
         [*DPO, "data.path={files}/chat/preference.jsonl", "strategy=pipeline", "trainer.devices=2"],
-        "strategy: is pipeline: DPO needs each pair's two sequences' log-probabilities at once",
+        "strategy: is pipeline: DPO's loss needs each pair's log-probabilities with the pair's index",
     ),
     (
         [*DPO, "data.path={files}/chat/preference.jsonl", "model.fused_loss=true"],

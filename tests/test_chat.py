@@ -222,7 +222,7 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     assert "DPO reference: the log-probabilities of all 512 pairs under the model before its first step" in log
     assert json.loads((out / "dpo-run" / "result.json").read_text())["final"]["val/rewards/accuracies"] == 1.0
     assert "Say hello to Grace.<|im_end|>\n<|im_start|>assistant\nAhoy, Grace! Welcome aboard.<|im_end|>" in outputs[5]
-    assert greeting(transformers.AutoModelForCausalLM.from_pretrained(out / "dpo-merged"), out / "base") == (
+    assert greeting(transformers.AutoModelForCausalLM.from_pretrained(out / "dpo-merged"), out / "dpo-merged") == (
         "Ahoy, Ada! Welcome aboard."
     )
     expected_lines = fenced_blocks(page, "text")[0].splitlines()

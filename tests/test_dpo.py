@@ -6,6 +6,7 @@ straight run's; the memory plan holding no second copy of the model."""
 import copy
 import json
 import math
+import sys
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import only_run, train, two_job_sweep
+from conftest import only_run, run_command, train, two_job_sweep
 from helpers.reference import build_optimizer, epoch_order, lr_factor
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -21,6 +22,7 @@ from omegaconf import DictConfig
 from project.cli.chat_example import write_example
 from project.data.preference import PreferenceDataModule
 from project.models import init_weights
+from project.options.errors import ConfigError
 from project.tasks.preference import REFERENCE_KEY, PreferenceLoss
 
 IGNORED = -100
@@ -199,6 +201,17 @@ def test_a_pair_trains_its_responses_tokens_only(preference_example, tmp_path):
     assert torch.equal(short.targets[0], data.targets[0, :, :36])
 
 
+def test_a_response_not_the_assistants_and_a_file_of_no_pairs_are_refused(preference_example, tmp_path):
+    model_dir, _ = preference_example
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi", "chosen": [{"role": "user", "content": "Hi"}], "rejected": "Yo"}))
+    with pytest.raises(ConfigError, match=rf"data.path: {path}:1: has a user message in its chosen response"):
+        PreferenceDataModule(str(path), str(model_dir), seq_length=32, val_fraction=0.5, batch_size=1, seed=0)
+    path.write_text("\n\n")
+    with pytest.raises(ConfigError, match=rf"data.path: {path} holds no pair"):
+        PreferenceDataModule(str(path), str(model_dir), seq_length=32, val_fraction=0.5, batch_size=1, seed=0)
+
+
 # Every strategy against a hand-written DPO loop
 
 
@@ -236,6 +249,8 @@ def hand_written_dpo(cfg: DictConfig, global_batch: int) -> list[dict[str, float
             "rewards/rejected": rejected_reward.detach(),
             "rewards/margins": (chosen_reward - rejected_reward).detach(),
             "rewards/accuracies": (chosen_reward > rejected_reward).double(),
+            "logps/chosen": chosen.detach(),
+            "logps/rejected": rejected.detach(),
         }
 
     history = []
@@ -294,6 +309,18 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(dpo_runs, preferenc
     assert expected[-1]["val/rewards/accuracies"] == 1.0
 
 
+@pytest.mark.slow
+def test_an_export_carries_the_pairs_tokenizer_and_template(dpo_runs, preference_example, tmp_path, home):
+    """A run whose pairs were rendered with data.tokenizer's dir (no model.init_from) exports that dir's tokenizer
+    and chat template beside the weights, as a data=chat run does."""
+    model_dir, _ = preference_example
+    checkpoint = dpo_runs["auto"] / "checkpoints" / "last.ckpt"
+    result = run_command([sys.executable, "-m", "project.cli.export", str(checkpoint), str(tmp_path / "out")], home)
+    assert result.returncode == 0, result.output[-3000:]
+    for name in ("tokenizer.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_bytes() == (model_dir / name).read_bytes(), name
+
+
 _HAND_WRITTEN: dict[int, list[dict[str, float]]] = {}
 
 
@@ -306,47 +333,81 @@ def _hand_written(cfg: DictConfig, global_batch: int) -> list[dict[str, float]]:
 # The reference, a resumed run, the plan
 
 
-@pytest.mark.slow
-def test_loras_reference_is_the_bases_and_a_resumed_run_goes_on_as_the_straight_one(preference_example, tmp_path, home):
-    """From the example's model dir (model.init_from), with LoRA adapters: the reference log-probabilities the run
-    keeps in its checkpoint are, exactly, those the same run computes without adapters, and to float32 rounding
-    those of transformers' own Qwen 3 loaded from the dir. Epoch 1 resumed from epoch 0's checkpoint (on one
-    device, where Lightning reads the checkpoint before training starts) gives the straight run's numbers."""
-    transformers = pytest.importorskip("transformers")
+def lora_dpo_run(preference_example) -> list[str]:
+    """DPO with LoRA adapters from the example's model dir (model.init_from), no learning-rate schedule (the same rate
+    in a run of 1 epoch and one of 2)."""
     model_dir, pairs = preference_example
-    run = [
+    return [
         *[item for item in DPO_OVERRIDES if not item.startswith("model.net.")],
         f"model.init_from={model_dir}",
         f"data.path={pairs}",
         "logger=csv",
-        "model.scheduler=null",  # the same learning rate in a run of 1 epoch and one of 2
+        "model.scheduler=null",
+        "model.lora.rank=8",
     ]
-    lora = [*run, "model.lora.rank=8"]
-    train([*lora, f"hydra.run.dir={tmp_path / 'straight'}"], home)
-    train([*lora, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}"], home)
-    first = tmp_path / "first" / "checkpoints" / "last.ckpt"
-    train([*lora, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={first}"], home)
-    train([*run, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'full'}"], home)
+
+
+def assert_resumed_as_straight(job_dirs: Path) -> None:
+    """The run resumed at epoch 1 read the reference from the checkpoint (its log says none was computed) and gave
+    the straight run's epoch 1."""
+    assert "DPO reference:" not in (job_dirs / "resumed" / "train.log").read_text()
+    straight, resumed = (
+        json.loads((job_dirs / name / "result.json").read_text())["history"] for name in ("straight", "resumed")
+    )
+    assert len(resumed) == 2
+    for key in [f"{split}/{name}" for split in ("train", "val") for name in PAIR_KEYS]:
+        assert resumed[1][key] == pytest.approx(straight[1][key], rel=1e-5, abs=1e-6), key
+
+
+def straight_first_and_resumed(run: list[str], job_dirs: Path, home: Path) -> Path:
+    """2 epochs straight; 1 epoch; epoch 1 resumed from that one's checkpoint: the last's path."""
+    train([*run, f"hydra.run.dir={job_dirs / 'straight'}"], home)
+    train([*run, "trainer.max_epochs=1", f"hydra.run.dir={job_dirs / 'first'}"], home)
+    first = job_dirs / "first" / "checkpoints" / "last.ckpt"
+    train([*run, f"hydra.run.dir={job_dirs / 'resumed'}", f"ckpt_path={first}"], home)
+    return first
+
+
+@pytest.mark.slow
+def test_loras_reference_is_the_bases_and_a_resumed_run_goes_on_as_the_straight_one(preference_example, tmp_path, home):
+    """With LoRA adapters on one device: the reference log-probabilities the run keeps in its checkpoint are,
+    exactly, those the same run computes without adapters, and to float32 rounding those of transformers' own
+    Qwen 3 loaded from the dir. Epoch 1 resumed from epoch 0's checkpoint (read before training starts) reads them
+    back and gives the straight run's numbers; resumed with other pairs (a shorter data.seq_length cuts them
+    differently), it is refused."""
+    transformers = pytest.importorskip("transformers")
+    model_dir, pairs = preference_example
+    run = lora_dpo_run(preference_example)
+    first = straight_first_and_resumed(run, tmp_path, home)
+    full = [item for item in run if not item.startswith("model.lora")]
+    train([*full, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'full'}"], home)
+    other = train(
+        [*run, f"hydra.run.dir={tmp_path / 'other'}", f"ckpt_path={first}", "data.seq_length=28"], home, False
+    )
+    assert other.returncode != 0 and "data.path: holds other pairs than the checkpoint's reference" in other.output
 
     def saved_reference(name: str) -> torch.Tensor:
         checkpoint = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=False)
         return checkpoint[REFERENCE_KEY]
 
     assert torch.equal(saved_reference("first"), saved_reference("full"))
-    assert torch.equal(saved_reference("resumed"), saved_reference("first"))  # read back, not recomputed
+    assert torch.equal(saved_reference("resumed"), saved_reference("first"))
     data = PreferenceDataModule(str(pairs), str(model_dir), seq_length=32, val_fraction=0.1, batch_size=8, seed=0)
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
         logits = base(input_ids=data.inputs.flatten(0, 1)).logits
     expected = per_token_log_probs(logits, data.targets.flatten(0, 1)).sum(-1).view(-1, 2)
     torch.testing.assert_close(saved_reference("first"), expected, rtol=1e-5, atol=1e-4)
+    assert_resumed_as_straight(tmp_path)
 
-    straight, resumed = (
-        json.loads((tmp_path / name / "result.json").read_text())["history"] for name in ("straight", "resumed")
-    )
-    assert len(resumed) == 2
-    for key in [f"{split}/{name}" for split in ("train", "val") for name in PAIR_KEYS]:
-        assert resumed[1][key] == pytest.approx(straight[1][key], rel=1e-5, abs=1e-6), key
+
+@pytest.mark.slow
+def test_a_sharded_run_resumed_reads_its_reference_back(preference_example, tmp_path, home):
+    """Under fsdp over 2 processes, where Lightning reads the checkpoint only after on_fit_start: the resumed run
+    computes no reference of its own and gives the straight run's epoch 1."""
+    run = [*lora_dpo_run(preference_example), "strategy=fsdp", "trainer.devices=2", "data.batch_size=4"]
+    straight_first_and_resumed(run, tmp_path, home)
+    assert_resumed_as_straight(tmp_path)
 
 
 def test_the_plan_holds_no_second_copy_of_the_model(preference_example):
@@ -368,10 +429,11 @@ def test_the_plan_holds_no_second_copy_of_the_model(preference_example):
 
 def test_the_model_against_itself_scores_log_2(preference_example, tmp_path, home):
     """mode=eval of model.init_from's weights, no checkpoint: the model is its own reference, so every reward is 0
-    and every pair's loss log 2 (sigmoid(0) = 1/2)."""
+    and every pair's loss log 2 (sigmoid(0) = 1/2), to float32 rounding."""
     model_dir, pairs = preference_example
     args = ["experiment=dpo", "model=qwen3", f"model.init_from={model_dir}", f"data.path={pairs}", "logger=csv"]
     train([*args, "mode=eval", "data.seq_length=32", f"hydra.run.dir={tmp_path}"], home)
     final = json.loads((tmp_path / "result.json").read_text())["final"]
     assert final["val/loss"] == pytest.approx(math.log(2), rel=1e-6)
-    assert final["val/rewards/margins"] == final["val/rewards/chosen"] == final["val/rewards/accuracies"] == 0.0
+    rewards = [final["val/rewards/margins"], final["val/rewards/chosen"], final["val/rewards/rejected"]]
+    assert rewards == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)  # to rounding: the batches differ from the reference's

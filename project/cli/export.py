@@ -37,7 +37,7 @@ from torch import nn
 from project.checkpointing.files import model_state
 from project.checkpointing.hf import EXPORT_AGAIN, NET_CLASSES, family_of, hf_name, read_config, write_hf_dir
 from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli, trained_lora
-from project.data.chat import ChatDataModule
+from project.data.chat import TemplatedDataModule
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
 from project.models import Llama
@@ -206,8 +206,10 @@ def export_tokenizer(cfg: DictConfig, out: Path) -> list[str]:
         with written(out / "tokenizer_config.json", "tokenizer config", EXPORT_AGAIN) as partial:
             partial.write_text(json.dumps(settings, indent=2) + "\n")
         return ["tokenizer.json", "tokenizer_config.json"]
-    # data=chat: the dir whose tokenizer and chat template rendered the conversations (by default init_from's)
-    source = cfg.data.tokenizer if issubclass(data_class, ChatDataModule) else OmegaConf.select(cfg, "model.init_from")
+    # data=chat and data=preference: the dir whose tokenizer and chat template rendered the conversations (by default
+    # init_from's)
+    templated = issubclass(data_class, TemplatedDataModule)
+    source = cfg.data.tokenizer if templated else OmegaConf.select(cfg, "model.init_from")
     if source is None:
         return []
     copied = [name for name in TOKENIZER_FILES if (Path(source) / name).is_file()]

@@ -336,7 +336,8 @@ class TemplatedDataModule(InMemoryDataModule):
                 "data.val_fraction" if count >= 2 else "data.path",
                 f"leaves {count - num_val} training and {num_val} validation {kind} of the {count} in "
                 f"{self.path}{which}.",
-                f"use more {kind}, a longer data.seq_length, or a data.val_fraction giving each split one.",
+                f"use more {kind}{', a longer data.seq_length' if which else ''}, or a data.val_fraction giving each "
+                "split one.",
             )
         return num_val
 

@@ -15,6 +15,8 @@ split separates a pair; the batch's third tensor is the pairs' indices in the fi
 which key the reference's log-probabilities (``DPOModule``).
 """
 
+import functools
+import hashlib
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +60,9 @@ def read_pair(where: str, line: str) -> tuple[Messages, Messages, Messages]:
         if isinstance(response, str):
             response = [{"role": "assistant", "content": response}]
         _check_messages(where, key, response)
+        role = next((message["role"] for message in response if message["role"] != "assistant"), None)
+        if role is not None:
+            raise _bad_pair(where, f"has a {role} message in its {key} response, which is the assistant's alone")
         if not any(message["content"] for message in response):
             raise _bad_pair(where, f"has an empty {key} response")
         responses.append(response)
@@ -115,6 +120,8 @@ class PreferenceDataModule(TemplatedDataModule):
                 truncated += len(ids) > seq_length + 1
                 sequences.append((ids[: seq_length + 1], mask[: seq_length + 1]))
             pairs.append(sequences)
+        if not pairs:
+            raise ConfigError("data.path", f"{self.path} holds no pair (its .jsonl lines are empty).", "add some.")
         num_val = self.validation_count(len(pairs), val_fraction, "pairs")
         inputs, targets = self.sequence_tensors([sequence for pair in pairs for sequence in pair])
         summary = (
@@ -126,3 +133,12 @@ class PreferenceDataModule(TemplatedDataModule):
 
     def split(self, inputs: torch.Tensor, targets: torch.Tensor, first: int) -> Dataset:
         return PairDataset(inputs, targets, first)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A digest of every pair's tokens and targets: what a checkpoint's reference log-probabilities were of."""
+        digest = hashlib.sha256()
+        for tensor in (self.inputs, self.targets):
+            digest.update(str(tuple(tensor.shape)).encode())
+            digest.update(tensor.numpy().tobytes())
+        return digest.hexdigest()

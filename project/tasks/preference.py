@@ -51,7 +51,8 @@ PAIR_METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
-REFERENCE_KEY = "reference_log_probs"  # the checkpoint's entry
+REFERENCE_KEY = "reference_log_probs"  # the checkpoint's entries: the values, and the fingerprint of their pairs
+PAIRS_KEY = "reference_pairs"
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,16 @@ class SequenceLogProbs(nn.Module):
             with loss_parallel():
                 # The per-token losses of split logits are a replicated DTensor (typed as a plain Tensor by torch).
                 per_token = cast(DTensor, F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none"))
-                return -per_token.to_local().view(target.shape).sum(-1)
+                return -per_token.to_local().float().view(target.shape).sum(-1)
         return self.summed(logits, target)
 
 
 def summed_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """(rows, length, vocab) logits, (rows, length) targets: (rows,) log-probabilities of the targets (ignored: 0)."""
+    """(rows, length, vocab) logits, (rows, length) targets: (rows,) log-probabilities of the targets (ignored: 0),
+    summed in float32: a sum of hundreds of log-probabilities in bfloat16 (``bf16-true``) would be off by whole nats,
+    and DPO takes differences of such sums."""
     per_token = F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
-    return -per_token.view(target.shape).sum(-1)
+    return -per_token.float().view(target.shape).sum(-1)
 
 
 class DPOModule(LanguageModelModule):
@@ -127,14 +130,14 @@ class DPOModule(LanguageModelModule):
         self.reference_log_probs: torch.Tensor | None = None
 
     def loss_problem(self, job: Job) -> ConfigError | None:
-        """A pair's loss needs both its sequences' log-probabilities from the whole model: not a pipeline's last stage
-        (its schedule hands the loss a micro-batch's output, and the reference would need a pass of its own), nor the
+        """A pair's loss needs both its sequences' log-probabilities and the pairs' indices (which key the reference):
+        not a pipeline's last stage, whose schedule hands the loss a micro-batch's output and targets alone, nor the
         fused loss, which sums every token."""
         if job.dims.pipelined:
             return ConfigError(
                 "strategy",
-                f"is {job.strategy_name}: DPO needs each pair's two sequences' log-probabilities at once, which a "
-                "pipeline's stages do not give its loss.",
+                f"is {job.strategy_name}: DPO's loss needs each pair's log-probabilities with the pair's index (its "
+                "reference's key), which a pipeline's schedule does not hand its loss.",
                 "train DPO with strategy=fsdp, ddp, tensor_parallel or model_parallel.",
             )
         if self.fused_loss:
@@ -157,7 +160,7 @@ class DPOModule(LanguageModelModule):
         """The pairs' losses and rewards, and the policy's log-probabilities (each pairs x 2)."""
         policy = self.criterion(net(inputs), target).view(-1, 2)
         tokens = (target != IGNORE_INDEX).sum(-1).view(-1, 2)
-        losses, rewards = self.dpo(policy, reference.to(policy.dtype), tokens)
+        losses, rewards = self.dpo(policy, reference, tokens)
         return losses, rewards, policy
 
     def outputs_and_loss(
@@ -206,21 +209,27 @@ class DPOModule(LanguageModelModule):
     def on_validation_epoch_end(self) -> None:
         TrainingModule.on_validation_epoch_end(self)  # no perplexity: the loss is not a token loss
 
-    def on_fit_start(self) -> None:
-        super().on_fit_start()
-        self._compute_reference()
+    # At the first of the sanity check's validation, training, or mode=eval's validation: after Lightning has read a
+    # checkpoint, which sharded strategies do only after on_fit_start.
+    def on_train_start(self) -> None:
+        self._reference_ready()
 
     def on_validation_start(self) -> None:
-        self._compute_reference()  # mode=eval of model.init_from's weights, no checkpoint: they are the reference
+        self._reference_ready()  # mode=eval of model.init_from's weights, no checkpoint: they are the reference
 
-    def _compute_reference(self) -> None:
-        if self.reference_log_probs is None:  # not read from a checkpoint (whose net is no longer the reference)
-            start = time.perf_counter()
+    def _reference_ready(self) -> None:
+        """The reference's log-probabilities on this rank's device: those the checkpoint held, or else computed now."""
+        if self.reference_log_probs is not None:  # read from a checkpoint (whose net is no longer the reference)
+            self.reference_log_probs = self.reference_log_probs.to(self.device)
+            return
+        start = time.perf_counter()
+        # Outside the inference mode Lightning validates in: the values serve training steps too.
+        with torch.inference_mode(False):
             self.reference_log_probs = self._reference_log_probs()
-            rank_zero_info(
-                f"DPO reference: the log-probabilities of all {len(self.reference_log_probs)} pairs under the model "
-                f"before its first step, computed in {time.perf_counter() - start:.1f} s (kept in the checkpoints)."
-            )
+        rank_zero_info(
+            f"DPO reference: the log-probabilities of all {len(self.reference_log_probs)} pairs under the model "
+            f"before its first step, computed in {time.perf_counter() - start:.1f} s (kept in the checkpoints)."
+        )
 
     def _reference_log_probs(self) -> torch.Tensor:
         """Every pair's log-probabilities under the net as it is, in evaluation mode: each data-parallel replica
@@ -229,7 +238,8 @@ class DPOModule(LanguageModelModule):
         data = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
         rank, replicas = data_parallel_rank_and_size(self.trainer)
         count = len(data.inputs)
-        share = (torch.arange(math.ceil(count / replicas)) * replicas + rank) % count
+        positions = torch.arange(math.ceil(count / replicas)) * replicas + rank  # past count: wrapped around
+        share = positions % count
         values = []
         training = self.net.training
         self.net.eval()
@@ -238,28 +248,33 @@ class DPOModule(LanguageModelModule):
                 inputs, target = (tensor[pairs].flatten(0, 1).to(self.device) for tensor in (data.inputs, data.targets))
                 values.append(self.criterion(self.net(inputs), target).view(-1, 2).float())
         self.net.train(training)
-        gathered, indices = _from_every_rank(torch.cat(values)), _from_every_rank(share.to(self.device))
+        gathered, positions = _from_every_rank(torch.cat(values)), _from_every_rank(positions.to(self.device))
+        kept = positions < count  # each pair once: the wrapped ones again are computed in other batches
         reference = torch.empty(count, 2, device=self.device)
-        reference[indices] = gathered
+        reference[positions[kept]] = gathered[kept]
         return reference
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         assert self.reference_log_probs is not None, "saved once training has started"
         checkpoint[REFERENCE_KEY] = self.reference_log_probs.cpu()
+        checkpoint[PAIRS_KEY] = self.trainer.datamodule.fingerprint  # type: ignore[attr-defined]
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get(REFERENCE_KEY)
         if saved is None:
             return
-        pairs = len(self.trainer.datamodule.inputs)  # type: ignore[attr-defined]  # set by Lightning's data connector
-        if len(saved) != pairs:
-            raise ValueError(
-                f"The checkpoint holds the reference's log-probabilities of {len(saved)} pairs, but data.path holds "
-                f"{pairs}: resume with the data the run started with."
+        data = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
+        if checkpoint.get(PAIRS_KEY) != data.fingerprint:
+            raise ConfigError(
+                "data.path",
+                f"holds other pairs than the checkpoint's reference log-probabilities were computed on ({len(saved)} "
+                f"pairs then, {len(data.inputs)} now; the file, data.seq_length or data.tokenizer differ).",
+                "resume or evaluate with the data the run started with; for other pairs, start a new run from the "
+                "exported model.",
             )
-        self.reference_log_probs = saved.to(self.device)
+        self.reference_log_probs = saved
 
 
 def _from_every_rank(tensor: torch.Tensor) -> torch.Tensor:
