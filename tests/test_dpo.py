@@ -1,4 +1,4 @@
-"""Preference tuning (project/tasks/preference.py, project/data/preference.py): the loss against TRL's own and the
+"""Preference tuning (project/tasks/dpo.py, project/data/preference.py): the loss against TRL's own and the
 formula by hand; pairs tokenized with only their responses trained; every strategy against a hand-written DPO loop,
 whose reference is a frozen copy of the model run at every step; LoRA's reference the base's; a resumed run the
 straight run's; the memory plan holding no second copy of the model."""
@@ -23,7 +23,7 @@ from project.cli.chat_example import write_example
 from project.data.preference import PreferenceDataModule
 from project.models import init_weights
 from project.options.errors import ConfigError
-from project.tasks.preference import REFERENCE_KEY, PreferenceLoss
+from project.tasks.dpo import REFERENCE_KEY, PreferenceLoss
 
 IGNORED = -100
 NET = ["model.net.dim=32", "model.net.num_heads=2", "model.net.num_kv_heads=2", "model.net.hidden_dim=64"]

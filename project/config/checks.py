@@ -43,7 +43,7 @@ from project.job.model_option import ModelOption
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError, positive_int
 from project.tasks.base import TrainingModule
-from project.tasks.preference import DPOModule
+from project.tasks.dpo import DPOModule
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """Preference pairs for DPO: ``data=preference data.path=<.jsonl file or dir>`` (``experiment=dpo``,
-``project/tasks/preference.py``).
+``project/tasks/dpo.py``).
 
 Each line is one pair in TRL's preference format: conversational,
 ``{"prompt": [messages], "chosen": [assistant messages], "rejected": [assistant messages]}``, or plain,
