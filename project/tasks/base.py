@@ -312,13 +312,18 @@ class TrainingModule(L.LightningModule):
         """Why ``job``'s layout cannot compute this module's loss, or None (it can)."""
         return None
 
-    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        """The criterion's loss, plus the model options' terms; ``train/loss`` is the criterion's alone, comparable
-        with ``val/loss``."""
+    def batch_loss(self, split: str, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The criterion's loss of a batch, added to ``split``'s metrics (train or val)."""
         inputs, target = batch
         outputs, loss = self.outputs_and_loss(self.net, inputs, target)
-        self.update_metrics("train", outputs, target, loss)
-        self.log_metrics("train")
+        self.update_metrics(split, outputs, target, loss)
+        self.log_metrics(split)
+        return loss
+
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+        """The batch's loss, plus the model options' terms; ``train/loss`` is the criterion's alone, comparable
+        with ``val/loss``."""
+        loss = self.batch_loss("train", batch)
         for option in self.options:
             term = option.training_loss(self.net)
             if term is not None:
@@ -342,10 +347,7 @@ class TrainingModule(L.LightningModule):
             metric.reset()
 
     def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
-        inputs, target = batch
-        outputs, loss = self.outputs_and_loss(self.net, inputs, target)
-        self.update_metrics("val", outputs, target, loss)
-        self.log_metrics("val")
+        self.batch_loss("val", batch)
 
     def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Lightning's clipping, except that by norm a strategy whose ranks each hold a part of the model (a

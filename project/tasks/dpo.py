@@ -38,7 +38,6 @@ from project.job.job import Job
 from project.models.linear_cross_entropy import IGNORE_INDEX
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeFloat, PositiveFloat
-from project.tasks.base import TrainingModule
 from project.tasks.language_model import LanguageModelModule
 from project.tasks.metrics import SampleMean
 
@@ -120,6 +119,7 @@ class DPOModule(LanguageModelModule):
 
     criterion: SequenceLogProbs  # type: ignore[assignment]  # log-probabilities, not the token loss
     progress_bar_metrics = ("loss", "rewards/accuracies", "rewards/margins")
+    logs_perplexity = False  # the loss is not a token loss
 
     def __init__(self, net: nn.Module, dpo: PreferenceLoss, **kwargs) -> None:
         super().__init__(net, **kwargs)  # type: ignore[arg-type]
@@ -171,7 +171,8 @@ class DPOModule(LanguageModelModule):
         reference = torch.zeros(len(inputs) // 2, 2, device=inputs.device)
         return None, self.pair_losses(net, inputs, target, reference)[0].mean()
 
-    def _step(self, split: str, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def batch_loss(self, split: str, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The mean of the batch's pairs' losses, their rewards and log-probabilities added to ``split``'s metrics."""
         inputs, target, pairs = batch
         assert self.reference_log_probs is not None, "computed when training starts, or read from the checkpoint"
         reference = self.reference_log_probs[pairs.to(self.reference_log_probs.device)].to(inputs.device)
@@ -194,20 +195,6 @@ class DPOModule(LanguageModelModule):
             self.interval_loss.add(losses.detach().sum(), count)
         self.log_metrics(split)
         return loss
-
-    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        loss = self._step("train", batch)
-        for option in self.options:
-            term = option.training_loss(self.net)
-            if term is not None:
-                loss = loss + term
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
-        self._step("val", batch)
-
-    def on_validation_epoch_end(self) -> None:
-        TrainingModule.on_validation_epoch_end(self)  # no perplexity: the loss is not a token loss
 
     # At the first of the sanity check's validation, training, or mode=eval's validation: after Lightning has read a
     # checkpoint, which sharded strategies do only after on_fit_start.

@@ -68,6 +68,7 @@ class LanguageModelModule(TrainingModule):
     ``fused_loss_chunk_logits`` logits a chunk. For layouts whose ranks each run the whole model (``loss_problem``)."""
 
     criterion: TokenCrossEntropy
+    logs_perplexity = True  # val/perplexity, exp of val/loss: a subclass whose loss is no token loss says False
 
     def __init__(
         self,
@@ -124,6 +125,8 @@ class LanguageModelModule(TrainingModule):
 
     def on_validation_epoch_end(self) -> None:
         super().on_validation_epoch_end()
+        if not self.logs_perplexity:
+            return
         # Perplexity is exp of the mean token loss, which the loss metric already holds (reduced over all ranks):
         # no second pass over the logits. It and the floor are the same on every rank: sync_dist's max keeps them,
         # where Lightning would warn about an epoch-level value not reduced.
