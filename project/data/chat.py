@@ -86,13 +86,31 @@ def _bad_record(where: str, problem: str) -> ConfigError:
     )
 
 
-def _messages(where: str, line: str) -> list[dict[str, str]]:
+def json_object(where: str, line: str, bad: Callable[[str, str], ConfigError]) -> dict[str, Any]:
+    """The JSON object of a record's line; ``bad(where, problem)``'s error for a line that is not one."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise _bad_record(where, f"is not JSON ({error.msg}, column {error.colno})") from None
+        raise bad(where, f"is not JSON ({error.msg}, column {error.colno})") from None
     if not isinstance(record, dict):
-        raise _bad_record(where, f"is a JSON {type(record).__name__}, not an object")
+        raise bad(where, f"is a JSON {type(record).__name__}, not an object")
+    return record
+
+
+def check_message_fields(
+    where: str, messages: list[Any], bad: Callable[[str, str], ConfigError], label: str = ""
+) -> None:
+    """Each message has a role and text content; ``bad``'s error for the first that does not (``label``: which list
+    of the record they are)."""
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise bad(where, f"{label}message {index} has no role")
+        if not isinstance(message.get("content"), str):
+            raise bad(where, f"{label}message {index} ({message['role']}) has no text content")
+
+
+def _messages(where: str, line: str) -> list[dict[str, str]]:
+    record = json_object(where, line, _bad_record)
     if "messages" in record:
         messages = record["messages"]
     elif "prompt" in record and "response" in record:
@@ -101,11 +119,7 @@ def _messages(where: str, line: str) -> list[dict[str, str]]:
         raise _bad_record(where, f"has keys {sorted(record)}, neither messages nor prompt and response")
     if not isinstance(messages, list) or not messages:
         raise _bad_record(where, "has an empty conversation (messages is not a non-empty list)")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _bad_record(where, f"message {index} has no role")
-        if not isinstance(message.get("content"), str):
-            raise _bad_record(where, f"message {index} ({message['role']}) has no text content")
+    check_message_fields(where, messages, _bad_record)
     if not any(message["role"] == "assistant" for message in messages):
         raise _bad_record(where, "has no assistant message, so nothing to train on")
     return messages

@@ -17,14 +17,13 @@ which key the reference's log-probabilities (``DPOModule``).
 
 import functools
 import hashlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from project.data.chat import TemplatedDataModule, read_lines
+from project.data.chat import TemplatedDataModule, check_message_fields, json_object, read_lines
 from project.options.errors import ConfigError
 
 RESPONSES = ("chosen", "rejected")
@@ -42,12 +41,7 @@ def _bad_pair(where: str, problem: str) -> ConfigError:
 
 def read_pair(where: str, line: str) -> tuple[Messages, Messages, Messages]:
     """The prompt's messages and the chosen and rejected responses' messages of one line."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise _bad_pair(where, f"is not JSON ({error.msg}, column {error.colno})") from None
-    if not isinstance(record, dict):
-        raise _bad_pair(where, f"is a JSON {type(record).__name__}, not an object")
+    record = json_object(where, line, _bad_pair)
     missing = [key for key in ("prompt", *RESPONSES) if key not in record]
     if missing:
         raise _bad_pair(where, f"has no {' and no '.join(missing)} (its keys: {sorted(record)})")
@@ -73,11 +67,7 @@ def read_pair(where: str, line: str) -> tuple[Messages, Messages, Messages]:
 def _check_messages(where: str, key: str, messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise _bad_pair(where, f"{key} is neither text nor a non-empty list of messages")
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise _bad_pair(where, f"{key} message {index} has no role")
-        if not isinstance(message.get("content"), str):
-            raise _bad_pair(where, f"{key} message {index} ({message['role']}) has no text content")
+    check_message_fields(where, messages, _bad_pair, label=f"{key} ")
 
 
 class PairDataset(Dataset):
