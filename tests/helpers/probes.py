@@ -2,6 +2,7 @@
 workers;
 each logs what it saw as per-epoch ``probe/*`` metrics, which the tests read back from the W&B run."""
 
+import atexit
 import json
 import os
 import signal
@@ -143,10 +144,24 @@ class PoisonGradients(L.Callback):
 
 
 class FailInFit(L.Callback):
-    """Raises on every rank as training starts: a failure inside the workers, past every check before launch."""
+    """Raises on every rank as training starts: a failure inside the workers, past every check before launch.
+
+    Each rank then holds its exit until every rank's torchelastic error file exists: the agent stops the others
+    as soon as one worker exits, so without the hold a rank slowed down by a busy machine would be stopped before
+    it raised, and the launcher's report would rightly not list it."""
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        own = Path(os.environ["TORCHELASTIC_ERROR_FILE"])  # <attempt dir>/<local rank>/error.json
+        error_files = [own.parent.parent / str(rank) / own.name for rank in range(int(os.environ["LOCAL_WORLD_SIZE"]))]
+        atexit.register(self._wait_for, error_files)  # runs after @record wrote this rank's file
         raise ValueError(f"a failure in fit, on rank {trainer.global_rank}")
+
+    @staticmethod
+    def _wait_for(paths: list[Path], bound_s: float = 100.0) -> None:
+        """Wait until every path exists; the bound is a safety net under the test's own timeout, not a verdict."""
+        deadline = time.monotonic() + bound_s
+        while not all(path.exists() for path in paths) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class FusedAdamW(L.Callback):
