@@ -3,11 +3,16 @@ applied to the plain model from ``configure_model``. Lightning's own strategies 
 every rank and offer none of it."""
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from project.job.layout import Layout
 from project.models.sequence import BlockSequence
+
+# A value per row of a batch from the net's outputs and the targets: (rows, ...), (rows, ...) -> (rows,)
+RowFunction = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LaidOutStrategy(ABC):
@@ -38,3 +43,9 @@ class LaidOutStrategy(ABC):
         other stages: the model's own counts (for its summary). As they are where each rank holds every stage (a
         DTensor shard counts as its whole tensor)."""
         return counts
+
+    def row_values(self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor, fn: RowFunction) -> torch.Tensor:
+        """``fn`` of the net's outputs for ``inputs`` and of ``target``, forward only (the caller chooses the grad
+        mode), the same on every rank of a replica: here each rank runs the whole net; a pipeline's ranks each run
+        their stages."""
+        return fn(net(inputs), target)

@@ -4,19 +4,23 @@
 
 Lightning has no pipeline strategy; this one runs the schedule (forward and backward of every micro-batch
 together) in place of the ``loss.backward()`` of Lightning's backward (its hooks, gradient accumulation and autocast
-stay), and forward-only in ``validation_step``; gradient clipping by norm takes the norm over all stages. The last
-stage adds each micro-batch to the metrics as the schedule computes its loss, so it keeps no micro-batch's outputs
-past its backward (torch's schedule would merge them all: a vocabulary's logits per sample of the whole batch).
+stay), and forward-only in ``validation_step`` (and ``row_values``); gradient clipping by norm takes the norm over
+all stages. The last stage adds each micro-batch to the metrics as the schedule computes its loss, so it keeps no
+micro-batch's outputs past its backward (torch's schedule would merge them all: a vocabulary's logits per sample of
+the whole batch). The task packs its batch into the inputs and one target tensor (``schedule_batch``), which the
+schedule cuts into micro-batches by rows, and computes each micro-batch's loss (``microbatch_loss``).
 Everything else (optimizers, metrics, loggers, checkpoints) is Lightning's, unchanged. The model arrives on the meta
 device, so a rank allocates only its own stages.
 """
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast, get_args
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -32,6 +36,7 @@ from project.models.sequence import BlockSequence
 from project.options.option_types import PositiveInt
 from project.parallel.dims import PIPELINE
 from project.parallel.parallelize import clip_grad_norm_
+from project.strategies.laid_out import RowFunction
 from project.strategies.sharded import ShardedStrategy
 
 if TYPE_CHECKING:  # torch's private base class of the schedules, for annotations
@@ -46,7 +51,7 @@ warnings.filterwarnings("ignore", message=r".*was called before the ``update`` m
 
 class PipelineStrategy(ShardedStrategy):
     """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline, each stage split over
-    ``tensor_parallel_size`` ranks; batches must be ``(inputs, targets)``."""
+    ``tensor_parallel_size`` ranks; batches are the task's (``TaskModule.schedule_batch``)."""
 
     layout: PipelineLayout
 
@@ -76,9 +81,10 @@ class PipelineStrategy(ShardedStrategy):
         self.stage_modules: list[StageModule] = []
         self._train_schedule: _PipelineSchedule | None = None
         self._eval_schedule: _PipelineSchedule | None = None
-        self._eval_batch_size = 0
-        self._eval_samples_left = 0  # of the validation batch, before its padding: the micro-batches metered so far
-        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._eval_rows = 0  # of every forward-only batch, padded: fixed by the first
+        self._eval_rows_left = 0  # of the batch under way, before its padding: its micro-batches not yet handed on
+        self._eval_handler: Callable[[torch.Tensor, torch.Tensor], object] | None = None
+        self._batch: tuple[torch.Tensor, ...] | None = None
 
     def summed_over_stages(self, counts: dict[str, int]) -> dict[str, int]:
         group = self.device_mesh[PIPELINE].get_group()
@@ -149,39 +155,47 @@ class PipelineStrategy(ShardedStrategy):
         return self.layout.microbatches * cast(TaskModule, self.lightning_module).trainer.accumulate_grad_batches
 
     def _microbatch_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return cast(TaskModule, self.lightning_module).criterion(outputs, target) / self._loss_divisor
+        """What the schedule backpropagates from a micro-batch; unmetered: torch 2.13 calls it on stand-in outputs
+        too, when its first step infers the stages' shapes."""
+        loss = cast(TaskModule, self.lightning_module).microbatch_loss("train", outputs, target, metered=False)
+        return loss / self._loss_divisor
 
-    def _metered(self, schedule: "_PipelineSchedule", split: str) -> "_PipelineSchedule":
-        """``schedule``, adding each micro-batch to ``split``'s metrics as it computes the micro-batch's loss.
+    def _metered(self, schedule: "_PipelineSchedule") -> "_PipelineSchedule":
+        """``schedule``, adding each micro-batch to the training metrics as it computes the micro-batch's loss.
 
-        torch calls a schedule's loss function also on placeholder tensors, when its first step infers the stages'
-        shapes; only the schedule's ``_compute_loss`` (private) sees the micro-batches, so the metrics are fed there.
-        """
-        compute = schedule._compute_loss
+        Only the schedule's ``_compute_loss`` (private) sees the real micro-batches, so the metrics are fed there:
+        in its place, this computes the loss itself (torch 2.11 calls it with the outputs and the target, 2.13 adds
+        its ``loss_kwargs``, which this strategy never passes)."""
         module = cast(TaskModule, self.lightning_module)
 
         def compute_and_meter(outputs: torch.Tensor, target: torch.Tensor, loss_kwargs=None) -> torch.Tensor:
-            loss = compute(outputs, target, loss_kwargs)
-            if split == "train":
-                module.update_metrics("train", outputs, target, loss.detach() * self._loss_divisor)
-                return loss
-            real = min(len(outputs), self._eval_samples_left)  # the rest is the batch's padding, at its end
-            self._eval_samples_left -= real
-            if real:
-                real_loss = loss if real == len(outputs) else module.criterion(outputs[:real], target[:real])
-                module.update_metrics("val", outputs[:real], target[:real], real_loss)
-            return loss
+            return module.microbatch_loss("train", outputs, target, metered=True) / self._loss_divisor
 
         schedule._compute_loss = compute_and_meter  # type: ignore[method-assign]
         return schedule
 
+    def _handed_on(self, schedule: "_PipelineSchedule") -> "_PipelineSchedule":
+        """A forward-only ``schedule`` whose last stage hands each micro-batch's outputs and targets, less the batch's
+        padding, to ``_eval_handler`` (through the schedule's private ``_compute_loss``, as ``_metered``)."""
+
+        def hand_on(outputs: torch.Tensor, target: torch.Tensor, loss_kwargs=None) -> torch.Tensor:
+            real = min(len(outputs), self._eval_rows_left)  # the rest is the batch's padding, at its end
+            self._eval_rows_left -= real
+            if real:
+                assert self._eval_handler is not None  # set by _forward_only
+                self._eval_handler(outputs[:real], target[:real])
+            return outputs.new_zeros(())  # no backward: the schedule only collects it
+
+        schedule._compute_loss = hand_on  # type: ignore[method-assign]
+        return schedule
+
     def _run_schedule(self, schedule, inputs: torch.Tensor, target: torch.Tensor) -> None:
-        """Feed the inputs on the first stage and the targets on the last; the last stage's loss function adds each
-        micro-batch to the metrics, so no outputs are kept to return."""
+        """Feed the inputs on the first stage and the targets on the last; the last stage's loss function takes each
+        micro-batch's outputs (``_metered``, ``_handed_on``), so no outputs are kept to return."""
         args = (inputs,) if self.holds_first_stage else ()
         schedule(*args, target=target if self.holds_last_stage else None, losses=[], return_outputs=False)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         """Only registers the metrics: Lightning zeroes gradients between ``training_step`` and ``backward``, so
         the schedule (forward and backward of every micro-batch) runs in ``backward``."""
         self._batch = batch
@@ -202,9 +216,10 @@ class PipelineStrategy(ShardedStrategy):
 
     def _train_schedule_step(self) -> None:
         if self._train_schedule is None:
-            self._train_schedule = self._metered(self._make_schedule(loss_fn=self._microbatch_loss), "train")
+            self._train_schedule = self._metered(self._make_schedule(loss_fn=self._microbatch_loss))
         assert self._batch is not None  # set by training_step
-        (inputs, target), self._batch = self._batch, None
+        inputs, target = cast(TaskModule, self.lightning_module).schedule_batch(self._batch)
+        self._batch = None
         with self.precision_plugin.train_step_context():  # autocast under bf16-mixed, as Lightning's training_step
             self._run_schedule(self._train_schedule.step, inputs, target)
 
@@ -212,21 +227,51 @@ class PipelineStrategy(ShardedStrategy):
         """Clip by the norm of the whole model's gradient: every stage's, every data-parallel shard's."""
         return clip_grad_norm_(parameters, max_norm, self.device_mesh[PIPELINE].get_group())
 
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        """Forward only. Stages fix their activation shapes on first use, so every evaluation batch is padded to
-        one size (the first, largest batch, rounded up to equal micro-batches); the micro-batches come in order, so
-        the padding's outputs, at the end, are left out of the metrics (``_metered``)."""
+    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+        """Forward only (``_forward_only``), each micro-batch added to the validation metrics."""
         module = cast(TaskModule, self.lightning_module)
-        inputs, target = batch
+
+        def meter(outputs: torch.Tensor, target: torch.Tensor) -> None:
+            module.microbatch_loss("val", outputs, target, metered=True)
+
+        with self.precision_plugin.val_step_context():
+            self._forward_only(*module.schedule_batch(batch), meter)
+        module.log_metrics("val")
+
+    def row_values(self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor, fn: RowFunction) -> torch.Tensor:
+        """Forward only through this rank's stages of ``net`` (``_forward_only``); the last stage's values go to this
+        pipeline's other ranks (a broadcast over its stages)."""
+        values: list[torch.Tensor] = []
+        self._forward_only(inputs, target, lambda outputs, target: values.append(fn(outputs, target).float()))
+        rows = torch.cat(values) if self.holds_last_stage else torch.empty(len(inputs), device=self.root_device)
+        group = self.device_mesh[PIPELINE].get_group()
+        last = (self.layout.num_stages - 1) % self.layout.pipeline_size  # the pipeline rank of the last stage
+        torch.distributed.broadcast(rows, group_src=last, group=group)
+        return rows
+
+    def _forward_only(
+        self, inputs: torch.Tensor, target: torch.Tensor, handler: Callable[[torch.Tensor, torch.Tensor], object]
+    ) -> None:
+        """Run a batch forward through the stages; the last stage hands each micro-batch's outputs and targets to
+        ``handler``. Stages fix their activation shapes on first use, so every batch is padded to one size: the
+        first, largest batch, rounded up to equal micro-batches of whole samples (the data's
+        ``sequences_per_sample`` rows each). The micro-batches come in order, so the padding's rows, at the end,
+        are left out (``_handed_on``)."""
         if self._eval_schedule is None:
-            self._eval_schedule = self._metered(self._make_schedule(loss_fn=module.criterion), "val")
-            microbatches = self.layout.microbatches
-            self._eval_batch_size = -(-len(inputs) // microbatches) * microbatches
-        self._eval_samples_left = len(inputs)
-        padding = self._eval_batch_size - len(inputs)
+            self._eval_schedule = self._handed_on(self._make_schedule(loss_fn=self._eval_loss))
+            data = self.lightning_module.trainer.datamodule  # type: ignore[union-attr]  # set by Lightning
+            rows_per_sample = getattr(data, "sequences_per_sample", 1)
+            group = self.layout.microbatches * rows_per_sample
+            self._eval_rows = -(-len(inputs) // group) * group
+        self._eval_rows_left, self._eval_handler = len(inputs), handler
+        padding = self._eval_rows - len(inputs)
         if padding:
             inputs = torch.cat([inputs, inputs[:1].expand(padding, *inputs.shape[1:])])
             target = torch.cat([target, target[:1].expand(padding, *target.shape[1:])])
-        with self.precision_plugin.val_step_context():
-            self._run_schedule(self._eval_schedule.eval, inputs, target)
-        module.log_metrics("val")
+        self._run_schedule(self._eval_schedule.eval, inputs, target)
+        self._eval_handler = None
+
+    def _eval_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss function a forward-only schedule needs for its last stage to call ``_compute_loss`` at all
+        (``_handed_on`` replaces that); torch's evaluation calls it directly neither in 2.11 nor in 2.13."""
+        return cast(TaskModule, self.lightning_module).microbatch_loss("val", outputs, target, metered=False)

@@ -73,9 +73,10 @@ class TrainingModule(L.LightningModule):
     ``ModelOption`` contract, in their declared order, where this module builds, prepares, trains and checkpoints.
 
     The protocol strategies use: ``configure_model`` hands ``net`` to ``strategy.parallelize`` (FSDP shards it,
-    model/pipeline parallelism split it); a pipeline strategy runs the steps itself with ``criterion`` per
-    micro-batch, feeds ``update_metrics`` where outputs exist and calls ``log_metrics`` on every rank; a strategy
-    that returns a norm from ``clip_grad_norm_`` clips gradients by norm itself.
+    model/pipeline parallelism split it); a pipeline strategy runs the steps itself, the batch as
+    ``schedule_batch`` packs it and a loss per micro-batch (``microbatch_loss``, which feeds the metrics where
+    outputs exist), and calls ``log_metrics`` on every rank; a strategy that returns a norm from
+    ``clip_grad_norm_`` clips gradients by norm itself.
     """
 
     criterion: nn.Module
@@ -311,6 +312,26 @@ class TrainingModule(L.LightningModule):
     def loss_problem(self, job: Job) -> ConfigError | None:
         """Why ``job``'s layout cannot compute this module's loss, or None (it can)."""
         return None
+
+    @classmethod
+    def samples_forward_before_training(cls, train_samples: int, val_samples: int) -> int:
+        """The samples a run passes forward once before its first step, of a data set of ``train_samples`` and
+        ``val_samples``: none, but for a task that prepares something from its data (DPO's reference)."""
+        return 0
+
+    def schedule_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch as a pipeline's schedule takes it: the first stage's inputs and one target tensor for the last
+        stage, which the schedule cuts into micro-batches by rows, as it cuts the inputs (``microbatch_loss``)."""
+        inputs, target = batch
+        return inputs, target
+
+    def microbatch_loss(self, split: str, outputs: torch.Tensor, target: torch.Tensor, metered: bool) -> torch.Tensor:
+        """The criterion's loss of a pipeline's micro-batch: the last stage's ``outputs`` and its rows of
+        ``schedule_batch``'s target; ``metered``: added to ``split``'s metrics too."""
+        loss = self.criterion(outputs, target)
+        if metered:
+            self.update_metrics(split, outputs, target, loss)
+        return loss
 
     def batch_loss(self, split: str, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The criterion's loss of a batch, added to ``split``'s metrics (train or val)."""
