@@ -638,8 +638,22 @@ CASES = [
         "data: is preference pairs, which LanguageModelModule cannot train on: they are for DPO",
     ),
     (
-        [*DPO, "data.path={files}/chat/preference.jsonl", "strategy=pipeline", "trainer.devices=2"],
-        "strategy: is pipeline: DPO's loss needs each pair's log-probabilities with the pair's index",
+        [*DPO, "data.path={files}/chat/preference.jsonl", "model.lora.rank=4", "model.lora.dropout=0.1"],
+        "model.lora.dropout: is 0.1, but DPO's reference is the model before its first step, computed without dropout",
+    ),
+    (
+        [*DPO[:2], "model=moe", *DPO[3:], "data.path={files}/chat/preference.jsonl", "model.net.capacity_factor=1.25"],
+        "model.net.capacity_factor: is 1.25: in training an expert drops the assignments past its capacity",
+    ),
+    (
+        [
+            *DPO,
+            "data.path={files}/chat/preference.jsonl",
+            "mode=eval",
+            "model.init_from={files}/chat/model",
+            "model.net.dim=128",
+        ],
+        "ckpt_path: is null, but mode=eval of DPO compares the model with its reference",
     ),
     (
         [*DPO, "data.path={files}/chat/preference.jsonl", "model.fused_loss=true"],

@@ -1,7 +1,8 @@
 """Preference tuning (project/tasks/dpo.py, project/data/preference.py): the loss against TRL's own and the
 formula by hand; pairs tokenized with only their responses trained; every strategy against a hand-written DPO loop,
 whose reference is a frozen copy of the model run at every step; LoRA's reference the base's; a resumed run the
-straight run's; the memory plan holding no second copy of the model."""
+straight run's, and mode=eval of a checkpoint its run's last validation; the memory plan holding no second copy of
+the model."""
 
 import copy
 import json
@@ -279,27 +280,29 @@ def hand_written_dpo(cfg: DictConfig, global_batch: int) -> list[dict[str, float
 @pytest.fixture(scope="session")
 def dpo_runs(preference_example, runs_dir, home) -> dict[str, Path]:
     """The tiny Qwen 3 from seeded weights, DPO on the example's pairs: on one device (16 pairs a batch), and under
-    ddp, fsdp (2 replicas of 8), tensor_parallel and model_parallel (one replica of 8) over 2 devices."""
+    ddp, fsdp (2 replicas of 8), tensor_parallel, model_parallel and pipeline (one replica of 8; the pipeline's
+    4 micro-batches of 2 pairs, its last validation batch of 4 pairs padded to 8) over 2 devices."""
     model_dir, pairs = preference_example
     data = [f"data.path={pairs}", f"data.tokenizer={model_dir}"]
-    sweep = [*DPO_OVERRIDES, *data, "trainer.devices=2", "strategy=ddp,fsdp,tensor_parallel,model_parallel"]
+    strategies = "strategy=ddp,fsdp,tensor_parallel,model_parallel,pipeline"
+    sweep = [*DPO_OVERRIDES, *data, "trainer.devices=2", strategies]
     sweep_dir = two_job_sweep("dpo", sweep, runs_dir, home)[1][0].parent
     single = runs_dir / "dpo-single"
     if not (single / "result.json").is_file():
         train([*DPO_OVERRIDES, *data, "data.batch_size=16", f"hydra.run.dir={single}"], home)
-    strategies = ["ddp", "fsdp", "tp", "model_parallel"]
-    return {"auto": single, **{name: sweep_dir / str(job) for job, name in enumerate(strategies)}}
+    names = ["ddp", "fsdp", "tp", "model_parallel", "pipeline"]
+    return {"auto": single, **{name: sweep_dir / str(job) for job, name in enumerate(names)}}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp", "model_parallel"])
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "tp", "model_parallel", "pipeline"])
 def test_every_strategy_gives_the_hand_written_loops_numbers(dpo_runs, preference_example, strategy):
     """Each epoch's loss, rewards, margins and accuracies, training and validation, in the run's W&B history, equal
     the hand-written loop's to 1e-5; and DPO did its work: the chosen responses gained on the rejected ones."""
     from test_config import compose_train
 
     model_dir, pairs = preference_example
-    global_batch = 16 if strategy in ("auto", "ddp", "fsdp") else 8  # one replica of 8 under tp and model_parallel
+    global_batch = 16 if strategy in ("auto", "ddp", "fsdp") else 8  # one replica of 8: tp, model_parallel, pipeline
     cfg = compose_train([*DPO_OVERRIDES, f"data.path={pairs}", f"data.tokenizer={model_dir}"])
     expected = _hand_written(cfg, global_batch)
     run = only_run(dpo_runs[strategy])
@@ -412,28 +415,46 @@ def test_a_sharded_run_resumed_reads_its_reference_back(preference_example, tmp_
 
 def test_the_plan_holds_no_second_copy_of_the_model(preference_example):
     """DPO with LoRA plans the parameters, gradients and optimizer state of supervised LoRA fine-tuning, not a
-    second model; its step runs two sequences a pair: twice the FLOPs of a step on as many conversations."""
+    second model; its step runs two sequences a pair: twice the FLOPs of a step on as many conversations. The
+    predicted step names the reference's one forward pass over all 128 pairs; supervised fine-tuning makes none."""
     from test_memory_plan import resolved
 
     from project.plan.memory_plan import plan_memory
+    from project.plan.step_time import format_step, predict_step
 
     model_dir, pairs = preference_example
     chat = pairs.parent / "ahoy.jsonl"
     common = ["model=qwen3", f"model.init_from={model_dir}", "model.lora.rank=8", "data.seq_length=32"]
-    dpo = plan_memory(resolved(["experiment=dpo", *common, f"data.path={pairs}"]), suggest=False).devices[0]
-    sft = plan_memory(resolved(["data=chat", *common, f"data.path={chat}"]), suggest=False).devices[0]
+    common += ["cluster=h100_sxm_8x", "trainer.devices=2", "strategy=fsdp"]
+    dpo_job = resolved(["experiment=dpo", *common, f"data.path={pairs}"])
+    sft_job = resolved(["data=chat", *common, f"data.path={chat}"])
+    dpo_plan, sft_plan = plan_memory(dpo_job, suggest=False), plan_memory(sft_job, suggest=False)
+    dpo, sft = dpo_plan.devices[0], sft_plan.devices[0]
     assert (dpo.params, dpo.grads, dpo.optimizer) == (sft.params, sft.grads, sft.optimizer)
     assert dpo.params > 0 and dpo.optimizer > 0
     assert dpo.flops == pytest.approx(2 * sft.flops, rel=0.02)
+    assert dpo_job.cluster is not None and sft_job.cluster is not None
+    step = predict_step(dpo_plan, dpo_job, dpo_job.cluster)
+    # 128 pairs over a global batch of 2 x 8 pairs: 8 steps' worth, a third of each
+    assert (
+        f"one forward pass over 128 samples (every pair, for DPO's reference): about {step.seconds * 8 / 3:.3g} s"
+        in (format_step(step, dpo_job.cluster, dpo_job))
+    )
+    sft_step = predict_step(sft_plan, sft_job, sft_job.cluster)
+    assert "Before the first step" not in format_step(sft_step, sft_job.cluster, sft_job)
 
 
-def test_the_model_against_itself_scores_log_2(preference_example, tmp_path, home):
-    """mode=eval of model.init_from's weights, no checkpoint: the model is its own reference, so every reward is 0
-    and every pair's loss log 2 (sigmoid(0) = 1/2), to float32 rounding."""
+@pytest.mark.slow
+def test_mode_eval_of_a_checkpoint_gives_its_runs_last_validation(dpo_runs, preference_example, tmp_path, home):
+    """mode=eval of the one-device run's last checkpoint reads the reference back from it (none computed) and gives
+    the run's last epoch's validation loss, rewards, margins and accuracies."""
     model_dir, pairs = preference_example
-    args = ["experiment=dpo", "model=qwen3", f"model.init_from={model_dir}", f"data.path={pairs}", "logger=csv"]
-    train([*args, "mode=eval", "data.seq_length=32", f"hydra.run.dir={tmp_path}"], home)
+    run = dpo_runs["auto"]
+    checkpoint = run / "checkpoints" / "last.ckpt"
+    data = [f"data.path={pairs}", f"data.tokenizer={model_dir}"]
+    train([*DPO_OVERRIDES, *data, "mode=eval", f"ckpt_path={checkpoint}", f"hydra.run.dir={tmp_path}"], home)
+    assert "DPO reference:" not in (tmp_path / "train.log").read_text()
     final = json.loads((tmp_path / "result.json").read_text())["final"]
-    assert final["val/loss"] == pytest.approx(math.log(2), rel=1e-6)
-    rewards = [final["val/rewards/margins"], final["val/rewards/chosen"], final["val/rewards/rejected"]]
-    assert rewards == pytest.approx([0.0, 0.0, 0.0], abs=1e-6)  # to rounding: the batches differ from the reference's
+    last = json.loads((run / "result.json").read_text())["history"][-1]
+    for key in [f"val/{name}" for name in PAIR_KEYS]:
+        assert final[key] == pytest.approx(last[key], rel=1e-6, abs=1e-7), key

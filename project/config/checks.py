@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from torch import nn
 
-from project.checkpointing.files import checkpoint_shapes
+from project.checkpointing.files import checkpoint_meta, checkpoint_shapes
 from project.checkpointing.hf import HFWeights, check_matches
 from project.config.build import (
     build_job,
@@ -43,7 +43,7 @@ from project.job.model_option import ModelOption
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError, positive_int
 from project.tasks.base import TrainingModule
-from project.tasks.dpo import DPOModule
+from project.tasks.dpo import REFERENCE_KEY, DPOModule, reference_problem
 
 log = logging.getLogger(__name__)
 
@@ -442,8 +442,9 @@ def _check_vocabulary(cfg: DictConfig, datamodule: Any) -> None:
         )
 
 
-def _check_pairs(module: TrainingModule, datamodule: Any) -> None:
-    """DPO trains on preference pairs, and preference pairs train nothing else."""
+def _check_pairs(cfg: DictConfig, module: TrainingModule, datamodule: Any, ckpt_path: str | None) -> None:
+    """DPO trains on preference pairs, and preference pairs train nothing else; a DPO checkpoint's reference serves
+    its own pairs alone, and is what mode=eval compares the policy with."""
     pairs, dpo = isinstance(datamodule, PreferenceDataModule), isinstance(module, DPOModule)
     if dpo and not pairs:
         raise ConfigError(
@@ -456,6 +457,21 @@ def _check_pairs(module: TrainingModule, datamodule: Any) -> None:
             "data",
             f"is preference pairs, which {type(module).__name__} cannot train on: they are for DPO.",
             "add experiment=dpo, or use data=chat for supervised fine-tuning.",
+        )
+    if not dpo:
+        return
+    checkpoint = checkpoint_meta(ckpt_path) if ckpt_path is not None else {}
+    problem = reference_problem(checkpoint, datamodule)
+    if problem is not None:
+        raise problem
+    if cfg.get("mode") == "eval" and REFERENCE_KEY not in checkpoint:
+        given = "is null" if ckpt_path is None else f"is {ckpt_path}, not a DPO run's checkpoint"
+        raise ConfigError(
+            "ckpt_path",
+            f"{given}, but mode=eval of DPO compares the model with its reference, whose log-probabilities a DPO "
+            "run's checkpoints hold: without them the model would be its own reference (every reward 0, the loss "
+            "log 2).",
+            "pass ckpt_path=<a DPO run's checkpoints/last.ckpt>, with that run's data.",
         )
 
 
@@ -620,7 +636,7 @@ def check_config(cfg: DictConfig) -> Job:
     _check_init_from(cfg, net)
     _check_vocabulary(cfg, datamodule)
     _check_positions(net, datamodule)
-    _check_pairs(module, datamodule)
+    _check_pairs(cfg, module, datamodule, ckpt_path)
     job = build_job(cfg, layout, model, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
     if job.cluster is not None and job.devices > job.cluster.devices_per_node:
         raise ConfigError(

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -90,6 +90,11 @@ class Model:
         depth = {} if self.num_layers is None else {"num_layers": self.num_layers}
         with torch.device("meta"):
             return self.net(**depth)
+
+    @property
+    def task(self) -> type[TaskModule]:
+        """The task module's class."""
+        return cast(type[TaskModule], self.module.func)
 
     def new_module(self, net: BlockSequence) -> TaskModule:
         """The task module around ``net``, its model options built on it (``ModelOption.build``)."""

@@ -17,13 +17,15 @@ The reference is the model before its first step: the frozen base under LoRA (it
 initial weights with full fine-tuning. Its log-probabilities of every pair are computed once, when training starts,
 by the same net under the same layout (each data-parallel replica its share, then gathered), and kept in the
 checkpoints: so no second copy of the model is held, and a step runs the policy's forward and backward alone
-(TRL's ``precompute_ref_log_probs``).
+(TRL's ``precompute_ref_log_probs``). So that the policy before its first step is its reference, nothing in the
+training forward may differ from the evaluation one: dropout and an expert capacity are refused (TRL turns dropout
+off, ``disable_dropout``).
 """
 
 import math
 import time
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -36,10 +38,16 @@ from torch.nn import functional as F
 from project.data.sampling import data_parallel_rank_and_size
 from project.job.job import Job
 from project.models.linear_cross_entropy import IGNORE_INDEX
+from project.models.lora import LoRALinear
+from project.models.moe import Experts
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeFloat, PositiveFloat
+from project.strategies.laid_out import LaidOutStrategy
 from project.tasks.language_model import LanguageModelModule
 from project.tasks.metrics import SampleMean
+
+if TYPE_CHECKING:  # the data module imports nothing of this one; the checks build both
+    from project.data.preference import PreferenceDataModule
 
 PAIR_METRICS = (
     "loss",
@@ -128,18 +136,10 @@ class DPOModule(LanguageModelModule):
         self.train_metrics = nn.ModuleDict({name: SampleMean() for name in PAIR_METRICS})
         self.val_metrics = nn.ModuleDict({name: SampleMean() for name in PAIR_METRICS})
         self.reference_log_probs: torch.Tensor | None = None
+        _check_same_in_training(net)
 
     def loss_problem(self, job: Job) -> ConfigError | None:
-        """A pair's loss needs both its sequences' log-probabilities and the pairs' indices (which key the reference):
-        not a pipeline's last stage, whose schedule hands the loss a micro-batch's output and targets alone, nor the
-        fused loss, which sums every token."""
-        if job.dims.pipelined:
-            return ConfigError(
-                "strategy",
-                f"is {job.strategy_name}: DPO's loss needs each pair's log-probabilities with the pair's index (its "
-                "reference's key), which a pipeline's schedule does not hand its loss.",
-                "train DPO with strategy=fsdp, ddp, tensor_parallel or model_parallel.",
-            )
+        """A pair's loss needs each sequence's log-probability: not the fused loss, which sums every token."""
         if self.fused_loss:
             return ConfigError(
                 "model.fused_loss",
@@ -148,17 +148,16 @@ class DPOModule(LanguageModelModule):
             )
         return None
 
-    def compile_loss(self) -> None:
-        self.criterion.compile_summed()
-
-    def compiled_loss_module(self) -> nn.Module:
-        return self.criterion
+    @classmethod
+    def samples_forward_before_training(cls, train_samples: int, val_samples: int) -> int:
+        """Every pair, training and validation: the reference's log-probabilities."""
+        return train_samples + val_samples
 
     def pair_losses(
-        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor, reference: torch.Tensor
+        self, logits: torch.Tensor, target: torch.Tensor, reference: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The pairs' losses and rewards, and the policy's log-probabilities (each pairs x 2)."""
-        policy = self.criterion(net(inputs), target).view(-1, 2)
+        policy = self.criterion(logits, target).view(-1, 2)
         tokens = (target != IGNORE_INDEX).sum(-1).view(-1, 2)
         losses, rewards = self.dpo(policy, reference, tokens)
         return losses, rewards, policy
@@ -169,14 +168,36 @@ class DPOModule(LanguageModelModule):
         """The memory plan's simulated step: a training step's work, against a stand-in reference (zeros: its values
         change no shape, byte or FLOP of the step)."""
         reference = torch.zeros(len(inputs) // 2, 2, device=inputs.device)
-        return None, self.pair_losses(net, inputs, target, reference)[0].mean()
+        return None, self.pair_losses(net(inputs), target, reference)[0].mean()
 
     def batch_loss(self, split: str, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The mean of the batch's pairs' losses, their rewards and log-probabilities added to ``split``'s metrics."""
         inputs, target, pairs = batch
+        loss = self.metered_pair_loss(split, self.net(inputs), target, pairs)
+        self.log_metrics(split)
+        return loss
+
+    def schedule_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The targets with each row's pair index as one more column: the schedule keeps it with its row."""
+        inputs, target, pairs = batch
+        return inputs, torch.cat([target, pairs.repeat_interleave(2)[:, None]], dim=1)
+
+    def microbatch_loss(self, split: str, outputs: torch.Tensor, target: torch.Tensor, metered: bool) -> torch.Tensor:
+        """A micro-batch's pairs (whole: the pipeline cuts a batch into micro-batches of whole samples)."""
+        target, pairs = target[:, :-1], target[::2, -1]
+        if metered:
+            return self.metered_pair_loss(split, outputs, target, pairs)
+        return self.pair_losses(outputs, target, self._reference_of(pairs, outputs.device))[0].mean()
+
+    def _reference_of(self, pairs: torch.Tensor, device: torch.device) -> torch.Tensor:
         assert self.reference_log_probs is not None, "computed when training starts, or read from the checkpoint"
-        reference = self.reference_log_probs[pairs.to(self.reference_log_probs.device)].to(inputs.device)
-        losses, rewards, policy = self.pair_losses(self.net, inputs, target, reference)
+        return self.reference_log_probs[pairs.to(self.reference_log_probs.device)].to(device)
+
+    def metered_pair_loss(
+        self, split: str, logits: torch.Tensor, target: torch.Tensor, pairs: torch.Tensor
+    ) -> torch.Tensor:
+        """The mean of the pairs' losses, their rewards and log-probabilities added to ``split``'s metrics."""
+        losses, rewards, policy = self.pair_losses(logits, target, self._reference_of(pairs, logits.device))
         loss = losses.mean()
         values = {
             "loss": losses.detach(),
@@ -193,16 +214,15 @@ class DPOModule(LanguageModelModule):
             cast(SampleMean, metrics[name]).add(value.sum(), count)
         if split == "train" and self.trainer.log_every_n_steps:  # type: ignore[attr-defined]
             self.interval_loss.add(losses.detach().sum(), count)
-        self.log_metrics(split)
         return loss
 
-    # At the first of the sanity check's validation, training, or mode=eval's validation: after Lightning has read a
-    # checkpoint, which sharded strategies do only after on_fit_start.
+    # At the first of the sanity check's validation and training (mode=eval reads it from the checkpoint): after
+    # Lightning has read a checkpoint, which sharded strategies do only after on_fit_start.
     def on_train_start(self) -> None:
         self._reference_ready()
 
     def on_validation_start(self) -> None:
-        self._reference_ready()  # mode=eval of model.init_from's weights, no checkpoint: they are the reference
+        self._reference_ready()
 
     def _reference_ready(self) -> None:
         """The reference's log-probabilities on this rank's device: those the checkpoint held, or else computed now."""
@@ -230,10 +250,15 @@ class DPOModule(LanguageModelModule):
         values = []
         training = self.net.training
         self.net.eval()
+        strategy = self.trainer.strategy
         with torch.no_grad(), self.trainer.precision_plugin.forward_context():
             for pairs in share.split(data.batch_size):
                 inputs, target = (tensor[pairs].flatten(0, 1).to(self.device) for tensor in (data.inputs, data.targets))
-                values.append(self.criterion(self.net(inputs), target).view(-1, 2).float())
+                if isinstance(strategy, LaidOutStrategy):  # its layout runs the net (a pipeline: stage by stage)
+                    log_probs = strategy.row_values(self.net, inputs, target, self.criterion)
+                else:  # Lightning's own: the whole net on every rank
+                    log_probs = self.criterion(self.net(inputs), target)
+                values.append(log_probs.view(-1, 2).float())
         self.net.train(training)
         gathered, positions = _from_every_rank(torch.cat(values)), _from_every_rank(positions.to(self.device))
         kept = positions < count  # each pair once: the wrapped ones again are computed in other batches
@@ -252,16 +277,25 @@ class DPOModule(LanguageModelModule):
         saved = checkpoint.get(REFERENCE_KEY)
         if saved is None:
             return
-        data = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
-        if checkpoint.get(PAIRS_KEY) != data.fingerprint:
-            raise ConfigError(
-                "data.path",
-                f"holds other pairs than the checkpoint's reference log-probabilities were computed on ({len(saved)} "
-                f"pairs then, {len(data.inputs)} now; the file, data.seq_length or data.tokenizer differ).",
-                "resume or evaluate with the data the run started with; for other pairs, start a new run from the "
-                "exported model.",
-            )
+        problem = reference_problem(checkpoint, self.trainer.datamodule)  # type: ignore[attr-defined]  # Lightning's
+        if problem is not None:  # checked before launch too; here for a checkpoint read by other means
+            raise problem
         self.reference_log_probs = saved
+
+
+def reference_problem(checkpoint: dict, data: "PreferenceDataModule") -> ConfigError | None:
+    """Why ``checkpoint``'s reference log-probabilities (those of its ``PAIRS_KEY``'s pairs) cannot serve ``data``'s
+    pairs, or None (they can, or it holds none)."""
+    saved = checkpoint.get(REFERENCE_KEY)
+    if saved is None or checkpoint.get(PAIRS_KEY) == data.fingerprint:
+        return None
+    return ConfigError(
+        "data.path",
+        f"holds other pairs than the checkpoint's reference log-probabilities were computed on ({len(saved)} "
+        f"pairs then, {len(data.inputs)} now; the file, data.seq_length or data.tokenizer differ).",
+        "resume or evaluate with the data the run started with; for other pairs, start a new run from the "
+        "exported model.",
+    )
 
 
 def _from_every_rank(tensor: torch.Tensor) -> torch.Tensor:
@@ -272,3 +306,25 @@ def _from_every_rank(tensor: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, tensor.contiguous())
     return torch.cat(parts)
+
+
+def _check_same_in_training(net: nn.Module) -> None:
+    """Refuse what makes the net's training forward differ from its evaluation one: the policy, before its first
+    step, would differ from its reference (computed in evaluation), and DPO would chase noise."""
+    for name, module in net.named_modules():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            owner = net.get_submodule(name.rpartition(".")[0])
+            key = "model.lora.dropout" if isinstance(owner, LoRALinear) else "model.net.dropout"
+            raise ConfigError(
+                key,
+                f"is {module.p}, but DPO's reference is the model before its first step, computed without dropout: "
+                "with it, the policy differs from its reference before any step.",
+                f"set {key}=0 (TRL's DPO turns dropout off too).",
+            )
+        if isinstance(module, Experts) and module.capacity_factor is not None:
+            raise ConfigError(
+                "model.net.capacity_factor",
+                f"is {module.capacity_factor}: in training an expert drops the assignments past its capacity, but "
+                "DPO's reference, the model before its first step, is computed in evaluation, which drops none.",
+                "set model.net.capacity_factor=null.",
+            )
