@@ -188,6 +188,13 @@ CASES = [
         "plan_search.strategies: is [], which lays out no layout of the job's 1 device(s)",
     ),
     (
+        ["model=gpt", "model.net.tie_weights=true", "trainer.devices=2", "plan=search", "cluster=h100_sxm_8x"]
+        + ["plan_search.strategies=[pipeline]"],
+        "plan_search.strategies: is ['pipeline'], which lays out no layout of the job's 2 device(s) ... "
+        "strategy=pipeline: model.net.tie_weights ties the first stage's token embedding ... for strategy=pipeline: "
+        "set model.net.tie_weights=false",
+    ),
+    (
         ["plan=search", "cluster=h100_sxm_8x", "paths.cache_dir=/proc/plan"],  # /proc takes no new dirs, even root's
         "paths.cache_dir: /proc/plan/plan_cache cannot be created",
     ),

@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,18 @@ def candidate_layouts(job: Job) -> Iterator[Candidate]:
                 sets = change.sets | named
                 apart = overrides(laid_out, sets)
                 yield Candidate(overrides(laid_out, sets | {Setting.ACTIVATION_CHECKPOINTING}), laid_out, apart)
+
+
+def why_unlaid(job: Job, name: str) -> ConfigError:
+    """Why strategy option ``name`` lays out none of ``candidate_layouts``: the first rule its layouts break."""
+    base = with_strategy(job, name)
+    changes = base.layout.search_space(base, job.global_batch)
+    problem = next(filter(None, (layout_problem(change.job) for change in changes)), None) or layout_problem(base)
+    return problem or ConfigError(
+        "data.batch_size",
+        f"gives a global batch of {job.global_batch}, which none of its layouts of {job.world_size} device(s) keeps.",
+        "choose a global batch its ranks divide.",
+    )
 
 
 def _source_digest() -> str:
@@ -207,7 +219,7 @@ def rank_layouts(candidates: list[Candidate], cluster: Cluster, capacity: int) -
 class Search:
     """A search's outcome: the layouts simulated, ranked; those left out as slower than the fastest that fits
     (each with its ``bound``); on which cluster, a device's bytes, how many layouts were simulated (the others
-    came from the cache), in how many seconds."""
+    came from the cache), in how many seconds; and why each strategy option with no layout here has none."""
 
     ranked: list[Candidate]
     pruned: list[Candidate]
@@ -215,6 +227,7 @@ class Search:
     capacity: int = 0
     simulated: int = 0
     seconds: float = 0.0
+    unlaid: dict[str, str] = field(default_factory=dict)
 
     def fastest_fitting(self, capacity: int | None = None) -> Candidate | None:
         """The first of the ranked layouts that fits in ``capacity`` bytes (the search's device's when None)."""
@@ -250,11 +263,15 @@ def search(job: Job, workers: int | None = None) -> Search:
         )
     candidates = list(candidate_layouts(job))
     if not candidates:
+        whys = {name: why_unlaid(job, name) for name in job.search.strategies}
         raise ConfigError(
             "plan_search.strategies",
             f"is {list(job.search.strategies)}, which lays out no layout of the job's {job.world_size} device(s) "
-            f"(plan_search.max_pipeline_ranks={job.search.max_pipeline_ranks}).",
-            "search more strategies, e.g. plan_search.strategies=[ddp,fsdp,pipeline].",
+            f"(plan_search.max_pipeline_ranks={job.search.max_pipeline_ranks})."
+            + "".join(f" strategy={name}: {why.key} {why.problem}" for name, why in whys.items()),
+            "search more strategies, e.g. plan_search.strategies=[ddp,fsdp,pipeline]"
+            + "".join(f"; for strategy={name}: {why.fix.rstrip('.')}" for name, why in whys.items())
+            + ".",
         )
     cache, workers = writable_cache(job.plan_cache), workers or os.cpu_count() or 1
     capacity, _ = device_capacity(job)
@@ -281,6 +298,8 @@ def search(job: Job, workers: int | None = None) -> Search:
     found.pruned = sorted(
         (candidate for candidate in candidates if candidate.plan is None), key=lambda candidate: -(candidate.bound or 0)
     )
+    laid = {candidate.job.strategy_name for candidate in candidates}
+    found.unlaid = {name: str(why_unlaid(job, name)) for name in job.search.strategies if name not in laid}
     found.simulated, found.seconds, found.capacity = simulations.simulated, time.perf_counter() - start, capacity
     return found
 
@@ -369,6 +388,7 @@ def format_search(job: Job, found: Search) -> str:
             "<=: not simulated (plan_search.prune): even with no communication exposed, its share of the step's FLOPs "
             "and its bubble make it slower than the fastest that fits. plan_search.prune=false simulates it."
         )
+    lines += [f"Not ranked: strategy={name}: {why}" for name, why in found.unlaid.items()]
     fastest = found.fastest_fitting()
     if fastest is not None:
         lines.append(f"Fastest that fits in {_size(capacity)}: {fastest.overrides}")
