@@ -77,13 +77,19 @@ def read_lines(path: Path) -> Iterator[tuple[str, str]]:
                     yield where, line
 
 
-def _bad_record(where: str, problem: str) -> ConfigError:
-    return ConfigError(
-        "data.path",
-        f"{where}: {problem}.",
-        'write each line as {"messages": [{"role": "user", "content": "..."}, {"role": "assistant", '
-        '"content": "..."}]} or {"prompt": "...", "response": "..."}.',
-    )
+def line_refusal(shapes: str) -> Callable[[str, str], ConfigError]:
+    """The refusal of a line of ``data.path``: where it is, what is wrong, and the ``shapes`` a line may take."""
+
+    def refuse(where: str, problem: str) -> ConfigError:
+        return ConfigError("data.path", f"{where}: {problem}.", f"write each line as {shapes}.")
+
+    return refuse
+
+
+_bad_record = line_refusal(
+    '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]} or '
+    '{"prompt": "...", "response": "..."}'
+)
 
 
 def json_object(where: str, line: str, bad: Callable[[str, str], ConfigError]) -> dict[str, Any]:

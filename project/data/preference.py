@@ -23,20 +23,17 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from project.data.chat import TemplatedDataModule, check_message_fields, json_object, read_lines
+from project.data.chat import TemplatedDataModule, check_message_fields, json_object, line_refusal, read_lines
 from project.options.errors import ConfigError
 
 RESPONSES = ("chosen", "rejected")
 Messages = list[dict[str, str]]
 
 
-def _bad_pair(where: str, problem: str) -> ConfigError:
-    return ConfigError(
-        "data.path",
-        f"{where}: {problem}.",
-        'write each line as {"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", '
-        '"content": "..."}], "rejected": [...]} or {"prompt": "...", "chosen": "...", "rejected": "..."}.',
-    )
+_bad_pair = line_refusal(
+    '{"prompt": [{"role": "user", "content": "..."}], "chosen": [{"role": "assistant", "content": "..."}], '
+    '"rejected": [...]} or {"prompt": "...", "chosen": "...", "rejected": "..."}'
+)
 
 
 def read_pair(where: str, line: str) -> tuple[Messages, Messages, Messages]:
