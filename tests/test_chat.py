@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from conftest import REPO, assert_matches_reference, isolated_env, only_run, two_job_sweep
 
 from project.cli.chat_example import CHAT_TEMPLATE, write_example
-from project.data.chat import IGNORE_INDEX, PAD_ID, ChatDataModule, ChatTemplate, trained_mask
+from project.data.chat import ChatDataModule
+from project.data.chat_template import ChatTemplate, trained_mask
+from project.data.targets import IGNORE_INDEX
+from project.data.templated import PAD_ID
 from project.options.errors import ConfigError
 
 transformers = pytest.importorskip("transformers")
@@ -112,13 +115,13 @@ def test_the_data_module_pads_each_conversation_and_targets_only_the_assistant(c
     data = ChatDataModule(str(chat), str(model_dir), seq_length=48, val_fraction=0.25, batch_size=4, seed=0)
     assert (data.num_train_samples, data.num_val_samples) == (192, 64)
     record = json.loads(chat.read_text().splitlines()[0])
-    ids, mask = trained_mask(data.tokenizer, *ChatTemplate(model_dir).assistant_spans(record["messages"]))
+    ids, mask = trained_mask(data.renderer.tokenizer, *ChatTemplate(model_dir).assistant_spans(record["messages"]))
     length = len(ids) - 1
     assert data.inputs[0, :length].tolist() == ids[:-1]
     assert (data.inputs[0, length:] == PAD_ID).all() and (data.targets[0, length:] == IGNORE_INDEX).all()
     expected = [token if trained else IGNORE_INDEX for token, trained in zip(ids[1:], mask[1:], strict=True)]
     assert data.targets[0, :length].tolist() == expected
-    assert data.tokenizer.decode([t for t in expected if t != IGNORE_INDEX]) == (
+    assert data.renderer.tokenizer.decode([t for t in expected if t != IGNORE_INDEX]) == (
         record["messages"][-1]["content"] + "<|im_end|>\n"
     ).replace("<|im_end|>", "")  # decode drops special tokens
 

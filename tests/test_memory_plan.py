@@ -16,8 +16,8 @@ from omegaconf import OmegaConf, open_dict
 from test_config import compose_train
 
 from project.config.build import build_job, build_strategy, layout_of, model_of, strategy_option_layout, with_strategy
-from project.config.checks import layout_problem
 from project.job.job import Job
+from project.job.rules import layout_problem
 from project.layouts.fsdp_layout import FSDPLayout
 from project.parallel.parallelize import block_sizes, split_blocks, stage_modules
 from project.plan.memory_plan import candidate_changes, plan_memory
@@ -137,7 +137,7 @@ def resolved(overrides: list[str]) -> Job:
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     data = instantiate(cfg.data)
     layout = layout_of(build_strategy(cfg.strategy), cfg.strategy)
-    return build_job(cfg, layout, model_of(cfg), None, data.num_train_samples, data.num_val_samples)
+    return build_job(cfg, layout, model_of(cfg), None, data)
 
 
 def sharded_bytes(parameters, shards: int) -> int:

@@ -110,7 +110,7 @@ def test_model_compile_prices_the_loss_as_compiled_too(fused):
         module.compiled_loss_module = lambda loss=loss: loss
         module.net.zero_grad(set_to_none=True)  # each backward writes its gradients afresh
         with StepCounts(1, "data_parallel") as counts, _fused_in_compiled(module.net, module, counts):
-            module.outputs_and_loss(module.net, tokens, tokens)[1].backward()
+            module.loss(module.net_outputs(module.net, tokens, tokens), tokens).value.backward()
         moved[loss is not None] = counts.moved_bytes
     assert moved[True] < moved[False]
 

@@ -7,10 +7,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from project.checkpointing.background import WritesInBackground
+from project.options.config_rules import ConfigRules, RunData
 from project.options.errors import check_writable
 
 
-class LatestAndBestCheckpoint(ModelCheckpoint):
+class LatestAndBestCheckpoint(ModelCheckpoint, ConfigRules):
     """Lightning's ModelCheckpoint, with ``last.ckpt`` written at the end of every epoch, after every validation and
     every ``every_n_train_steps`` optimizer steps.
 
@@ -38,9 +39,9 @@ class LatestAndBestCheckpoint(ModelCheckpoint):
             trainer.strategy.finish_checkpoint_writes()
 
     @staticmethod
-    def check_config(cfg: DictConfig, name: str, *data: Any) -> None:
+    def check_run_config(cfg: DictConfig, node: str, data: RunData) -> None:
         """The checkpoints dir must be writable before any worker starts, not when the first epoch ends."""
-        key = f"callbacks.{name}.dirpath"
+        key = f"{node}.dirpath"
         dirpath = OmegaConf.select(cfg, key)
         if dirpath is not None:
             check_writable(key, dirpath, f"make {dirpath} writable, or set {key} to a dir you can write.")

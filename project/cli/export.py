@@ -37,9 +37,9 @@ from torch import nn
 from project.checkpointing.files import model_state
 from project.checkpointing.hf import EXPORT_AGAIN, NET_CLASSES, family_of, hf_name, read_config, write_hf_dir
 from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli, trained_lora
-from project.data.chat import TemplatedDataModule
 from project.data.prepared import prepared_meta
 from project.data.shards import ShardsDataModule
+from project.data.templated import TemplatedDataModule
 from project.models import Llama
 from project.models.lora import is_adapter
 from project.options.errors import ConfigError, check_writable

@@ -15,7 +15,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 
 from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli
-from project.data.chat import TemplatedDataModule
+from project.data.templated import TemplatedDataModule
 from project.models.generation import check_settings, generate
 from project.options.errors import ConfigError
 
@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     prompt, stop = args.prompt, None
     if args.chat:
-        prompt = data.template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        stop = data.template.end_of_turn(data.tokenizer)
+        template = data.renderer.template
+        prompt = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        stop = template.end_of_turn(data.renderer.tokenizer)
     state = merged_model_state(args.checkpoint, cfg)
     with torch.device("meta"):
         net = instantiate(cfg.model.net)

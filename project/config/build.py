@@ -14,9 +14,10 @@ from lightning.fabric.connector import _convert_precision_to_unified_args
 from lightning.pytorch.strategies import DDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from project.data.datamodule import DataModule
 from project.job.cluster import Cluster
 from project.job.job import Job, Model, SearchSettings, Setting, ValidationSchedule
-from project.job.layout import DataShape, Layout
+from project.job.layout import Layout
 from project.layouts.data_parallel_layout import DataParallelLayout
 from project.observability.text_sample import TextSample
 from project.options.errors import ConfigError
@@ -102,11 +103,9 @@ def _plain(value: Any) -> Any:
     return _without(value) if isinstance(value, functools.partial) else value
 
 
-def build_job(
-    cfg: DictConfig, layout: Layout, model: Model, ckpt_path: str | None, train_samples: int, val_samples: int
-) -> Job:
+def build_job(cfg: DictConfig, layout: Layout, model: Model, ckpt_path: str | None, data: DataModule) -> Job:
     """The typed job of ``cfg`` (resolved), laid out as ``layout`` (its strategy's), training ``model``
-    (``model_of``); ``ckpt_path`` resolved; the data's training and validation samples. The only place a config
+    (``model_of``) on ``data`` (its batches' shapes and samples); ``ckpt_path`` resolved. The only place a config
     becomes a job: ``project.config.checks.check_config`` builds it once, and the planner changes it, never the
     config."""
     choices = cfg.get("choices") or {}
@@ -122,13 +121,9 @@ def build_job(
         precision=cast(str, _convert_precision_to_unified_args(cfg.trainer.precision)),
         accelerator=str(cfg.trainer.accelerator),
         uses_cuda=uses_cuda(cfg),
-        data=DataShape(
-            cfg.data.get("seq_length"),
-            cfg.data.get("num_features"),
-            getattr(get_class(cfg.data._target_), "sequences_per_sample", 1),
-        ),
-        train_samples=train_samples,
-        val_samples=val_samples,
+        data=data.shape,
+        train_samples=data.num_train_samples,
+        val_samples=data.num_val_samples,
         validation=ValidationSchedule(
             OmegaConf.select(cfg, "trainer.val_check_interval"),
             cfg.trainer.check_val_every_n_epoch,
@@ -164,7 +159,7 @@ def text_sample_prompt(cfg: DictConfig) -> str | None:
 def with_strategy(job: Job, name: str) -> Job:
     """``job`` under the ``strategy`` group's option ``name``, its layout as the option's file sets it (of the job's
     devices: a file may take them, as a pipeline's stages do), the model's settings kept. Not checked:
-    ``project.config.checks.layout_problem`` says whether it can run."""
+    ``project.job.rules.layout_problem`` says whether it can run."""
     return replace(job, layout=strategy_option_layout(name, job.devices), strategy_name=name)
 
 

@@ -1,9 +1,11 @@
 """Checks of a composed config that run before any worker process or W&B run starts.
 
 Each failure is a ``ConfigError`` whose message names the key, what is wrong and the fix, in one paragraph. The
-checks here hold for every run; each layout adds its own rules (``Layout.problem``), each callback and logger its
-own (``check_config`` on its class), and the model and data modules check their options when they are built. What
-passes is the run's typed ``Job``, built once (``project.config.build.build_job``).
+checks here hold for every run; every other rule is its owner's, asked from here: the data module's
+(``DataModule.model_problem``, ``task_problem``), the task's (``TrainingModule.data_problem``), the job's
+(``project.job.rules.layout_problem``: the layout's, each model option's, the task's own), and each callback's and
+logger's (``ConfigRules``); the model and data modules check their options when they are built. What passes is the
+run's typed ``Job``, built once (``project.config.build.build_job``).
 """
 
 import logging
@@ -24,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from torch import nn
 
-from project.checkpointing.files import checkpoint_meta, checkpoint_shapes
+from project.checkpointing.files import checkpoint_shapes
 from project.checkpointing.hf import HFWeights, check_matches
 from project.config.build import (
     build_job,
@@ -36,14 +38,12 @@ from project.config.build import (
     uses_cuda,
 )
 from project.config.schema import check_types
-from project.data.preference import PreferenceDataModule
-from project.job.job import Job, Model
+from project.data.datamodule import DataModule
+from project.job.job import Job
 from project.job.layout import Layout
-from project.job.model_option import ModelOption
-from project.models.sequence import BlockSequence
-from project.options.errors import ConfigError, positive_int
-from project.tasks.base import TrainingModule
-from project.tasks.dpo import REFERENCE_KEY, DPOModule, reference_problem
+from project.job.rules import gpus_problem, is_int, layout_problem
+from project.options.config_rules import ConfigRules
+from project.options.errors import ConfigError, cannot_build, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,9 @@ def positive_int_at(cfg: DictConfig, key: str, fix: str) -> int:
     return positive_int(key, OmegaConf.select(cfg, key), fix)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_numbers(cfg: DictConfig) -> None:
     """Types and ranges of the numbers a run is set up with (Hydra passes ``trainer.max_epochs=two`` on as text)."""
-    if not _is_int(cfg.seed) or not 0 <= cfg.seed < 2**32:
+    if not is_int(cfg.seed) or not 0 <= cfg.seed < 2**32:
         raise ConfigError("seed", f"must be an integer from 0 to 2**32 - 1, got {cfg.seed!r}.", "e.g. seed=42.")
     if cfg.trainer.max_epochs != -1:
         positive_int_at(
@@ -83,7 +79,7 @@ def _check_numbers(cfg: DictConfig) -> None:
         )
     positive_int_at(cfg, "trainer.accumulate_grad_batches", "1 steps the optimizer after every batch; N after every N.")
     log_every = cfg.trainer.log_every_n_steps
-    if not _is_int(log_every) or log_every < 0:
+    if not is_int(log_every) or log_every < 0:
         raise ConfigError(
             "trainer.log_every_n_steps",
             f"must be an integer of at least 0, got {log_every!r}.",
@@ -92,7 +88,7 @@ def _check_numbers(cfg: DictConfig) -> None:
     if cfg.trainer.check_val_every_n_epoch is not None:
         positive_int_at(cfg, "trainer.check_val_every_n_epoch", "1 validates after every epoch.")
     sanity_steps = cfg.trainer.num_sanity_val_steps
-    if not _is_int(sanity_steps) or sanity_steps < -1:
+    if not is_int(sanity_steps) or sanity_steps < -1:
         raise ConfigError(
             "trainer.num_sanity_val_steps",
             f"must be an integer of at least -1, got {sanity_steps!r}.",
@@ -188,27 +184,6 @@ def _check_process_group(cfg: DictConfig) -> None:
                 "out the model) take longer than that, and each would fail.",
                 "e.g. strategy.timeout.minutes=5.",
             )
-
-
-def _gpus_problem(accelerator: str, on_cuda: bool, devices: int) -> ConfigError | None:
-    """On CUDA (``on_cuda``, by ``trainer.accelerator``): what is wrong with asking this machine for ``devices`` GPUs,
-    or None."""
-    if not on_cuda:
-        return None
-    available = torch.cuda.device_count()
-    if available == 0:
-        return ConfigError(
-            "trainer.accelerator",
-            f"is {accelerator!r} but this machine has no CUDA GPU.",
-            "use trainer.accelerator=cpu (or auto), or run on a machine with GPUs.",
-        )
-    if devices > available:
-        return ConfigError(
-            "trainer.devices",
-            f"asks for {devices} GPUs but this machine has {available}.",
-            f"set trainer.devices={available} or fewer, or trainer.accelerator=cpu for CPU processes.",
-        )
-    return None
 
 
 def resolve_ckpt_path(cfg: DictConfig) -> str | None:
@@ -357,28 +332,6 @@ def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None)
         )
 
 
-# The last few models _meta_model built, by their net's and module's constructors and depth: plan=search checks
-# dozens of layouts of one model, and building Llama 3.1 8B's 32 blocks, even on the meta device, was most of a
-# check. The checks only read them.
-_META_MODELS: dict[tuple[Any, ...], tuple[BlockSequence, TrainingModule]] = {}
-_META_MODELS_KEPT = 3
-
-
-def _meta_model(model: Model) -> tuple[BlockSequence, TrainingModule]:
-    """The network and the LightningModule of ``model`` on the meta device (shapes only, nothing allocated), its
-    model options built on it, built once per model."""
-    key = (model.net, model.num_layers, model.module)
-    if key not in _META_MODELS:
-        net = _build("model.net", model.meta_net)
-        # The LightningModule checks its own options (optimizer, schedule, the model options' targets).
-        with torch.device("meta"):
-            module = cast(TrainingModule, _build("model", lambda: model.new_module(net)))
-        while len(_META_MODELS) >= _META_MODELS_KEPT:
-            del _META_MODELS[next(iter(_META_MODELS))]
-        _META_MODELS[key] = net, module
-    return _META_MODELS[key]
-
-
 def _build(key: str, build: Callable[[], Any]) -> Any:
     """``build()`` the object of the config node at ``key`` as the workers will (through Hydra, or a constructor
     ``model_of`` took from it); a ``ConfigError`` it raises comes out as it is, any other error as a ``ConfigError``
@@ -391,12 +344,7 @@ def _build(key: str, build: Callable[[], Any]) -> Any:
         cause = error.__cause__ if isinstance(error, InstantiationException) else error
         if isinstance(cause, ConfigError):
             raise cause from None
-        problem = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
-        raise ConfigError(
-            key,
-            f"cannot be built: {problem}.",
-            f"check {key}._target_ and its options (python train.py --cfg job prints them).",
-        ) from None
+        raise cannot_build(key, f"{type(cause).__name__}: {cause}" if cause is not None else str(error)) from None
 
 
 def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
@@ -426,136 +374,6 @@ def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:
             f"{path} lacks {len(missing)} of this model's tensors, e.g. {missing[0]}.",
             "pass the complete model dir.",
         )
-
-
-def _check_vocabulary(cfg: DictConfig, datamodule: Any) -> None:
-    """A language model's embedding has a row for every token the data holds (``model.init_from`` gives the model
-    the vocabulary of its dir, which the data need not fill)."""
-    data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), OmegaConf.select(cfg, "model.net.vocab_size")
-    if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
-        raise ConfigError(
-            "model.net.vocab_size",
-            f"is {model_vocab}, fewer than the {data_vocab} tokens of the data's vocabulary: token ids past "
-            f"{model_vocab - 1} would have no embedding.",
-            "give the model the data's vocabulary (model.net.vocab_size=${data.vocab_size}), or prepare the data "
-            "with the model's own tokenizer.json.",
-        )
-
-
-def _check_pairs(cfg: DictConfig, module: TrainingModule, datamodule: Any, ckpt_path: str | None) -> None:
-    """DPO trains on preference pairs, and preference pairs train nothing else; a DPO checkpoint's reference serves
-    its own pairs alone, and is what mode=eval compares the policy with."""
-    pairs, dpo = isinstance(datamodule, PreferenceDataModule), isinstance(module, DPOModule)
-    if dpo and not pairs:
-        raise ConfigError(
-            "data",
-            f"is {type(datamodule).__name__}, but experiment=dpo trains on preference pairs.",
-            "use data=preference data.path=<a .jsonl of prompt, chosen and rejected> (experiment=dpo sets it).",
-        )
-    if pairs and not dpo:
-        raise ConfigError(
-            "data",
-            f"is preference pairs, which {type(module).__name__} cannot train on: they are for DPO.",
-            "add experiment=dpo, or use data=chat for supervised fine-tuning.",
-        )
-    if not dpo:
-        return
-    checkpoint = checkpoint_meta(ckpt_path) if ckpt_path is not None else {}
-    problem = reference_problem(checkpoint, datamodule)
-    if problem is not None:
-        raise problem
-    if cfg.get("mode") == "eval" and REFERENCE_KEY not in checkpoint:
-        given = "is null" if ckpt_path is None else f"is {ckpt_path}, not a DPO run's checkpoint"
-        raise ConfigError(
-            "ckpt_path",
-            f"{given}, but mode=eval of DPO compares the model with its reference, whose log-probabilities a DPO "
-            "run's checkpoints hold: without them the model would be its own reference (every reward 0, the loss "
-            "log 2).",
-            "pass ckpt_path=<a DPO run's checkpoints/last.ckpt>, with that run's data.",
-        )
-
-
-def _check_positions(net: Any, datamodule: Any) -> None:
-    """A model with learned positions has one for every token of a sequence (``model.init_from`` gives it the
-    positions of its dir)."""
-    positions, length = getattr(net, "max_positions", None), getattr(datamodule, "seq_length", None)
-    if positions is not None and length is not None and length > positions:
-        raise ConfigError(
-            "data.seq_length",
-            f"is {length}, longer than the model's {positions} learned positions: positions past {positions - 1} "
-            "would have no embedding.",
-            f"use data.seq_length={positions} or less, or give the model more positions "
-            "(model.net.max_length=${data.seq_length}, its default, when it is not read from model.init_from).",
-        )
-
-
-def _train_batches(job: Job, batches_per_epoch: int) -> int:
-    """Training batches an epoch runs, as Lightning counts them with ``trainer.limit_train_batches`` (N batches or a
-    fraction of the epoch)."""
-    limit = job.validation.limit_train_batches
-    if isinstance(limit, int) and not isinstance(limit, bool):
-        return min(batches_per_epoch, limit)
-    if isinstance(limit, float):
-        return int(batches_per_epoch * limit)
-    return batches_per_epoch
-
-
-def _val_interval_problem(job: Job, batches_per_epoch: int) -> ConfigError | None:
-    """``trainer.val_check_interval``: null (each epoch's end), a fraction of an epoch, or every N training batches,
-    which within an epoch (``check_val_every_n_epoch`` set) Lightning refuses past the epoch's length, late.
-
-    With ``trainer.accumulate_grad_batches`` > 1 a validation must fall where an optimizer step ends: one inside an
-    accumulation would save checkpoints holding half a step, which no resumed run can continue exactly.
-    """
-    interval = job.validation.val_check_interval
-    fix = (
-        "use N training batches (e.g. trainer.val_check_interval=500), a fraction of an epoch in (0, 1], or null "
-        "for each epoch's end."
-    )
-    every_epoch = job.validation.check_val_every_n_epoch
-    if every_epoch is None and not _is_int(interval):
-        return ConfigError(
-            "trainer.val_check_interval",
-            f"is {interval!r}, but with trainer.check_val_every_n_epoch="
-            "null validation is counted in training batches only.",
-            "set trainer.val_check_interval=N (batches), or trainer.check_val_every_n_epoch=1.",
-        )
-    if interval is None:
-        return None
-    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval <= 0:
-        return ConfigError("trainer.val_check_interval", f"is {interval!r}.", fix)
-    if isinstance(interval, float) and interval > 1:
-        return ConfigError("trainer.val_check_interval", f"is {interval}, a fraction of an epoch above 1.", fix)
-    batches = _train_batches(job, batches_per_epoch)
-    if _is_int(interval) and every_epoch is not None and interval > batches:
-        return ConfigError(
-            "trainer.val_check_interval",
-            f"is {interval} batches, but an epoch has {batches}.",
-            f"use at most {batches}, or trainer.check_val_every_n_epoch=null to count batches across "
-            "epochs (for runs of trainer.max_steps).",
-        )
-    accumulate = job.accumulate
-    if accumulate == 1 or (isinstance(interval, float) and interval == 1.0):
-        return None
-    every = interval if _is_int(interval) else max(1, int(batches * interval))  # Lightning's val_check_batch
-    if every % accumulate and not (every == batches and every_epoch is not None):  # an epoch's end is a step's
-        multiple = max(accumulate, every - every % accumulate)
-        return ConfigError(
-            "trainer.val_check_interval",
-            f"validates every {every} training batches, inside an "
-            f"optimizer step of trainer.accumulate_grad_batches={accumulate} batches: its checkpoints "
-            "would hold half a step.",
-            f"validate every multiple of {accumulate} batches, e.g. trainer.val_check_interval={multiple}.",
-        )
-    if every_epoch is None and batches % accumulate:
-        return ConfigError(
-            "trainer.val_check_interval",
-            f"counts batches across epochs, but an epoch's {batches} "
-            f"batches are no multiple of trainer.accumulate_grad_batches={accumulate} (each epoch ends "
-            "with a shorter step), so validations would fall inside steps.",
-            f"set trainer.check_val_every_n_epoch=1, or trainer.limit_train_batches to a multiple of {accumulate}.",
-        )
-    return None
 
 
 def _check_mode(cfg: DictConfig) -> None:
@@ -611,7 +429,7 @@ def check_config(cfg: DictConfig) -> Job:
         "strategy.processes",
         "processes is one per device for data-parallel strategies: strategy.processes=${trainer.devices}.",
     )
-    problem = _gpus_problem(str(cfg.trainer.accelerator), uses_cuda(cfg), devices)
+    problem = gpus_problem(str(cfg.trainer.accelerator), uses_cuda(cfg), devices)
     if problem is not None:
         raise problem
 
@@ -621,23 +439,29 @@ def check_config(cfg: DictConfig) -> Job:
     _check_precision(cfg)
     check_types(cfg)  # every other option against its constructor's type hints, every number finite
     # The data first: the model takes sizes from it (vocabulary, sequence length), so its own keys are to blame.
-    datamodule = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
-    check_files = getattr(datamodule, "check_files", None)
-    if check_files is not None:  # a data module on files checks them now, not mid-epoch (data=shards)
-        check_files()
+    data = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
+    if not isinstance(data, DataModule):
+        raise ConfigError(
+            "data._target_",
+            f"is {type(data).__name__}, not a data module of this project (project.data.datamodule.DataModule).",
+            "use one of the data group's options (python train.py --help lists them), or derive yours from DataModule.",
+        )
+    data.check_files()  # a data module on files checks them now, not mid-epoch (data=shards)
     net_options = _build("model.net", lambda: net_constructor(cfg))  # the constructors and their options only
     model = _build("model", lambda: model_of(cfg, net_options))
-    net, module = _meta_model(model)
+    net, module = model.meta_model()
     strategy = _build("strategy", lambda: build_strategy(cfg.strategy))  # checks its options; no process group yet
     layout = layout_of(strategy, cfg.strategy)
     _check_processes(cfg, strategy, layout, devices)
     ckpt_path = resolve_ckpt_path(cfg)
     _check_checkpoint(cfg, module, ckpt_path)
     _check_init_from(cfg, net)
-    _check_vocabulary(cfg, datamodule)
-    _check_positions(net, datamodule)
-    _check_pairs(cfg, module, datamodule, ckpt_path)
-    job = build_job(cfg, layout, model, ckpt_path, datamodule.num_train_samples, datamodule.num_val_samples)
+    problem = data.model_problem(net, OmegaConf.select(cfg, "model.net.vocab_size")) or module.data_problem(
+        data, ckpt_path, evaluating=cfg.get("mode") == "eval"
+    )
+    if problem is not None:
+        raise problem
+    job = build_job(cfg, layout, model, ckpt_path, data)
     if job.cluster is not None and job.devices > job.cluster.devices_per_node:
         raise ConfigError(
             "trainer.devices",
@@ -647,86 +471,11 @@ def check_config(cfg: DictConfig) -> Job:
     problem = layout_problem(job)
     if problem is not None:
         raise problem
-    for name, callback in configured_callbacks(cfg).items():  # each callback checks its own options, of the data too
-        callback_rules = getattr(get_class(callback._target_), "check_config", None)
-        if callback_rules is not None:
-            callback_rules(cfg, name, datamodule)
-    for name, logger in (cfg.logger or {}).items():  # and each logger, of where it writes
-        logger_rules = getattr(get_class(logger._target_), "check_config", None)
-        if logger_rules is not None:
-            logger_rules(cfg, name)
+    # Each callback and logger that declares rules checks its own options (of the data too).
+    nodes = {f"callbacks.{name}": node for name, node in configured_callbacks(cfg).items()}
+    nodes.update({f"logger.{name}": node for name, node in (cfg.logger or {}).items()})
+    for key, node in nodes.items():
+        target = get_class(node._target_)
+        if issubclass(target, ConfigRules):
+            target.check_run_config(cfg, key, data)
     return job
-
-
-def layout_problem(job: Job) -> ConfigError | None:
-    """The first rule of a run that depends on how its devices divide the work and its batch that ``job`` breaks, or
-    None: the devices this machine has, the layout's own rules, each model option's, the loss's, a text sample's need
-    for ranks that run the whole model, and the batches each replica gets. ``check_config`` raises it; the memory
-    plan and ``plan=search`` ask it of every layout they try."""
-    net, module = _meta_model(job.model)
-    return (
-        _gpus_problem(job.accelerator, job.uses_cuda, job.devices)
-        or _options_problem(job, net, module.options)
-        or job.layout.problem(job, net)
-        or module.loss_problem(job)
-        or _text_sample_problem(job)
-        or _batch_problem(job)
-        or _val_interval_problem(job, job.train_samples // job.samples_per_step)
-        or _val_samples_problem(job)
-    )
-
-
-def _options_problem(job: Job, net: BlockSequence, options: list[ModelOption]) -> ConfigError | None:
-    """The first rule of the model options (``ModelOption.problem``) that ``job`` breaks, asked before the layout's
-    own rules (an option that cannot take a layout at all says so before the layout's sizes are judged), unless the
-    job's ranks do not divide as its layout says: then it has no dims yet, and the layout's rules name the key."""
-    try:
-        job.layout.dims(job.world_size)  # ParallelDims refuses ranks that do not divide
-    except ValueError:
-        return None
-    return next(filter(None, (option.problem(job, net) for option in options)), None)
-
-
-def _text_sample_problem(job: Job) -> ConfigError | None:
-    """A text sample (``TextSample``'s prompt set) needs a layout whose ranks each run the whole model."""
-    key = job.text_sample_prompt
-    if key is not None and not job.dims.runs_whole_model:
-        return ConfigError(
-            key,
-            f"is set, but under strategy={job.strategy_name} as configured no rank runs the whole model (pipeline "
-            "stages, tensor-parallel splits).",
-            f"set {key}=null, and generate from the checkpoint: python -m project.cli.generate.",
-        )
-    return None
-
-
-def _batch_problem(job: Job) -> ConfigError | None:
-    """Each data-parallel replica needs a training sample a step, and an epoch a full global batch."""
-    data_parallel, samples, global_batch = job.dims.data_parallel, job.train_samples, job.samples_per_step
-    if data_parallel > samples:  # no batch size helps: blame the replicas
-        return ConfigError(
-            "trainer.devices",
-            f"x trainer.num_nodes gives {data_parallel} data-parallel replicas, more than the "
-            f"{samples} training samples: each replica needs one a step.",
-            f"use at most {samples} replicas, or more training data.",
-        )
-    if global_batch > samples:
-        return ConfigError(
-            "data.batch_size",
-            f"gives a global batch of {job.batch_size} x {data_parallel} data-parallel replicas = {global_batch} "
-            f"samples, more than the {samples} training samples, so an epoch would have no full batch.",
-            f"lower data.batch_size to at most {samples // data_parallel}, or use more training data.",
-        )
-    return None
-
-
-def _val_samples_problem(job: Job) -> ConfigError | None:
-    data_parallel = job.dims.data_parallel
-    if job.val_samples < data_parallel:
-        return ConfigError(
-            "data.num_val",
-            f"gives {job.val_samples} validation samples, fewer than the {data_parallel} data-parallel "
-            "replicas that each need one.",
-            f"use at least {data_parallel} validation samples, or fewer devices.",
-        )
-    return None

@@ -32,7 +32,7 @@ def prepared_vocab_size(path: str) -> int:
 
 def tokenizer_vocab_size(model_dir: str) -> int:
     """data=chat: the vocabulary of a model dir's tokenizer.json, for the model's embedding."""
-    from project.data.chat import tokenizer_vocab_size as read  # tokenizers, only when a config asks
+    from project.data.templated import tokenizer_vocab_size as read  # tokenizers, only when a config asks
 
     return read(model_dir)
 

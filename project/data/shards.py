@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import Dataset
 
 from project.data.codecs import TokenizerCodec
-from project.data.datamodule import InMemoryDataModule
+from project.data.datamodule import DataModule
 from project.data.prepared import prepared_meta
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeInt, PositiveInt, Seed
@@ -108,10 +108,13 @@ class TokenWindows(Dataset):
         return windows[:, :-1], windows[:, 1:]
 
 
-class ShardsDataModule(InMemoryDataModule):
+class ShardsDataModule(DataModule):
     """The shards ``python -m project.cli.prepare`` wrote (``path``: its ``--out`` dir), read through memory maps
     as windows of ``seq_length + 1`` tokens, batched as every data module here (``GlobalBatchSampler``: the same
     global batches whatever the device count; every validation window once)."""
+
+    seq_length: int
+    vocab_size: int
 
     def text_codec(self) -> TokenizerCodec:
         try:

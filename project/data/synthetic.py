@@ -52,6 +52,7 @@ class SyntheticDataModule(GeneratedDataModule):
         shuffle: bool = True,
     ) -> None:
         super().__init__(num_train=num_train, num_val=num_val, batch_size=batch_size, seed=seed, shuffle=shuffle)
+        self.num_features = num_features
         self.task: dict[str, Any] = dict(
             num_features=num_features,
             num_classes=num_classes,

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from project.data.codecs import BytesCodec
-from project.data.datamodule import GeneratedDataModule, InMemoryDataModule
+from project.data.datamodule import DataModule, GeneratedDataModule
 from project.options.errors import ConfigError
 from project.options.option_types import ExistingFile, OpenFraction, PositiveInt, Seed
 
@@ -67,6 +67,9 @@ def next_token_dataset(sequences: torch.Tensor) -> TensorDataset:
 class MarkovTokenDataModule(GeneratedDataModule):
     """Train and validation sequences from one random Markov chain, deterministic from ``seed``."""
 
+    seq_length: int
+    vocab_size: int
+
     def __init__(
         self,
         vocab_size: PositiveInt,
@@ -107,11 +110,12 @@ class MarkovTokenDataModule(GeneratedDataModule):
         self.val_set = next_token_dataset(sequences[self.num_train :])
 
 
-class TextDataModule(InMemoryDataModule):
+class TextDataModule(DataModule):
     """Byte-level tokens (vocabulary 256) of a local text file, cut into sequences; the last ``val_fraction`` of
     the file is the validation split, so no text is in both."""
 
     vocab_size = 256  # every byte
+    seq_length: int
 
     def text_codec(self) -> BytesCodec:
         return BytesCodec()

@@ -16,10 +16,13 @@ from typing import Any, cast
 
 import torch
 
+from project.data.datamodule import DataShape
 from project.job.cluster import Cluster
-from project.job.layout import DataShape, Layout, TaskModule
+from project.job.layout import Layout
 from project.job.model_option import Target
+from project.job.task import TaskModule
 from project.models.sequence import BlockSequence
+from project.options.errors import built
 from project.options.option_types import PositiveInt
 from project.parallel.dims import ParallelDims
 from project.parallel.parallelize import Checkpointing, checkpointing_setting
@@ -72,6 +75,13 @@ class Change:
     sets: frozenset[Setting]
 
 
+# The last few models meta_model built, by their net's and module's constructors and depth: plan=search checks dozens
+# of layouts of one model, and building Llama 3.1 8B's 32 blocks, even on the meta device, was most of a check. The
+# rules only read them.
+_META_MODELS: dict[tuple[Any, ...], tuple[BlockSequence, TaskModule]] = {}
+_META_MODELS_KEPT = 3
+
+
 @dataclass(frozen=True)
 class Model:
     """The model a job trains (``model``), typed once (``project.config.build.model_of``): its net's and its task
@@ -90,6 +100,20 @@ class Model:
         depth = {} if self.num_layers is None else {"num_layers": self.num_layers}
         with torch.device("meta"):
             return self.net(**depth)
+
+    def meta_model(self) -> tuple[BlockSequence, TaskModule]:
+        """The net and its task module on the meta device (shapes only, nothing allocated), the model options built
+        on it, built once per model. An error building either is ``model.net``'s or ``model``'s (the task module
+        checks its own options: optimizer, schedule, the model options' targets)."""
+        key = (self.net, self.num_layers, self.module)
+        if key not in _META_MODELS:
+            net = built("model.net", self.meta_net)
+            with torch.device("meta"):
+                module = built("model", lambda: self.new_module(net))
+            while len(_META_MODELS) >= _META_MODELS_KEPT:
+                del _META_MODELS[next(iter(_META_MODELS))]
+            _META_MODELS[key] = net, module
+        return _META_MODELS[key]
 
     @property
     def task(self) -> type[TaskModule]:
@@ -194,10 +218,6 @@ class Job:
         module = self.model.new_module(self.meta_net())
         module.prepare_net(self.target)
         return module
-
-    def example_batch(self, module: TaskModule, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of ``batch_size`` samples of the shapes and dtypes the job's data feeds ``module``."""
-        return module.example_batch(batch_size, self.data)
 
     def simulation_key(self) -> str:
         """A digest of what a simulation of this job reads (its model, data, layout, devices, batch and precision),

@@ -1,18 +1,16 @@
 """The contract each layout of a job's devices declares (``Layout``, one per strategy in ``project/layouts/``): how
 the ranks divide, the rules a job is held to, what each device holds and runs in a simulated step (``DeviceWork``),
-and what the memory plan and ``plan=search`` may change; and what the layouts use of a task module
-(``TaskModule``)."""
+and what the memory plan and ``plan=search`` may change."""
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import torch
 from torch import nn
 
-from project.job.model_option import Target
+from project.job.task import TaskModule
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.parallel.dims import ParallelDims
@@ -20,57 +18,6 @@ from project.parallel.parallelize import Checkpointing
 
 if TYPE_CHECKING:  # a job holds its layout, and a layout's rules and changes take and make jobs: the types only
     from project.job.job import Change, Job, Setting
-
-
-@dataclass(frozen=True)
-class DataShape:
-    """What a simulated batch needs of the job's data: tokens per sequence (``seq_length``: ``data.seq_length``), or
-    features per sample (``num_features``: ``data.num_features``), and the sequences a sample holds (its data
-    module's ``sequences_per_sample``: a preference pair's two)."""
-
-    seq_length: int | None
-    num_features: int | None
-    sequences_per_sample: int = 1
-
-
-class TaskModule(Protocol):
-    """What the strategies, the layouts and the memory plan use of a task's LightningModule
-    (``project.tasks.base.TrainingModule``, which sits above them), for type checking."""
-
-    net: BlockSequence
-    criterion: nn.Module
-    optimizer_factory: Callable[..., torch.optim.Optimizer]
-    activation_checkpointing: Checkpointing
-
-    @property
-    def trainer(self) -> L.Trainer: ...
-
-    def example_batch(self, batch_size: int, data: DataShape) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    @classmethod
-    def samples_forward_before_training(cls, train_samples: int, val_samples: int) -> int: ...
-
-    def prepare_net(self, target: Target) -> None: ...
-
-    def new_optimizer(self) -> torch.optim.Optimizer: ...
-
-    def _optimizer_groups(self) -> list[dict[str, Any]]: ...
-
-    def parameter_groups(self) -> list[list[str]]: ...
-
-    def compiled_loss_module(self) -> nn.Module | None: ...
-
-    def outputs_and_loss(
-        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor]: ...
-
-    def schedule_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def microbatch_loss(
-        self, split: str, outputs: torch.Tensor, target: torch.Tensor, metered: bool
-    ) -> torch.Tensor: ...
-
-    def log_metrics(self, split: str) -> None: ...
 
 
 @dataclass

@@ -9,6 +9,7 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.trainer.states import TrainerFn
 
+from project.data.datamodule import trainer_data
 from project.data.sampling import data_parallel_rank_and_size
 from project.launch.results import job_result, write_result
 from project.launch.trial import PruneTrial
@@ -117,10 +118,8 @@ class JobResult(L.Callback):
 def batch_layout(trainer: L.Trainer) -> dict[str, int]:
     """How a training step is fed: the data-parallel replicas that split each global batch (a pipeline's stages
     share one), the samples of each replica's batch, and the samples of one optimizer step (the global batch, times
-    the accumulated batches); {} for a data module without a ``batch_size``."""
-    per_replica = getattr(trainer.datamodule, "batch_size", None)  # type: ignore[attr-defined]
-    if per_replica is None:
-        return {}
+    the accumulated batches)."""
+    per_replica = trainer_data(trainer).batch_size
     _, replicas = data_parallel_rank_and_size(trainer)
     return {
         "data_parallel": replicas,

@@ -66,7 +66,7 @@ class ModelParallelLayout(Layout):
         the input that arrives from the stage before."""
         module = job.new_module()
         stages = self.stages(module.net)
-        boundaries = block_inputs(module.net, job.example_batch(module, job.batch_size)[0].to("meta"))
+        boundaries = block_inputs(module.net, job.data.example_batch(job.batch_size)[0].to("meta"))
         for stage in range(self.num_stages):
             module = job.new_module()
             kept = stage_modules(module.net, stages, stage)

@@ -217,7 +217,7 @@ class PipelineLayout(ShardedLayout):
                 if rank == 0:  # what enters each block, then the head: a tensor-parallel rank's share of it
                     whole = job.new_module()
                     self.tensor_parallel.apply(whole.net, mesh)
-                    example = job.example_batch(whole, microbatch_size)[0].to("meta")
+                    example = job.data.example_batch(microbatch_size)[0].to("meta")
                     boundaries = block_inputs(whole.net, example)
                 module = job.new_module()
                 kept = self.lay_out(module.net, mesh, job.precision)

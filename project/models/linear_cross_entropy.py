@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100  # a target not trained on: torch's cross_entropy default (data=chat's prompts and padding)
+from project.data.targets import IGNORE_INDEX
+
 # The most logits a chunk holds by default (model.fused_loss_chunk_logits): 2^28, a GiB in float32 (with the bf16
 # logits, torch's float32 copy of them for the log-softmax and the bf16 gradient, about 3 GiB while a chunk is worked
 # on). Not Liger's rule (a chunk's logits as many as all the hidden states: 63 chunks for Llama 3's

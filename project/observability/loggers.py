@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf
 
+from project.options.config_rules import ConfigRules, RunData
 from project.options.errors import check_writable
 from project.options.option_types import PositiveFloat
 
@@ -122,7 +123,7 @@ class EpochCSVLogger(CSVLogger):
         super().finalize(status)
 
 
-class EpochWandbLogger(WandbLogger):
+class EpochWandbLogger(WandbLogger, ConfigRules):
     """Lightning's WandbLogger with one history row per epoch (``EpochRows``) and one x-axis for every chart:
     ``x_axis`` ``epoch``, or ``step`` (optimizer steps) for runs validated every N steps; the ``step/*`` rows are
     always charted by step. Every row holds both, so either can be chosen in the W&B UI. The run's summary holds
@@ -157,23 +158,23 @@ class EpochWandbLogger(WandbLogger):
         self._best: dict[str, float] | None = None
 
     @staticmethod
-    def check_config(cfg: DictConfig, name: str) -> None:
+    def check_run_config(cfg: DictConfig, node: str, data: RunData) -> None:
         """Where W&B writes, which must be writable before launch: the run's ``save_dir``, its staging dir for
         logged tables and its cache (``WANDB_DATA_DIR`` and ``WANDB_CACHE_DIR``, by default under HOME).
 
         The two defaults are wandb.env's ``get_data_dir`` and ``get_cache_dir``, spelt out: importing wandb (2 s)
         would slow every launcher down, and the launcher of a multi-process job never logs itself."""
-        mode = OmegaConf.select(cfg, f"logger.{name}.mode")
+        mode = OmegaConf.select(cfg, f"{node}.mode")
         if mode == "disabled" or os.environ.get("WANDB_MODE") == "disabled":
             return
-        save_dir = OmegaConf.select(cfg, f"logger.{name}.save_dir") or "."
-        check_writable(f"logger.{name}.save_dir", save_dir, f"set logger.{name}.save_dir to a dir you can write.")
+        save_dir = OmegaConf.select(cfg, f"{node}.save_dir") or "."
+        check_writable(f"{node}.save_dir", save_dir, f"set {node}.save_dir to a dir you can write.")
         for variable, directory in (
             ("WANDB_DATA_DIR", os.environ.get("WANDB_DATA_DIR", platformdirs.user_data_dir("wandb"))),
             ("WANDB_CACHE_DIR", os.environ.get("WANDB_CACHE_DIR", platformdirs.user_cache_dir("wandb"))),
         ):
             check_writable(
-                f"logger.{name}",
+                node,
                 directory,
                 f"W&B writes there: set the environment variable {variable} to a dir you can write, or log with "
                 "logger=csv.",

@@ -5,8 +5,10 @@ from typing import TYPE_CHECKING, Any, cast
 import lightning as L
 from omegaconf import DictConfig, OmegaConf
 
+from project.data.datamodule import trainer_data
 from project.models.generation import generate
 from project.observability.loggers import EpochWandbLogger
+from project.options.config_rules import ConfigRules, RunData
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeFloat, PositiveInt, Seed
 
@@ -14,7 +16,7 @@ if TYPE_CHECKING:
     from project.tasks.base import TrainingModule
 
 
-class TextSample(L.Callback):
+class TextSample(L.Callback, ConfigRules):
     """After each validation (not the sanity check), ``max_new_tokens`` tokens the model writes after ``prompt``
     (``project.models.generation.generate``: ``temperature``, ``top_k``, ``seed``), printed and kept in the W&B run's
     table ``samples`` (epoch, step, prompt, text: one row per validation). ``prompt`` null: no sample.
@@ -41,28 +43,28 @@ class TextSample(L.Callback):
         self.rows: list[dict[str, Any]] = []
 
     @staticmethod
-    def check_config(cfg: DictConfig, name: str, datamodule: L.LightningDataModule) -> None:
+    def check_run_config(cfg: DictConfig, node: str, data: RunData) -> None:
         """A prompt (``callbacks.<name>.prompt``) needs text data. (And ranks that each run the whole model: a rule
-        of the layout, ``project.config.checks.layout_problem``.)"""
-        key = f"callbacks.{name}.prompt"
+        on the job, ``project.job.rules.layout_problem``.)"""
+        key = f"{node}.prompt"
         prompt = OmegaConf.select(cfg, key)
         if prompt is None:
             return
         if not isinstance(prompt, str) or not prompt:
             raise ConfigError(key, f"is {prompt!r}.", f"give the text to continue, e.g. {key}='Once upon a time'.")
-        if getattr(datamodule, "text_codec", lambda: None)() is None:
+        if data.text_codec() is None:
             raise ConfigError(
                 key,
-                f"is set, but {type(datamodule).__name__} has no text to write a prompt in.",
+                f"is set, but {type(data).__name__} has no text to write a prompt in.",
                 f"use data=text or data=shards, or {key}=null.",
             )
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.prompt is None or trainer.sanity_checking:
             return
-        # (datamodule: set on the Trainer by Lightning's data connector, not declared by its class.)
-        datamodule = trainer.datamodule  # type: ignore[attr-defined]
-        codec, net = datamodule.text_codec(), cast("TrainingModule", pl_module).net
+        data = trainer_data(trainer)
+        codec, net = data.text_codec(), cast("TrainingModule", pl_module).net
+        assert codec is not None  # checked before launch (check_run_config)
         training = net.training
         net.eval()
         tokens = generate(
@@ -72,7 +74,7 @@ class TextSample(L.Callback):
             self.temperature,
             self.top_k,
             self.seed,
-            max_length=datamodule.seq_length,
+            max_length=data.seq_length,
         )
         net.train(training)
         text = codec.decode(tokens)

@@ -3,8 +3,11 @@
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
+
+Built = TypeVar("Built")
 
 
 class ConfigError(ValueError):
@@ -46,6 +49,26 @@ def positive_int(key: str, value: object, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(key, f"must be a positive integer, got {value!r}.", fix)
     return value
+
+
+def cannot_build(key: str, problem: str) -> ConfigError:
+    """The refusal of the config node at ``key``, whose object fails to build with ``problem``."""
+    return ConfigError(
+        key,
+        f"cannot be built: {problem}.",
+        f"check {key}._target_ and its options (python train.py --cfg job prints them).",
+    )
+
+
+def built(key: str, build: Callable[[], Built]) -> Built:
+    """``build()``, the object of the config node at ``key``; a ``ConfigError`` it raises comes out as it is, any
+    other error as the node's (``cannot_build``)."""
+    try:
+        return build()
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise cannot_build(key, f"{type(error).__name__}: {error}") from None
 
 
 def exit_with(error: ConfigError) -> NoReturn:

@@ -27,8 +27,8 @@ from tqdm import tqdm
 
 from project.accounting.memory_trackers import MB
 from project.config.build import overrides, with_strategy
-from project.config.checks import layout_problem
 from project.job.job import Change, Job, Setting
+from project.job.rules import layout_problem
 from project.layouts.fsdp_layout import FSDPLayout
 from project.options.errors import ConfigError
 from project.parallel.parallelize import Checkpointing

@@ -35,9 +35,9 @@ import torch
 from tqdm import tqdm
 
 from project.config.build import overrides, with_strategy
-from project.config.checks import layout_problem
 from project.job.cluster import Cluster
 from project.job.job import Job, Setting
+from project.job.rules import layout_problem
 from project.options.errors import ConfigError, made_dir
 from project.parallel.parallelize import Checkpointing
 from project.plan.depth import extrapolated_plan

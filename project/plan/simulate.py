@@ -36,7 +36,8 @@ from project.accounting.memory_trackers import (
     model_state_bytes_per_device,
 )
 from project.job.job import Job
-from project.job.layout import DeviceWork, TaskModule
+from project.job.layout import DeviceWork
+from project.job.task import TaskModule
 from project.parallel.parallelize import allocate
 from project.plan.cuda_kernels import cuda_kernels
 
@@ -103,6 +104,9 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         # buffers; nothing changes them in place, and real runs of those layouts print no such warning.
         warnings.filterwarnings("ignore", r"FSDP2-wrapped module \(.*\) returned a view tensor", UserWarning)
         allocate(net, torch.device("cpu"))
+        if module.precomputation is not None:  # what a run computes before its first step (DPO's reference): their
+            # values change no shape, byte or FLOP of the step; kept outside it, as a run keeps them before it
+            module.precomputed = torch.zeros(job.train_samples + job.val_samples, job.data.sequences_per_sample)
         optimizer = module.new_optimizer()
         # As after a first step: the optimizer's state (a step on zero gradients makes it, without a forward) and
         # the gradients, which Lightning frees only after the next forward.
@@ -140,7 +144,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
                 )
                 # The batch on the device: Lightning moves the whole batch to every rank's device, and on a CPU the
                 # data loader's next batch, fetched one ahead, is there too. A micro-batch is a view of it.
-                batches = [job.example_batch(module, job.batch_size) for _ in range(1 if job.on_gpus else 2)]
+                batches = [job.data.example_batch(job.batch_size) for _ in range(1 if job.on_gpus else 2)]
                 rows = work.microbatch_size * job.data.sequences_per_sample  # a preference pair is two rows
                 microbatch = tuple(tensor[:rows] for tensor in batches[0])
                 with counts:
@@ -302,8 +306,10 @@ def _step(
             *earlier, final = work.stages
             for stage in earlier:
                 x = stage(x)
-            if work.last:  # the loss as the task computes it: of the logits, or in the head (fused_loss)
-                pending.append((index, module.outputs_and_loss(final, x, target)[1] / work.microbatches))
+            if work.last:  # the loss as the task computes it (of the logits, or in the head: fused_loss); nothing
+                # kept of it but its value, as in the strategies
+                loss = module.loss(module.net_outputs(final, x, target), target).value / work.microbatches
+                pending.append((index, loss))
             else:
                 pending.append((index, final(x)))
         del x  # what the loss saved of the last stage's output (logits) stays, the rest is freed, as in the strategy

@@ -219,20 +219,22 @@ def predict_step(plan: MemoryPlan, job: Job, cluster: Cluster) -> StepTime:
 
 
 def format_step(step: StepTime, cluster: Cluster, job: Job) -> str:
-    """The step, and the forward pass the job's task makes once before its first step, if any
-    (``samples_forward_before_training``): about a third of the steps that would train on as many samples, a
-    forward's share of a step's FLOPs (not simulated)."""
+    """The step, and the forward pass the job's task makes once before its first step, if any (its
+    ``precomputation``): about a third of the steps that would train on as many samples, a forward's share of a
+    step's FLOPs (not simulated)."""
     line = (
         f"Predicted on {cluster.name}: {step.seconds:.3g} s a step ({step.compute:.3g} s compute, "
         f"{step.exposed_communication:.2g} s exposed communication, {step.bubble:.2g} s pipeline bubble), "
         f"{step.tokens_per_device_per_s:,.0f} {throughput_unit(job)}/s per GPU, MFU {100 * step.mfu:.1f}% "
         "(docs/step-time.md)."
     )
-    samples = job.model.task.samples_forward_before_training(job.train_samples, job.val_samples)
-    if samples:
+    precomputation = job.model.task.precomputation
+    if precomputation is not None:
+        samples = precomputation.samples_forward(job.train_samples, job.val_samples)
         before = samples / job.samples_per_step * step.seconds / 3
         line += (
-            f" Before the first step, one forward pass over {samples:,} samples (every pair, for DPO's reference): "
-            f"about {before:.3g} s, a third of the steps that would train on them."
+            f" Before the first step, one forward pass over {samples:,} samples (every {precomputation.sample}, for "
+            f"{precomputation.task}'s {precomputation.name}): about {before:.3g} s, a third of the steps that would "
+            "train on them."
         )
     return line

@@ -7,8 +7,9 @@ together) in place of the ``loss.backward()`` of Lightning's backward (its hooks
 stay), and forward-only in ``validation_step`` (and ``row_values``); gradient clipping by norm takes the norm over
 all stages. The last stage adds each micro-batch to the metrics as the schedule computes its loss, so it keeps no
 micro-batch's outputs past its backward (torch's schedule would merge them all: a vocabulary's logits per sample of
-the whole batch). The task packs its batch into the inputs and one target tensor (``schedule_batch``), which the
-schedule cuts into micro-batches by rows, and computes each micro-batch's loss (``microbatch_loss``).
+the whole batch). The schedule cuts the batch's inputs and target into micro-batches by rows (whole samples: what
+rides with a row, as a preference pair's index, stays with it), and the task computes each micro-batch's loss
+(``TaskModule.loss``) as it computes a batch's.
 Everything else (optimizers, metrics, loggers, checkpoints) is Lightning's, unchanged. The model arrives on the meta
 device, so a rank allocates only its own stages.
 """
@@ -29,7 +30,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from project.checkpointing.files import META_FILE, is_sharded_checkpoint
-from project.job.layout import TaskModule
+from project.data.datamodule import trainer_data
+from project.job.task import TaskModule
 from project.layouts.pipeline_layout import PipelineLayout, ScheduleName, StageModule
 from project.layouts.sharded_layout import TensorParallel
 from project.models.sequence import BlockSequence
@@ -51,7 +53,7 @@ warnings.filterwarnings("ignore", message=r".*was called before the ``update`` m
 
 class PipelineStrategy(ShardedStrategy):
     """``num_stages`` stages over ``num_stages / stages_per_rank`` ranks per pipeline, each stage split over
-    ``tensor_parallel_size`` ranks; batches are the task's (``TaskModule.schedule_batch``)."""
+    ``tensor_parallel_size`` ranks."""
 
     layout: PipelineLayout
 
@@ -84,7 +86,7 @@ class PipelineStrategy(ShardedStrategy):
         self._eval_rows = 0  # of every forward-only batch, padded: fixed by the first
         self._eval_rows_left = 0  # of the batch under way, before its padding: its micro-batches not yet handed on
         self._eval_handler: Callable[[torch.Tensor, torch.Tensor], object] | None = None
-        self._batch: tuple[torch.Tensor, ...] | None = None
+        self._batch: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def summed_over_stages(self, counts: dict[str, int]) -> dict[str, int]:
         group = self.device_mesh[PIPELINE].get_group()
@@ -157,8 +159,7 @@ class PipelineStrategy(ShardedStrategy):
     def _microbatch_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """What the schedule backpropagates from a micro-batch; unmetered: torch 2.13 calls it on stand-in outputs
         too, when its first step infers the stages' shapes."""
-        loss = cast(TaskModule, self.lightning_module).microbatch_loss("train", outputs, target, metered=False)
-        return loss / self._loss_divisor
+        return cast(TaskModule, self.lightning_module).loss(outputs, target).value / self._loss_divisor
 
     def _metered(self, schedule: "_PipelineSchedule") -> "_PipelineSchedule":
         """``schedule``, adding each micro-batch to the training metrics as it computes the micro-batch's loss.
@@ -169,7 +170,9 @@ class PipelineStrategy(ShardedStrategy):
         module = cast(TaskModule, self.lightning_module)
 
         def compute_and_meter(outputs: torch.Tensor, target: torch.Tensor, loss_kwargs=None) -> torch.Tensor:
-            return module.microbatch_loss("train", outputs, target, metered=True) / self._loss_divisor
+            loss = module.loss(outputs, target)
+            module.meter("train", loss)
+            return loss.value / self._loss_divisor
 
         schedule._compute_loss = compute_and_meter  # type: ignore[method-assign]
         return schedule
@@ -195,7 +198,7 @@ class PipelineStrategy(ShardedStrategy):
         args = (inputs,) if self.holds_first_stage else ()
         schedule(*args, target=target if self.holds_last_stage else None, losses=[], return_outputs=False)
 
-    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Only registers the metrics: Lightning zeroes gradients between ``training_step`` and ``backward``, so
         the schedule (forward and backward of every micro-batch) runs in ``backward``."""
         self._batch = batch
@@ -218,7 +221,7 @@ class PipelineStrategy(ShardedStrategy):
         if self._train_schedule is None:
             self._train_schedule = self._metered(self._make_schedule(loss_fn=self._microbatch_loss))
         assert self._batch is not None  # set by training_step
-        inputs, target = cast(TaskModule, self.lightning_module).schedule_batch(self._batch)
+        inputs, target = self._batch
         self._batch = None
         with self.precision_plugin.train_step_context():  # autocast under bf16-mixed, as Lightning's training_step
             self._run_schedule(self._train_schedule.step, inputs, target)
@@ -227,15 +230,15 @@ class PipelineStrategy(ShardedStrategy):
         """Clip by the norm of the whole model's gradient: every stage's, every data-parallel shard's."""
         return clip_grad_norm_(parameters, max_norm, self.device_mesh[PIPELINE].get_group())
 
-    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Forward only (``_forward_only``), each micro-batch added to the validation metrics."""
         module = cast(TaskModule, self.lightning_module)
 
         def meter(outputs: torch.Tensor, target: torch.Tensor) -> None:
-            module.microbatch_loss("val", outputs, target, metered=True)
+            module.meter("val", module.loss(outputs, target))
 
         with self.precision_plugin.val_step_context():
-            self._forward_only(*module.schedule_batch(batch), meter)
+            self._forward_only(*batch, meter)
         module.log_metrics("val")
 
     def row_values(self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor, fn: RowFunction) -> torch.Tensor:
@@ -259,8 +262,7 @@ class PipelineStrategy(ShardedStrategy):
         are left out (``_handed_on``)."""
         if self._eval_schedule is None:
             self._eval_schedule = self._handed_on(self._make_schedule(loss_fn=self._eval_loss))
-            data = self.lightning_module.trainer.datamodule  # type: ignore[union-attr]  # set by Lightning
-            rows_per_sample = getattr(data, "sequences_per_sample", 1)
+            rows_per_sample = trainer_data(cast(TaskModule, self.lightning_module).trainer).sequences_per_sample
             group = self.layout.microbatches * rows_per_sample
             self._eval_rows = -(-len(inputs) // group) * group
         self._eval_rows_left, self._eval_handler = len(inputs), handler
@@ -274,4 +276,4 @@ class PipelineStrategy(ShardedStrategy):
     def _eval_loss(self, outputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The loss function a forward-only schedule needs for its last stage to call ``_compute_loss`` at all
         (``_handed_on`` replaces that); torch's evaluation calls it directly neither in 2.11 nor in 2.13."""
-        return cast(TaskModule, self.lightning_module).microbatch_loss("val", outputs, target, metered=False)
+        return cast(TaskModule, self.lightning_module).loss(outputs, target).value

@@ -3,8 +3,10 @@
 import copy
 import difflib
 import inspect
+import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import cast
+from typing import ClassVar, cast
 
 import lightning as L
 import torch
@@ -14,12 +16,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 
+from project.checkpointing.files import checkpoint_meta
 from project.checkpointing.hf import HFWeights
+from project.data.datamodule import DataModule, trainer_data
+from project.data.targets import IGNORE_INDEX
 from project.job.job import Job
-from project.job.layout import DataShape
 from project.job.model_option import InitialWeights, ModelOption, Target
+from project.job.task import Loss, MetricSums, Precomputation
 from project.model_options import in_order
-from project.models.linear_cross_entropy import IGNORE_INDEX
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import Seed
@@ -32,6 +36,7 @@ from project.parallel.parallelize import (
 )
 from project.strategies.laid_out import LaidOutStrategy
 from project.tasks.metrics import SampleMean
+from project.tasks.precomputation import checkpoint_problem, precomputed_values
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 SchedulerFactory = Callable[..., torch.optim.lr_scheduler.LRScheduler]
@@ -58,32 +63,43 @@ def local_gradients_finite(optimizer: torch.optim.Optimizer) -> torch.Tensor:
     return torch.stack([torch.isfinite(grad).all() for grad in grads]).all() if grads else torch.tensor(True)
 
 
-class TrainingModule(L.LightningModule):
-    """Trains ``net`` (a plain model, ``head(blocks(stem(x)))``) on ``(inputs, targets)`` batches.
+def loss_sums(value: torch.Tensor, target: torch.Tensor) -> MetricSums:
+    """The epoch loss's share of a batch's ``value``, a sum over its trained targets divided by all its targets
+    (``TokenCrossEntropy``; a classifier's mean): the sum, over the trained targets (not ``IGNORE_INDEX``), so that
+    the epoch's value is the mean over every trained sample (or token), whatever the batch sizes and however many
+    targets each batch leaves out."""
+    return {"loss": (value.detach() * target.numel(), (target != IGNORE_INDEX).sum())}
+
+
+class TrainingModule(L.LightningModule, ABC):
+    """Trains ``net`` (a plain model, ``head(blocks(stem(x)))``) on its data's ``(inputs, target)`` batches.
 
     ``net`` is normally built on the meta device; ``configure_model`` lets the strategy shard or split it, then
     materialises what this rank keeps, initialised from ``init_seed`` (``project.parallel.parallelize.materialize``).
 
-    Subclasses set ``criterion`` (loss of a batch or micro-batch), ``train_metrics`` and ``val_metrics``
-    (ModuleDicts of torchmetrics with a ``loss`` SampleMean, reduced across ranks once at epoch end) and may
-    override ``update_task_metrics`` for the metrics beyond the loss. They give ``example_batch`` (a batch of the
-    data's shapes, for the memory plan's simulated step).
+    A task (a subclass) declares one ``loss``: of the model's outputs and the batch's target, with its share of the
+    epoch metrics (``Loss``), which every caller goes through: Lightning's steps here, a pipeline's micro-batches
+    (the strategy runs the schedule and meters each), the memory plan's simulated step. It sets ``criterion`` (the
+    value of each row, or of a batch), ``train_metrics`` and ``val_metrics`` (ModuleDicts of ``SampleMean`` with a
+    ``loss``, reduced across ranks once at epoch end) and may declare what it computes of every sample before its
+    first step (``precomputation``) and its rules (``problem``, ``data_problem``). This class does the rest: the
+    metric bookkeeping (``meter``, ``log_metrics``), the optimizer, checkpoints, the precomputation's run.
 
     ``options`` are the model options (``model.<name>``, ``project.model_options``): each acts at its hooks of the
     ``ModelOption`` contract, in their declared order, where this module builds, prepares, trains and checkpoints.
 
-    The protocol strategies use: ``configure_model`` hands ``net`` to ``strategy.parallelize`` (FSDP shards it,
-    model/pipeline parallelism split it); a pipeline strategy runs the steps itself, the batch as
-    ``schedule_batch`` packs it and a loss per micro-batch (``microbatch_loss``, which feeds the metrics where
-    outputs exist), and calls ``log_metrics`` on every rank; a strategy that returns a norm from
-    ``clip_grad_norm_`` clips gradients by norm itself.
+    The protocol strategies use (``project.job.task.TaskModule``): ``configure_model`` hands ``net`` to
+    ``strategy.parallelize`` (FSDP shards it, model/pipeline parallelism split it); a pipeline strategy runs the
+    steps itself, calling ``loss`` and ``meter`` per micro-batch and ``log_metrics`` on every rank; a strategy that
+    returns a norm from ``clip_grad_norm_`` clips gradients by norm itself.
     """
 
     criterion: nn.Module
     train_metrics: nn.ModuleDict
     val_metrics: nn.ModuleDict
     progress_bar_metrics: tuple[str, ...] | None = None  # the metrics the progress bar shows (None: all)
-    example_batch: Callable[[int, DataShape], tuple[torch.Tensor, torch.Tensor]]  # (batch_size, the data's shape)
+    sequences_per_sample: ClassVar[int] = 1  # the rows of a batch its loss reads as one sample (a pair's two)
+    precomputation: ClassVar[Precomputation | None] = None  # what it computes of every sample before training
 
     def __init__(
         self,
@@ -143,6 +159,7 @@ class TrainingModule(L.LightningModule):
         self.option_metrics = nn.ModuleDict(
             {name: metric for option in self.options for name, metric in option.epoch_metrics().items()}
         )
+        self.precomputed: torch.Tensor | None = None  # the precomputation's values, once computed or read
         self._configured = False
         self._logged_splits: set[str] = set()  # splits whose metrics Lightning holds for the epoch under way
         _check_optimizer(optimizer, self._optimizer_groups())  # on the meta-device parameters: nothing allocated
@@ -193,26 +210,38 @@ class TrainingModule(L.LightningModule):
     def metrics_for(self, split: str) -> nn.ModuleDict:
         return self.train_metrics if split == "train" else self.val_metrics
 
-    def update_metrics(
-        self, split: str, outputs: torch.Tensor | None, target: torch.Tensor, loss: torch.Tensor
-    ) -> None:
-        """Add a batch to ``split``'s metrics (train or val); ``outputs`` None where the net computed the loss itself
-        (``outputs_and_loss``)."""
-        metrics = self.metrics_for(split)
-        # The loss is a sum over the trained targets divided by all the targets (TokenCrossEntropy): the sum, over
-        # the trained targets, gives the epoch's mean over every trained sample (or token), whatever the batch
-        # sizes and however many targets each batch leaves out (IGNORE_INDEX).
-        total, trained = loss.detach() * target.numel(), (target != IGNORE_INDEX).sum()
-        cast(SampleMean, metrics["loss"]).add(total, trained)
-        # The step rows' loss, only when there are step rows. (Lightning's connectors set log_every_n_steps on the
-        # Trainer; its class does not declare it.)
-        if split == "train" and self.trainer.log_every_n_steps:  # type: ignore[attr-defined]
-            self.interval_loss.add(total, trained)
-        if outputs is not None:
-            self.update_task_metrics(metrics, outputs.detach(), target)
+    def net_outputs(self, last: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """What ``last``, the last module a device runs (the whole net, or its last stage), makes of its input ``x``
+        for ``loss``: its output. (A net that computes the loss itself takes ``target`` too: a language model's fused
+        loss.)"""
+        return last(x)
 
-    def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
-        """Metrics beyond the loss (none by default)."""
+    @abstractmethod
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> Loss:
+        """The task's loss of the net's ``outputs`` against the batch's (or micro-batch's) ``target``, and its share
+        of the epoch metrics."""
+
+    def meter(self, split: str, loss: Loss) -> None:
+        """Add a batch's (or micro-batch's) ``loss`` to ``split``'s metrics (train or val); a training one to the
+        step rows' loss too."""
+        metrics = self.metrics_for(split)
+        sums = loss.metric_sums()
+        for name, (total, count) in sums.items():
+            cast(SampleMean, metrics[name]).add(total, count)
+        if split == "train" and self._step_rows_every:  # the step rows' loss, only when there are step rows
+            self.interval_loss.add(*sums["loss"])
+
+    @property
+    def _step_rows_every(self) -> int:
+        """``trainer.log_every_n_steps``: the optimizer steps between step rows (0: none). (Set on the Trainer by
+        Lightning's logger connector; its class does not declare it.)"""
+        return self.trainer.log_every_n_steps  # type: ignore[attr-defined]
+
+    @property
+    def _batches_processed(self) -> int:
+        """The training batches of the epoch under way processed so far. (The batch progress's trackers are
+        _ProcessedTracker objects, declared as their base class by Lightning.)"""
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
 
     def log_metrics(self, split: str) -> None:
         """Log ``split``'s metrics (train or val) for the epoch: hand Lightning the metric objects, once per epoch
@@ -246,8 +275,7 @@ class TrainingModule(L.LightningModule):
         option's ``before_optimizer_step`` first."""
         for option in self.options:
             option.before_optimizer_step(self.net)
-        # (log_every_n_steps: set on the Trainer by Lightning's logger connector, not declared by its class.)
-        every = self.trainer.log_every_n_steps  # type: ignore[attr-defined]
+        every = self._step_rows_every
         step = self.trainer.global_step + 1  # the step about to be taken
         if not every or step % every:
             return
@@ -267,14 +295,17 @@ class TrainingModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         """The training metrics so far, summed over ranks, so that an epoch resumed from a mid-epoch checkpoint
-        reports the numbers of the whole epoch. Every rank saves (Lightning builds the checkpoint on each), so all
-        join the reduction. (Under pipeline only the last stage updates them; the other stages add zeros.)"""
+        reports the numbers of the whole epoch; and the precomputation's values with the fingerprint of their data.
+        Every rank saves (Lightning builds the checkpoint on each), so all join the reduction. (Under pipeline only
+        the last stage updates them; the other stages add zeros.)"""
         trainer = self.trainer
-        # The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.
-        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-        mid_epoch = processed < trainer.num_training_batches
+        mid_epoch = self._batches_processed < trainer.num_training_batches
         for option in self.options:
             option.on_save_checkpoint(checkpoint, self.initial_weights)
+        if self.precomputation is not None:
+            assert self.precomputed is not None, "computed once training has started"
+            checkpoint[self.precomputation.checkpoint_key] = self.precomputed.cpu()
+            checkpoint[self.precomputation.fingerprint_key] = trainer_data(self.trainer).fingerprint()
         checkpoint["running_metrics"] = {}
         for key, metric in self._running_metrics(mid_epoch).items():
             with metric.sync_context():  # sums (the states' reductions) over ranks, then back to this rank's own
@@ -282,9 +313,15 @@ class TrainingModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         """Rank 0 takes the saved sums, the other ranks start from zero: their sum is the saved one. Each model
-        option checks the checkpoint first."""
+        option checks the checkpoint first; a precomputation's values are taken if they are of this run's data."""
         for option in self.options:
             option.on_load_checkpoint(checkpoint, self.initial_weights)
+        precomputation = self.precomputation
+        if precomputation is not None and precomputation.checkpoint_key in checkpoint:
+            problem = checkpoint_problem(precomputation, checkpoint, trainer_data(self.trainer))
+            if problem is not None:  # checked before launch too; here for a checkpoint read by other means
+                raise problem
+            self.precomputed = checkpoint[precomputation.checkpoint_key]
         for key, metric in self._running_metrics().items():
             metric.reset()
             saved = checkpoint.get("running_metrics", {}).get(key)
@@ -293,15 +330,6 @@ class TrainingModule(L.LightningModule):
                     setattr(metric, name, value.to(getattr(metric, name).device))
                 metric._update_count = 1  # it holds updates: compute() without torchmetrics' warning
 
-    def outputs_and_loss(
-        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``net``'s outputs for ``inputs`` and the criterion's loss of them against ``target``. ``net``: the whole
-        net, or the last of the modules a device runs (the memory plan's simulated step). A subclass whose net
-        computes the loss itself returns no outputs (``LanguageModelModule``'s ``fused_loss``)."""
-        outputs = net(inputs)
-        return outputs, self.criterion(outputs, target)
-
     def compile_loss(self) -> None:
         """Compile the loss with the blocks (``model.compile``), in ``compiled_loss_module``: a subclass's business."""
 
@@ -309,42 +337,64 @@ class TrainingModule(L.LightningModule):
         """The module whose forward (and backward) holds the loss ``compile_loss`` compiles, or None: none."""
         return None
 
-    def loss_problem(self, job: Job) -> ConfigError | None:
-        """Why ``job``'s layout cannot compute this module's loss, or None (it can)."""
+    def problem(self, job: Job) -> ConfigError | None:
+        """The first of the task's own rules that ``job`` breaks (how its devices divide the work), or None: asked
+        with the layout's of every job and every layout the planner tries."""
         return None
 
-    @classmethod
-    def samples_forward_before_training(cls, train_samples: int, val_samples: int) -> int:
-        """The samples a run passes forward once before its first step, of a data set of ``train_samples`` and
-        ``val_samples``: none, but for a task that prepares something from its data (DPO's reference)."""
-        return 0
+    def data_problem(self, data: DataModule, ckpt_path: str | None, evaluating: bool) -> ConfigError | None:
+        """The first of the task's rules on the data it trains on and the checkpoint it starts from (``ckpt_path``;
+        ``evaluating``: ``mode=eval``) that the run breaks, or None: the data's own rule on the task, and a
+        precomputation's values in the checkpoint, which must be of this data's samples. Checked before launch."""
+        problem = data.task_problem(type(self).__name__, self.sequences_per_sample)
+        if problem is not None or self.precomputation is None or ckpt_path is None:
+            return problem
+        return checkpoint_problem(self.precomputation, checkpoint_meta(ckpt_path), data)
 
-    def schedule_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch as a pipeline's schedule takes it: the first stage's inputs and one target tensor for the last
-        stage, which the schedule cuts into micro-batches by rows, as it cuts the inputs (``microbatch_loss``)."""
+    def precomputed_of(self, samples: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The precomputation's values of ``samples`` (their indices), on ``device``."""
+        assert self.precomputed is not None, "computed when training starts, or read from the checkpoint"
+        return self.precomputed[samples.to(self.precomputed.device)].to(device)
+
+    # At the first of the sanity check's validation and training (mode=eval reads it from the checkpoint): after
+    # Lightning has read a checkpoint, which sharded strategies do only after on_fit_start.
+    def on_train_start(self) -> None:
+        self._precompute()
+
+    def on_validation_start(self) -> None:
+        self._precompute()
+
+    def _precompute(self) -> None:
+        """The precomputation's values on this rank's device: those the checkpoint held (its net no longer the one
+        they are of), or else computed now."""
+        precomputation = self.precomputation
+        if precomputation is None:
+            return
+        if self.precomputed is not None:
+            self.precomputed = self.precomputed.to(self.device)
+            return
+        start = time.perf_counter()
+        # Outside the inference mode Lightning validates in: the values serve training steps too.
+        with torch.inference_mode(False):
+            self.precomputed = precomputed_values(self.trainer, self.net, self.criterion, self.device)
+        rank_zero_info(
+            f"{precomputation.task} {precomputation.name}: the {precomputation.values} of all "
+            f"{len(self.precomputed)} {precomputation.sample}s under the model before its first step, computed in "
+            f"{time.perf_counter() - start:.1f} s (kept in the checkpoints)."
+        )
+
+    def _step(self, split: str, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Lightning's step of ``split`` (train or val): the batch's loss, metered."""
         inputs, target = batch
-        return inputs, target
-
-    def microbatch_loss(self, split: str, outputs: torch.Tensor, target: torch.Tensor, metered: bool) -> torch.Tensor:
-        """The criterion's loss of a pipeline's micro-batch: the last stage's ``outputs`` and its rows of
-        ``schedule_batch``'s target; ``metered``: added to ``split``'s metrics too."""
-        loss = self.criterion(outputs, target)
-        if metered:
-            self.update_metrics(split, outputs, target, loss)
-        return loss
-
-    def batch_loss(self, split: str, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The criterion's loss of a batch, added to ``split``'s metrics (train or val)."""
-        inputs, target = batch
-        outputs, loss = self.outputs_and_loss(self.net, inputs, target)
-        self.update_metrics(split, outputs, target, loss)
+        loss = self.loss(self.net_outputs(self.net, inputs, target), target)
+        self.meter(split, loss)
         self.log_metrics(split)
-        return loss
+        return loss.value
 
-    def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
-        """The batch's loss, plus the model options' terms; ``train/loss`` is the criterion's alone, comparable
-        with ``val/loss``."""
-        loss = self.batch_loss("train", batch)
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The batch's loss, plus the model options' terms; ``train/loss`` is the task's alone, comparable with
+        ``val/loss``."""
+        loss = self._step("train", batch)
         for option in self.options:
             term = option.training_loss(self.net)
             if term is not None:
@@ -357,9 +407,7 @@ class TrainingModule(L.LightningModule):
         trainer = self.trainer
         if not self.option_metrics:
             return
-        # (The batch progress's trackers are _ProcessedTracker objects, declared as their base class by Lightning.)
-        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
-        epoch_ends = trainer.is_last_batch or processed >= trainer.num_training_batches
+        epoch_ends = trainer.is_last_batch or self._batches_processed >= trainer.num_training_batches
         if not (epoch_ends or trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step):
             return
         for metric in cast(dict[str, Metric], self.option_metrics).values():
@@ -367,8 +415,8 @@ class TrainingModule(L.LightningModule):
             self.log_dict(metric.compute(), on_step=False, on_epoch=True, sync_dist=True, reduce_fx="max")
             metric.reset()
 
-    def validation_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> None:
-        self.batch_loss("val", batch)
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step("val", batch)
 
     def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Lightning's clipping, except that by norm a strategy whose ranks each hold a part of the model (a

@@ -1,18 +1,16 @@
 """Classification: cross-entropy, accuracy and mean loss, logged once per epoch."""
 
-from typing import cast
-
 import torch
 from torch import nn
 
-from project.job.layout import DataShape
+from project.job.task import Loss
 from project.models.sequence import BlockSequence
-from project.tasks.base import TrainingModule
-from project.tasks.metrics import SampleAccuracy, SampleMean
+from project.tasks.base import TrainingModule, loss_sums
+from project.tasks.metrics import SampleMean
 
 
 def _classification_metrics() -> nn.ModuleDict:
-    return nn.ModuleDict({"loss": SampleMean(), "acc": SampleAccuracy()})
+    return nn.ModuleDict({"loss": SampleMean(), "acc": SampleMean()})
 
 
 class ClassificationModule(TrainingModule):
@@ -25,10 +23,10 @@ class ClassificationModule(TrainingModule):
         self.train_metrics = _classification_metrics()
         self.val_metrics = _classification_metrics()
 
-    def update_task_metrics(self, metrics: nn.ModuleDict, outputs: torch.Tensor, target: torch.Tensor) -> None:
-        cast(SampleAccuracy, metrics["acc"]).update(outputs, target)
-
-    def example_batch(self, batch_size: int, data: DataShape) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of the shapes and dtypes the data module (of ``data``'s shape) feeds: features and labels."""
-        assert data.num_features is not None, "a classifier's data has features"
-        return torch.zeros(batch_size, data.num_features), torch.zeros(batch_size, dtype=torch.long)
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> Loss:
+        """The mean cross-entropy of the batch's class logits; ``acc``, the share of samples whose most likely class
+        is the target."""
+        value = self.criterion(outputs, target)
+        return Loss(
+            value, lambda: {**loss_sums(value, target), "acc": ((outputs.argmax(-1) == target).sum(), target.numel())}
+        )

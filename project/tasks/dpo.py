@@ -14,40 +14,35 @@ The loss is the batch's mean over pairs; rewards are ``beta x`` the log-ratios (
 chosen reward is the larger), means over pairs per epoch.
 
 The reference is the model before its first step: the frozen base under LoRA (its adapters start at zero), the
-initial weights with full fine-tuning. Its log-probabilities of every pair are computed once, when training starts,
-by the same net under the same layout (each data-parallel replica its share, then gathered), and kept in the
-checkpoints: so no second copy of the model is held, and a step runs the policy's forward and backward alone
-(TRL's ``precompute_ref_log_probs``). So that the policy before its first step is its reference, nothing in the
-training forward may differ from the evaluation one: dropout and an expert capacity are refused (TRL turns dropout
-off, ``disable_dropout``).
+initial weights with full fine-tuning. Its log-probabilities of every pair are the task's precomputation
+(``project.job.task.Precomputation``): computed once, when training starts, by the same net under the same layout
+(each data-parallel replica its share, then gathered), and kept in the checkpoints: so no second copy of the model is
+held, and a step runs the policy's forward and backward alone (TRL's ``precompute_ref_log_probs``). So that the
+policy before its first step is its reference, nothing in the training forward may differ from the evaluation one:
+dropout and an expert capacity are refused (TRL turns dropout off, ``disable_dropout``).
 """
 
-import math
-import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, cast
+from typing import Literal, cast
 
 import torch
-import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn import functional as F
 
-from project.data.sampling import data_parallel_rank_and_size
-from project.job.job import Job
-from project.models.linear_cross_entropy import IGNORE_INDEX
+from project.checkpointing.files import checkpoint_meta
+from project.data.datamodule import DataModule, split_index_column
+from project.data.preference import PreferenceDataModule
+from project.data.targets import IGNORE_INDEX
+from project.job.task import Loss, MetricSums, Precomputation
 from project.models.lora import LoRALinear
 from project.models.moe import Experts
+from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeFloat, PositiveFloat
-from project.strategies.laid_out import LaidOutStrategy
 from project.tasks.language_model import LanguageModelModule
 from project.tasks.metrics import SampleMean
-
-if TYPE_CHECKING:  # the data module imports nothing of this one; the checks build both
-    from project.data.preference import PreferenceDataModule
 
 PAIR_METRICS = (
     "loss",
@@ -59,7 +54,7 @@ PAIR_METRICS = (
     "logps/rejected",
 )
 REFERENCE_KEY = "reference_log_probs"  # the checkpoint's entries: the values, and the fingerprint of their pairs
-PAIRS_KEY = "reference_pairs"
+REFERENCE = Precomputation("DPO", "reference", "log-probabilities", "pair", REFERENCE_KEY, "reference_pairs")
 
 
 @dataclass(frozen=True)
@@ -121,191 +116,73 @@ def summed_log_probs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor
 
 class DPOModule(LanguageModelModule):
     """The language model trained on preference pairs (module docstring). Batches are a language model's (rows,
-    length) inputs and targets, rows ``2i`` and ``2i + 1`` a pair's chosen and rejected sequences, and the pairs'
-    indices (``project.data.preference``), which key ``reference_log_probs``: (pairs, 2), every pair's, training and
-    validation, once training has started or a checkpoint has been read."""
+    length) inputs and targets, rows ``2i`` and ``2i + 1`` a pair's chosen and rejected sequences, the targets' last
+    column each row's pair index (``project.data.preference``), which keys the reference's log-probabilities
+    (``precomputed``: (pairs, 2), every pair's, training and validation, once training has started or a checkpoint
+    has been read)."""
 
     criterion: SequenceLogProbs  # type: ignore[assignment]  # log-probabilities, not the token loss
     progress_bar_metrics = ("loss", "rewards/accuracies", "rewards/margins")
     logs_perplexity = False  # the loss is not a token loss
+    sequences_per_sample = 2  # a pair: its chosen and rejected rows
+    precomputation = REFERENCE
 
-    def __init__(self, net: nn.Module, dpo: PreferenceLoss, **kwargs) -> None:
-        super().__init__(net, **kwargs)  # type: ignore[arg-type]
-        self.dpo = dpo
-        self.criterion = SequenceLogProbs()
-        self.train_metrics = nn.ModuleDict({name: SampleMean() for name in PAIR_METRICS})
-        self.val_metrics = nn.ModuleDict({name: SampleMean() for name in PAIR_METRICS})
-        self.reference_log_probs: torch.Tensor | None = None
-        _check_same_in_training(net)
-
-    def loss_problem(self, job: Job) -> ConfigError | None:
-        """A pair's loss needs each sequence's log-probability: not the fused loss, which sums every token."""
-        if self.fused_loss:
-            return ConfigError(
+    def __init__(self, net: BlockSequence, dpo: PreferenceLoss, **kwargs) -> None:
+        super().__init__(net, **kwargs)
+        if self.fused_loss:  # a pair's loss needs each sequence's log-probability
+            raise ConfigError(
                 "model.fused_loss",
                 "is true, but DPO needs each sequence's log-probability, and the fused loss sums every token.",
                 "set model.fused_loss=false.",
             )
-        return None
+        self.dpo = dpo
+        self.criterion = SequenceLogProbs()
+        self.train_metrics = nn.ModuleDict({name: SampleMean() for name in PAIR_METRICS})
+        self.val_metrics = nn.ModuleDict({name: SampleMean() for name in PAIR_METRICS})
+        _check_same_in_training(net)
 
-    @classmethod
-    def samples_forward_before_training(cls, train_samples: int, val_samples: int) -> int:
-        """Every pair, training and validation: the reference's log-probabilities."""
-        return train_samples + val_samples
-
-    def pair_losses(
-        self, logits: torch.Tensor, target: torch.Tensor, reference: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pairs' losses and rewards, and the policy's log-probabilities (each pairs x 2)."""
-        policy = self.criterion(logits, target).view(-1, 2)
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> Loss:
+        """The mean of the pairs' losses (whole pairs: a pipeline cuts a batch into micro-batches of whole samples);
+        their rewards and the policy's log-probabilities are the metrics."""
+        target, pairs = split_index_column(target)
+        policy = self.criterion(outputs, target).view(-1, 2)
         tokens = (target != IGNORE_INDEX).sum(-1).view(-1, 2)
-        losses, rewards = self.dpo(policy, reference, tokens)
-        return losses, rewards, policy
+        losses, rewards = self.dpo(policy, self.precomputed_of(pairs[::2], outputs.device), tokens)
 
-    def outputs_and_loss(
-        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """The memory plan's simulated step: a training step's work, against a stand-in reference (zeros: its values
-        change no shape, byte or FLOP of the step)."""
-        reference = torch.zeros(len(inputs) // 2, 2, device=inputs.device)
-        return None, self.pair_losses(net(inputs), target, reference)[0].mean()
+        def metric_sums() -> MetricSums:
+            values = {
+                "loss": losses.detach(),
+                "rewards/chosen": rewards[:, 0],
+                "rewards/rejected": rewards[:, 1],
+                "rewards/margins": rewards[:, 0] - rewards[:, 1],
+                "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float(),
+                "logps/chosen": policy[:, 0].detach(),
+                "logps/rejected": policy[:, 1].detach(),
+            }
+            return {name: (value.sum(), len(losses)) for name, value in values.items()}
 
-    def batch_loss(self, split: str, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The mean of the batch's pairs' losses, their rewards and log-probabilities added to ``split``'s metrics."""
-        inputs, target, pairs = batch
-        loss = self.metered_pair_loss(split, self.net(inputs), target, pairs)
-        self.log_metrics(split)
-        return loss
+        return Loss(losses.mean(), metric_sums)
 
-    def schedule_batch(self, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The targets with each row's pair index as one more column: the schedule keeps it with its row."""
-        inputs, target, pairs = batch
-        return inputs, torch.cat([target, pairs.repeat_interleave(2)[:, None]], dim=1)
-
-    def microbatch_loss(self, split: str, outputs: torch.Tensor, target: torch.Tensor, metered: bool) -> torch.Tensor:
-        """A micro-batch's pairs (whole: the pipeline cuts a batch into micro-batches of whole samples)."""
-        target, pairs = target[:, :-1], target[::2, -1]
-        if metered:
-            return self.metered_pair_loss(split, outputs, target, pairs)
-        return self.pair_losses(outputs, target, self._reference_of(pairs, outputs.device))[0].mean()
-
-    def _reference_of(self, pairs: torch.Tensor, device: torch.device) -> torch.Tensor:
-        assert self.reference_log_probs is not None, "computed when training starts, or read from the checkpoint"
-        return self.reference_log_probs[pairs.to(self.reference_log_probs.device)].to(device)
-
-    def metered_pair_loss(
-        self, split: str, logits: torch.Tensor, target: torch.Tensor, pairs: torch.Tensor
-    ) -> torch.Tensor:
-        """The mean of the pairs' losses, their rewards and log-probabilities added to ``split``'s metrics."""
-        losses, rewards, policy = self.pair_losses(logits, target, self._reference_of(pairs, logits.device))
-        loss = losses.mean()
-        values = {
-            "loss": losses.detach(),
-            "rewards/chosen": rewards[:, 0],
-            "rewards/rejected": rewards[:, 1],
-            "rewards/margins": rewards[:, 0] - rewards[:, 1],
-            "rewards/accuracies": (rewards[:, 0] > rewards[:, 1]).float(),
-            "logps/chosen": policy[:, 0].detach(),
-            "logps/rejected": policy[:, 1].detach(),
-        }
-        metrics = self.metrics_for(split)
-        count = torch.tensor(len(losses), device=loss.device)
-        for name, value in values.items():
-            cast(SampleMean, metrics[name]).add(value.sum(), count)
-        if split == "train" and self.trainer.log_every_n_steps:  # type: ignore[attr-defined]
-            self.interval_loss.add(losses.detach().sum(), count)
-        return loss
-
-    # At the first of the sanity check's validation and training (mode=eval reads it from the checkpoint): after
-    # Lightning has read a checkpoint, which sharded strategies do only after on_fit_start.
-    def on_train_start(self) -> None:
-        self._reference_ready()
-
-    def on_validation_start(self) -> None:
-        self._reference_ready()
-
-    def _reference_ready(self) -> None:
-        """The reference's log-probabilities on this rank's device: those the checkpoint held, or else computed now."""
-        if self.reference_log_probs is not None:  # read from a checkpoint (whose net is no longer the reference)
-            self.reference_log_probs = self.reference_log_probs.to(self.device)
-            return
-        start = time.perf_counter()
-        # Outside the inference mode Lightning validates in: the values serve training steps too.
-        with torch.inference_mode(False):
-            self.reference_log_probs = self._reference_log_probs()
-        rank_zero_info(
-            f"DPO reference: the log-probabilities of all {len(self.reference_log_probs)} pairs under the model "
-            f"before its first step, computed in {time.perf_counter() - start:.1f} s (kept in the checkpoints)."
-        )
-
-    def _reference_log_probs(self) -> torch.Tensor:
-        """Every pair's log-probabilities under the net as it is, in evaluation mode: each data-parallel replica
-        computes its share (every ``replicas``-th pair, the last rounds wrapping around, so that all replicas run
-        the same number of forwards, as sharded and split layouts need), then every rank gathers them all."""
-        data = self.trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector
-        rank, replicas = data_parallel_rank_and_size(self.trainer)
-        count = len(data.inputs)
-        positions = torch.arange(math.ceil(count / replicas)) * replicas + rank  # past count: wrapped around
-        share = positions % count
-        values = []
-        training = self.net.training
-        self.net.eval()
-        strategy = self.trainer.strategy
-        with torch.no_grad(), self.trainer.precision_plugin.forward_context():
-            for pairs in share.split(data.batch_size):
-                inputs, target = (tensor[pairs].flatten(0, 1).to(self.device) for tensor in (data.inputs, data.targets))
-                if isinstance(strategy, LaidOutStrategy):  # its layout runs the net (a pipeline: stage by stage)
-                    log_probs = strategy.row_values(self.net, inputs, target, self.criterion)
-                else:  # Lightning's own: the whole net on every rank
-                    log_probs = self.criterion(self.net(inputs), target)
-                values.append(log_probs.view(-1, 2).float())
-        self.net.train(training)
-        gathered, positions = _from_every_rank(torch.cat(values)), _from_every_rank(positions.to(self.device))
-        kept = positions < count  # each pair once: the wrapped ones again are computed in other batches
-        reference = torch.empty(count, 2, device=self.device)
-        reference[positions[kept]] = gathered[kept]
-        return reference
-
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        super().on_save_checkpoint(checkpoint)
-        assert self.reference_log_probs is not None, "saved once training has started"
-        checkpoint[REFERENCE_KEY] = self.reference_log_probs.cpu()
-        checkpoint[PAIRS_KEY] = self.trainer.datamodule.fingerprint  # type: ignore[attr-defined]
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        super().on_load_checkpoint(checkpoint)
-        saved = checkpoint.get(REFERENCE_KEY)
-        if saved is None:
-            return
-        problem = reference_problem(checkpoint, self.trainer.datamodule)  # type: ignore[attr-defined]  # Lightning's
-        if problem is not None:  # checked before launch too; here for a checkpoint read by other means
-            raise problem
-        self.reference_log_probs = saved
-
-
-def reference_problem(checkpoint: dict, data: "PreferenceDataModule") -> ConfigError | None:
-    """Why ``checkpoint``'s reference log-probabilities (those of its ``PAIRS_KEY``'s pairs) cannot serve ``data``'s
-    pairs, or None (they can, or it holds none)."""
-    saved = checkpoint.get(REFERENCE_KEY)
-    if saved is None or checkpoint.get(PAIRS_KEY) == data.fingerprint:
-        return None
-    return ConfigError(
-        "data.path",
-        f"holds other pairs than the checkpoint's reference log-probabilities were computed on ({len(saved)} "
-        f"pairs then, {len(data.inputs)} now; the file, data.seq_length or data.tokenizer differ).",
-        "resume or evaluate with the data the run started with; for other pairs, start a new run from the "
-        "exported model.",
-    )
-
-
-def _from_every_rank(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``tensor`` (of the same shape on each), concatenated in rank order: torch's ``all_gather`` (NCCL and
-    gloo), not Lightning's, which goes through a deprecated autograd-aware collective."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
+    def data_problem(self, data: DataModule, ckpt_path: str | None, evaluating: bool) -> ConfigError | None:
+        """DPO trains on preference pairs; a DPO checkpoint's reference serves its own pairs alone, and is what
+        mode=eval compares the policy with."""
+        if not isinstance(data, PreferenceDataModule):
+            return ConfigError(
+                "data",
+                f"is {type(data).__name__}, but experiment=dpo trains on preference pairs.",
+                "use data=preference data.path=<a .jsonl of prompt, chosen and rejected> (experiment=dpo sets it).",
+            )
+        problem = super().data_problem(data, ckpt_path, evaluating)
+        if problem is None and evaluating and (ckpt_path is None or REFERENCE_KEY not in checkpoint_meta(ckpt_path)):
+            given = "is null" if ckpt_path is None else f"is {ckpt_path}, not a DPO run's checkpoint"
+            return ConfigError(
+                "ckpt_path",
+                f"{given}, but mode=eval of DPO compares the model with its reference, whose log-probabilities a DPO "
+                "run's checkpoints hold: without them the model would be its own reference (every reward 0, the loss "
+                "log 2).",
+                "pass ckpt_path=<a DPO run's checkpoints/last.ckpt>, with that run's data.",
+            )
+        return problem
 
 
 def _check_same_in_training(net: nn.Module) -> None:

@@ -8,14 +8,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn import functional as F
 
+from project.data.datamodule import trainer_data
 from project.job.job import Job
-from project.job.layout import DataShape
+from project.job.task import Loss
 from project.models.gpt import LMHead
 from project.models.linear_cross_entropy import LOGITS_PER_CHUNK
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import PositiveInt
-from project.tasks.base import TrainingModule
+from project.tasks.base import TrainingModule, loss_sums
 from project.tasks.metrics import SampleMean
 
 
@@ -28,7 +29,7 @@ class TokenCrossEntropy(nn.Module):
     and pipeline micro-batches take are the global batch's own sum over its positions, as a single-device loop
     computes it. With every target trained (pretraining data) it is the mean token loss; with masked targets, the
     gradient is the trained tokens' mean gradient times the step's trained share. The epoch metrics are the mean
-    over trained tokens (``TrainingModule.update_metrics``).
+    over trained tokens (``project.tasks.base.loss_sums``).
 
     Logits split by vocabulary across tensor-parallel ranks (a DTensor) stay split: torch's ``loss_parallel``
     combines the ranks' partial sums; the loss, the same on every rank, comes back as a plain tensor. Its backward
@@ -65,7 +66,7 @@ class LanguageModelModule(TrainingModule):
     ``fused_loss``: the net's head computes the loss from its hidden states a chunk of tokens at a time
     (``project.models.linear_cross_entropy``), so that the step never holds the (batch, length, vocab) logits, their
     float32 copy or their gradient; the same loss as ``TokenCrossEntropy`` of the logits; at most
-    ``fused_loss_chunk_logits`` logits a chunk. For layouts whose ranks each run the whole model (``loss_problem``)."""
+    ``fused_loss_chunk_logits`` logits a chunk. For layouts whose ranks each run the whole model (``problem``)."""
 
     criterion: TokenCrossEntropy
     logs_perplexity = True  # val/perplexity, exp of val/loss: a subclass whose loss is no token loss says False
@@ -85,19 +86,14 @@ class LanguageModelModule(TrainingModule):
         self.train_metrics = nn.ModuleDict({"loss": SampleMean()})
         self.val_metrics = nn.ModuleDict({"loss": SampleMean()})
 
-    def example_batch(self, batch_size: int, data: DataShape) -> tuple[torch.Tensor, torch.Tensor]:
-        """A batch of the shapes and dtypes the data module (of ``data``'s shape) feeds: token ids and targets, a row
-        per sequence."""
-        assert data.seq_length is not None, "a language model's data has a sequence length"
-        tokens = torch.zeros(batch_size * data.sequences_per_sample, data.seq_length, dtype=torch.long)
-        return tokens, tokens
+    def net_outputs(self, last: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The logits; with the fused loss, the head's summed token loss of ``target``."""
+        return last(x, target) if self.fused_loss else last(x)
 
-    def outputs_and_loss(
-        self, net: nn.Module, inputs: torch.Tensor, target: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        if not self.fused_loss:
-            return super().outputs_and_loss(net, inputs, target)
-        return None, net(inputs, target) / target.numel()  # TokenCrossEntropy's division
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> Loss:
+        """The token cross-entropy (``TokenCrossEntropy``) of the logits, or of the fused loss's sum."""
+        value = outputs / target.numel() if self.fused_loss else self.criterion(outputs, target)
+        return Loss(value, lambda: loss_sums(value, target))
 
     def compile_loss(self) -> None:
         """The loss of the logits compiled whole, or the fused loss's work on each chunk."""
@@ -109,7 +105,7 @@ class LanguageModelModule(TrainingModule):
     def compiled_loss_module(self) -> nn.Module | None:
         return self.net.head if self.fused_loss else self.criterion
 
-    def loss_problem(self, job: Job) -> ConfigError | None:
+    def problem(self, job: Job) -> ConfigError | None:
         """The fused loss takes the output layer's whole weight and the targets in the head, which a pipeline's last
         stage (its schedule hands the loss function the stage's output) and a tensor-parallel split of the
         vocabulary (``loss_parallel`` combines the ranks' logits) do not give it."""
@@ -132,7 +128,6 @@ class LanguageModelModule(TrainingModule):
         # where Lightning would warn about an epoch-level value not reduced.
         perplexity = torch.exp(cast(SampleMean, self.val_metrics["loss"]).compute())
         self.log("val/perplexity", perplexity, sync_dist=True, reduce_fx="max")
-        # (datamodule: set on the Trainer by Lightning's data connector, not declared by its class.)
-        floor = getattr(self.trainer.datamodule, "entropy_floor", None)  # type: ignore[attr-defined]
+        floor = trainer_data(self.trainer).entropy_floor
         if floor is not None:  # plotted beside val/loss: how far the model is from the best possible
             self.log("data/entropy_floor", floor, sync_dist=True, reduce_fx="max")

@@ -28,18 +28,10 @@ class SampleMean(Metric):
         self.total += values.sum()
         self.weight += values.numel()
 
-    def add(self, total: torch.Tensor, weight: torch.Tensor) -> None:
-        """Add ``weight`` samples whose values sum to ``total`` (tensors on the device: no sync)."""
+    def add(self, total: torch.Tensor, weight: torch.Tensor | int) -> None:
+        """Add ``weight`` samples whose values sum to ``total`` (a tensor on the device: no sync)."""
         self.total += total
         self.weight += weight
 
     def compute(self) -> torch.Tensor:
         return (self.total / self.weight).float()
-
-
-class SampleAccuracy(SampleMean):
-    """The fraction of samples whose most likely class is the target."""
-
-    # Its own update arguments (logits and targets), as torchmetrics' metrics each have.
-    def update(self, logits: torch.Tensor, target: torch.Tensor) -> None:  # type: ignore[override]
-        super().update(logits.argmax(-1) == target)
