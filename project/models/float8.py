@@ -26,6 +26,9 @@ torchao is an optional dependency (``pip install 'project[float8]'``); nothing h
 
 import dataclasses
 import importlib
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 from typing import Any, Literal
 
@@ -38,25 +41,39 @@ from project.models.torchao_import import import_torchao
 
 Float8Recipe = Literal["tensorwise", "rowwise"]
 MULTIPLE = 16  # the float8 matmul kernels' rule for both widths of a weight
-# The torchao releases whose float8-gathered weight ``torchao_float8`` mends (their __tensor_flatten__ is the same).
+# The torchao releases whose float8-gathered weight ``fake_scales_flattened`` mends (their __tensor_flatten__ is the
+# same).
 TORCHAO_RELEASES = ("0.18.",)
 
 
 def torchao_float8() -> ModuleType:
     """``torchao.float8`` (``import_torchao``)."""
-    float8 = import_torchao(
+    return import_torchao(
         "torchao.float8",
         "model.float8.enabled",
         "pip install 'project[float8]' (torchao, the optional extra), or set model.float8.enabled=false.",
     )
-    # torchao 0.18's float8-gathered weight flattens its precomputed scale only if the scale is true as a boolean: a
-    # real one always is (a positive number), but the memory plan's fake one cannot be read, and its trackers
-    # flatten every parameter. Whether a scale is there is what the test means. Mended on the releases it was read
-    # in (TORCHAO_RELEASES) alone: another's own stands.
-    if importlib.import_module("torchao").__version__.startswith(TORCHAO_RELEASES):
-        wrapper = importlib.import_module("torchao.float8.fsdp_utils").WeightWithDynamicFloat8CastTensor
-        wrapper.__tensor_flatten__ = _flatten_with_scale_if_any
-    return float8
+
+
+@contextmanager
+def fake_scales_flattened() -> Iterator[None]:
+    """Within it (the memory plan's simulated step, on fake tensors), a float8-gathered weight flattens with its
+    precomputed scale whenever it has one. torchao 0.18's flattens the scale only if the scale is true as a boolean:
+    a real one always is (a positive number), but a fake one cannot be read, and the plan's trackers flatten every
+    parameter. Whether a scale is there is what the test means. Mended on the releases it was read in
+    (``TORCHAO_RELEASES``) alone, where torchao's float8 is imported (no such weight exists otherwise), and only
+    within: a real run's weights keep torchao's own."""
+    utils = sys.modules.get("torchao.float8.fsdp_utils")
+    if utils is None or not importlib.import_module("torchao").__version__.startswith(TORCHAO_RELEASES):
+        yield
+        return
+    wrapper = utils.WeightWithDynamicFloat8CastTensor
+    own = wrapper.__tensor_flatten__
+    wrapper.__tensor_flatten__ = _flatten_with_scale_if_any
+    try:
+        yield
+    finally:
+        wrapper.__tensor_flatten__ = own
 
 
 def _flatten_with_scale_if_any(self: Any) -> tuple[list[str], dict[str, Any]]:

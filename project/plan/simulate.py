@@ -38,6 +38,7 @@ from project.accounting.memory_trackers import (
 from project.job.job import Job
 from project.job.layout import DeviceWork
 from project.job.task import TaskModule
+from project.models.float8 import fake_scales_flattened
 from project.parallel.parallelize import allocate
 from project.plan.cuda_kernels import cuda_kernels
 
@@ -94,6 +95,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
     with (
         FakeTensorMode(allow_non_fake_inputs=True) as fake_mode,
         cuda_kernels() if job.on_gpus else nullcontext(),
+        fake_scales_flattened(),
         warnings.catch_warnings(),
     ):
         # torchao's NF4 (QLoRA's base) checks FSDP's gathered buffers by their data pointers, which fake tensors
