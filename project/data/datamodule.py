@@ -69,8 +69,9 @@ class DataModule(L.LightningDataModule):
 
     What a subclass declares beyond its samples, each with its default here: its vocabulary and sequence length
     (token data) or features (``num_features``), the rows of a sample, the index column, the best loss its data
-    allows (``entropy_floor``), its text codec, the check of its files, its samples' fingerprint, and its rule on the
-    task that trains on it (``task_problem``).
+    allows (``entropy_floor``), its text codec, the check of its files, its samples' fingerprint, and its rules on
+    the model and the task that train on it (``model_problem``, ``task_problem``). It offers every sample, replica
+    by replica (``every_sample``), to a task that computes something of each before training.
     """
 
     sequences_per_sample: ClassVar[int] = 1  # rows of a batch's tensors per sample (a preference pair: 2)
