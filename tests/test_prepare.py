@@ -282,8 +282,11 @@ def test_shard_windows_are_the_token_stream_across_shard_ends_and_batch_alike_on
         assert torch.equal(inputs[row], stream[index * 64 : index * 64 + 64])
         assert torch.equal(targets[row], stream[index * 64 + 1 : index * 64 + 65])
     order = EpochShuffle(len(data.train_set), shuffle=True, seed=3)
-    one = list(GlobalBatchSampler(order, 16, rank=0, world_size=1, drop_last=True))
-    two = [list(GlobalBatchSampler(order, 8, rank=rank, world_size=2, drop_last=True)) for rank in (0, 1)]
+    one = [batch.tolist() for batch in GlobalBatchSampler(order, 16, rank=0, world_size=1, drop_last=True)]
+    two = [
+        [batch.tolist() for batch in GlobalBatchSampler(order, 8, rank=rank, world_size=2, drop_last=True)]
+        for rank in (0, 1)
+    ]
     assert one == [left + right for left, right in zip(*two)]
     with pytest.raises(ConfigError, match="data.path: .* has no meta.json"):
         ShardsDataModule(str(tmp_path), seq_length=64, batch_size=8, seed=3)

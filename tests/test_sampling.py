@@ -6,9 +6,10 @@ from project.data.sampling import EpochShuffle, GlobalBatchSampler
 
 
 def sampler(num_samples, batch_size, rank=0, world_size=1, shuffle=False, seed=0, drop_last=False, epoch=0):
+    """The sampler's batches, as index lists (it yields tensors of indices)."""
     order = EpochShuffle(num_samples, shuffle=shuffle, seed=seed)
     order.set_epoch(epoch)
-    return GlobalBatchSampler(order, batch_size, rank, world_size, drop_last=drop_last)
+    return [batch.tolist() for batch in GlobalBatchSampler(order, batch_size, rank, world_size, drop_last=drop_last)]
 
 
 def rank_batches(num_samples, batch_size, world_size, **kwargs):

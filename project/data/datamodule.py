@@ -8,7 +8,7 @@ simulated step is fed with.
 """
 
 import warnings
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import ClassVar, cast
 
@@ -220,20 +220,19 @@ class DataModule(L.LightningDataModule):
         whose ranks run collectives need. After ``setup``."""
         count = self.num_train_samples + self.num_val_samples
         for indices in GlobalBatchSampler(EpochShuffle(count, shuffle=False), self.batch_size, rank, replicas):
-            yield torch.tensor(indices), self.samples_at(indices)
+            yield indices, self.samples_at(indices)
 
-    def samples_at(self, indices: list[int]) -> Batch:
+    def samples_at(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         """The batch of the samples at ``indices`` (training's first, then validation's, as ``every_sample``
         counts them)."""
         assert self.train_set is not None and self.val_set is not None  # built in setup
         first_val = self.num_train_samples
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        training = indices < first_val
         parts = [
             cast(Batch, dataset[chosen])
-            for dataset, chosen in (
-                (self.train_set, [index for index in indices if index < first_val]),
-                (self.val_set, [index - first_val for index in indices if index >= first_val]),
-            )
-            if chosen
+            for dataset, chosen in ((self.train_set, indices[training]), (self.val_set, indices[~training] - first_val))
+            if len(chosen)
         ]
         inputs, target = (torch.cat(tensors) for tensors in zip(*parts, strict=True))
         return inputs, target

@@ -28,7 +28,7 @@ from project.options.errors import ConfigError
 
 
 class PairDataset(Dataset):
-    """Pairs ``first + i`` as a batch of rows: indexed with a list of pairs (``GlobalBatchSampler``'s batches), the
+    """Pairs ``first + i`` as a batch of rows: indexed with the pairs' indices (``GlobalBatchSampler``'s batches), the
     inputs and targets of their sequences, chosen then rejected for each, the targets with each row's pair index as
     their last column."""
 
@@ -38,7 +38,7 @@ class PairDataset(Dataset):
     def __len__(self) -> int:
         return len(self.inputs)
 
-    def __getitem__(self, pairs: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, pairs: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = torch.as_tensor(pairs, dtype=torch.long)
         indices = (rows + self.first).repeat_interleave(len(RESPONSES))
         return self.inputs[rows].flatten(0, 1), torch.cat([self.targets[rows].flatten(0, 1), indices[:, None]], 1)

@@ -58,8 +58,10 @@ class EpochShuffle(Sampler[int]):
         return iter(self.order().tolist())
 
 
-class GlobalBatchSampler(Sampler[list[int]]):
-    """Yields this rank's slice of each global batch of ``batch_size * world_size`` samples, in ``sampler``'s order."""
+class GlobalBatchSampler(Sampler[torch.Tensor]):
+    """Yields this rank's slice of each global batch of ``batch_size * world_size`` samples, in ``sampler``'s order:
+    a tensor of indices, which a dataset of tensors indexes at once (a list of them it converts first, every
+    batch)."""
 
     def __init__(
         self,
@@ -101,7 +103,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return self.num_global_batches
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[torch.Tensor]:
         order = self.sampler.order()
         used = order[: self.num_global_batches * self.batch_size * self.world_size] if self.drop_last else order
         # One slice per (global batch, rank), sizes differing by at most one (torch.tensor_split's cut, computed
@@ -113,4 +115,4 @@ class GlobalBatchSampler(Sampler[list[int]]):
         for batch in range(skip, self.num_global_batches):
             part = batch * self.world_size + self.rank
             start = part * size + min(part, larger)
-            yield used[start : start + size + (part < larger)].tolist()
+            yield used[start : start + size + (part < larger)]

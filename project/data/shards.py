@@ -7,6 +7,7 @@ uint32); the tokens follow.
 """
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -99,11 +100,12 @@ class TokenWindows(Dataset):
             start, shard = end, shard + 1
         return np.concatenate(pieces) if len(pieces) > 1 else pieces[0]
 
-    def __getitem__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, indices: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch of windows at ``indices``: inputs and next-token targets, each (len(indices), seq_length)."""
         length = self.seq_length
+        starts = [index * length for index in torch.as_tensor(indices).tolist()]
         windows = torch.from_numpy(
-            np.stack([self._tokens(index * length, index * length + length + 1) for index in indices]).astype(np.int64)
+            np.stack([self._tokens(start, start + length + 1) for start in starts]).astype(np.int64)
         )
         return windows[:, :-1], windows[:, 1:]
 

@@ -67,34 +67,44 @@ class StopTogether(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         cuda = trainer.strategy.root_device.type == "cuda"
         self._late = self.step_checks == "a_step_late" or (self.step_checks == "auto" and cuda)
+        # Lightning broadcasts rank 0's SIGTERM flag before every training step of a distributed run and reads it:
+        # a collective and a device sync per step, which the agreement here already makes (a private method,
+        # replaced on the instance).
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None  # type: ignore[method-assign]
 
     def _flags(
         self, trainer: L.Trainer, loss: torch.Tensor | None = None, gradients_finite: torch.Tensor | None = None
     ) -> "_Flags":
         """This rank's notes (signalled; ``loss`` or gradients not finite), agreed over the ranks on the device (one
         all-reduce, queued), with what the message needs once they are read."""
+        if not (dist.is_available() and dist.is_initialized() and trainer.world_size > 1):
+            # One rank agrees with itself: read its notes as they are, without the tensors a collective needs (an
+            # op costs a small model's step on a CPU some 10 us).
+            return _Flags(None, self._signalled, loss, gradients_finite, trainer.global_step, trainer.current_epoch)
         device = trainer.strategy.root_device
         no = torch.zeros((), dtype=torch.bool, device=device)
         bad_loss = no if loss is None else (~torch.isfinite(loss.detach())).any()
         bad_gradients = no if gradients_finite is None else ~gradients_finite.to(device)
-        flags = torch.stack([torch.tensor(self._signalled, device=device), bad_loss | bad_gradients]).float()
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return _Flags(flags, bad_loss, bad_gradients, loss, trainer.global_step, trainer.current_epoch)
+        agreed = torch.stack([torch.tensor(self._signalled, device=device), bad_loss | bad_gradients]).float()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return _Flags(agreed, self._signalled, loss, gradients_finite, trainer.global_step, trainer.current_epoch)
 
     def _read(self, trainer: L.Trainer, flags: "_Flags", batch_idx: int | None = None) -> bool:
         """Read ``flags`` (waiting for the device): set Lightning's stop flag if any rank was signalled, raise
         ``TrainingDiverged`` (after step ``flags.step``) if any rank's step was not finite; whether signalled."""
-        signalled, any_diverged = (bool(flag) for flag in flags.agreed.tolist())
+        if flags.agreed is None:
+            signalled, any_diverged = flags.signalled, flags.bad_loss or flags.bad_gradients
+        else:
+            signalled, any_diverged = (bool(flag) for flag in flags.agreed.tolist())
         if signalled:
             trainer._signal_connector.received_sigterm = True
         if not any_diverged:
             return signalled
-        if flags.loss is not None and bool(flags.bad_loss):
+        if flags.loss is not None and flags.bad_loss:
             self._cause = (
                 f"the training loss was not finite (rank {trainer.global_rank}'s was {float(flags.loss.sum())})"
             )
-        elif bool(flags.bad_gradients):
+        elif flags.bad_gradients:
             self._cause = f"the gradient norm was not finite (on rank {trainer.global_rank})"
         raise self._divergence(trainer, flags, batch_idx)
 
@@ -161,13 +171,21 @@ class StopTogether(L.Callback):
 
 @dataclass
 class _Flags:
-    """One agreement's flags on the device (any rank signalled, any rank's step not finite), this rank's own notes,
-    and the step they are of."""
+    """One step's flags: agreed over the ranks on the device (any rank signalled, any rank's step not finite; None
+    for one rank, which reads its own), this rank's own notes, and the step they are of."""
 
-    agreed: torch.Tensor
-    bad_loss: torch.Tensor
-    bad_gradients: torch.Tensor
+    agreed: torch.Tensor | None
+    signalled: bool
     loss: torch.Tensor | None
+    gradients_finite: torch.Tensor | None
     step: int
     epoch: int
     batch_idx: int | None = None
+
+    @property
+    def bad_loss(self) -> bool:
+        return self.loss is not None and not bool(torch.isfinite(self.loss.detach()).all())
+
+    @property
+    def bad_gradients(self) -> bool:
+        return self.gradients_finite is not None and not bool(self.gradients_finite)

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from project.checkpointing.files import AtomicCheckpointIO
 from project.config.build import build_net, build_strategy, configured_callbacks
 from project.launch.job_result import JobResult
+from project.launch.lean_loop import lighten
 from project.launch.results import RESULT_FILE
 from project.launch.stop_together import StopTogether
 from project.launch.trial import PruneTrial
@@ -89,6 +90,7 @@ def train(cfg: DictConfig) -> None:
         plugins=[AtomicCheckpointIO()],  # a checkpoint that cannot be written stops the run (Lightning's goes on)
     )
     set_tf32(cfg.tf32, trainer.strategy.root_device)
+    lighten(trainer)
     try:
         if evaluating:  # Lightning prints the metrics' table; the loggers and result.json get them
             trainer.validate(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
