@@ -3,8 +3,9 @@
 import shutil
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, assert_matches_reference, only_run, train
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from project.checkpointing.files import is_sharded_checkpoint
 from project.strategies import FSDPStrategy
@@ -66,6 +67,25 @@ def test_fsdp_options_keep_the_numbers(reference, runs_dir, home):
 
 
 @pytest.mark.slow
+def test_fsdp_over_one_rank_trains_unwrapped_with_the_loops_numbers_and_resumes_over_two(reference, runs_dir, home):
+    """Over one data-parallel rank FSDP shards nothing: the model trains unwrapped (said in one line), with the
+    hand-written loop's numbers, and its distributed checkpoint resumes under FSDP over 2 ranks."""
+    job_dir = runs_dir / "fsdp-one-rank"
+    one_rank = [*TINY, "data.batch_size=64", "strategy=fsdp", f"hydra.run.dir={job_dir}"]
+    result = train([*one_rank, "trainer.devices=1"], home)
+    assert "strategy=fsdp over one data-parallel rank: nothing to shard, so FSDP does not wrap" in result.output
+    assert_matches_reference(only_run(job_dir), reference([*TINY, "data.batch_size=64"], 64).history)
+    last = job_dir / "checkpoints" / "last.ckpt"
+    assert is_sharded_checkpoint(last)
+    resumed = runs_dir / "fsdp-one-rank-resumed"
+    train(
+        [*TINY, *TWO_DEVICES, "strategy=fsdp", "trainer.max_epochs=4", f"ckpt_path={last}", f"hydra.run.dir={resumed}"],
+        home,
+    )
+    assert len(only_run(resumed).series("val/loss")) == 1  # the fourth epoch, from the third's weights
+
+
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_and_consolidates_into_one_device(ddp_fsdp_sweep, single_run, runs_dir, home):
     straight = only_run(ddp_fsdp_sweep[1])
     job_dir = runs_dir / "fsdp-resumed"
@@ -97,24 +117,22 @@ def test_an_interrupted_save_leaves_the_previous_checkpoint(tmp_path, monkeypatc
     last.mkdir()
     (last / "meta.pt").write_text("epoch 1, complete")
 
-    def dies_while_writing(self, checkpoint, path, storage_options=None):
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "__0_0.distcp").write_text("half of epoch 2")
+    def dies_while_writing(state, checkpoint_id, **kwargs):
+        (checkpoint_id / "__0_0.distcp").write_text("half of epoch 2")
         raise KeyboardInterrupt  # the run is killed here
 
-    monkeypatch.setattr(ModelParallelStrategy, "save_checkpoint", dies_while_writing)
+    monkeypatch.setattr(dcp, "save", dies_while_writing)
     strategy = FSDPStrategy()
     with pytest.raises(KeyboardInterrupt):
-        strategy.save_checkpoint({}, last)
+        strategy.save_checkpoint({"state_dict": {}}, last)
     assert sorted(p.name for p in last.iterdir()) == ["meta.pt"]
     assert (last / "meta.pt").read_text() == "epoch 1, complete"
 
-    def writes_completely(self, checkpoint, path, storage_options=None):
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "__0_0.distcp").write_text("epoch 2")
-        (path / "meta.pt").write_text("epoch 2, complete")
+    def writes_completely(state, checkpoint_id, **kwargs):
+        (checkpoint_id / "__0_0.distcp").write_text("epoch 2")
 
-    monkeypatch.setattr(ModelParallelStrategy, "save_checkpoint", writes_completely)
-    strategy.save_checkpoint({}, last)  # the next save also clears the dead one's leftovers
-    assert (last / "meta.pt").read_text() == "epoch 2, complete"
+    monkeypatch.setattr(dcp, "save", writes_completely)
+    strategy.save_checkpoint({"state_dict": {}, "epoch": 2}, last)  # the next save also clears the dead one's leftovers
+    assert (last / "__0_0.distcp").read_text() == "epoch 2"
+    assert torch.load(last / "meta.pt") == {"epoch": 2}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

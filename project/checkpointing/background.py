@@ -12,6 +12,7 @@ together (the next save, or the end of training), so that no rank stops alone.
 import logging
 import os
 import threading
+import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -23,6 +24,8 @@ from project.options.log_records import LOG_FILE_ONLY
 from project.options.writes import remove
 
 log = logging.getLogger(__name__)
+# DCP's on every save of one rank alone (no_dist: CheckpointWriter.start, ShardedStrategy.save_checkpoint).
+warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
 
 
 def swap_in(partial: Path, final: Path) -> None:
@@ -92,9 +95,13 @@ class CheckpointWriter:
     def start(self, state: dict[str, Any], partial: Path, final: Path, rank: int) -> None:
         """Copy ``state`` (this rank's shards) to host memory and write it to ``partial`` in the background, to be
         swapped in for ``final``. Every rank calls it together, after ``finish``."""
-        if self._group is None:  # made by every rank together, at the first save
+        # One rank alone writes without DCP's collectives (the files are the same): gloo would run their copies of
+        # the plans on its own threads, whose OpenMP thread teams outlive the save; with more OpenMP threads than
+        # cores, libgomp then sleeps at every wait instead of spinning (a small model's step took twice as long).
+        no_dist = dist.get_world_size() == 1
+        if self._group is None and not no_dist:  # made by every rank together, at the first save
             self._group = dist.new_group(backend="gloo")
-        future = dcp.async_save(state, checkpoint_id=partial, process_group=self._group)
+        future = dcp.async_save(state, checkpoint_id=partial, process_group=self._group, no_dist=no_dist)
         assert isinstance(future, Future)  # (an AsyncSaveResponse only for a stager that stages asynchronously)
         self.pending = BackgroundWrite(future, partial, final, swaps=rank == 0)
 

@@ -106,6 +106,11 @@ class Layout(ABC):
         tensor-parallel size...), by setting."""
         return {}
 
+    def wraps_one_rank(self, job: "Job") -> bool:
+        """Whether FSDP wraps the model where its data-parallel dimension is one rank: it shards nothing there, and
+        a layout wraps it only to offload parameters to the CPU."""
+        return False
+
     @property
     def activation_checkpointing(self) -> Checkpointing:
         """The layout's own activation checkpointing (FSDP's ``strategy.activation_checkpointing``), which the

@@ -58,12 +58,15 @@ class FSDPLayout(ShardedLayout):
 
     def lay_out(self, model: BlockSequence, mesh: DeviceMesh, precision: str) -> list[nn.Module]:
         """Tensor parallelism if asked, then activation checkpointing if asked, then FSDP2 per block over the
-        data-parallel dimension, gathering parameters in the precision's compute dtype."""
+        data-parallel dimension, gathering parameters in the precision's compute dtype; not FSDP over one
+        data-parallel rank (``shards``)."""
         self.tensor_parallel.apply(model, mesh)
         if self.expert_parallel > 1:
             apply_expert_parallel(model, mesh[EXPERT])
         param_dtype = fsdp_param_dtype(precision)
         apply_activation_checkpointing(model, self.activation_checkpointing)
+        if not self.shards(mesh[DATA_PARALLEL].size()):
+            return [model]
         apply_fsdp(
             model,
             mesh[DATA_PARALLEL],
@@ -74,6 +77,16 @@ class FSDPLayout(ShardedLayout):
             expert_shard_mesh=mesh[EXPERT_SHARD] if self.expert_parallel > 1 else None,
         )
         return [model]
+
+    def shards(self, data_parallel: int) -> bool:
+        """Whether FSDP wraps the model over ``data_parallel`` ranks. Over one it shards nothing, yet its hooks,
+        copies and DTensor optimizer cost every step (``benchmarks/host_costs.py``: each module's hooks some 50
+        eager ops' worth of host time a step): the model trains unwrapped there, as plain training does, unless
+        its parameters are offloaded to the CPU."""
+        return data_parallel > 1 or self.cpu_offload
+
+    def wraps_one_rank(self, job: Job) -> bool:
+        return self.cpu_offload and job.dims.data_parallel == 1
 
     def bubble_fraction(self) -> float:
         return 0.0

@@ -59,11 +59,11 @@ class LoRAFineTuning(ModelOption):
         return LoRA(self.rank, float(self.alpha), float(self.dropout), tuple(self.targets), self.quantize_base)
 
     def problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
-        """An NF4 base is not split over tensor-parallel ranks, nor sharded by FSDP over one rank, nor converted by
-        a true half precision."""
+        """An NF4 base is not split over tensor-parallel ranks, nor wrapped by FSDP over one rank (to offload it),
+        nor converted by a true half precision."""
         if not self.quantize_base:
             return None
-        if job.dims.shard and job.dims.data_parallel == 1 and not job.dims.pipelined:
+        if job.layout.wraps_one_rank(job):
             # FSDP2's one-rank path (FSDPParamGroup.wait_for_unshard, torch 2.11 to 2.13) takes a weight's first
             # all-gather input only; torchao's NF4 weight gathers three (codes, block scales, their scales). A
             # pipeline shards its stages only over 2 or more data-parallel ranks.
@@ -71,8 +71,8 @@ class LoRAFineTuning(ModelOption):
                 "model.lora.quantize_base",
                 f"stores the base in NF4, which strategy={job.strategy_name} cannot shard over one data-parallel "
                 "rank: torch's FSDP2 gathers one tensor a weight there, and an NF4 weight is three.",
-                "on one device use strategy=auto (FSDP over one rank shards nothing); or give FSDP 2 or more "
-                "data-parallel ranks (trainer.devices).",
+                "set strategy.cpu_offload=false (FSDP over one rank then leaves the model unwrapped), or give FSDP "
+                "2 or more data-parallel ranks (trainer.devices).",
             )
         if job.dims.tensor_parallel > 1:
             return ConfigError(

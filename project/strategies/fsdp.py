@@ -10,10 +10,13 @@ atomically by ``ShardedStrategy``).
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from project.layouts.fsdp_layout import FSDPLayout
 from project.layouts.sharded_layout import TensorParallel
+from project.models.sequence import BlockSequence
 from project.options.option_types import PositiveInt
+from project.parallel.dims import DATA_PARALLEL
 from project.parallel.parallelize import ActivationCheckpointing, checkpointing_mode
 from project.strategies.sharded import ShardedStrategy
 
@@ -21,6 +24,8 @@ from project.strategies.sharded import ShardedStrategy
 class FSDPStrategy(ShardedStrategy):
     """Fully sharded data parallel: parameters, gradients and optimizer state split across the data-parallel ranks
     (all of them, or the groups of ``tensor_parallel_size`` ranks that each split every layer)."""
+
+    layout: FSDPLayout
 
     def __init__(
         self,
@@ -43,3 +48,11 @@ class FSDPStrategy(ShardedStrategy):
             expert_parallel=expert_parallel_size,
         )
         super().__init__(layout, **kwargs)
+
+    def parallelize(self, model: BlockSequence) -> None:
+        super().parallelize(model)
+        if not self.layout.shards(self.device_mesh[DATA_PARALLEL].size()):
+            rank_zero_info(
+                "strategy=fsdp over one data-parallel rank: nothing to shard, so FSDP does not wrap the model (its "
+                "hooks and copies would slow every step); it trains as plain training does, checkpoints as FSDP's."
+            )

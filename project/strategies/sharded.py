@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies.model_parallel import _load_raw_module_state
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
@@ -94,16 +95,22 @@ class ShardedStrategy(ModelParallelStrategy, LaidOutStrategy):
         if self.global_rank == 0:
             remove(partial)  # left over from a run killed while saving
         self.barrier()
-        if self._writes_in_background(checkpoint):
+        background = self._writes_in_background(checkpoint)
+        sharded = background or (self._save_distributed_checkpoint and storage_options is None)
+        if sharded:  # Lightning's sharded checkpoint (its meta.pt: the loops, callbacks, schedules; by rank 0)
             state = {"state_dict": checkpoint.pop("state_dict")}
             state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-            if self.global_rank == 0:  # Lightning's meta.pt: the loops, callbacks, schedules
+            if self.global_rank == 0:
                 partial.mkdir(parents=True, exist_ok=True)  # (the other ranks may have made it already)
                 torch.save(checkpoint, partial / META_FILE)
+        if background:
             self.checkpoint_writer.start(state, partial, final, self.global_rank)
             return
         try:
-            super().save_checkpoint(checkpoint, partial, storage_options)
+            if sharded:  # no_dist (see CheckpointWriter.start): the files are the same
+                dcp.save(state, checkpoint_id=partial, no_dist=self.world_size == 1)
+            else:  # one full file, or Lightning's error for storage options
+                super().save_checkpoint(checkpoint, partial, storage_options)
         except (Exception, CheckpointException) as error:  # DCP's gathers every rank's failures, its own base class
             failure = self._write_failed(error, partial, final)
             if failure is error:
