@@ -114,6 +114,9 @@ class Case:
 # 29 GiB and 46 GiB; llama_1b's model state alone is 1.24 B x 16 bytes = 20 GB (fp32 weights and gradients, two
 # fp32 AdamW moments), its activations at 8 x 1024 tokens 22 GiB.
 GPU_MODELS = [
+    # The tiny GPT (2 blocks of width 128) at 2 sequences: a step the host sets the pace of, eager and compiled, where
+    # the framework's own host time per step shows most (docs/speed.md); plan=true's host term is checked on it.
+    Model("gpt", None, 2),
     Model("gpt_125m", 50304, 16),
     Model("gpt_350m", 50304, 16, float8=True, fused_loss=True),
     Model("llama_1b", 128256, 8, float8=True, fused_loss=True),
@@ -491,7 +494,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; choose among {sorted(known)} and {CHECKPOINT_CASE}")
     cases = {name: case for name, case in known.items() if args.cases is None or name in args.cases}
-    checkpoint_model = models[0]  # gpt_125m (gpt with --smoke), eager
+    checkpoint_model = next(model for model in models if model.preset == ("gpt" if args.smoke else "gpt_125m"))
     measure_stall = args.cases is None or CHECKPOINT_CASE in args.cases
     if args.out is not None:
         args.out = args.out.resolve()  # the profiled run writes its trace there from the repo's root

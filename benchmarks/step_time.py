@@ -2,12 +2,13 @@
 
     python benchmarks/step_time.py          # every row, about a minute on 2 CPU cores
     python benchmarks/step_time.py 8b       # our own rows and the Llama 3.1 8B rows only
-    python benchmarks/step_time.py --refit  # the efficiencies fitted again too (below)
+    python benchmarks/step_time.py --refit  # the efficiencies and the host's speed fitted again too (below)
 
 First our own runs on one H200 (docs/gpu.md: the GPU benchmark's gpt_350m and llama_1b, eager and compiled). The
 model's three efficiencies (conf/step_time/roofline.yaml) were fitted on them: the values, on a grid of 0.01, that
 make the largest error smallest (``--refit`` fits them again; without it they are conf/step_time/roofline.yaml's,
-docs/step-time.md says why). Then Float8's matmul efficiency was fitted on the one Float8 run (again with
+docs/step-time.md says why). The host's speed (``host_op_us``) is fitted on the compiled gpt_350m's row, whose pace
+the host sets; gpt_125m's rows check it. Then Float8's matmul efficiency was fitted on the one Float8 run (again with
 ``--refit``: the measured runs predate the compiled loss, which the model now prices, so a fit today would put the
 loss's gain down to Float8's matmuls). Then torchtitan's
 published throughput (docs/performance.md of pytorch/torchtitan, at its commit 820504e of 2025-06-13, and the A100
@@ -40,8 +41,10 @@ from project.plan.step_time import StepTime, predict_step  # noqa: E402
 # torchtitan's H100s: 96 GB HBM2e at 500 W ("between SXM and NVL"), 8 per host on NVLink, 400 Gb/s RDMA per GPU.
 GRAND_TETON = ["cluster=h100_96g_500w_8x"]
 SEQUENCE = ["data=tokens", "data.vocab_size=128256", "data.seq_length=8192", "trainer.precision=bf16-mixed"]
-# benchmarks/gpu.py's cases: one H200, sequence 1024, the models' own vocabularies.
+# benchmarks/gpu.py's cases: one H200, sequence 1024, the models' own vocabularies. Measured while the host read each
+# step's flags at once (it waited for the GPU at every step's end: step_checks=each_step, the code then).
 OWN = ["cluster=h200_8x", "trainer.devices=1", "data.seq_length=1024", "trainer.precision=bf16-mixed"]
+OWN += ["step_checks=each_step"]
 
 
 @dataclass
@@ -61,14 +64,18 @@ def own(preset: str, vocab: int, batch: int, compiled: bool) -> list[str]:
     ]
 
 
-# Measured by us on one H200 at 700 W (docs/gpu.md, 2026-11-26 and 27): the rows the efficiencies are fitted on.
-# gpt_125m is left out: its step is shorter than the framework's host time per step (docs/gpu.md says so), which
-# the model does not price.
+# Measured by us on one H200 at 700 W (docs/gpu.md, 2026-11-26 and 27): the rows the efficiencies are fitted on (the
+# compiled gpt_350m's is also the one the host's speed, host_op_us, is fitted on: the host sets its pace).
 FITTED = [
     Row("docs/gpu.md", "gpt_350m, batch 16 x 1024, eager", 148185, own("gpt_350m", 50304, 16, False)),
     Row("docs/gpu.md", "gpt_350m, batch 16 x 1024, compiled", 180468, own("gpt_350m", 50304, 16, True)),
     Row("docs/gpu.md", "llama_1b, batch 8 x 1024, eager", 51349, own("llama_1b", 128256, 8, False)),
     Row("docs/gpu.md", "llama_1b, batch 8 x 1024, compiled", 61892, own("llama_1b", 128256, 8, True)),
+]
+# Checks of the host term, fitted on none: gpt_125m's step, which the host sets the pace of compiled (docs/gpu.md).
+HOST_CHECKS = [
+    Row("docs/gpu.md", "gpt_125m, batch 16 x 1024, eager", 321738, own("gpt_125m", 50304, 16, False)),
+    Row("docs/gpu.md", "gpt_125m, batch 16 x 1024, compiled", 301222, own("gpt_125m", 50304, 16, True)),
 ]
 # Float8's own efficiency is fitted, after the three, on the one Float8 run measured: llama_1b compiled at 1.11x
 # its bf16 twin's throughput (docs/gpu.md, 2026-11-28), over the bf16 run above.
@@ -171,15 +178,24 @@ def fit(rows: list[Planned], names: tuple[str, ...], fixed: dict[str, float] | N
     return best([[round(coarse[name] + step / 100, 2) for step in range(-4, 5)] for name in names])
 
 
+def fit_host(row: Planned, efficiencies: dict[str, float]) -> float:
+    """The cluster's ``host_op_us``, to 0.1, that predicts ``row`` best."""
+    grid = [tenth / 10 for tenth in range(10, 1000)]
+    return min(grid, key=lambda host: abs(row.error({**efficiencies, "host_op_us": host})))
+
+
 def table(rows: list[Planned], efficiencies: dict[str, float]) -> None:
-    print("| source | run | measured tokens/s/GPU | predicted | error | MFU | exposed comm s | bubble s | note |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "| source | run | measured tokens/s/GPU | predicted | error | MFU | exposed comm s | bubble s | host's share | "
+        "note |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         step = row.step(efficiencies)
         print(
             f"| {row.row.source} | {row.row.what} | {row.row.published:,.0f} | {step.tokens_per_device_per_s:,.0f} | "
             f"{row.error(efficiencies):+.1%} | {step.mfu:.1%} | {step.exposed_communication:.3f} | "
-            f"{step.bubble:.3f} | {row.row.note} |",
+            f"{step.bubble:.3f} | {step.host / step.seconds:.0%} | {row.row.note} |",
             flush=True,
         )
 
@@ -196,8 +212,10 @@ def main() -> None:
         if refit
         else {**efficiencies, "float8_matmul_efficiency": roofline["float8_matmul_efficiency"]}
     )
+    host = fit_host(own_rows[1], efficiencies) if refit else roofline["host_op_us"]
+    efficiencies = {**efficiencies, "host_op_us": host}
     print("On our H200 rows:", ", ".join(f"{name} {value:.2f}" for name, value in efficiencies.items()))
-    table(own_rows + float8_rows, efficiencies)
+    table(own_rows + float8_rows + [planned(row) for row in HOST_CHECKS], efficiencies)
     print()
     rows = []
     for row in published:

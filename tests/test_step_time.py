@@ -1,7 +1,8 @@
 """The step-time model (project/plan/step_time.py) against the same arithmetic done here step by step: what a step
 counts (an elementwise op's bytes, fused or not; a matmul's FLOPs, bytes and tiles; attention's exponentials),
 each kernel's roofline, the clock at a power limit, ring collectives with NCCL's latency over the link their group
-crosses, data-parallel traffic hidden behind compute up to its length, the pipeline's bubble."""
+crosses, data-parallel traffic hidden behind compute up to its length, the pipeline's bubble; what the host runs
+(its ops, eager or compiled, and its other costs) and how it sets the pace of a GPU's step, or adds to a CPU's."""
 
 import dataclasses
 import math
@@ -15,14 +16,24 @@ from test_memory_plan import resolved
 from project.accounting.counts import Kernel, Link, StepCounts
 from project.job.cluster import Cluster
 from project.parallel.dims import ParallelDims
-from project.plan.memory_plan import MemoryPlan
+from project.plan.memory_plan import MemoryPlan, plan_memory
 from project.plan.simulate import DevicePlan
-from project.plan.step_time import clock_ratio, collective_seconds, kernel_seconds, predict_step, wave_share
+from project.plan.step_time import (
+    FRAMEWORK_STEP_OPS,
+    HOST_COSTS,
+    clock_ratio,
+    collective_seconds,
+    host_time,
+    kernel_seconds,
+    predict_step,
+    wave_share,
+)
 
 # Round numbers: 100 TFLOPS at half efficiency is 5e13 FLOP/s; 1 TB/s at 80% is 8e11 B/s; 100 GB/s in a node, 10
 # GB/s between nodes; 2e12 exponentials a second.
 CLUSTER = Cluster(
     name="test",
+    kind="gpu",
     peak_tflops=100,
     float8_peak_tflops=200,
     memory_gb=80,
@@ -38,6 +49,8 @@ CLUSTER = Cluster(
     float8_matmul_efficiency=0.4,
     attention_efficiency=0.25,
     bandwidth_efficiency=0.8,
+    host_op_us=10.0,  # 1e5 eager ops a second
+    collective_latency_us=None,
 )
 PIPELINE = ["model=gpt", "data=tokens", "strategy=pipeline", "trainer.devices=4", "trainer.num_nodes=2"]
 
@@ -259,3 +272,82 @@ def test_an_expert_parallel_all_to_all_over_data_parallel_ranks_adds_all_of_itse
     rank = device("rank 0", 10**14, {exchange: size})
     step = predict_step(MemoryPlan([rank], 2**40, "test", False, 2), job, CLUSTER)
     assert step.seconds == pytest.approx(2.0 + 0.5 + latency(exchange), rel=1e-6)  # 2 s of compute, as above
+
+
+def test_the_host_counts_each_op_it_dispatches_and_each_kernel_a_compiled_region_launches():
+    """Eager: every op, views included (each costs the dispatcher). Compiled (``fused``): a matmul is a kernel of
+    its own, each chain of elementwise ops between matmuls one fused kernel, a view nothing."""
+    a, w = torch.randn(4, 8), torch.randn(8, 8)
+    counts = StepCounts(devices_per_node=1, world_dim="world")
+    with counts:
+        (a @ w + 1).relu().view(32)
+    assert counts.host_ops == {"eager": 4}
+    compiled = StepCounts(devices_per_node=1, world_dim="world")
+    with compiled:
+        compiled.fused = True
+        compiled.compiled_call()
+        x = (a @ w + 1).relu().view(32).view(4, 8)  # matmul; add and relu fused; two views
+        (x @ w).tanh().mul(2)  # matmul; tanh and mul fused
+    assert compiled.host_ops == {"compiled_calls": 1, "compiled_kernels": 4}
+
+
+def test_the_plan_counts_fsdp_modules_dtensors_and_compiled_calls_as_the_layout_runs_them():
+    """FSDP over 2 ranks: a module for each block and the root, optimizer steps over DTensors; over one rank it does
+    not wrap (nothing to shard), the step of one device. Compiled: each block's forward and backward is a call."""
+    blocks = 2  # TINY_GPT's
+    sharded = plan_memory(resolved([*TINY_GPT, "strategy=fsdp", "trainer.devices=2"]), suggest=False).devices[0]
+    assert sharded.host_ops["fsdp_modules"] == blocks + 1 and sharded.host_ops["dtensor"] > 0
+    one_rank = plan_memory(resolved([*TINY_GPT, "strategy=fsdp", "trainer.devices=1"]), suggest=False).devices[0]
+    plain = plan_memory(resolved(TINY_GPT), suggest=False).devices[0]
+    assert one_rank.host_ops == plain.host_ops and one_rank.host_ops["fsdp_modules"] == 0
+    assert one_rank.peak == plain.peak
+    compiled = plan_memory(resolved([*TINY_GPT, "model.compile=true"]), suggest=False).devices[0]
+    loss_calls = 2  # the loss of the logits, compiled with the blocks: its forward and backward
+    assert compiled.host_ops["compiled_calls"] == 2 * blocks + loss_calls
+    assert compiled.host_ops["eager"] < plain.host_ops["eager"] / 2
+
+
+HOST_OPS = {"eager": 1000, "compiled_calls": 10, "compiled_kernels": 100, "dtensor": 50, "fsdp_modules": 3}
+
+
+def test_the_host_prices_an_eager_op_at_the_clusters_speed_and_the_rest_in_eager_ops():
+    rank = dataclasses.replace(device("rank 0", 0, {}), host_ops=HOST_OPS)
+    other = sum(HOST_COSTS[name] * count for name, count in HOST_OPS.items() if name != "eager")
+    host = host_time(rank, CLUSTER, ranks=1)
+    assert host.ops == pytest.approx((1000 + other) * 10e-6)
+    assert host.framework == pytest.approx(FRAMEWORK_STEP_OPS * 10e-6)
+    faster = dataclasses.replace(CLUSTER, host_op_us=5.0)  # a host twice as fast halves every cost
+    assert host_time(rank, faster, ranks=1).ops == pytest.approx(host.ops / 2)
+
+
+@pytest.mark.parametrize("step_checks", ["auto", "each_step"])
+def test_a_gpu_step_is_the_slower_of_its_host_and_device_plus_what_a_wait_exposes(step_checks):
+    """The device computes while the host queues the next kernels: the slower sets the step. Where the host waits
+    for the device at each step's end (``step_checks=each_step``), the framework's own work runs while the GPU
+    idles, and adds to the step."""
+    job = resolved([*TINY_GPT, f"step_checks={step_checks}", "cluster=h200_8x"])
+    host = host_time(dataclasses.replace(device("x", 0, {}), host_ops=HOST_OPS), CLUSTER, ranks=1)
+    waits = step_checks == "each_step"
+    for compute in (10**11, 10**10):  # 2 ms of compute, more than the host's 1.45 ms; then 0.2 ms, less
+        rank = dataclasses.replace(device("rank 0", compute, {}), host_ops=HOST_OPS)
+        step = predict_step(MemoryPlan([rank], 2**40, "test", False, 1), job, CLUSTER)
+        device_seconds = compute / 5e13
+        expected = max(device_seconds, host.ops) + host.framework if waits else max(device_seconds, host.total)
+        assert step.seconds == pytest.approx(expected)
+        assert step.host == pytest.approx(host.total)
+        assert step.host_bound == pytest.approx(expected - device_seconds)
+
+
+def test_a_cpu_step_is_its_host_and_its_compute_one_after_the_other_on_its_share_of_the_cores():
+    """A CPU dispatches and computes with the same cores, and its processes split them: two processes each
+    compute at half the CPU's rate, and also wait for every collective, their flags' agreement included."""
+    cpu = dataclasses.replace(CLUSTER, kind="cpu", collective_latency_us=200.0)
+    gather = Link("all_gather", "data_parallel", 2, 1)
+    rank = dataclasses.replace(device("rank 0", 10**10, {gather: 4 * 10**9}), host_ops=HOST_OPS)
+    job = resolved([*TINY_GPT, "strategy=fsdp", "trainer.devices=2"])
+    step = predict_step(MemoryPlan([rank], 2**40, "test", False, 2), job, cpu)
+    host = host_time(rank, cpu, ranks=2)
+    assert host.framework == pytest.approx((FRAMEWORK_STEP_OPS * 10 + 200) * 1e-6)
+    gathered = 200e-6 + 2 * 10**9 / (100 * 10**9)  # half the buffer on the wire, after its latency
+    assert step.seconds == pytest.approx(10**10 / 5e13 * 2 + gathered + host.total)
+    assert step.host_bound == pytest.approx(host.total)

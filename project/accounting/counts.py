@@ -284,7 +284,14 @@ class StepCounts(TorchDispatchMode):
     step ends (the weights and optimizer state an update writes; ``flush``). Inductor writes a fused kernel's
     outputs that are read outside it, and no other. So torchao's Float8 casts (a largest magnitude, a scale, a
     scaled cast) write only their float8 result, as Inductor's fused casts do. ``fused`` may change during a step:
-    a simulation sets it while a compiled block runs (``project.plan.simulate``), the rest staying eager."""
+    a simulation sets it while a compiled block runs (``project.plan.simulate``), the rest staying eager.
+
+    ``host_ops`` counts what the host does to run the step (``project.plan.step_time``'s host term): ``eager``, the
+    ops dispatched one by one (views and allocations too: each costs the dispatcher, and on a GPU a launch);
+    ``dtensor``, the DTensors of the ops DTensor dispatches (its sharding propagation, in Python); ``compiled_kernels``,
+    the kernels compiled regions launch: each matmul, attention kernel or collective, and each chain of elementwise
+    ops between them (one fused kernel, Inductor's); ``compiled_calls``, the calls of compiled regions (a block's
+    forward, its backward), which the simulation counts (``project.plan.simulate``)."""
 
     def __init__(
         self, devices_per_node: int, world_dim: str, fake_mode: FakeTensorMode | None = None, fused: bool = False
@@ -301,6 +308,8 @@ class StepCounts(TorchDispatchMode):
         self.moved_bytes = 0
         self.collectives: Counter[str] = Counter()
         self.collective_calls: Counter[str] = Counter()
+        self.host_ops: Counter[str] = Counter()
+        self._chain_open = False  # inside a compiled region: an elementwise chain (one fused kernel) is under way
         self._elementwise_outputs: weakref.WeakSet = weakref.WeakSet()  # storages a fusible op wrote (``fused``)
         # Of those, the bytes not yet counted as written: a fused kernel's output nothing has needed in memory yet
         self._unwritten: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -309,11 +318,15 @@ class StepCounts(TorchDispatchMode):
         if any(issubclass(kind, DTensor) for kind in types):
             # As torch's CommDebugMode: let DTensor turn the op into this rank's local op and the collectives its
             # redistributions need, which then come here, rather than count the whole op.
+            # DTensor's sharding propagation runs in Python over each DTensor the op takes (a fused optimizer step
+            # takes every parameter at once)
+            self.host_ops["dtensor"] += sum(isinstance(item, DTensor) for item in tree_leaves((args, kwargs)))
             return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         if func.namespace.startswith(("c10d", "_c10d")):
+            self._count_host_op(kernel=True)
             if packet.__name__ in COLLECTIVES and self.counting_collectives:
                 group = _process_group(func, args, kwargs)
                 link = group_link(COLLECTIVES[packet.__name__], group, self.devices_per_node, self.world_dim)
@@ -323,11 +336,28 @@ class StepCounts(TorchDispatchMode):
                 self.collective_calls[link.key] += 1
         elif self._on_step_tensors(args, kwargs):
             formula = FLOP_FORMULAS.get(packet)
+            if func.namespace != "prim":  # a tensor's metadata (prim.device), asked of fake tensors, not dispatched
+                self._count_host_op(kernel=formula is not None, fusible=not func.is_view and packet not in NO_DATA)
             if formula is not None:
                 self._count_compute(func, packet, formula, args, kwargs, out)
             elif not func.is_view and packet not in NO_DATA:
                 self._count_moved(func, args, kwargs, out)
         return out
+
+    def _count_host_op(self, kernel: bool, fusible: bool = False) -> None:
+        """One op the host runs: eager, one dispatch; in a compiled region, a kernel of its own (``kernel``: a
+        matmul, attention, a collective), the start of a fused chain (``fusible``), or nothing (a view)."""
+        if not self.fused:
+            self.host_ops["eager"] += 1
+        elif kernel or (fusible and not self._chain_open):
+            self.host_ops["compiled_kernels"] += 1
+        if self.fused and (kernel or fusible):
+            self._chain_open = not kernel
+
+    def compiled_call(self) -> None:
+        """A compiled region is called: its kernels start a chain of their own."""
+        self.host_ops["compiled_calls"] += 1
+        self._chain_open = False
 
     def _count_compute(self, func: Any, packet: Any, formula: Any, args: tuple, kwargs: dict, out: Any) -> None:
         self.materialize(tree_leaves((args, kwargs)))

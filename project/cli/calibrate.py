@@ -1,19 +1,24 @@
 """python -m project.cli.calibrate: measure this box's GPUs for the step-time model and write them as a cluster.
 
 On a GPU box, in under two minutes: BF16 matmuls of a model's shapes, fused causal attention, the memory bandwidth
-of a copy, and (with several GPUs) an NCCL all-gather across them. From those, the model's three efficiencies
-(``project.plan.step_time``: what share of the datasheet's figures each kind of kernel reaches), and the box's own
+of a copy, the host's time per eager op (a tiny model's step, which waits for the host), and (with several GPUs) an
+NCCL all-gather across them. From those, the model's three efficiencies (``project.plan.step_time``: what share of
+the datasheet's figures each kind of kernel reaches), the host's speed (``host_op_us``), and the box's own
 multiprocessors, memory, power limit and NVLink bandwidth, over the datasheet cluster of its GPU (``--base``). The
 file goes to ``conf/cluster/<name>.yaml``: ``python train.py plan=search cluster=<name> ...`` then predicts with it.
 Without a GPU it refuses; ``--smoke`` runs the same code on the CPU at small sizes (two gloo processes for the
-all-gather), to check it where no GPU is at hand: its figures are the CPU's.
+all-gather), to check it where no GPU is at hand: its figures are the CPU's. ``--cpu`` measures this machine's CPU
+as the device that trains (``kind: cpu``; its float32 peak and bandwidth measured, no datasheet under it), so that
+``plan=true cluster=<name>`` predicts its CPU jobs: ``conf/cluster/cpu_2core.yaml`` is this project's machine's.
 """
 
 import argparse
 import dataclasses
 import datetime
 import functools
+import json
 import math
+import os
 import re
 import shutil
 import subprocess
@@ -58,6 +63,7 @@ class Sizes:
     copy_bytes: int = 2**31
     gather_bytes: int = 2**28
     backend: str = "nccl"
+    dtype: torch.dtype = torch.bfloat16  # of the matmuls and attention: what the device's jobs compute in
 
 
 # --smoke: the same code on this machine's CPU at sizes it times in seconds, gathering over 2 gloo processes: a check
@@ -65,6 +71,14 @@ class Sizes:
 SMOKE = Sizes(
     "cpu", ["256x256x256", "256x512x256"], seq=256, heads=4, head_dim=32, copy_bytes=2**23, gather_bytes=2**20,
     backend="gloo",
+)  # fmt: skip
+
+
+# --cpu: this machine's CPU as the device that trains (its jobs compute in float32): the matmuls of the default MLP's
+# and the tiny GPT's shapes, a 256 MiB copy, a 16 MiB all-gather over 2 gloo processes.
+CPU = Sizes(
+    "cpu", ["64x1024x256", "64x512x1024", "2048x384x128", "2048x128x512"], seq=256, heads=4, head_dim=32,
+    copy_bytes=2**28, gather_bytes=2**24, backend="gloo", dtype=torch.float32,
 )  # fmt: skip
 
 
@@ -82,6 +96,8 @@ class Measured:
     bandwidth_efficiency: float
     intra_node_gb_per_s: float | None  # None with one GPU: nothing to measure between GPUs
     notes: dict[str, str]  # what each measured figure came from, for the file's comments
+    host_op_us: float | None = None  # the host's time per eager op; None: the base's
+    collective_latency_us: float | None = None  # gloo's (a CPU); None: NCCL's model
 
 
 def _figure(value: float) -> float:
@@ -104,19 +120,24 @@ def cluster_file(name: str, base: Cluster, measured: Measured) -> str:
     )
     if measured.power_limit_w is not None:
         values["power_limit_w"] = measured.power_limit_w
+    if measured.host_op_us is not None:
+        values["host_op_us"] = _figure(measured.host_op_us)
+    if measured.collective_latency_us is not None:
+        values["collective_latency_us"] = _figure(measured.collective_latency_us)
     if measured.intra_node_gb_per_s is not None:
         values["intra_node_gb_per_s"] = _figure(measured.intra_node_gb_per_s)
     today = datetime.date.today().isoformat()
+    unmeasured = "none: every figure is measured" if base.kind == "cpu" else f"{base.name}'s (its datasheets)"
     lines = [
         f"# Measured by python -m project.cli.calibrate on {today}: {measured.devices} x {measured.device}, torch",
-        f"# {torch.__version__}; the figures not measured are {base.name}'s (its datasheets). Use: cluster={name}.",
+        f"# {torch.__version__}; the figures not measured: {unmeasured}. Use: cluster={name}.",
         "defaults:",
         "  - /step_time/roofline@_here_  # the model's efficiencies, replaced below by this box's",
         "  - _self_",
     ]
     for key, value in values.items():
         note = measured.notes.get(key, f"{base.name}'s" if key != "name" else "the cluster= option that picks it")
-        lines.append(f"{key}: {value}  # {note}")
+        lines.append(f"{key}: {'null' if value is None else value}  # {note}")
     return "\n".join(lines) + "\n"
 
 
@@ -147,8 +168,8 @@ def measure_matmuls(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
     shares, reached = [], []
     for shape in sizes.shapes:
         m, n, k = (int(size) for size in shape.split("x"))
-        a = torch.randn(m, k, device=sizes.device, dtype=torch.bfloat16)
-        b = torch.randn(k, n, device=sizes.device, dtype=torch.bfloat16)
+        a = torch.randn(m, k, device=sizes.device, dtype=sizes.dtype)
+        b = torch.randn(k, n, device=sizes.device, dtype=sizes.dtype)
         seconds = _seconds(functools.partial(torch.matmul, a, b), sizes.device)
         tiles = math.ceil(m / Kernel.TILE) * math.ceil(n / Kernel.TILE)
         shares.append(2 * m * n * k / seconds / rate / wave_share(tiles, cluster.multiprocessors))
@@ -160,7 +181,7 @@ def measure_attention(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
     """The share of the peak causal attention's products reach, forward and backward, its exponentials' time taken
     out as the model prices them."""
     shape = (1, sizes.heads, sizes.seq, sizes.head_dim)
-    q, k, v = (torch.randn(shape, device=sizes.device, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+    q, k, v = (torch.randn(shape, device=sizes.device, dtype=sizes.dtype, requires_grad=True) for _ in "qkv")
 
     def step() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
@@ -185,6 +206,37 @@ def measure_bandwidth(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
     return bandwidth / (cluster.memory_tb_per_s * 1e12), f"{copied}: {bandwidth / 1e12:.2f} TB/s"
 
 
+def measure_host(device: str) -> tuple[float, str]:
+    """The host's microseconds per eager op: a step (forward, backward, fused AdamW) of a GPT of 2 blocks of width
+    128 on 2 sequences of 16 tokens, so small that the device waits for the host (``benchmarks/host_costs.py``
+    measures the host's other costs in this op's units, on this step); its ops counted as the memory plan counts
+    them (``StepCounts``), timed over 50 steps (on a GPU, to the end of their kernels)."""
+    from project.accounting.counts import StepCounts
+    from project.models import GPT, init_weights
+
+    net = init_weights(GPT(vocab_size=64, max_length=16, num_layers=2, dim=128, num_heads=4), 0).to(device)
+    optimizer = torch.optim.AdamW(net.parameters(), fused=True)
+    tokens = torch.randint(0, 64, (2, 16), device=device)
+
+    def step() -> None:
+        F.cross_entropy(net(tokens).flatten(0, 1), tokens.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # the optimizer's state made: counted from the second step, as the plan counts
+    counts = StepCounts(devices_per_node=1, world_dim="world")
+    with counts:
+        step()
+    ops = counts.host_ops["eager"]
+
+    def steps() -> None:
+        for _ in range(50):
+            step()
+
+    seconds = _seconds(steps, device, repeats=5)
+    return seconds / 50 / ops * 1e6, f"a tiny GPT's step of {ops} eager ops: {seconds / 50 * 1e3:.2f} ms"
+
+
 def _all_gather_rank(rank: int, world: int, sizes: Sizes, init: str, result: str) -> None:
     import torch.distributed as dist
 
@@ -196,20 +248,23 @@ def _all_gather_rank(rank: int, world: int, sizes: Sizes, init: str, result: str
     shard = torch.empty(sizes.gather_bytes // world, device=sizes.device, dtype=torch.uint8)
     gathered = torch.empty(shard.numel() * world, device=sizes.device, dtype=torch.uint8)
     seconds = _seconds(lambda: dist.all_gather_into_tensor(gathered, shard), sizes.device)
-    if rank == 0:
-        Path(result).write_text(str(gathered.numel() * (world - 1) / world / seconds))  # a rank's bytes on the wire
+    flag = torch.zeros(1, device=sizes.device)
+    latency = _seconds(lambda: dist.all_reduce(flag), sizes.device, repeats=50)  # a collective of next to nothing
+    if rank == 0:  # a rank's bytes on the wire a second, and the latency
+        Path(result).write_text(json.dumps([gathered.numel() * (world - 1) / world / seconds, latency]))
     dist.destroy_process_group()
 
 
-def measure_nvlink(devices: int, sizes: Sizes) -> tuple[float, str]:
-    """Each device's bandwidth each way in an all-gather across the box's devices (GB/s, ring bytes)."""
+def measure_nvlink(devices: int, sizes: Sizes) -> tuple[float, str, float]:
+    """Each device's bandwidth each way in an all-gather across the box's devices (GB/s, ring bytes), and the
+    microseconds of an all-reduce of one number."""
     with tempfile.TemporaryDirectory() as tmp:
         result = str(Path(tmp) / "bandwidth")
         init = f"file://{Path(tmp) / 'rendezvous'}"
         torch.multiprocessing.spawn(_all_gather_rank, args=(devices, sizes, init, result), nprocs=devices)
-        bandwidth = float(Path(result).read_text()) / 1e9
+        bandwidth, latency = json.loads(Path(result).read_text())
     gather = f"an all-gather ({sizes.backend}) of {sizes.gather_bytes / 2**20:,.0f} MiB over {devices} devices"
-    return bandwidth, f"{gather}: {bandwidth:.1f} GB/s a device each way"
+    return bandwidth / 1e9, f"{gather}: {bandwidth / 1e9:.1f} GB/s a device each way", latency * 1e6
 
 
 def power_limit() -> float | None:
@@ -256,8 +311,9 @@ def calibrate(base_name: str | None, sizes: Sizes) -> tuple[Cluster, Measured]:
     matmul, matmul_note = measure_matmuls(sizes, box)
     attention, attention_note = measure_attention(sizes, box)
     bandwidth, bandwidth_note = measure_bandwidth(sizes, box)
+    host, host_note = measure_host(sizes.device)
     devices = torch.cuda.device_count() if gpu else 2
-    nvlink, nvlink_note = measure_nvlink(devices, sizes) if devices > 1 else (None, "")
+    nvlink, nvlink_note, latency = measure_nvlink(devices, sizes) if devices > 1 else (None, "", None)
     notes = {
         "multiprocessors": "this GPU's (torch.cuda.get_device_properties)" if gpu else f"{base.name}'s",
         "memory_gb": "this GPU's" if gpu else f"{base.name}'s",
@@ -267,12 +323,80 @@ def calibrate(base_name: str | None, sizes: Sizes) -> tuple[Cluster, Measured]:
         "bandwidth_efficiency": bandwidth_note,
         "devices_per_node": "this box's devices" if devices > 1 else f"{base.name}'s (one GPU here)",
         "intra_node_gb_per_s": nvlink_note or f"{base.name}'s (one GPU here: nothing to measure between GPUs)",
+        "host_op_us": host_note,
     }
     memory = torch.cuda.get_device_properties(0).total_memory / 1e9 if gpu else base.memory_gb
     measured = Measured(
-        device, devices, box.multiprocessors, memory, limit, matmul, attention, bandwidth, nvlink, notes
+        device, devices, box.multiprocessors, memory, limit, matmul, attention, bandwidth, nvlink, notes, host
     )  # fmt: skip
     return base, measured
+
+
+def _shape(shape: str) -> tuple[int, int, int]:
+    m, n, k = (int(size) for size in shape.split("x"))
+    return m, n, k
+
+
+def with_backward(shapes: list[str]) -> list[str]:
+    """Each MxNxK matmul (a Linear's forward) and the two of its backward: the input's gradient (MxKxN) and the
+    weight's (NxKxM), which a CPU runs from transposed operands, often slower."""
+    triples = [_shape(shape) for shape in shapes]
+    return [f"{a}x{b}x{c}" for m, n, k in triples for a, b, c in ((m, n, k), (m, k, n), (n, k, m))]
+
+
+def calibrate_cpu(sizes: Sizes) -> tuple[Cluster, Measured]:
+    """This machine's CPU as the device that trains: its float32 peak (a large matmul's rate), its copy
+    bandwidth and exponentials a second, then the efficiencies of ``sizes``' shapes against those, its host's op
+    and a gloo collective's latency between two processes. No power model: a CPU's clock is what it is."""
+    cores = len(os.sched_getaffinity(0))
+    rates = []
+    for m, n, k in [(2048, 2048, 2048)] + [_shape(shape) for shape in sizes.shapes]:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        rates.append(2 * m * n * k / _seconds(functools.partial(torch.matmul, a, b), "cpu") / 1e12)
+    peak = max(rates)  # the fastest: the efficiencies are shares of it
+    source = torch.empty(sizes.copy_bytes // 4)
+    target = torch.empty_like(source)
+    memory = 2 * sizes.copy_bytes / _seconds(lambda: target.copy_(source), "cpu") / 1e12
+    exps = source.numel() / _seconds(lambda: torch.exp(source, out=target), "cpu") / 1e12
+    roofline = OmegaConf.load(CONF / "step_time" / "roofline.yaml")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    base = Cluster(
+        "cpu", "cpu", _figure(peak), None, round(ram, 1), _figure(memory), cores, _figure(exps), 1.0, 1.0, cores,
+        1.0, 1.0, 1.0, roofline.float8_matmul_efficiency, 1.0, 1.0, roofline.host_op_us, None,
+    )  # fmt: skip
+    # Shares of this CPU's own figures, measured a moment apart: at most 1 (a busy CPU's figures vary)
+    matmul, matmul_note = measure_matmuls(dataclasses.replace(sizes, shapes=with_backward(sizes.shapes)), base)
+    attention, attention_note = measure_attention(sizes, base)
+    bandwidth, bandwidth_note = measure_bandwidth(sizes, base)
+    matmul, attention, bandwidth = (min(1.0, share) for share in (matmul, attention, bandwidth))
+    host, host_note = measure_host("cpu")
+    gloo, gloo_note, latency = measure_nvlink(2, sizes)
+    notes = {
+        "kind": "a CPU that trains",
+        "peak_tflops": "the fastest float32 matmul's TFLOPS (2048x2048x2048 and the shapes below), all cores",
+        "float8_peak_tflops": "none on a CPU",
+        "memory_gb": "this machine's memory",
+        "memory_tb_per_s": f"a copy of {sizes.copy_bytes / 2**20:,.0f} MiB",
+        "multiprocessors": "its cores (os.sched_getaffinity)",
+        "exp_tera_per_s": "torch.exp over the copy's float32 numbers",
+        "rated_power_w": "no power model for a CPU",
+        "power_limit_w": "no power model for a CPU",
+        "devices_per_node": "its cores: at most a process per core",
+        "inter_node_gb_per_s": "as within the machine",
+        "matmul_efficiency": f"the median share of the peak over {len(sizes.shapes)} Linear layers' matmuls, forward "
+        f"and backward: {matmul_note}",
+        "attention_efficiency": attention_note,
+        "bandwidth_efficiency": bandwidth_note,
+        "intra_node_gb_per_s": gloo_note,
+        "host_op_us": host_note,
+        "collective_latency_us": "an all-reduce of one number between 2 gloo processes",
+        "float8_matmul_efficiency": "the model's (no float8 on a CPU)",
+    }
+    measured = Measured(
+        f"CPU of {cores} cores", 1, cores, base.memory_gb, None, matmul, attention, bandwidth, gloo, notes, host,
+        latency,
+    )  # fmt: skip
+    return dataclasses.replace(base, inter_node_gb_per_s=_figure(gloo)), measured
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -287,15 +411,27 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="run the same code on this CPU at small sizes (a check, not a GPU's figures)",
     )
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="measure this CPU as the device that trains (its jobs' plan=true cluster=<name> then predicts them)",
+    )
     args = parser.parse_args(argv)
     for shape in args.shapes:
         if not re.fullmatch(r"[1-9]\d*x[1-9]\d*x[1-9]\d*", shape):
             raise ConfigError("--shapes", f"{shape!r} is not MxNxK.", "give positive sizes such as 8192x4096x4096.")
-    if args.smoke and (args.shapes != MODEL_SHAPES or args.seq != MODEL_SEQ):
+    own_sizes = "--smoke" if args.smoke else "--cpu" if args.cpu else None
+    if own_sizes and (args.shapes != MODEL_SHAPES or args.seq != MODEL_SEQ):
         raise ConfigError(
             "--shapes" if args.shapes != MODEL_SHAPES else "--seq",
-            "is given with --smoke, which times small sizes of its own on the CPU (a check of the code).",
-            "leave it out with --smoke, or run on a GPU box without --smoke to time these.",
+            f"is given with {own_sizes}, which times sizes of its own on the CPU.",
+            f"leave it out with {own_sizes}, or run on a GPU box without it to time these.",
+        )
+    if args.cpu and (args.smoke or args.base):
+        raise ConfigError(
+            "--smoke" if args.smoke else "--base",
+            "is given with --cpu, which measures this CPU itself (no datasheet cluster under it).",
+            "give --cpu alone (with --name and --out if you like).",
         )
     if (
         args.name is not None
@@ -307,7 +443,10 @@ def main(argv: list[str] | None = None) -> None:
             f"is {args.name!r}: the cluster's name, which makes its file conf/cluster/<name>.yaml and cluster=<name>.",
             "give a plain name of letters, digits, '_', '-' and '.', e.g. --name my_h100s (--out chooses the file).",
         )
-    base, measured = calibrate(args.base, SMOKE if args.smoke else Sizes("cuda", args.shapes, args.seq))
+    if args.cpu:
+        base, measured = calibrate_cpu(CPU)
+    else:
+        base, measured = calibrate(args.base, SMOKE if args.smoke else Sizes("cuda", args.shapes, args.seq))
     slug = re.sub(r"[^a-z0-9]+", "_", measured.device.lower().removeprefix("nvidia ")).strip("_")
     name = args.name or f"calibrated_{slug}_{measured.devices}x"
     out = Path(args.out or CONF / "cluster" / f"{name}.yaml")

@@ -134,6 +134,7 @@ def build_job(cfg: DictConfig, layout: Layout, model: Model, ckpt_path: str | No
         cluster=None if cfg.get("cluster") is None else Cluster.of(cfg.cluster),
         device_memory_gb=cfg.memory_plan.device_memory_gb,
         if_over=cfg.memory_plan.if_over,
+        step_checks=cfg.step_checks,
         search=SearchSettings(
             tuple(cfg.plan_search.strategies), cfg.plan_search.max_pipeline_ranks, cfg.plan_search.prune
         ),

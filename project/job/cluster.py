@@ -3,7 +3,7 @@ model predicts on."""
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from project.options.option_types import PositiveFloat, PositiveInt, Range
 
@@ -19,9 +19,16 @@ class Cluster:
     runs under (W); the GPUs a node joins with NVLink, and the bandwidth each GPU has each way inside a node and to
     other nodes (GB/s). Then the step-time model's efficiencies (``project.plan.step_time``), the same for every
     GPU unless measured on one (``python -m project.cli.calibrate``). The hints are the ranges ``cluster.*`` is
-    checked against before launch (``project.config.schema``)."""
+    checked against before launch (``project.config.schema``).
+
+    ``kind``: gpu, or cpu for a CPU that trains itself (``calibrate --cpu``: its cores as one device, its float32
+    matmuls as the peak). ``host_op_us``: the host's speed, the microseconds of its time one eager op costs (the
+    dispatcher, and on a GPU the launch), measured by ``calibrate``; the host's other costs are multiples of it
+    (``project.plan.step_time``). ``collective_latency_us``: each collective's fixed time where it is not NCCL's
+    (gloo on a CPU, measured), or None for NCCL's own tuning model."""
 
     name: str
+    kind: Literal["gpu", "cpu"]
     peak_tflops: PositiveFloat
     float8_peak_tflops: PositiveFloat | None
     memory_gb: PositiveFloat
@@ -37,6 +44,8 @@ class Cluster:
     float8_matmul_efficiency: Efficiency
     attention_efficiency: Efficiency
     bandwidth_efficiency: Efficiency
+    host_op_us: PositiveFloat
+    collective_latency_us: PositiveFloat | None
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> "Cluster":

@@ -153,6 +153,7 @@ class Job:
     cluster: Cluster | None  # the GPU nodes it is planned for (``cluster``)
     device_memory_gb: float | None  # memory_plan.device_memory_gb
     if_over: str  # memory_plan.if_over: error or warn
+    step_checks: str  # when the host reads each step's flags: each_step (it waits for the device), a_step_late, auto
     search: SearchSettings
     plan_cache: Path  # where plan=search keeps its simulations (${paths.cache_dir}/plan_cache)
 
@@ -165,7 +166,7 @@ class Job:
     def on_gpus(self) -> bool:
         """Whether the job runs on CUDA GPUs: its trainer's accelerator, or the ``cluster`` it is planned for. Its
         memory plan then simulates CUDA's kernels (``project.plan.cuda_kernels``)."""
-        return self.uses_cuda or self.cluster is not None
+        return self.uses_cuda or (self.cluster is not None and self.cluster.kind == "gpu")
 
     @property
     def activation_checkpointing(self) -> Checkpointing:

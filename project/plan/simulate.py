@@ -70,6 +70,8 @@ class DevicePlan:
     kernels: dict[str, int] = field(default_factory=dict)  # its matmul and attention kernels: count by Kernel key
     collectives: dict[str, int] = field(default_factory=dict)  # bytes of the step's collectives, by Link key...
     collective_calls: dict[str, int] = field(default_factory=dict)  # ...and how many
+    host_ops: dict[str, int] = field(default_factory=dict)  # what the host runs: StepCounts.host_ops, and
+    # "fsdp_modules", the FSDP-wrapped modules whose hooks run each step
 
     @property
     def model_state(self) -> int:
@@ -184,6 +186,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         kernels=dict(sorted(counts.kernels.items())),
         collectives={kind: counted[kind] for kind in sorted(counted) if counted[kind]},
         collective_calls={kind: calls[kind] for kind in sorted(calls) if counted[kind]},
+        host_ops={**counts.host_ops, "fsdp_modules": sum(isinstance(part, FSDPModule) for part in net.modules())},
     )
 
 
@@ -196,7 +199,8 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
     Forward: a block's hooks around its forward. Backward: a block's starts when its output's gradient is computed
     and ends when its input's is; between two blocks, the one tensor is the first's output and the second's input,
     so a depth (+1 at an output, -1 at an input) stays inside from the last block's output to the first's input.
-    The loss likewise, from its output's gradient (backward's start) to its logits'."""
+    The loss likewise, from its output's gradient (backward's start) to its logits'. Each forward and each
+    backward of a compiled part is one call of compiled code (``StepCounts.compiled_call``)."""
     depth = 0
 
     def enter(*_: Any) -> None:
@@ -215,6 +219,11 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
         for item in args:
             if isinstance(item, torch.Tensor) and item.requires_grad:
                 item.register_hook(leave)
+        counts.compiled_call()  # the compiled forward
+        enter()
+
+    def backward_starts(*_: Any) -> None:
+        counts.compiled_call()  # the compiled backward
         enter()
 
     def after(block: nn.Module, args: tuple, output: Any) -> None:
@@ -222,7 +231,7 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
             return
         leave()
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(enter)
+            output.register_hook(backward_starts)
 
     loss = module.compiled_loss_module()
     compiled = [*getattr(net, "blocks", []), *([loss] if loss is not None else [])]
@@ -413,7 +422,7 @@ class _Tally:
     counted: Counter[str] = field(default_factory=Counter)
 
     SCALARS = ("flops", "recomputed_flops", "moved_bytes")
-    COUNTERS = ("kernels", "collectives", "collective_calls")
+    COUNTERS = ("kernels", "collectives", "collective_calls", "host_ops")
 
     @classmethod
     def of(cls, counts: StepCounts) -> "_Tally":

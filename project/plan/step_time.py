@@ -26,9 +26,17 @@ The model, per device of the plan:
   all-to-alls and a pipeline's sends wait for their results, so all of theirs shows;
 - a pipeline's idle share (its bubble, ``Layout.bubble_fraction``) stretches the slowest stage.
 
-The step is the slowest device's. What it leaves out: the host's time to launch kernels (a small model's step can
-be shorter than that: docs/gpu.md), contention between overlapped collectives and compute, and where Inductor cuts
-a fused chain in more kernels than needed.
+The host (``host_time``): the CPU process that runs the step's Python and dispatches its ops. Its time is the
+ops it dispatches eagerly (``StepCounts.host_ops``; the simulation counts them) at the cluster's ``host_op_us``,
+and, in multiples of that op's time measured on one CPU (``HOST_COSTS``), each kernel and each call of compiled
+code, each op DTensor dispatches, each FSDP module's hooks and the framework's own work per step (Lightning's
+loop, its hooks, this project's callbacks). A GPU runs its kernels while the host queues the next, so the step is
+the slower of the two; where the host waits for the device at each step's end (``step_checks=each_step``), the
+framework's own work runs while the GPU idles and adds to it. A CPU both dispatches and computes: its step is the
+sum.
+
+The step is the slowest device's. What it leaves out: contention between overlapped collectives and compute, and
+where Inductor cuts a fused chain in more kernels than needed.
 """
 
 import math
@@ -78,7 +86,8 @@ def ring_latency(link: Link) -> float:
 
 def collective_seconds(link: Link, size: int, calls: int, cluster: Cluster) -> float:
     bandwidth = cluster.intra_node_gb_per_s if link.nodes == 1 else cluster.inter_node_gb_per_s
-    return calls * ring_latency(link) + wire_bytes(link, size) / (bandwidth * GB)
+    latency = ring_latency(link) if cluster.collective_latency_us is None else cluster.collective_latency_us * 1e-6
+    return calls * latency + wire_bytes(link, size) / (bandwidth * GB)
 
 
 def flops_per_s(cluster: Cluster) -> float:
@@ -158,19 +167,71 @@ class DeviceTime:
         return self.compute + self.critical + max(0.0, self.overlapped - self.compute)
 
 
-def device_time(device: DevicePlan, cluster: Cluster) -> DeviceTime:
-    compute = compute_seconds(device, cluster)
+def device_time(device: DevicePlan, cluster: Cluster, share: float = 1.0) -> DeviceTime:
+    """``device``'s step on the cluster's device, or on ``share`` of it (a CPU's cores split between processes)."""
+    compute = compute_seconds(device, cluster) / share
     overlapped = critical = 0.0
     for key, size in device.collectives.items():
         link = Link.parse(key)
         seconds = collective_seconds(link, size, device.collective_calls.get(key, 1), cluster)
         # Data parallelism's gathers and reductions run beside the compute; an expert-parallel all-to-all (also
-        # over data-parallel ranks) carries the rows the next computation needs: it waits, as a send does.
-        if link.dim == DATA_PARALLEL and link.kind not in ("send", "all_to_all"):
+        # over data-parallel ranks) carries the rows the next computation needs: it waits, as a send does. A CPU
+        # computes and communicates with the same cores: nothing overlaps.
+        if link.dim == DATA_PARALLEL and link.kind not in ("send", "all_to_all") and cluster.kind == "gpu":
             overlapped += seconds
         else:
             critical += seconds
     return DeviceTime(compute, overlapped, critical)
+
+
+# The host's costs besides an eager op, in eager ops' worth of its time: measured on the 2-core CPU machine
+# (``python benchmarks/host_costs.py``, the median of 6 rounds in two runs; docs/step-time.md), scaled to another
+# host by its ``host_op_us``.
+HOST_COSTS = {
+    "compiled_kernels": 0.18,  # a kernel a compiled region launches
+    "compiled_calls": 69.0,  # a call of compiled code (a block's forward or backward): guards, AOTAutograd's wrappers
+    "dtensor": 0.43,  # a DTensor an op takes: DTensor's sharding propagation, in Python, beside the local op
+    "fsdp_modules": 59.0,  # an FSDP module's four hooks in a step (its copies and collectives are ops of their own)
+}
+# The framework's own work per training step, besides the step's ops: Lightning's loop, closure and hooks, the
+# callbacks, the next batch, the epoch metrics' updates. 0.69 ms a step of the default MLP on the 2-core CPU
+# machine (benchmarks/step_breakdown.py, docs/speed.md), at its 8.5 us an op (calibrate --cpu, the same hour).
+FRAMEWORK_STEP_OPS = 80.0
+
+
+@dataclass
+class HostTime:
+    """One device's host, seconds a step: dispatching the step's ops, and the framework's own work."""
+
+    ops: float
+    framework: float
+
+    @property
+    def total(self) -> float:
+        return self.ops + self.framework
+
+
+def host_time(device: DevicePlan, cluster: Cluster, ranks: int) -> HostTime:
+    """``device``'s host a step, one of ``ranks``: its ops, and the framework's own work, which over several ranks
+    includes their agreement on each step's flags (``StopTogether``: one all-reduce of two numbers, which a CPU's
+    gloo waits for; a GPU's is queued, read a step late)."""
+    op = cluster.host_op_us * 1e-6
+    counts = device.host_ops
+    eager = counts.get("eager", 0) + sum(weight * counts.get(key, 0) for key, weight in HOST_COSTS.items())
+    framework = FRAMEWORK_STEP_OPS * op
+    if ranks > 1 and cluster.kind == "cpu" and cluster.collective_latency_us is not None:
+        framework += cluster.collective_latency_us * 1e-6
+    return HostTime(eager * op, framework)
+
+
+def with_host(busy: float, host: HostTime, cluster: Cluster, waits: bool) -> float:
+    """A step of ``busy`` device seconds with ``host``: on a CPU one after the other; on a GPU the slower of the
+    two, but for the framework's work after a step's end when the host waits for the GPU there (``waits``)."""
+    if cluster.kind == "cpu":
+        return busy + host.total
+    if waits:
+        return max(busy, host.ops) + host.framework
+    return max(busy, host.total)
 
 
 @dataclass
@@ -185,6 +246,8 @@ class StepTime:
     bubble: float
     tokens_per_device_per_s: float
     mfu: float
+    host: float = 0.0  # the host's seconds of the step (dispatch and the framework's own work)
+    host_bound: float = 0.0  # what the step is longer for the host: the step less the device's alone
 
 
 def throughput_unit(job: Job) -> str:
@@ -202,19 +265,26 @@ def throughput_bound(job: Job, cluster: Cluster, compute: float) -> float:
 def predict_step(plan: MemoryPlan, job: Job, cluster: Cluster) -> StepTime:
     """The step of ``job``'s layout, as ``plan`` counts it, on ``cluster``; its MFU counts the slowest device's
     FLOPs but activation checkpointing's recompute."""
-    times = [device_time(device, cluster) for device in plan.devices]
-    slowest = max(range(len(times)), key=lambda index: times[index].busy)
-    busy = times[slowest]
-    seconds = busy.busy / (1 - job.layout.bubble_fraction())
+    share = 1 / job.processes_per_node if cluster.kind == "cpu" else 1.0  # a CPU's cores split between processes
+    times = [device_time(device, cluster, share) for device in plan.devices]
+    bubble = job.layout.bubble_fraction()
+    hosts = [host_time(device, cluster, plan.world_size) for device in plan.devices]
+    waits = job.step_checks == "each_step"  # on GPUs ``auto`` reads each step's flags a step late
+    steps = [with_host(time.busy / (1 - bubble), host, cluster, waits) for time, host in zip(times, hosts)]
+    slowest = max(range(len(steps)), key=lambda index: steps[index])
+    busy, seconds = times[slowest], steps[slowest]
+    device_alone = busy.busy / (1 - bubble)
     tokens = job.tokens_per_step * job.dims.data_parallel / plan.world_size
     flops = plan.devices[slowest].flops - plan.devices[slowest].recomputed_flops
     return StepTime(
         seconds,
         busy.compute,
         busy.busy - busy.compute,
-        seconds - busy.busy,
+        device_alone - busy.busy,
         tokens / seconds,
-        flops / seconds / (cluster.peak_tflops * 1e12),
+        flops / seconds / (cluster.peak_tflops * 1e12 * share),
+        hosts[slowest].total,
+        seconds - device_alone,
     )
 
 
@@ -224,7 +294,8 @@ def format_step(step: StepTime, cluster: Cluster, job: Job) -> str:
     step's FLOPs (not simulated)."""
     line = (
         f"Predicted on {cluster.name}: {step.seconds:.3g} s a step ({step.compute:.3g} s compute, "
-        f"{step.exposed_communication:.2g} s exposed communication, {step.bubble:.2g} s pipeline bubble), "
+        f"{step.exposed_communication:.2g} s exposed communication, {step.bubble:.2g} s pipeline bubble, "
+        f"{step.host_bound:.2g} s waiting on the host; the host's share {100 * step.host / step.seconds:.0f}%), "
         f"{step.tokens_per_device_per_s:,.0f} {throughput_unit(job)}/s per GPU, MFU {100 * step.mfu:.1f}% "
         "(docs/step-time.md)."
     )
