@@ -6,9 +6,10 @@ r"""Where a framework step's host time goes (docs/speed.md), added to any run as
 Wall-clock timers around the parts of Lightning's training step and this project's own, from the first training
 batch on: the step (``_TrainingEpochLoop.advance``), the forward and loss (the module's ``training_step``; of it,
 the net's forward), ``backward``, the optimizer's step (of it, its update) and ``zero_grad``, the next batch
-(Lightning's fetcher), and each callback hook (Lightning's ``_call_callback_hooks``). At the end of training,
-milliseconds per training step, with what is left of the step: Lightning's own loop. Lines starting "of it" are
-parts of another. (Validation is outside the step, but its batches' forwards count in the net's forward.)
+(Lightning's fetcher), each callback hook (Lightning's ``_call_callback_hooks``), and Lightning's work after each
+step, outside it (``on_advance_end``: LR schedulers, logging, checks; at an epoch's end, the validation too). At
+the end of training, milliseconds per training step, with what is left of the step: Lightning's own loop. Lines
+starting "of it" are parts of another. (Validation's forwards count in the net's forward.)
 """
 
 import collections
@@ -56,6 +57,8 @@ class StepBreakdown(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._time(training_epoch_loop._TrainingEpochLoop, "advance", "step")
+        # Between steps, outside ``advance``: LR schedulers, step logging, validation and stopping checks
+        self._time(training_epoch_loop._TrainingEpochLoop, "on_advance_end", "after the step (Lightning's, outside it)")
         self._time(fetchers._PrefetchDataFetcher, "__next__", "next batch")
         self._time(type(pl_module), "training_step", "forward and loss")
         self._time(type(pl_module.net), "forward", "of it, the net's forward")
@@ -88,7 +91,8 @@ class StepBreakdown(L.Callback):
         optimizer = per_step.pop("optimizer step (with the closure: forward, loss, backward)", 0.0)
         inside = per_step["forward and loss"] + per_step.get("backward", 0.0)
         per_step["optimizer step (the update, and the closure's hooks)"] = optimizer - inside
-        within = [label for label in per_step if label != "step" and not label.startswith("of it")]
+        outside = ("step", "after the step (Lightning's, outside it)")
+        within = [label for label in per_step if label not in outside and not label.startswith("of it")]
         within = [label for label in within if not label.startswith("callbacks: ") or label[11:] in STEP_HOOKS]
         per_step["Lightning's loop (the rest of the step)"] = per_step["step"] - sum(per_step[key] for key in within)
         print(f"ms per training step, over {steps} steps (hooks outside the step: per training step too):")

@@ -3,6 +3,7 @@ writes on a GPU box is one ``cluster=<name>`` composes into the Cluster the step
 figures over the datasheet ones. (The measuring itself runs on a GPU: ``make gpu-check``.)"""
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -37,7 +38,9 @@ def test_without_a_gpu_it_is_refused_naming_the_fix_and_writes_nothing(tmp_path)
     [
         (["--smoke", "--name", "../../evil"], "--name: is '../../evil': the cluster's name"),
         (["--smoke", "--name", "a/b"], "--name: is 'a/b'"),
-        (["--smoke", "--shapes", "64x64x64"], "--shapes: is given with --smoke, which times small sizes of its own"),
+        (["--smoke", "--shapes", "64x64x64"], "--shapes: is given with --smoke, which times sizes of its own"),
+        (["--cpu", "--seq", "128"], "--seq: is given with --cpu, which times sizes of its own"),
+        (["--cpu", "--base", "h200_8x"], "--base: is given with --cpu, which measures this CPU itself"),
         (["--smoke", "--seq", "128"], "--seq: is given with --smoke"),
         (["--shapes", "0x64x64"], "--shapes: '0x64x64' is not MxNxK."),
     ],
@@ -77,6 +80,27 @@ def test_smoke_runs_every_measurement_on_the_cpu_into_a_cluster_file(tmp_path):
     assert 0 < job.cluster.bandwidth_efficiency < 1 and job.cluster.intra_node_gb_per_s > 0
     text = out.read_text()
     assert "all-gather (gloo) of 1 MiB over 2 devices" in text and "causal, 4 heads of 32, sequence 256" in text
+
+
+@pytest.mark.slow
+def test_cpu_measures_this_cpu_into_a_cluster_that_plan_true_predicts_on(tmp_path):
+    """--cpu: this CPU as the device that trains, every figure measured; plan=true on it prints the host's share."""
+    out = tmp_path / "cluster" / "mine.yaml"
+    result = subprocess.run(
+        [sys.executable, "-m", "project.cli.calibrate", "--cpu", "--name", "mine", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    job = resolved(["plan=true", f"hydra.searchpath=[file://{tmp_path}]", "cluster=mine"])
+    cluster = job.cluster
+    assert cluster is not None and cluster.kind == "cpu" and not job.on_gpus and cluster.float8_peak_tflops is None
+    assert cluster.host_op_us > 0 and cluster.collective_latency_us and cluster.peak_tflops > 0
+    assert 0 < cluster.matmul_efficiency <= 1 and 0 < cluster.bandwidth_efficiency <= 1
+    plan = train(["plan=true", f"hydra.searchpath=[file://{tmp_path}]", "cluster=mine", *TINY_GPT], tmp_path).output
+    assert re.search(r"Predicted on mine: .* the host's share \d+%", plan), plan[-2000:]
 
 
 MEASURED = Measured(
@@ -136,14 +160,15 @@ def test_gpu_predictions_sets_plan_trues_figures_beside_the_benchmarks(tmp_path)
     case = {"case": "tiny", "tokens_per_sec": 1.0e6, "peak_allocated_mb": 10.0, "overrides": overrides}
     (tmp_path / "gpu_benchmark.json").write_text(json.dumps({"machine": {"gpu": "NVIDIA H200"}, "cases": [case]}))
     base = base_cluster("h200_8x", "NVIDIA H200")
-    halved = Measured(**{**MEASURED.__dict__, "matmul_efficiency": base.matmul_efficiency / 2, "devices": 1})
-    (tmp_path / "calibrated.yaml").write_text(cluster_file("calibrated", base, halved))
+    # A host twice as slow: the tiny GPT's step on an H200 is the host's (its matmuls would change nothing)
+    slower = Measured(**{**MEASURED.__dict__, "host_op_us": 2 * base.host_op_us, "devices": 1})
+    (tmp_path / "calibrated.yaml").write_text(cluster_file("calibrated", base, slower))
     subprocess.run([sys.executable, "scripts/gpu_predictions.py", str(tmp_path)], cwd=REPO, check=True, timeout=600)
     (row,) = json.loads((tmp_path / "gpu_predictions.json").read_text())["rows"]
     (sheet, planned), (calibrated, _) = row["datasheet"], row["calibrated"]
     plan = train(["plan=true", "cluster=h200_8x", *overrides], tmp_path).output
     assert f"{sheet:,.0f} tokens/s per GPU" in plan and f"Peak {planned * 1024:.1f} KiB per device" in plan
-    assert 0 < calibrated < sheet  # slower matmuls on the calibrated box
+    assert 0 < calibrated < sheet  # a slower host on the calibrated box
     table = (tmp_path / "gpu_predictions.md").read_text()
     assert f"| tiny | 1,000,000 | {sheet:,.0f} | {sheet / 1e6 - 1:+.1%} | {calibrated:,.0f} |" in table
     assert f"| 10 | {planned:,.0f} | {planned / 10 - 1:+.1%} |" in table and planned > 0
