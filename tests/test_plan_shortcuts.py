@@ -63,12 +63,18 @@ def test_a_plan_extended_from_shallow_copies_is_the_whole_simulation(layout):
 )
 def test_replayed_microbatches_hold_and_count_what_simulated_ones_do(layout, monkeypatch):
     """A pipeline device's plan with its repeated micro-batches replayed is, figure for figure, its plan with every
-    micro-batch simulated."""
+    micro-batch simulated; but the host's ops, which a replayed micro-batch takes from the second (the others'
+    bookkeeping differs by a few ops each, against the step's thousands), to 2%."""
     job = resolved([*TINY_GPT, "model.net.num_layers=4", "data.batch_size=48", "strategy=pipeline", *layout])
     replayed = plan_memory(job, suggest=False)
     monkeypatch.setattr(simulate, "simulated_microbatches", lambda microbatches, in_flight: set(range(microbatches)))
     whole = plan_memory(job, suggest=False)
-    assert [asdict(device) for device in replayed.devices] == [asdict(device) for device in whole.devices]
+    figures = [{**asdict(device), "host_ops": None} for device in replayed.devices]
+    assert figures == [{**asdict(device), "host_ops": None} for device in whole.devices]
+    for device, simulated in zip(replayed.devices, whole.devices, strict=True):
+        assert device.host_ops.keys() == simulated.host_ops.keys()
+        for kind, count in simulated.host_ops.items():
+            assert device.host_ops[kind] == pytest.approx(count, rel=0.02), kind
 
 
 def test_a_layout_is_simulated_up_to_the_first_moment_a_device_does_not_fit(tmp_path):
