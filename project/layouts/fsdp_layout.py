@@ -80,7 +80,7 @@ class FSDPLayout(ShardedLayout):
 
     def shards(self, data_parallel: int) -> bool:
         """Whether FSDP wraps the model over ``data_parallel`` ranks. Over one it shards nothing, yet its hooks,
-        copies and DTensor optimizer cost every step (``benchmarks/host_costs.py``: each module's hooks some 50
+        copies and DTensor optimizer cost every step (``benchmarks/host_costs.py``: each module's hooks some 60
         eager ops' worth of host time a step): the model trains unwrapped there, as plain training does, unless
         its parameters are offloaded to the CPU."""
         return data_parallel > 1 or self.cpu_offload
