@@ -60,18 +60,19 @@ def test_bad_arguments_are_refused_before_anything_is_timed_or_written(arguments
     assert sorted((REPO / "conf" / "cluster").iterdir()) == clusters and not (REPO / "evil.yaml").exists()
 
 
+def calibrated(mode: str, name: str, out) -> subprocess.CompletedProcess:
+    """``python -m project.cli.calibrate <mode> --name <name> --out <out>``, which must succeed."""
+    command = [sys.executable, "-m", "project.cli.calibrate", mode, "--name", name, "--out", str(out)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
 def test_smoke_runs_every_measurement_on_the_cpu_into_a_cluster_file(tmp_path):
     """--smoke: the matmuls, attention, the copy and a 2-process gloo all-gather, timed here, written as a cluster
     that composes: the code path make gpu-check takes, with the CPU's figures."""
     out = tmp_path / "cluster" / "smoke.yaml"
-    result = subprocess.run(
-        [sys.executable, "-m", "project.cli.calibrate", "--smoke", "--name", "smoke", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = calibrated("--smoke", "smoke", out)
     assert f"Wrote {out}: use cluster=smoke" in result.stdout
     job = resolved(["plan=search", f"hydra.searchpath=[file://{tmp_path}]", "cluster=smoke"])
     assert job.cluster is not None and job.cluster.name == "smoke" and job.cluster.devices_per_node == 2
@@ -85,15 +86,7 @@ def test_smoke_runs_every_measurement_on_the_cpu_into_a_cluster_file(tmp_path):
 @pytest.mark.slow
 def test_cpu_measures_this_cpu_into_a_cluster_that_plan_true_predicts_on(tmp_path):
     """--cpu: this CPU as the device that trains, every figure measured; plan=true on it prints the host's share."""
-    out = tmp_path / "cluster" / "mine.yaml"
-    result = subprocess.run(
-        [sys.executable, "-m", "project.cli.calibrate", "--cpu", "--name", "mine", "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    calibrated("--cpu", "mine", tmp_path / "cluster" / "mine.yaml")
     job = resolved(["plan=true", f"hydra.searchpath=[file://{tmp_path}]", "cluster=mine"])
     cluster = job.cluster
     assert cluster is not None and cluster.kind == "cpu" and not job.on_gpus and cluster.float8_peak_tflops is None
