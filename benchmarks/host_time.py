@@ -3,8 +3,10 @@
 For each case, ``python train.py plan=true cluster=<cluster>`` predicts a training step (``cpu_2core``: this
 machine's CPU, measured by ``python -m project.cli.calibrate --cpu``), and ``python train.py`` trains it for 4
 epochs: its step is the samples a device trains per step over ``perf/samples_per_sec_per_device`` (training time
-only, no validation), the median over the epochs after the first. Threads pinned as ``benchmarks/overhead.py`` pins
-them (the cores split between the case's processes). The first case is the one the framework's own cost per step
+only, no validation), the median over the epochs after the first. Each case runs ``--repeats`` times, in rounds
+over the cases; the error is given against the fastest run (the machine least disturbed by others: what the model
+predicts) and the median one. Threads pinned as ``benchmarks/overhead.py`` pins them (the cores split between the
+case's processes). The first case is the one the framework's own cost per step
 (``FRAMEWORK_STEP_OPS``) was fitted on; the others are checks.
 """
 
@@ -58,18 +60,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cluster", default="cpu_2core", help="the cluster of this CPU (calibrate --cpu)")
     parser.add_argument("--cases", nargs="*", default=list(CASES), help="which cases (default: all)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each case, in rounds over the cases")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     print(f"load average before: {os.getloadavg()[0]:.2f}, cores: {cores}, cluster={args.cluster}")
-    print("| case | predicted s a step | host's share | measured s a step | error |")
+    steps: dict[str, list[float]] = {case: [] for case in args.cases}
+    for _ in range(args.repeats):  # rounds, so that a busy spell of the machine slows one run of each case
+        for case in args.cases:
+            overrides = CASES[case]
+            processes = 2 if "trainer.devices=2" in overrides else 1
+            env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(max(1, cores // processes))}
+            steps[case].append(measured(overrides, env))
+    print("| case | predicted s a step | host's share | measured s a step, fastest / median run | error |")
     print("|---|---|---|---|---|")
     for case in args.cases:
-        overrides = CASES[case]
-        processes = 2 if "trainer.devices=2" in overrides else 1
-        env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(max(1, cores // processes))}
-        step, share = predicted(overrides, args.cluster)
-        real = measured(overrides, env)
-        print(f"| {case} | {step:.4f} | {share}% | {real:.4f} | {step / real - 1:+.1%} |", flush=True)
+        step, share = predicted(CASES[case], args.cluster)
+        fastest, median = min(steps[case]), statistics.median(steps[case])
+        error = f"{step / fastest - 1:+.1%} / {step / median - 1:+.1%}"
+        print(f"| {case} | {step:.4f} | {share}% | {fastest:.4f} / {median:.4f} | {error} |", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

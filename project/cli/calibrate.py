@@ -206,12 +206,9 @@ def measure_bandwidth(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
     return bandwidth / (cluster.memory_tb_per_s * 1e12), f"{copied}: {bandwidth / 1e12:.2f} TB/s"
 
 
-def measure_host(device: str) -> tuple[float, str]:
-    """The host's microseconds per eager op: a step (forward, backward, fused AdamW) of a GPT of 2 blocks of width
-    128 on 2 sequences of 16 tokens, so small that the device waits for the host (``benchmarks/host_costs.py``
-    measures the host's other costs in this op's units, on this step); its ops counted as the memory plan counts
-    them (``StepCounts``), timed over 50 steps (on a GPU, to the end of their kernels)."""
-    from project.accounting.counts import StepCounts
+def _host_bound_step(device: str) -> Callable[[], None]:
+    """A step (forward, backward, fused AdamW) of a GPT of 2 blocks of width 128 on 2 sequences of 16 tokens, so
+    small that the device waits for the host."""
     from project.models import GPT, init_weights
 
     net = init_weights(GPT(vocab_size=64, max_length=16, num_layers=2, dim=128, num_heads=4), 0).to(device)
@@ -223,6 +220,16 @@ def measure_host(device: str) -> tuple[float, str]:
         optimizer.step()
         optimizer.zero_grad()
 
+    return step
+
+
+def measure_host(device: str) -> tuple[float, str]:
+    """The host's microseconds per eager op: a host-bound step (``_host_bound_step``; ``benchmarks/host_costs.py``
+    measures the host's other costs in this op's units, on this step), its ops counted as the memory plan counts
+    them (``StepCounts``), timed over 50 steps (on a GPU, to the end of their kernels)."""
+    from project.accounting.counts import StepCounts
+
+    step = _host_bound_step(device)
     step()  # the optimizer's state made: counted from the second step, as the plan counts
     counts = StepCounts(devices_per_node=1, world_dim="world")
     with counts:
@@ -237,6 +244,30 @@ def measure_host(device: str) -> tuple[float, str]:
     return seconds / 50 / ops * 1e6, f"a tiny GPT's step of {ops} eager ops: {seconds / 50 * 1e3:.2f} ms"
 
 
+def _latency_between_busy_ranks(flag: torch.Tensor) -> float:
+    """Seconds an all-reduce of ``flag`` adds to each step of host-bound work on every rank (CPU processes).
+
+    Back to back, two gloo processes all-reduce a number in some 0.2 ms on the 2-core machine; after each rank's
+    own work, as in training, the same collective waits for the later rank and wakes gloo's sleeping threads: 0.5
+    to 1 ms there (docs/step-time.md). Interleaved rounds of 10 steps without and with it, the median difference."""
+    import torch.distributed as dist
+
+    step = _host_bound_step("cpu")
+
+    def steps(collective: bool) -> float:
+        dist.barrier()
+        begun = time.perf_counter()
+        for _ in range(10):
+            step()
+            if collective:
+                dist.all_reduce(flag)
+        return time.perf_counter() - begun
+
+    steps(True)  # warm-up: the optimizer's state, gloo's buffers
+    added = [steps(True) - steps(False) for _ in range(40)]
+    return max(0.0, sorted(added)[len(added) // 2] / 10)
+
+
 def _all_gather_rank(rank: int, world: int, sizes: Sizes, init: str, result: str) -> None:
     import torch.distributed as dist
 
@@ -244,12 +275,17 @@ def _all_gather_rank(rank: int, world: int, sizes: Sizes, init: str, result: str
     warnings.filterwarnings("ignore", "`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning)
     if sizes.device == "cuda":
         torch.cuda.set_device(rank)
+    else:  # the processes share the cores, as training's do
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
     dist.init_process_group(sizes.backend, init_method=init, rank=rank, world_size=world)
     shard = torch.empty(sizes.gather_bytes // world, device=sizes.device, dtype=torch.uint8)
     gathered = torch.empty(shard.numel() * world, device=sizes.device, dtype=torch.uint8)
     seconds = _seconds(lambda: dist.all_gather_into_tensor(gathered, shard), sizes.device)
     flag = torch.zeros(1, device=sizes.device)
-    latency = _seconds(lambda: dist.all_reduce(flag), sizes.device, repeats=50)  # a collective of next to nothing
+    if sizes.device == "cpu":
+        latency = _latency_between_busy_ranks(flag)
+    else:  # a GPU's collective of next to nothing, queued behind nothing
+        latency = _seconds(lambda: dist.all_reduce(flag), sizes.device, repeats=50)
     if rank == 0:  # a rank's bytes on the wire a second, and the latency
         Path(result).write_text(json.dumps([gathered.numel() * (world - 1) / world / seconds, latency]))
     dist.destroy_process_group()
@@ -389,7 +425,7 @@ def calibrate_cpu(sizes: Sizes) -> tuple[Cluster, Measured]:
         "bandwidth_efficiency": bandwidth_note,
         "intra_node_gb_per_s": gloo_note,
         "host_op_us": host_note,
-        "collective_latency_us": "an all-reduce of one number between 2 gloo processes",
+        "collective_latency_us": "an all-reduce of one number between 2 gloo processes, each after its own work",
         "float8_matmul_efficiency": "the model's (no float8 on a CPU)",
     }
     measured = Measured(
