@@ -207,14 +207,16 @@ def test_a_sharded_checkpoint_exported_gives_transformers_its_val_loss(gpt_ddp_f
 @pytest.mark.slow
 def test_an_export_to_a_full_disk_ends_with_the_path_and_leaves_no_partial_file(gpt_ddp_fsdp_sweep, small_disk, home):
     """The weights do not fit the 16 KiB file system: the documented message naming the file, exit code 1, no
-    traceback, and nothing half-written left."""
+    traceback, and nothing half-written left: only the export's record, which says it did not complete (a re-run of
+    the same run then writes over what it left without --replace)."""
     out = small_disk("16k") / "hf"
     checkpoint = gpt_ddp_fsdp_sweep[1] / "checkpoints" / "last.ckpt"
     result = run_command([sys.executable, "-m", "project.cli.export", str(checkpoint), str(out)], home)
     assert result.returncode == 1 and "Traceback" not in result.output, result.output[-3000:]
     assert f"Could not write weights {out / 'model.safetensors'}: No space left on device (ENOSPC)" in result.output
     assert "Free space on that disk, then export again." in result.output
-    assert not list(out.iterdir())
+    assert [path.name for path in out.iterdir()] == [".exported.json"]
+    assert json.loads((out / ".exported.json").read_text())["complete"] is False
 
 
 # model=llama on token data of LLAMA's vocabulary; its shape comes from the model dir (model.init_from).
@@ -281,3 +283,45 @@ def test_evaluating_a_sharded_checkpoint_logs_its_runs_last_val_loss(gpt_ddp_fsd
     assert len(rows) == 1 and float(rows[0]["val/loss"]) == pytest.approx(run_loss, rel=1e-6)
     result = json.loads((out / "result.json").read_text())
     assert result["status"] == "completed" and result["final"]["val/loss"] == pytest.approx(run_loss, rel=1e-6)
+
+
+def test_an_export_replaces_only_its_own_runs_export(gpt_ddp_fsdp_sweep, tmp_path, home, monkeypatch):
+    """Another run's export in the out dir is refused, named, and left as it was unless --replace; the same run's
+    is replaced without a flag, also after an export of it was interrupted between its files (whose leftovers are
+    called that, not files another tool wrote)."""
+    from project.cli import export as export_cli
+    from project.options.errors import ConfigError
+
+    ddp, fsdp = (job.resolve() for job in gpt_ddp_fsdp_sweep)
+    checkpoint = {job: str(job / "checkpoints" / "last.ckpt") for job in (ddp, fsdp)}
+    out = tmp_path / "hf"
+    export_cli.export(checkpoint[fsdp], out)
+    weights = (out / "model.safetensors").read_bytes()
+    record = json.loads((out / ".exported.json").read_text())
+    assert record == {"run": str(fsdp), "complete": True, "files": ["config.json", "model.safetensors"]}
+    refused = run_command([sys.executable, "-m", "project.cli.export", checkpoint[ddp], str(out)], home)
+    assert refused.returncode == 1 and "Traceback" not in refused.output, refused.output[-3000:]
+    assert f"out: {out} holds the export of another run, {fsdp}, which this export of {ddp} would replace." in (
+        refused.output
+    )
+    assert "Fix: export to a dir of its own, or add --replace to write over it." in refused.output
+    assert (out / "model.safetensors").read_bytes() == weights
+    export_cli.export(checkpoint[fsdp], out)  # the same run again: no flag needed
+
+    def interrupted(state, net, net_cfg, out_dir, dtype) -> None:  # Ctrl-C after the first file
+        (out_dir / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(export_cli, "write_hf_dir", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            export_cli.export(checkpoint[ddp], out, replace=True)
+    assert json.loads((out / ".exported.json").read_text())["complete"] is False
+    with pytest.raises(ConfigError, match=f"holds an interrupted export of another run, {ddp}, which this export"):
+        export_cli.export(checkpoint[fsdp], out)
+    export_cli.export(checkpoint[ddp], out)  # the interrupted run's own re-run: its leftovers are its own
+    assert json.loads((out / ".exported.json").read_text()) == {
+        "run": str(ddp),
+        "complete": True,
+        "files": ["config.json", "model.safetensors"],
+    }

@@ -14,8 +14,9 @@ base model (``model.init_from``'s dir).
 
 Nothing is overwritten that export did not write: the run's own base (``model.init_from``) is refused as the out dir
 (the run's adapters, and its resumes, are of those weights), and so is a dir holding files another tool wrote,
-unless ``--replace`` says to write over them. An export lists what it wrote in ``EXPORTED`` (``.exported.json``), so
-that exporting into the same dir again needs no flag.
+unless ``--replace`` says to write over them. An export lists what it wrote, and of which run, in ``EXPORTED``
+(``.exported.json``): exporting the same run into the same dir again needs no flag; another run's export there is
+refused unless ``--replace``.
 """
 
 import argparse
@@ -34,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from safetensors.torch import save_file
 from torch import nn
 
-from project.checkpointing.files import model_state
+from project.checkpointing.files import job_config_file, model_state
 from project.checkpointing.hf import EXPORT_AGAIN, NET_CLASSES, family_of, hf_name, read_config, write_hf_dir
 from project.cli.usage import checkpoint_and_config, merged_model_state, run_cli, trained_lora
 from project.data.prepared import prepared_meta
@@ -59,13 +60,27 @@ def step(what: str) -> Iterator[None]:
     print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
 
-# What an export wrote in its dir, by name: another export may write over those files, and no other.
+# What an export wrote in its dir, by name, and whose run it is: only an export of the same run may write over those
+# files without --replace. Written before the export's files (``complete`` false) and again after them, so that an
+# export interrupted between its files leaves a record of what they are.
 EXPORTED = ".exported.json"
 
 
-def check_destination(cfg: DictConfig, out: Path, replace: bool) -> None:
-    """``ConfigError`` for an out dir whose files an export would replace but did not write: the run's base model
-    (always), or a dir holding other files (unless ``replace``); and for one that cannot be written."""
+def exported_record(out: Path) -> dict[str, Any] | None:
+    """The record of the export in ``out``, if any (one without a ``run`` is from a version that kept none)."""
+    path = out / EXPORTED
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def exporting_run(checkpoint: str | Path, config: str | Path | None) -> str:
+    """The run an export is of: its job dir (the dir of its ``config.yaml``)."""
+    return str(job_config_file(checkpoint, config).resolve().parent)
+
+
+def check_destination(cfg: DictConfig, out: Path, replace: bool, run: str) -> None:
+    """``ConfigError`` for an out dir whose files an export of ``run`` would replace but did not write: the run's
+    base model (always), or (unless ``replace``) another run's export, or a dir holding other files; and for one
+    that cannot be written."""
     check_writable("out", out, "give a dir you can write.")
     base = OmegaConf.select(cfg, "model.init_from")
     if base is not None and out.is_dir() and Path(base).is_dir() and out.samefile(base):
@@ -77,7 +92,18 @@ def check_destination(cfg: DictConfig, out: Path, replace: bool) -> None:
         )
     if not out.is_dir() or replace:
         return
-    ours = set(json.loads((out / EXPORTED).read_text())["files"]) if (out / EXPORTED).is_file() else set()
+    record = exported_record(out)
+    if record is not None and record.get("run") != run:
+        what = "the export" if record.get("complete", True) else "an interrupted export"
+        whose = f"of another run, {record['run']}" if record.get("run") else "whose run it did not record"
+        raise ConfigError(
+            "out",
+            f"{out} holds {what} {whose}, which this export of {run} would replace.",
+            "export to a dir of its own, or add --replace to write over it.",
+        )
+    if record is not None and not record.get("complete", True):
+        return  # this run's export, interrupted: what it left is its own
+    ours = set(record["files"]) if record is not None else set()
     others = sorted(path.name for path in out.iterdir() if path.name not in ours | {EXPORTED})
     if others:
         listed = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
@@ -88,9 +114,10 @@ def check_destination(cfg: DictConfig, out: Path, replace: bool) -> None:
         )
 
 
-def record_exported(out: Path, files: list[str]) -> None:
+def record_exported(out: Path, run: str, files: list[str], complete: bool) -> None:
     with written(out / EXPORTED, "export record", EXPORT_AGAIN) as partial:
-        partial.write_text(json.dumps({"files": sorted(files)}, indent=1) + "\n")
+        record = {"run": run, "complete": complete, "files": sorted(files)}
+        partial.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def export(
@@ -105,7 +132,8 @@ def export(
     for a checkpoint, config, model or out dir it cannot export (``check_destination``)."""
     cfg = checkpoint_and_config(str(checkpoint), None if config is None else str(config))
     out = Path(out)
-    check_destination(cfg, out, replace)
+    run = exporting_run(checkpoint, config)
+    check_destination(cfg, out, replace, run)
     net_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.model.net, resolve=True))
     with torch.device("meta"):
         net: nn.Module = instantiate(net_cfg)
@@ -127,10 +155,11 @@ def export(
             "pass the job's own config with --config <job dir>/config.yaml.",
         )
     size = sum(value.numel() for value in state.values()) * dtype.itemsize
+    record_exported(out, run, ["config.json", "model.safetensors"], complete=False)
     with step(f"Writing {out / 'model.safetensors'} ({size / 2**30:.2f} GiB)"):
         write_hf_dir(state, net, net_cfg, out, dtype)
     tokenizer = export_tokenizer(cfg, out)
-    record_exported(out, ["config.json", "model.safetensors", *tokenizer])
+    record_exported(out, run, ["config.json", "model.safetensors", *tokenizer], complete=True)
     return out, tokenizer
 
 
@@ -154,7 +183,9 @@ def export_adapter(
         # Phi-3 fuses q, k and v (and gate and up) as GPT-2 does: peft adapts its fused layers, not their parts.
         raise ConfigError("--adapter", f"the run's base, {base}, fuses the layers adapted.", "export it merged.")
     out = Path(out)
-    check_destination(cfg, out, replace)
+    run = exporting_run(checkpoint, config)
+    check_destination(cfg, out, replace, run)
+    record_exported(out, run, ["adapter_model.safetensors", "adapter_config.json"], complete=False)
     adapters = {name: value for name, value in model_state(checkpoint).items() if is_adapter(name)}
     tensors, targets = {}, set()
     for name, value in adapters.items():
@@ -178,7 +209,7 @@ def export_adapter(
         save_file(tensors, partial, metadata={"format": "pt"})
     with written(out / "adapter_config.json", "adapter config", EXPORT_AGAIN) as partial:
         partial.write_text(json.dumps(settings, indent=2) + "\n")
-    record_exported(out, ["adapter_model.safetensors", "adapter_config.json"])
+    record_exported(out, run, ["adapter_model.safetensors", "adapter_config.json"], complete=True)
     return out
 
 
