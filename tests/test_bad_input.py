@@ -60,6 +60,19 @@ CASES = [
         "hydra.sweeper.direction: has 'maximise', which is neither minimize nor maximize",
     ),
     (
+        ["hparams_search=optuna", "optimized_metric.mode=maxx", "hydra.sweep.dir={files}/mode"],
+        "optimized_metric.mode: is 'maxx'. Fix: use max (higher is better) or min.",
+    ),
+    (
+        ["hparams_search=optuna", "model.optimizer.lr=tag(log,interval(0.3,0.001))", "hydra.sweep.dir={files}/ends"],
+        "model.optimizer.lr: searches interval(0.3, 0.001), whose low end is above its high end. Fix: give the low end "
+        "first: interval(0.001, 0.3).",
+    ),
+    (
+        ["hparams_search=optuna", "model.optimizer.lr=tag(log,interval(0.0,0.3))", "hydra.sweep.dir={files}/log0"],
+        "model.optimizer.lr: searches interval(0.0, 0.3) on a log scale, which needs ends above 0.",
+    ),
+    (
         ["hparams_search=optuna", "hydra.sweeper.n_trials=0", "hydra.sweep.dir={files}/none"],
         "hydra.sweeper.n_trials: must be a positive integer, got 0",
     ),
@@ -599,6 +612,8 @@ CASES = [
         "model.fused_loss: is true under strategy=tensor_parallel, whose ranks do not each run the whole model",
     ),
     (["step_checks=sometimes"], "step_checks: must be one of 'auto', 'each_step', 'a_step_late', got 'sometimes'"),
+    (["step_checks=null"], "step_checks: is null. Fix: set it to one of auto | each_step | a_step_late."),
+    (["ckpt_path="], "ckpt_path: is empty. Fix: give ckpt_path=null to start from scratch, auto or last to resume"),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),
     (["model=llama", "model.init_from={files}/a_dir"], "model.init_from: {files}/a_dir holds no config.json"),
     (  # a Qwen 3 dir under model=qwen2: the same net class, another family (its norms, not Qwen 2's biases)
@@ -630,6 +645,10 @@ CASES = [
     (
         [*DPO, "data.path={files}/pair_with_empty_response.jsonl"],
         "data.path: {files}/pair_with_empty_response.jsonl:2: has an empty rejected response",
+    ),
+    (
+        [*DPO, "data.path={files}/chat/preference.jsonl", "model.dpo=null"],
+        "model.dpo: is null, which project.tasks.dpo.DPOModule does not take. Fix: give model.dpo a value",
     ),
     (
         [*DPO, "data.path={files}/chat/preference.jsonl", "data.seq_length=4"],

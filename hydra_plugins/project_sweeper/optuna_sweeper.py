@@ -80,10 +80,27 @@ def distribution(override: Override) -> Any:
         return IntDistribution(int(values[0]), int(values[-1]), step=int(value.step))
     if isinstance(value, IntervalSweep):
         log_scale = "log" in value.tags
+        key = override.get_key_element()
+        if value.start > value.end:
+            raise ConfigError(
+                key,
+                f"searches interval({value.start}, {value.end}), whose low end is above its high end.",
+                f"give the low end first: interval({value.end}, {value.start}).",
+            )
+        if log_scale and value.start <= 0:
+            raise ConfigError(
+                key,
+                f"searches interval({value.start}, {value.end}) on a log scale, which needs ends above 0.",
+                ("give it a low end above 0, or search it without tag(log, ...)."),
+            )
         if isinstance(value.start, int) and isinstance(value.end, int):
             return IntDistribution(value.start, value.end, log=log_scale)
         return FloatDistribution(value.start, value.end, log=log_scale)
-    raise ValueError(f"{override.input_line}: not a sweep Optuna can search (choice, range, interval)")
+    raise ConfigError(
+        override.get_key_element(),
+        f"is {override.input_line}, not a sweep Optuna can search.",
+        "search it with choice(...), range(...) or interval(...), or give it one value.",
+    )
 
 
 def search_space(arguments: list[str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -135,7 +152,10 @@ class OptunaSweeper(Sweeper):
 
         from project.launch.trial import open_storage  # imports Lightning: not at Hydra's start-up
 
-        space, fixed = search_space([f"{key}={value}" for key, value in self.params.items()] + arguments)
+        try:
+            space, fixed = search_space([f"{key}={value}" for key, value in self.params.items()] + arguments)
+        except ConfigError as error:
+            exit_with(error)
         self._check_setup()
         study = optuna.create_study(
             study_name=self.study_name,
@@ -177,6 +197,8 @@ class OptunaSweeper(Sweeper):
     def _check_setup(self) -> None:
         """Settings that cannot work, refused before any trial starts, naming the key and the fix."""
         wrong = [direction for direction in self.directions if direction not in ("minimize", "maximize")]
+        if wrong and wrong[0] == OmegaConf.select(self.config, "optimized_metric.mode"):  # what the direction is of
+            exit_with(ConfigError("optimized_metric.mode", f"is {wrong[0]!r}.", "use max (higher is better) or min."))
         if wrong:
             exit_with(
                 ConfigError(

@@ -195,6 +195,12 @@ def resolve_ckpt_path(cfg: DictConfig) -> str | None:
     is a file path."""
     if cfg.ckpt_path is None:
         return None
+    if not str(cfg.ckpt_path).strip():  # ``ckpt_path=`` would be read as the working dir
+        raise ConfigError(
+            "ckpt_path",
+            "is empty.",
+            "give ckpt_path=null to start from scratch, auto or last to resume this job dir, or a checkpoint's path.",
+        )
     if cfg.ckpt_path not in ("last", "auto"):
         return str(cfg.ckpt_path)
     checkpoints = checkpoints_dir(cfg)

@@ -9,8 +9,9 @@ from project.data.prepared import prepared_meta
 
 
 def optuna_direction(mode: str) -> str:
-    """hparams_search: Optuna's direction from a metric's mode (max or min)."""
-    return {"max": "maximize", "min": "minimize"}[mode]
+    """hparams_search: Optuna's direction from a metric's mode (max or min); another mode as it is, which the
+    sweeper refuses, naming optimized_metric.mode (raised here, it would be a traceback of Hydra's)."""
+    return {"max": "maximize", "min": "minimize"}.get(mode, mode)
 
 
 def gpus_per_node(accelerator: str, devices: int) -> int | None:

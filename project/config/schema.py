@@ -49,6 +49,9 @@ def check_train_keys(cfg: DictConfig) -> None:
     does (``plan=no`` would be the text "no", which is true)."""
     for key, hint in TRAIN_KEYS.items():
         value = cfg.get(key)
+        if value is None and typing.get_origin(hint) is Literal:  # a choice: null would pass for none of them
+            choices = " | ".join(typing.get_args(hint))
+            raise ConfigError(key, "is null.", f"set it to one of {choices}.")
         if value is not None:
             _check_value(key, value, hint)
 
@@ -161,9 +164,28 @@ def _check_node(key: str, node: dict) -> None:
     for name, value in node.items():
         if name.startswith("_") or name not in declared:
             continue
-        if value is None and typing.get_origin(declared[name]) is not Annotated:
-            continue  # null, where a hint allows it or is too loose to say (a range's hint is ours, and says)
+        if value is None and typing.get_origin(declared[name]) is not Annotated:  # a range's hint says it below
+            if node["_target_"].startswith("project.") and not _admits_none(declared[name]):
+                # Our constructors declare null where they take it: any other null would fail inside the run
+                raise ConfigError(
+                    f"{key}.{name}",
+                    f"is null, which {node['_target_']} does not take.",
+                    f"give {key}.{name} a value, or drop the override that sets it to null.",
+                )
+            continue  # null, where a hint allows it or is too loose to say
         _check_value(f"{key}.{name}", value, declared[name])
+
+
+def _admits_none(hint: Any) -> bool:
+    """Whether a parameter of type ``hint`` may be None (Any, an Optional or a union with None, Literal[None])."""
+    if hint is Any or hint is None or hint is type(None):
+        return True
+    origin = typing.get_origin(hint)
+    if origin is Annotated:
+        return _admits_none(typing.get_args(hint)[0])
+    if origin in (Union, types.UnionType):
+        return any(_admits_none(arg) for arg in typing.get_args(hint))
+    return origin is Literal and None in typing.get_args(hint)
 
 
 def _check_value(key: str, value: Any, hint: Any) -> None:
