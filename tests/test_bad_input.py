@@ -9,6 +9,8 @@ import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -938,3 +940,20 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
             in log
         )
     assert "[project.launch.launcher][ERROR] - Training failed in the workers:" in log and report.format(rank=0) in log
+
+
+@pytest.mark.parametrize("threads", ["0", "abc"])
+def test_a_thread_count_that_is_not_one_is_refused_before_launch(threads, home, tmp_path):
+    """``OMP_NUM_THREADS`` that libgomp would ignore (warning alone) would also skip the project's split of the
+    cores: refused, naming the variable, before the job dir is made."""
+    from conftest import isolated_env
+
+    job_dir = tmp_path / "job"
+    command = [sys.executable, "train.py", *TINY, f"hydra.run.dir={job_dir}"]
+    env = {**isolated_env(home), "OMP_NUM_THREADS": threads}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert (
+        f"Config error: OMP_NUM_THREADS: is '{threads}' in the environment, not a number of threads. Fix: unset it"
+    ) in result.stderr
+    assert not (job_dir / "checkpoints").exists()

@@ -10,6 +10,7 @@ run's typed ``Job``, built once (``project.config.build.build_job``).
 
 import logging
 import math
+import os
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -122,6 +123,18 @@ def _check_numbers(cfg: DictConfig) -> None:
             "trainer.gradient_clip_val",
             f"must be a positive number or null, got {clip!r}.",
             "e.g. trainer.gradient_clip_val=1.0, or null for no clipping.",
+        )
+
+
+def _check_threads() -> None:
+    """``OMP_NUM_THREADS``, where set, replaces the project's split of the cores between its processes: anything
+    but a positive integer would be ignored by libgomp (with a warning of its own) and the split skipped."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None and not (threads.strip().isdigit() and int(threads) > 0):
+        raise ConfigError(
+            "OMP_NUM_THREADS",
+            f"is {threads!r} in the environment, not a number of threads.",
+            "unset it (the project splits the cores between its processes), or set it to a positive integer.",
         )
 
 
@@ -440,6 +453,7 @@ def check_config(cfg: DictConfig) -> Job:
         raise problem
 
     _check_numbers(cfg)
+    _check_threads()
     _check_accelerator(cfg)
     _check_process_group(cfg)
     _check_precision(cfg)
