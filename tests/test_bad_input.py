@@ -942,18 +942,36 @@ def test_a_failing_worker_stops_the_job_with_a_clear_message(home, tmp_path):
     assert "[project.launch.launcher][ERROR] - Training failed in the workers:" in log and report.format(rank=0) in log
 
 
+def train_in_env(args: list[str], home: Path, **variables: str) -> subprocess.CompletedProcess:
+    """``python train.py <args>`` in its own process (not forked: the environment is read at imports), with
+    ``variables`` added to the tests' isolated environment."""
+    from conftest import isolated_env
+
+    env = {**isolated_env(home), **variables}
+    command = [sys.executable, "train.py", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("threads", ["0", "abc"])
 def test_a_thread_count_that_is_not_one_is_refused_before_launch(threads, home, tmp_path):
     """``OMP_NUM_THREADS`` that libgomp would ignore (warning alone) would also skip the project's split of the
-    cores: refused, naming the variable, before the job dir is made."""
-    from conftest import isolated_env
-
+    cores: refused, naming the variable, before anything is trained."""
     job_dir = tmp_path / "job"
-    command = [sys.executable, "train.py", *TINY, f"hydra.run.dir={job_dir}"]
-    env = {**isolated_env(home), "OMP_NUM_THREADS": threads}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    result = train_in_env([*TINY, f"hydra.run.dir={job_dir}"], home, OMP_NUM_THREADS=threads)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert (
         f"Config error: OMP_NUM_THREADS: is '{threads}' in the environment, not a number of threads. Fix: unset it"
     ) in result.stderr
     assert not (job_dir / "checkpoints").exists()
+
+
+def test_a_rank_left_in_the_environment_of_a_plain_run_is_ignored_and_said(home, tmp_path):
+    """``RANK=1`` left by a shell that ran a distributed job made Lightning's rank-zero-only logger write nothing
+    (no ``csv/``); a plain run is rank 0 and says what it ignored."""
+    job_dir = tmp_path / "job"
+    result = train_in_env([*TINY, f"hydra.run.dir={job_dir}", "logger=csv"], home, RANK="1", LOCAL_RANK="1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Ignoring RANK=1 LOCAL_RANK=1 in the environment: this run is no rank of a job torchrun started." in (
+        result.stdout + result.stderr
+    )
+    assert (job_dir / "csv" / "version_0" / "metrics.csv").is_file()

@@ -28,6 +28,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from project.config.build import uses_cuda
@@ -87,6 +88,18 @@ def threads_per_process(processes: int) -> int:
     cores = len(os.sched_getaffinity(0))
     idle = math.ceil(cores - os.getloadavg()[0])  # a core counts as busy once its whole share is
     return max(1, min(cores // (processes * concurrent_jobs()), idle))
+
+
+def forget_stale_ranks() -> None:
+    """A job trained in this process, not started by torchrun, is rank 0 of one: a ``RANK`` (``LOCAL_RANK``,
+    ``WORLD_SIZE``) left in the environment by a shell that ran a distributed job is dropped, with a line, and
+    Lightning's rank-zero-only parts (its loggers: ``RANK=1`` wrote no ``csv/``), which read it as they were
+    imported, are told rank 0."""
+    stale = {name: os.environ.pop(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE") if name in os.environ}
+    if stale:
+        settings = " ".join(f"{name}={value}" for name, value in stale.items())
+        log.warning(f"Ignoring {settings} in the environment: this run is no rank of a job torchrun started.")
+    rank_zero_only.rank = 0  # type: ignore[attr-defined]
 
 
 def set_threads(threads: int) -> None:
@@ -301,6 +314,8 @@ def _run_job(cfg: DictConfig, torchrun: bool) -> dict[str, Any] | None:
     if launch.in_process:
         if "OMP_NUM_THREADS" not in os.environ:
             set_threads(threads_per_process(1))  # this job's share of the idle cores
+        if not torchrun:
+            forget_stale_ranks()
         train(cfg)
     else:
         heartbeat_timeout = cfg.strategy.get("heartbeat_timeout")
