@@ -649,6 +649,10 @@ CASES = [
         "data.path: {files}/pair_with_empty_response.jsonl:2: has an empty rejected response",
     ),
     (
+        [*DPO, "data.path={files}/pair_with_blank_response.jsonl"],
+        "data.path: {files}/pair_with_blank_response.jsonl:2: has a blank (whitespace only) chosen response",
+    ),
+    (
         [*DPO, "data.path={files}/chat/preference.jsonl", "model.dpo=null"],
         "model.dpo: is null, which project.tasks.dpo.DPOModule does not take. Fix: give model.dpo a value",
     ),
@@ -802,6 +806,8 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
     (files / "pair_without_chosen.jsonl").write_text(good_pair + "\n" + json.dumps(without_chosen) + "\n")
     empty_response = {**json.loads(good_pair), "rejected": ""}
     (files / "pair_with_empty_response.jsonl").write_text(good_pair + "\n" + json.dumps(empty_response) + "\n")
+    blank_response = {**json.loads(good_pair), "chosen": " \n "}
+    (files / "pair_with_blank_response.jsonl").write_text(good_pair + "\n" + json.dumps(blank_response) + "\n")
     shutil.copytree(files / "chat" / "model", files / "chat-bad-template")
     (files / "chat-bad-template" / "chat_template.jinja").write_text("{% for message in messages %}\n{% if %}")
     (files / "frozen").mkdir()

@@ -213,6 +213,20 @@ def test_a_response_not_the_assistants_and_a_file_of_no_pairs_are_refused(prefer
         PreferenceDataModule(str(path), str(model_dir), seq_length=32, val_fraction=0.5, batch_size=1, seed=0)
 
 
+def test_pairs_whose_responses_are_the_same_are_said_to_teach_nothing(preference_example, tmp_path):
+    """A pair whose chosen and rejected responses are equal has loss log 2 whatever the model does: legal, almost
+    surely not meant, and said in the data's line."""
+    model_dir, _ = preference_example
+    path = tmp_path / "pairs.jsonl"
+    same = {"prompt": "Hi", "chosen": "Hello there", "rejected": "Hello there"}
+    path.write_text(json.dumps(same) + "\n" + json.dumps({**same, "rejected": "Go away"}) + "\n")
+    data = PreferenceDataModule(str(path), str(model_dir), seq_length=32, val_fraction=0.5, batch_size=1, seed=0)
+    assert "1 of the pairs have the same chosen and rejected response: their loss is log 2" in data.summary
+    path.write_text(json.dumps({**same, "rejected": "Go away"}) + "\n" + json.dumps({**same, "chosen": "Hey"}) + "\n")
+    data = PreferenceDataModule(str(path), str(model_dir), seq_length=32, val_fraction=0.5, batch_size=1, seed=0)
+    assert "the same chosen and rejected" not in data.summary
+
+
 # Every strategy against a hand-written DPO loop
 
 

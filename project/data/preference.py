@@ -53,9 +53,10 @@ class PreferenceDataModule(TemplatedDataModule):
 
     def read(self, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor, int, str]:
         seq_length, renderer = self.seq_length, self.renderer
-        pairs, truncated = [], 0
+        pairs, truncated, alike = [], 0, 0
         for where, line in read_lines(self.path):
             prompt, *responses = read_pair(where, line)
+            alike += responses[0] == responses[1]
             sequences = []
             untrained = sum(message["role"] == "assistant" for message in prompt)  # the prompt's own turns
             for key, response in zip(RESPONSES, responses, strict=True):
@@ -78,6 +79,11 @@ class PreferenceDataModule(TemplatedDataModule):
             f"Preference data: {len(pairs)} pairs from {self.path} ({len(pairs) - num_val} training, {num_val} "
             f"validation); {truncated} of their {2 * len(pairs)} responses cut to {seq_length + 1} tokens."
         )
+        if alike:  # legal, and almost surely not meant
+            summary += (
+                f" {alike} of the pairs have the same chosen and rejected response: their loss is log 2 whatever the "
+                "model does, and they teach it nothing."
+            )
         shape = (len(pairs), len(RESPONSES), seq_length)
         return inputs.view(shape), targets.view(shape), num_val, summary
 

@@ -128,8 +128,9 @@ def read_pair(where: str, line: str) -> tuple[Messages, Messages, Messages]:
         role = next((message["role"] for message in response if message["role"] != "assistant"), None)
         if role is not None:
             raise _bad_pair(where, f"has a {role} message in its {key} response, which is the assistant's alone")
-        if not any(message["content"] for message in response):
-            raise _bad_pair(where, f"has an empty {key} response")
+        if not any(str(message["content"]).strip() for message in response):
+            blank = any(message["content"] for message in response)
+            raise _bad_pair(where, f"has {'a blank (whitespace only)' if blank else 'an empty'} {key} response")
         responses.append(response)
     _check_pair_messages(where, "prompt", prompt)
     return prompt, responses[0], responses[1]
