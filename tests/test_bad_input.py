@@ -714,6 +714,16 @@ CLI_CASES = [
     ("prepare", ["{files}/fifo", "--out", "{out}"], "inputs: {files}/fifo is not a regular file (a FIFO, a device)."),
     (
         "prepare",
+        ["{files}/corpus", "--out", "{files}/corpus/out"],
+        "--out: {files}/corpus/out is inside the input {files}/corpus: what it writes would be read as documents",
+    ),
+    (
+        "prepare",
+        ["{files}/prepared", "--out", "{out}"],
+        "inputs: {files}/prepared is a corpus prepared already (its meta.json): its files are token shards, not text.",
+    ),
+    (
+        "prepare",
         ["{files}/tiny.txt", "--out", "{out}"],
         "inputs: hold 1 document (1 piece of up to 65,536 characters), which give the train split none",
     ),
@@ -806,6 +816,11 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
     (files / "pair_without_chosen.jsonl").write_text(good_pair + "\n" + json.dumps(without_chosen) + "\n")
     empty_response = {**json.loads(good_pair), "rejected": ""}
     (files / "pair_with_empty_response.jsonl").write_text(good_pair + "\n" + json.dumps(empty_response) + "\n")
+    (files / "corpus").mkdir()
+    (files / "corpus" / "a.txt").write_text("the quick brown fox " * 50)
+    (files / "prepared").mkdir()  # what prepare leaves (its shards aside)
+    (files / "prepared" / "meta.json").write_text("{}")
+    (files / "prepared" / "tokenizer.json").write_text("{}")
     blank_response = {**json.loads(good_pair), "chosen": " \n "}
     (files / "pair_with_blank_response.jsonl").write_text(good_pair + "\n" + json.dumps(blank_response) + "\n")
     shutil.copytree(files / "chat" / "model", files / "chat-bad-template")

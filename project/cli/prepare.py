@@ -183,6 +183,28 @@ def _jsonl_text(path: Path, number: int, line: str, text_key: str) -> str:
     return record[text_key]
 
 
+def check_apart(inputs: list[Path], out: Path) -> None:
+    """``ConfigError`` for an ``--out`` dir that is an input dir or inside one (its shards, tokenizer and meta.json
+    would be read as documents by the next run, which then refuses its own re-run), or an input that is a prepared
+    corpus (its JSON files and token shards are no text to tokenize)."""
+    target = out.resolve()
+    for path in inputs:
+        source = path.resolve()
+        if target == source or source in target.parents:
+            where = "the input" if target == source else "inside the input"
+            raise ConfigError(
+                "--out",
+                f"{out} is {where} {path}: what it writes would be read as documents of the corpus.",
+                "give an --out dir outside the inputs.",
+            )
+        if source.is_dir() and all((source / name).is_file() for name in ("meta.json", "tokenizer.json")):
+            raise ConfigError(
+                "inputs",
+                f"{path} is a corpus prepared already (its meta.json): its files are token shards, not text.",
+                f"train on it with data=shards data.path={path}, or give the raw text it was prepared from.",
+            )
+
+
 def check_arguments(out: Path, vocab_size: int, shard_tokens: int, val_fraction: float) -> None:
     """``ConfigError`` naming the argument, before anything is written: sizes and fractions in range, ``--out``
     writable."""
@@ -338,6 +360,7 @@ def prepare(
 ) -> dict[str, Any]:
     """Tokenize ``inputs`` into shards under ``out``; returns the metadata written to ``meta.json``."""
     files = input_files(inputs)
+    check_apart(inputs, out)
     check_arguments(out, vocab_size, shard_tokens, val_fraction)
     # Read before anything is written.
     fix = "give a tokenizer.json, as tokenizers and transformers save."
