@@ -97,6 +97,10 @@ CASES = [
         ["hydra.mode=MULTIRUN", "launcher=joblib", "hydra.launcher.n_jobs=0", "hydra.sweep.dir={files}/joblib"],
         "hydra.launcher.n_jobs: is 0: joblib runs N jobs at once for N > 0",
     ),
+    (
+        ["hydra.mode=MULTIRUN", "launcher=joblib", "hydra.launcher.backend=bogus", "hydra.sweep.dir={files}/backend"],
+        "hydra.launcher.backend: is 'bogus', which joblib does not know. Fix: use one of loky, multiprocessing",
+    ),
     # Overrides Hydra cannot parse (project/config/overrides.py)
     (["trainer.devices: 2"], "override 'trainer.devices: 2': has no '=' ... Fix: write trainer.devices=2."),
     (["model.net.hidden_dims=[32"], "override 'model.net.hidden_dims=[32': opens [ and never closes it."),

@@ -74,6 +74,18 @@ def _check_launcher(launcher: DictConfig) -> None:
                 "use hydra.launcher.n_jobs=2, say, or -1.",
             )
         )
+    backend = launcher.get("backend")
+    if target.endswith("JoblibLauncher") and backend is not None:
+        from joblib.parallel import BACKENDS  # joblib would fall back to loky without a word
+
+        if backend not in BACKENDS:
+            exit_with(
+                ConfigError(
+                    "hydra.launcher.backend",
+                    f"is {backend!r}, which joblib does not know.",
+                    f"use one of {', '.join(sorted(BACKENDS))}, or leave it unset (loky: a process a job).",
+                )
+            )
 
 
 def _check_dir(path: str | None, key: str) -> None:
