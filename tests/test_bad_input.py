@@ -758,6 +758,7 @@ CLI_CASES = [
     ("export", ["{files}/lonely.ckpt", "{out}"], "--config: is not given, and "),
     ("export", ["{mlp_ckpt}", "{out}", "--adapter"], "--adapter: the run trained no LoRA adapters"),
     ("export", ["{gpt_lora_ckpt}", "{files}/chat/model"], "out: {files}/chat/model holds files an export did not"),
+    ("export", ["{gpt_lora_ckpt}", "/proc/exported"], "out: /proc/exported cannot be made in /proc: No such file"),
     (
         "export",
         ["{gpt_lora_ckpt}", "{out}", "--adapter"],

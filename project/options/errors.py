@@ -91,8 +91,9 @@ def made_dir(key: str, directory: str | Path, fix: str) -> Path:
 
 def check_writable(key: str, directory: str | Path, fix: str) -> None:
     """``ConfigError`` naming ``key`` unless this process could create files in ``directory``: in it if it
-    exists, else in its nearest existing parent (where it would be made). Nothing is written: a refused job leaves
-    no trace. ``os.access`` sees what stops root too: an immutable dir (chattr +i), a read-only file system."""
+    exists, else in its nearest existing parent (where it would be made, which is tried: an empty dir made and
+    removed at once). A refused job leaves no trace. ``os.access`` sees what stops root too: an immutable dir
+    (chattr +i), a read-only file system."""
     path = Path(directory).expanduser().absolute()
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
     if not existing.is_dir():
@@ -100,3 +101,12 @@ def check_writable(key: str, directory: str | Path, fix: str) -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         where = "" if existing == path else f" (it does not exist yet, and {existing} is where it would be made)"
         raise ConfigError(key, f"{path} is not writable by this process{where}.", fix)
+    if existing != path:  # root passes os.access where no dir can be made (/proc): make its first part, unmade
+        first = path.relative_to(existing).parts[0]
+        try:
+            (existing / first).mkdir()
+        except FileExistsError:
+            return  # made meanwhile by another process
+        except OSError as error:
+            raise ConfigError(key, f"{path} cannot be made in {existing}: {error.strerror or error}.", fix) from None
+        (existing / first).rmdir()
