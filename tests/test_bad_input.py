@@ -618,6 +618,11 @@ CASES = [
         "model.fused_loss: is true under strategy=tensor_parallel, whose ranks do not each run the whole model",
     ),
     (["step_checks=sometimes"], "step_checks: must be one of 'auto', 'each_step', 'a_step_late', got 'sometimes'"),
+    (
+        ["model=gpt", "model.float8=true"],
+        "model.float8: is true, where the node of the model option Float8Training goes. Fix: set its keys instead: "
+        "model.float8.<key>=..., with <key> one of enabled, recipe, small_layers.",
+    ),
     (["step_checks=null"], "step_checks: is null. Fix: set it to one of auto | each_step | a_step_late."),
     (["ckpt_path="], "ckpt_path: is empty. Fix: give ckpt_path=null to start from scratch, auto or last to resume"),
     (["model=llama", "model.init_from={files}/nothing"], "model.init_from: {files}/nothing is not a directory"),

@@ -17,10 +17,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from project.checkpointing.hf import HFWeights, net_options, read_config, write_hf_dir
+from project.checkpointing.hf import HFWeights, check_matches, net_options, read_config, write_hf_dir
 from project.models import MoE
 from project.models.lora import LoRA, apply_lora
 from project.models.moe import ExpertMLPs, Experts, auxiliary_loss, mixtures, swiglu_experts
+from project.options.errors import ConfigError
 from project.parallel.fake_process_group import fake_process_group
 from project.parallel.parallelize import apply_activation_checkpointing, apply_fsdp, materialize
 
@@ -123,6 +124,22 @@ def test_a_hugging_face_mixture_computes_its_logits_in_and_out(family, tmp_path)
         write_hf_dir(net.state_dict(), net, options, tmp_path / "out")
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
         assert type(back) is type(reference) and torch.allclose(back(tokens).logits, expected, atol=1e-5)
+
+
+def test_a_mixtral_dir_under_the_qwen3_moe_group_is_sent_to_the_mixtral_preset(tmp_path):
+    """model=moe is Qwen 3 MoE's (its per-head norms); a Mixtral dir loaded with it is refused, naming the preset
+    that loads it, which then does."""
+    random_family_dir("mixtral", tmp_path / "hf")
+    for preset, refused in (("moe", True), ("mixtral_8x7b", False)):
+        cfg = compose_train([f"model={preset}", "data=tokens", f"model.init_from={tmp_path / 'hf'}"])
+        net_cfg = {**cfg.model.net, **net_options(read_config(tmp_path / "hf"))}
+        with torch.device("meta"):
+            net = instantiate(net_cfg)
+        if refused:
+            with pytest.raises(ConfigError, match="use model=mixtral_8x7b"):
+                check_matches(tmp_path / "hf", net, dict(cfg.model.net))
+        else:
+            check_matches(tmp_path / "hf", net, net_cfg)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,12 @@ from project.model_options.lora_fine_tuning import LoRAFineTuning
 # does not convert their layers), then Float8's layers (before activation checkpointing, compile and the layout,
 # torchtitan's order), then a mixture's balancing. An option of a class not listed comes after them.
 ORDER: tuple[type[ModelOption], ...] = (LoRAFineTuning, Float8Training, ExpertBalancing)
+# Each option's key under ``model`` in conf/model/language_model.yaml.
+CONFIG_KEYS: dict[str, type[ModelOption]] = {
+    "lora": LoRAFineTuning,
+    "float8": Float8Training,
+    "expert_balancing": ExpertBalancing,
+}
 
 
 def in_order(options: Iterable[ModelOption | None]) -> list[ModelOption]:
@@ -22,4 +28,4 @@ def in_order(options: Iterable[ModelOption | None]) -> list[ModelOption]:
     return sorted(enabled, key=lambda option: rank.get(type(option), len(ORDER)))
 
 
-__all__ = ["ORDER", "ExpertBalancing", "Float8Training", "LoRAFineTuning", "in_order"]
+__all__ = ["CONFIG_KEYS", "ORDER", "ExpertBalancing", "Float8Training", "LoRAFineTuning", "in_order"]

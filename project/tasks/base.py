@@ -1,6 +1,7 @@
 """What every task's LightningModule shares: the steps, the optimizer, and the protocol strategies rely on."""
 
 import copy
+import dataclasses
 import difflib
 import inspect
 import time
@@ -23,7 +24,7 @@ from project.data.targets import IGNORE_INDEX
 from project.job.job import Job
 from project.job.model_option import InitialWeights, ModelOption, Target
 from project.job.task import Loss, MetricSums, Precomputation
-from project.model_options import in_order
+from project.model_options import CONFIG_KEYS, in_order
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import Seed
@@ -490,6 +491,15 @@ def _check_options(module: type, options: Mapping[str, object]) -> None:
     for name, value in options.items():
         if value is None or isinstance(value, ModelOption):
             continue
+        option = CONFIG_KEYS.get(name)
+        if option is not None:  # the option's node replaced by a value (``model.float8=true``)
+            keys = [field.name for field in dataclasses.fields(option) if field.init]  # type: ignore[arg-type]
+            raise ConfigError(
+                f"model.{name}",
+                f"is {str(value).lower() if isinstance(value, bool) else repr(value)}, where the node of the model "
+                f"option {option.__name__} goes.",
+                f"set its keys instead: model.{name}.<key>=..., with <key> one of {', '.join(keys)}.",
+            )
         known = [key for key in inspect.signature(TrainingModule).parameters if key != "options"]
         close = difflib.get_close_matches(name, known + list(options), n=2)
         meant = next((key for key in close if key != name), None)

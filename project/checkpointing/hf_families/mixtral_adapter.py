@@ -10,7 +10,7 @@ from project.options.errors import ConfigError
 
 class MixtralFamily(MixtureFamily):
     model_type = "mixtral"
-    model_group = "moe"
+    model_group = "mixtral_8x7b"  # model=moe is Qwen 3 MoE's (per-head query and key norms), which Mixtral has not
     architecture = "MixtralForCausalLM"
     names = {**ATTENTION, "blocks.{i}.mlp.router.weight": "model.layers.{i}.block_sparse_moe.gate.weight"}
     experts = ("model.layers.{i}.block_sparse_moe.experts.{e}.{p}.weight", {"gate": "w1", "up": "w3", "down": "w2"})
