@@ -213,6 +213,22 @@ def test_a_response_not_the_assistants_and_a_file_of_no_pairs_are_refused(prefer
         PreferenceDataModule(str(path), str(model_dir), seq_length=32, val_fraction=0.5, batch_size=1, seed=0)
 
 
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_the_linear_schedule_is_transformers(warmup):
+    """experiment=dpo's schedule (TRL's lr_scheduler_type=linear) gives transformers' learning rate at every step,
+    past the run's end included."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from project.tasks.schedules import warmup_linear
+
+    ours, theirs = (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5) for _ in range(2))
+    schedules = warmup_linear(ours, 10, warmup_steps=warmup), get_linear_schedule_with_warmup(theirs, warmup, 10)
+    for _ in range(12):
+        assert ours.param_groups[0]["lr"] == pytest.approx(theirs.param_groups[0]["lr"], abs=1e-12)
+        for schedule in schedules:
+            schedule.step()
+
+
 def test_pairs_whose_responses_are_the_same_are_said_to_teach_nothing(preference_example, tmp_path):
     """A pair whose chosen and rejected responses are equal has loss log 2 whatever the model does: legal, almost
     surely not meant, and said in the data's line."""
@@ -278,6 +294,8 @@ def hand_written_dpo(cfg: DictConfig, global_batch: int) -> list[dict[str, float
             for key, value in values.items():
                 sums[key] += value.double().sum().item()
             if (index + 1) % accumulate == 0 or index + 1 == batches:
+                if cfg.trainer.gradient_clip_val:  # TRL's max_grad_norm, by the whole model's norm
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.trainer.gradient_clip_val)
                 optimizer.step()
                 schedule.step()
                 optimizer.zero_grad()

@@ -52,3 +52,29 @@ def warmup_cosine(
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return LambdaLR(optimizer, factor)
+
+
+def warmup_linear(
+    optimizer: torch.optim.Optimizer,
+    run_steps: int,
+    warmup_steps: NonNegativeInt | None = None,
+    warmup_fraction: Fraction | None = None,
+    total_steps: PositiveInt | None = None,
+    min_lr_ratio: Fraction = 0.0,
+) -> LambdaLR:
+    """Hugging Face's ``get_linear_schedule_with_warmup`` (TRL's default, ``lr_scheduler_type="linear"``) at
+    ``min_lr_ratio`` 0: linear warmup from 0 over ``W`` steps, then linear decay to ``min_lr_ratio`` x lr at
+    ``total_steps`` (default: the end of the run; flat after it).
+
+    Optimizer step ``s`` (from 0) runs at lr x ``s / W`` during the warmup, then at lr x
+    ``(m + (1 - m) max(0, (T - s) / (T - W)))``.
+    """
+    warmup = warmup_steps_of(run_steps, warmup_steps, warmup_fraction)
+    total = run_steps if total_steps is None else total_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        return min_lr_ratio + (1 - min_lr_ratio) * max(0.0, (total - step) / max(1, total - warmup))
+
+    return LambdaLR(optimizer, factor)

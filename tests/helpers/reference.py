@@ -111,6 +111,14 @@ def lr_factor(cfg: DictConfig, total_steps: int) -> Callable[[int], float]:
     scheduler = cfg.model.scheduler
     if scheduler is None:
         return lambda step: 1.0
+    if scheduler._target_.endswith("warmup_linear"):  # TRL's default, as transformers computes it
+        from transformers import get_linear_schedule_with_warmup
+
+        assert scheduler.total_steps is None and scheduler.min_lr_ratio == 0  # transformers' own
+
+        warmup = scheduler.warmup_steps or round((scheduler.warmup_fraction or 0) * total_steps)
+        dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        return get_linear_schedule_with_warmup(dummy, warmup, total_steps).lr_lambdas[0]
     assert scheduler._target_.endswith("warmup_cosine") and scheduler.total_steps is None
     warmup = (
         scheduler.warmup_steps if scheduler.warmup_steps is not None else round(scheduler.warmup_fraction * total_steps)
