@@ -172,9 +172,10 @@ def test_the_loss_by_hand():
 
 
 def test_a_pair_trains_its_responses_tokens_only(preference_example, tmp_path):
-    """A conversational pair whose prompt holds an earlier assistant turn, and the same pair as plain text after a
-    one-turn prompt: each row's trained targets decode to its own response and the template's end of turn, the
-    prompt's assistant turn untrained; the plain form gives the rows the conversational one does."""
+    """A conversational pair whose prompt holds an earlier assistant turn, the same responses as text after a prompt
+    as text, and after a one-turn prompt as messages: each row's trained targets decode to its own response and its
+    end (the template's end of turn; as text, TRL's end-of-sequence token, no template), the prompt's assistant turn
+    untrained. (Text was rendered with the template, as the third pair is, until TRL's tokenization was matched.)"""
     model_dir, _ = preference_example
     ask, earlier = [{"role": "user", "content": "Please greet Ada."}], {"role": "assistant", "content": "Hello, Ada!"}
     chosen, rejected = "Ahoy, Alan! Welcome aboard.", "Hello, Alan! Nice to meet you."
@@ -191,11 +192,12 @@ def test_a_pair_trains_its_responses_tokens_only(preference_example, tmp_path):
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     data = PreferenceDataModule(str(path), str(model_dir), seq_length=48, val_fraction=0.34, batch_size=1, seed=0)
     codec = data.text_codec()
-    for pair in range(3):
+    for pair, end in enumerate(("<|im_end|>\n", "<|im_end|>", "<|im_end|>\n")):  # the example's eos: <|im_end|>
         for column, response in enumerate((chosen, rejected)):
             target = data.targets[pair, column]
-            assert codec.decode(target[target != IGNORED].tolist()) == response + "<|im_end|>\n"
-    assert torch.equal(data.inputs[1], data.inputs[2]) and torch.equal(data.targets[1], data.targets[2])
+            assert codec.decode(target[target != IGNORED].tolist()) == response + end
+    prompt_as_text = codec.decode(data.inputs[1, 0, :4].tolist())
+    assert prompt_as_text.startswith("Greet Alan.") and "<|im_start|>" not in prompt_as_text
     assert "3 pairs" in data.summary and "0 of their 6 responses cut" in data.summary
     short = PreferenceDataModule(str(path), str(model_dir), seq_length=36, val_fraction=0.34, batch_size=1, seed=0)
     assert "2 of their 6 responses cut to 37 tokens" in short.summary  # the long prompt's pair, kept from its start
@@ -227,6 +229,39 @@ def test_the_linear_schedule_is_transformers(warmup):
         assert ours.param_groups[0]["lr"] == pytest.approx(theirs.param_groups[0]["lr"], abs=1e-12)
         for schedule in schedules:
             schedule.step()
+
+
+def test_pairs_as_text_are_tokenized_as_trl_tokenizes_them(preference_example, tmp_path):
+    """TRL's standard format (``{"prompt": "...", "chosen": "...", "rejected": "..."}``): each sequence's tokens and
+    trained tokens are those TRL 1.16's ``DPOTrainer`` makes of it (its own dataset preparation, with transformers'
+    tokenizer of the model dir): the text as it is, no chat template, the end-of-sequence token appended."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    model_dir, _ = preference_example
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token
+    pairs = [
+        {"prompt": "Say hello.", "chosen": " Ahoy there!", "rejected": " Hello."},
+        {"prompt": "Greet me:", "chosen": "Ahoy" + eos, "rejected": "Hi"},  # its own end: not appended twice
+        {"prompt": "Hello", "chosen": "Ahoy", "rejected": "Hello"},
+        {"prompt": "A sailor says", "chosen": " ahoy", "rejected": " hello"},
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    data = PreferenceDataModule(str(path), str(model_dir), seq_length=48, val_fraction=0.25, batch_size=1, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    args = SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
+    prepared = DPOTrainer._prepare_dataset(
+        SimpleNamespace(_tokenizer=tokenizer), Dataset.from_list(pairs), tokenizer, args, "train"
+    )
+    for index, row in enumerate(prepared):
+        for column, key in enumerate(("chosen_ids", "rejected_ids")):
+            ids = row["prompt_ids"] + row[key]
+            inputs, targets = data.inputs[index, column], data.targets[index, column, :-1]  # the last: the pair's index
+            assert inputs[: len(ids) - 1].tolist() == ids[:-1]
+            assert targets[targets != IGNORED].tolist() == row[key]
+            assert row[key][-1] == tokenizer.eos_token_id
 
 
 def test_pairs_whose_responses_are_the_same_are_said_to_teach_nothing(preference_example, tmp_path):

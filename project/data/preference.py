@@ -1,12 +1,13 @@
 """Preference pairs for DPO: ``data=preference data.path=<.jsonl file or dir>`` (``experiment=dpo``,
 ``project/tasks/dpo.py``).
 
-Each line is one pair in TRL's preference format (``project.data.records``: its forms, and the refusal of a malformed
-one with its file and line). The prompt and each response are rendered together with the model dir's chat template
-(``project.data.templated``), and only the response's tokens are targets: the prompt's earlier assistant turns, the
-template's headers and the padding are ``IGNORE_INDEX``. A pair longer than ``seq_length + 1`` tokens is cut at its
-end, as TRL's ``max_length`` cuts (``keep_start``), and the log counts them once; a prompt that leaves no response
-token within the length is refused.
+Each line is one pair in TRL's preference format (``project.data.records``: its forms, and the refusal of a
+malformed one with its file and line). Given as messages, the prompt and each response are rendered together with
+the model dir's chat template (``project.data.templated``), and only the response's tokens are targets: the prompt's
+earlier assistant turns, the template's headers and the padding are ``IGNORE_INDEX``. Given as text, they are
+tokenized as TRL tokenizes them (``ChatRenderer.plain``: no template, the end-of-sequence token appended to each
+response). A pair longer than ``seq_length + 1`` tokens is cut at its end, as TRL's ``max_length`` cuts
+(``keep_start``), and the log counts them once; a prompt that leaves no response token within the length is refused.
 
 A pair is one sample: its chosen and rejected sequences are rows ``2i`` and ``2i + 1`` of a batch's (inputs,
 targets), so that every layout sees the plain (rows, length) batches of a language model and no data-parallel
@@ -22,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.data import Dataset
 
-from project.data.records import RESPONSES, read_lines, read_pair
+from project.data.records import RESPONSES, plain_pair, read_lines, read_pair
 from project.data.templated import TemplatedDataModule, validation_count
 from project.options.errors import ConfigError
 
@@ -57,10 +58,14 @@ class PreferenceDataModule(TemplatedDataModule):
         for where, line in read_lines(self.path):
             prompt, *responses = read_pair(where, line)
             alike += responses[0] == responses[1]
+            texts = plain_pair(line)
+            if texts is not None:  # TRL's standard format: text, no chat template
+                rendered = renderer.plain(texts[0], texts[1:])
+            else:
+                untrained = sum(message["role"] == "assistant" for message in prompt)  # the prompt's own turns
+                rendered = [renderer.rendered(where, prompt + response, untrained) for response in responses]
             sequences = []
-            untrained = sum(message["role"] == "assistant" for message in prompt)  # the prompt's own turns
-            for key, response in zip(RESPONSES, responses, strict=True):
-                ids, mask = renderer.rendered(where, prompt + response, untrained)
+            for key, (ids, mask) in zip(RESPONSES, rendered, strict=True):
                 if not any(mask[1 : seq_length + 1]):
                     raise ConfigError(
                         "data.path",

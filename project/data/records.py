@@ -136,6 +136,14 @@ def read_pair(where: str, line: str) -> tuple[Messages, Messages, Messages]:
     return prompt, responses[0], responses[1]
 
 
+def plain_pair(line: str) -> tuple[str, str, str] | None:
+    """A checked pair's prompt, chosen and rejected texts, where the line gives all three as text (TRL's standard,
+    not conversational, format: tokenized as text, not rendered by a chat template); else None."""
+    record = json.loads(line)
+    texts = tuple(record[key] for key in ("prompt", *RESPONSES))
+    return texts if all(isinstance(text, str) for text in texts) else None  # type: ignore[return-value]
+
+
 def _check_pair_messages(where: str, key: str, messages: Any) -> None:
     if not isinstance(messages, list) or not messages:
         raise _bad_pair(where, f"{key} is neither text nor a non-empty list of messages")

@@ -72,6 +72,24 @@ class ChatRenderer:
             ) from None
         return trained_mask(self.tokenizer, text, spans[untrained:])
 
+    def plain(self, prompt: str, responses: tuple[str, ...]) -> list[Sequence]:
+        """Responses to a prompt given as text, tokenized as TRL's ``DPOTrainer`` (1.16) tokenizes them: each response
+        with the tokenizer's end-of-sequence token appended (unless it ends with it), the prompt and the prompt
+        followed by each response encoded as text (the tokenizer's own special tokens added, no chat template), the
+        responses trained from where those encodings first differ from the prompt's (a token merging across the
+        prompt's end belongs to the response, as in TRL)."""
+        eos = self.template.special_tokens.get("eos_token")
+        if eos is None:
+            raise ConfigError(
+                "data.tokenizer",
+                f"{self.model_dir} names no eos_token, which TRL appends to every response given as text.",
+                "pass a model dir whose tokenizer_config.json names one, or give the pairs as messages.",
+            )
+        prompt_ids = self.tokenizer.encode(prompt).ids
+        whole = [self.tokenizer.encode(prompt + (text if text.endswith(eos) else text + eos)).ids for text in responses]
+        start = min(_common_prefix(prompt_ids, ids) for ids in whole)
+        return [(ids, [False] * start + [True] * (len(ids) - start)) for ids in whole]
+
     def rows(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs: each sequence but its last token, then padding to ``seq_length``; targets: the next token where it
         is trained, else ``IGNORE_INDEX``."""
@@ -82,6 +100,11 @@ class ChatRenderer:
             inputs[row, : len(ids) - 1] = tokens[:-1]
             targets[row, : len(ids) - 1] = torch.where(trained[1:], tokens[1:], IGNORE_INDEX)
         return inputs, targets
+
+
+def _common_prefix(ids: list[int], other: list[int]) -> int:
+    """How many leading tokens ``ids`` and ``other`` share."""
+    return next((index for index, (a, b) in enumerate(zip(ids, other)) if a != b), min(len(ids), len(other)))
 
 
 def validation_count(path: Path, count: int, val_fraction: float, kind: str, which: str = "") -> int:
