@@ -619,6 +619,12 @@ CASES = [
     ),
     (["step_checks=sometimes"], "step_checks: must be one of 'auto', 'each_step', 'a_step_late', got 'sometimes'"),
     (
+        ["model=qwen3", "data=chat", "model.init_from={files}/adapter", "data.path={files}/chat/hello.jsonl"],
+        "model.init_from: {files}/adapter is a peft adapter dir (adapter_config.json): it holds LoRA adapters, not a "
+        "model's weights. Fix: give the model dir the adapters were trained on as model.init_from (its "
+        "adapter_config.json names /models/base)",
+    ),
+    (
         ["model=gpt", "model.float8=true"],
         "model.float8: is true, where the node of the model option Float8Training goes. Fix: set its keys instead: "
         "model.float8.<key>=..., with <key> one of enabled, recipe, small_layers.",
@@ -826,6 +832,8 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
     (files / "pair_without_chosen.jsonl").write_text(good_pair + "\n" + json.dumps(without_chosen) + "\n")
     empty_response = {**json.loads(good_pair), "rejected": ""}
     (files / "pair_with_empty_response.jsonl").write_text(good_pair + "\n" + json.dumps(empty_response) + "\n")
+    (files / "adapter").mkdir()  # a peft adapter dir, as export --adapter writes one
+    (files / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "/models/base"}))
     (files / "corpus").mkdir()
     (files / "corpus" / "a.txt").write_text("the quick brown fox " * 50)
     (files / "prepared").mkdir()  # what prepare leaves (its shards aside)

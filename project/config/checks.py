@@ -8,6 +8,7 @@ logger's (``ConfigRules``); the model and data modules check their options when 
 run's typed ``Job``, built once (``project.config.build.build_job``).
 """
 
+import json
 import logging
 import math
 import os
@@ -364,6 +365,27 @@ def _build(key: str, build: Callable[[], Any]) -> Any:
         if isinstance(cause, ConfigError):
             raise cause from None
         raise cannot_build(key, f"{type(cause).__name__}: {cause}" if cause is not None else str(error)) from None
+
+
+def check_not_adapters(cfg: DictConfig) -> None:
+    """``model.init_from``: not a peft adapter dir (``adapter_config.json``, no ``config.json``), which holds LoRA
+    adapters, not a model. Checked before the config is resolved: ``data.tokenizer`` defaults to ``model.init_from``,
+    and resolving reads its tokenizer, which would be blamed for what is missing."""
+    path = OmegaConf.select(cfg, "model.init_from", throw_on_resolution_failure=False)  # resolving reports its own
+    adapters = Path(path) / "adapter_config.json" if isinstance(path, str) else None
+    if adapters is None or not adapters.is_file() or (adapters.parent / "config.json").is_file():
+        return
+    try:
+        base = json.loads(adapters.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    raise ConfigError(
+        "model.init_from",
+        f"{path} is a peft adapter dir (adapter_config.json): it holds LoRA adapters, not a model's weights.",
+        "give the model dir the adapters were trained on as model.init_from"
+        + (f" (its adapter_config.json names {base})" if base else "")
+        + "; export merges a run's adapters into a model dir.",
+    )
 
 
 def _check_init_from(cfg: DictConfig, net: nn.Module) -> None:

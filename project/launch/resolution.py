@@ -23,7 +23,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 from project.checkpointing.files import consolidate_checkpoint, is_sharded_checkpoint
 from project.checkpointing.hf import FAMILY_KEYS, family_of, net_options, read_config
-from project.config.checks import check_config, check_fresh_start
+from project.config.checks import check_config, check_fresh_start, check_not_adapters
 from project.job.job import Job
 from project.launch.processes import NodeTask, is_rank_zero, node_task
 from project.launch.trial import job_trial
@@ -107,6 +107,7 @@ def resolved_config(cfg: DictConfig) -> DictConfig:
     job) and, in a multirun, its group: the study's name in a search, else the sweep dir's name, so the runs appear
     together (and W&B's parallel-coordinates chart finds each trial's number and params in its config).
     """
+    check_not_adapters(cfg)
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     cfg = cfg.copy()
