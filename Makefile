@@ -23,8 +23,10 @@ OUT ?= gpu-check-results
 # fixture runs once; the session's shared runs are made once for all (tests/conftest.py: shared_run).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
+# make test-busy: the suite beside this many busy loops per core (no test may depend on wall time).
+BUSY_PER_CORE ?= 3
 
-.PHONY: help install train test test-fast lint lock clean gpu-bundle gpu-check offline-check
+.PHONY: help install train test test-fast test-busy lint lock clean gpu-bundle gpu-check offline-check
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -54,6 +56,9 @@ test: install  ## the whole test suite (what CI runs)
 
 test-fast: install  ## the suite without the slow end-to-end runs
 	$(BIN)/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)
+
+test-busy: install  ## the whole suite beside BUSY_PER_CORE busy loops per core; prints the load it ran under
+	bash scripts/busy.sh $(BUSY_PER_CORE) $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 lint: install  ## ruff (lint, import order, format) on the repo, mypy on project/ (CI runs it before the tests)
 	$(BIN)/ruff check .
