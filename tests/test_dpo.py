@@ -231,26 +231,54 @@ def test_the_linear_schedule_is_transformers(warmup):
             schedule.step()
 
 
-def test_pairs_as_text_are_tokenized_as_trl_tokenizes_them(preference_example, tmp_path):
-    """TRL's standard format (``{"prompt": "...", "chosen": "...", "rejected": "..."}``): each sequence's tokens and
-    trained tokens are those TRL 1.16's ``DPOTrainer`` makes of it (its own dataset preparation, with transformers'
-    tokenizer of the model dir): the text as it is, no chat template, the end-of-sequence token appended."""
+def _pairs_in_trls_formats(eos: str) -> dict[str, list[dict]]:
+    """Pairs in TRL's standard (text) and conversational (messages) formats, with the cases that tell tokenizations
+    apart: a response that already ends with the end-of-sequence token, a token merging across the prompt's end, a
+    prompt holding an earlier assistant turn, a response of two assistant messages."""
+
+    def user(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+    def assistant(*texts: str) -> list[dict]:
+        return [{"role": "assistant", "content": text} for text in texts]
+
+    return {
+        "text": [
+            {"prompt": "Say hello.", "chosen": " Ahoy there!", "rejected": " Hello."},
+            {"prompt": "Greet me:", "chosen": "Ahoy" + eos, "rejected": "Hi"},  # its own end: not appended twice
+            {"prompt": "Hello", "chosen": "Ahoy", "rejected": "Hello"},
+            {"prompt": "A sailor says", "chosen": " ahoy", "rejected": " hello"},
+        ],
+        "messages": [
+            {"prompt": user("Say hello."), "chosen": assistant("Ahoy there!"), "rejected": assistant("Hello.")},
+            {
+                "prompt": [*user("Greet Ada."), *assistant("Hello, Ada!"), *user("And Alan?")],
+                "chosen": assistant("Ahoy, Alan!"),
+                "rejected": assistant("Hello."),
+            },
+            {"prompt": user("Greet two."), "chosen": assistant("Ahoy!", "Ahoy again!"), "rejected": assistant("Hi.")},
+            {"prompt": user("Count."), "chosen": assistant("One."), "rejected": assistant("One,", "two.")},
+        ],
+    }
+
+
+@pytest.mark.parametrize("form", ["text", "messages"])
+def test_pairs_are_tokenized_as_trl_tokenizes_them(preference_example, tmp_path, form):
+    """TRL's standard (``{"prompt": "...", "chosen": "...", "rejected": "..."}``) and conversational formats: each
+    sequence's tokens and trained tokens are those TRL 1.16's ``DPOTrainer`` makes of it (its own dataset
+    preparation, with transformers' tokenizer of the model dir). Text: as it is, no chat template, the
+    end-of-sequence token appended. Messages: the chat template, everything after the prompt trained, the header
+    between a response's two messages too."""
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl.trainer.dpo_trainer import DPOTrainer
 
     model_dir, _ = preference_example
-    eos = AutoTokenizer.from_pretrained(model_dir).eos_token
-    pairs = [
-        {"prompt": "Say hello.", "chosen": " Ahoy there!", "rejected": " Hello."},
-        {"prompt": "Greet me:", "chosen": "Ahoy" + eos, "rejected": "Hi"},  # its own end: not appended twice
-        {"prompt": "Hello", "chosen": "Ahoy", "rejected": "Hello"},
-        {"prompt": "A sailor says", "chosen": " ahoy", "rejected": " hello"},
-    ]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pairs = _pairs_in_trls_formats(tokenizer.eos_token)[form]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
-    data = PreferenceDataModule(str(path), str(model_dir), seq_length=48, val_fraction=0.25, batch_size=1, seed=0)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = PreferenceDataModule(str(path), str(model_dir), seq_length=64, val_fraction=0.25, batch_size=1, seed=0)
     args = SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start")
     prepared = DPOTrainer._prepare_dataset(
         SimpleNamespace(_tokenizer=tokenizer), Dataset.from_list(pairs), tokenizer, args, "train"
@@ -261,7 +289,8 @@ def test_pairs_as_text_are_tokenized_as_trl_tokenizes_them(preference_example, t
             inputs, targets = data.inputs[index, column], data.targets[index, column, :-1]  # the last: the pair's index
             assert inputs[: len(ids) - 1].tolist() == ids[:-1]
             assert targets[targets != IGNORED].tolist() == row[key]
-            assert row[key][-1] == tokenizer.eos_token_id
+            if form == "text":
+                assert row[key][-1] == tokenizer.eos_token_id
 
 
 def test_pairs_whose_responses_are_the_same_are_said_to_teach_nothing(preference_example, tmp_path):

@@ -2,12 +2,14 @@
 ``project/tasks/dpo.py``).
 
 Each line is one pair in TRL's preference format (``project.data.records``: its forms, and the refusal of a
-malformed one with its file and line). Given as messages, the prompt and each response are rendered together with
-the model dir's chat template (``project.data.templated``), and only the response's tokens are targets: the prompt's
-earlier assistant turns, the template's headers and the padding are ``IGNORE_INDEX``. Given as text, they are
-tokenized as TRL tokenizes them (``ChatRenderer.plain``: no template, the end-of-sequence token appended to each
-response). A pair longer than ``seq_length + 1`` tokens is cut at its end, as TRL's ``max_length`` cuts
-(``keep_start``), and the log counts them once; a prompt that leaves no response token within the length is refused.
+malformed one with its file and line). Each pair is tokenized as TRL's ``DPOTrainer`` tokenizes it: given as
+messages, the prompt is rendered with the model dir's chat template and its generation prompt, and the prompt with
+each response rendered whole (``ChatRenderer.conversational``); given as text, no template, the end-of-sequence token
+appended to each response (``ChatRenderer.plain``). The tokens after the prompt's are the targets: the prompt (its
+earlier assistant turns too) and the padding are ``IGNORE_INDEX``, and a response of several messages is trained
+whole, the headers between them too, as TRL trains it. A pair longer than ``seq_length + 1`` tokens is cut at its
+end, as TRL's ``max_length`` cuts (``keep_start``), and the log counts them once; a prompt that leaves no response
+token within the length is refused.
 
 A pair is one sample: its chosen and rejected sequences are rows ``2i`` and ``2i + 1`` of a batch's (inputs,
 targets), so that every layout sees the plain (rows, length) batches of a language model and no data-parallel
@@ -62,8 +64,7 @@ class PreferenceDataModule(TemplatedDataModule):
             if texts is not None:  # TRL's standard format: text, no chat template
                 rendered = renderer.plain(texts[0], texts[1:])
             else:
-                untrained = sum(message["role"] == "assistant" for message in prompt)  # the prompt's own turns
-                rendered = [renderer.rendered(where, prompt + response, untrained) for response in responses]
+                rendered = renderer.conversational(where, prompt, responses)
             sequences = []
             for key, (ids, mask) in zip(RESPONSES, rendered, strict=True):
                 if not any(mask[1 : seq_length + 1]):

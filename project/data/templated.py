@@ -7,6 +7,8 @@ attention with no per-document mask. Padding sits after the conversation, where 
 changing any trained position, and its targets are ``IGNORE_INDEX``: only the assistant's tokens are trained.
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,25 +61,31 @@ class ChatRenderer:
             )
         self.template = ChatTemplate(model_dir)
 
-    def rendered(self, where: str, messages: Messages, untrained: int = 0) -> Sequence:
-        """A conversation's token ids and whether each is an assistant's, its first ``untrained`` assistant turns
-        left out; ``ConfigError`` naming the record's ``where`` for a template that fails on it."""
-        try:
+    def rendered(self, where: str, messages: Messages) -> Sequence:
+        """A conversation's token ids and whether each is an assistant's."""
+        with self._template_failure(where):
             text, spans = self.template.assistant_spans(messages)
-        except Exception as error:  # jinja2's TemplateError, or a template's own exception
-            raise ConfigError(
-                "data.path",
-                f"{where}: the chat template of {self.model_dir} fails on it ({error}).",
-                "fix the record, or use a model dir whose template renders it.",
-            ) from None
-        return trained_mask(self.tokenizer, text, spans[untrained:])
+        return trained_mask(self.tokenizer, text, spans)
+
+    def conversational(self, where: str, prompt: Messages, responses: list[Messages]) -> list[Sequence]:
+        """Responses to a prompt given as messages, tokenized as TRL's ``DPOTrainer`` (1.16) tokenizes them: the
+        prompt rendered with the template's generation prompt and the prompt followed by each response rendered, each
+        response trained from where those renderings' tokens first differ (``_after_prompt``). A response of several
+        messages is trained whole, the headers between its messages too, as TRL trains it."""
+        with self._template_failure(where):
+            prompt_text = self.template.render(prompt, add_generation_prompt=True)
+            texts = [self.template.render(prompt + response) for response in responses]
+        encode = self.tokenizer.encode
+        return _after_prompt(
+            encode(prompt_text, add_special_tokens=False).ids,
+            [encode(text, add_special_tokens=False).ids for text in texts],
+        )
 
     def plain(self, prompt: str, responses: tuple[str, ...]) -> list[Sequence]:
         """Responses to a prompt given as text, tokenized as TRL's ``DPOTrainer`` (1.16) tokenizes them: each response
         with the tokenizer's end-of-sequence token appended (unless it ends with it), the prompt and the prompt
-        followed by each response encoded as text (the tokenizer's own special tokens added, no chat template), the
-        responses trained from where those encodings first differ from the prompt's (a token merging across the
-        prompt's end belongs to the response, as in TRL)."""
+        followed by each response encoded as text (the tokenizer's own special tokens added, no chat template), each
+        response trained from where those encodings first differ (``_after_prompt``)."""
         eos = self.template.special_tokens.get("eos_token")
         if eos is None:
             raise ConfigError(
@@ -85,10 +93,20 @@ class ChatRenderer:
                 f"{self.model_dir} names no eos_token, which TRL appends to every response given as text.",
                 "pass a model dir whose tokenizer_config.json names one, or give the pairs as messages.",
             )
-        prompt_ids = self.tokenizer.encode(prompt).ids
         whole = [self.tokenizer.encode(prompt + (text if text.endswith(eos) else text + eos)).ids for text in responses]
-        start = min(_common_prefix(prompt_ids, ids) for ids in whole)
-        return [(ids, [False] * start + [True] * (len(ids) - start)) for ids in whole]
+        return _after_prompt(self.tokenizer.encode(prompt).ids, whole)
+
+    @contextmanager
+    def _template_failure(self, where: str) -> Iterator[None]:
+        """``ConfigError`` naming the record's ``where`` for a template that fails on it."""
+        try:
+            yield
+        except Exception as error:  # jinja2's TemplateError, a template's own exception, assistant_spans' ValueError
+            raise ConfigError(
+                "data.path",
+                f"{where}: the chat template of {self.model_dir} fails on it ({error}).",
+                "fix the record, or use a model dir whose template renders it.",
+            ) from None
 
     def rows(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs: each sequence but its last token, then padding to ``seq_length``; targets: the next token where it
@@ -100,6 +118,14 @@ class ChatRenderer:
             inputs[row, : len(ids) - 1] = tokens[:-1]
             targets[row, : len(ids) - 1] = torch.where(trained[1:], tokens[1:], IGNORE_INDEX)
         return inputs, targets
+
+
+def _after_prompt(prompt_ids: list[int], whole: list[list[int]]) -> list[Sequence]:
+    """Each of ``whole`` (the prompt and a response, tokenized together) trained from the first token where any of
+    them differs from ``prompt_ids``, as TRL's ``DPOTrainer`` starts each completion: a token merging across the
+    prompt's end, or a template rendering the prompt alone differently, belongs to the responses."""
+    start = min(_common_prefix(prompt_ids, ids) for ids in whole)
+    return [(ids, [False] * start + [True] * (len(ids) - start)) for ids in whole]
 
 
 def _common_prefix(ids: list[int], other: list[int]) -> int:
