@@ -319,6 +319,24 @@ def signal_rank_1(sig: signal.Signals, home, tmp_path, *overrides: str) -> tuple
     return launcher.returncode, output, list(workers.values()), time.monotonic() - signalled
 
 
+def test_ctrl_c_on_a_multi_process_run_says_a_line_a_rank_at_most_then_how_to_resume(home, tmp_path):
+    """Ctrl-C: SIGINT to the launcher and its workers at once, as a terminal sends it to its foreground group. The
+    job exits 130, and after the signal says at most a line a rank, then the launcher's report: the signal, and the
+    command that resumes the run. No traceback, no torchelastic line ("Received 2 death signal, ...")."""
+    job_dir = tmp_path / "job"
+    with endless_job([*ENDLESS_DDP, f"hydra.run.dir={job_dir}"], home) as launcher:
+        wait_for(lambda: (job_dir / "checkpoints" / "last.ckpt").exists(), 120, "a first epoch")
+        before = len(launcher.output_file.read_text())
+        for pid in [launcher.pid, *children(launcher.pid)]:
+            os.kill(pid, signal.SIGINT)
+        output, _ = launcher.communicate(timeout=120)
+    said = [line for line in output[before:].splitlines() if line.strip()]
+    assert launcher.returncode == 128 + signal.SIGINT and "Traceback" not in output, output[-3000:]
+    report = next(index for index, line in enumerate(said) if "Stopped by SIGINT: all 2 workers were stopped." in line)
+    assert report <= 2 and "death signal" not in output, said
+    assert len(said) == report + 2 and said[-1].endswith(f"hydra.run.dir={job_dir} ckpt_path=auto"), said
+
+
 def test_a_stopped_worker_fails_the_job_within_the_heartbeat_timeout_with_every_stack_in_the_log(home, tmp_path):
     """SIGSTOP on rank 1, a hung rank: with strategy.heartbeat_timeout=15 (the default 60 s would add 45 s of
     waiting to the suite; collectives keep their 5 minutes) the launcher's watchdog fails the job once 15 s pass,

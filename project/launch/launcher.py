@@ -132,17 +132,26 @@ def _worker_environment(num_workers: int, heartbeat_dir: Path) -> Iterator[None]
             del os.environ[name]
 
 
+def _death_signal(record: logging.LogRecord) -> bool:
+    """False for torchelastic's agent's line on a signal ("Received 2 death signal, shutting down workers")."""
+    return "death signal" not in record.getMessage()
+
+
 @contextmanager
 def _quiet_worker_failures() -> Iterator[None]:
     """Without torchelastic's own lines on a failed worker ("failed (exitcode: 1) local_rank: 0 ...", "Sending
-    process ... closing signal SIGTERM"): the launcher's report says the same once, per rank, with the cause."""
+    process ... closing signal SIGTERM") or on a signal that stops the job (Ctrl-C's): the launcher's report says the
+    same once, per rank, with the cause."""
     processes_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
     level = processes_log.level
     processes_log.setLevel(logging.CRITICAL)
+    agent_log.addFilter(_death_signal)
     try:
         yield
     finally:
         processes_log.setLevel(level)
+        agent_log.removeFilter(_death_signal)
 
 
 def job_log_file() -> Path:
