@@ -24,7 +24,7 @@ from project.cli.chat_example import write_example
 from project.data.preference import PreferenceDataModule
 from project.models import init_weights
 from project.options.errors import ConfigError
-from project.tasks.dpo import REFERENCE_KEY, PreferenceLoss
+from project.tasks.dpo import PAIR_METRICS, REFERENCE_KEY, PreferenceLoss
 
 IGNORED = -100
 NET = ["model.net.dim=32", "model.net.num_heads=2", "model.net.num_kv_heads=2", "model.net.hidden_dim=64"]
@@ -166,6 +166,22 @@ def test_the_loss_by_hand():
 
     with_sft, _ = PreferenceLoss(beta, "sigmoid", sft_weight=0.2)(policy, reference, tokens)
     assert with_sft.item() == pytest.approx(-math.log(1 / (1 + math.exp(-beta * delta))) + 0.2 * 12.0 / 4, rel=1e-12)
+
+
+def test_a_sweeps_objective_does_not_scale_with_beta():
+    """experiment=dpo's sweep objective is the validation pairs' reward accuracy: whether a pair's chosen reward beats
+    its rejected one is the sign of delta whatever beta, where the loss (what best_metric keeps, within a run of one
+    beta) moves with beta at the same log-probabilities."""
+    from test_config import compose_train
+
+    cfg = compose_train(["experiment=dpo"])
+    assert (cfg.optimized_metric.name, cfg.optimized_metric.mode) == ("val/rewards/accuracies", "max")
+    policy = torch.randn(64, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    reference, tokens = torch.zeros_like(policy), torch.full((64, 2), 5)
+    outcomes = [PreferenceLoss(beta, "sigmoid")(policy, reference, tokens) for beta in (0.05, 0.5)]
+    (low_losses, low_rewards), (high_losses, high_rewards) = outcomes
+    assert torch.equal(low_rewards[:, 0] > low_rewards[:, 1], high_rewards[:, 0] > high_rewards[:, 1])
+    assert abs(low_losses.mean() - high_losses.mean()) > 0.1
 
 
 # The data
@@ -406,6 +422,22 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(dpo_runs, preferenc
         assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
     assert expected[-1]["val/rewards/margins"] > expected[0]["val/rewards/margins"] > 0
     assert expected[-1]["val/rewards/accuracies"] == 1.0
+
+
+@pytest.mark.slow
+def test_the_report_draws_each_of_dpos_metrics_per_epoch(dpo_runs, tmp_path, home):
+    """``python -m project.cli.report`` of the DPO sweep: a chart for each metric DPO logs (its loss, rewards,
+    margins, accuracies and log-probabilities, training and validation), a curve per job, a tick per epoch."""
+    from test_report import render_report
+
+    sweep_dir = dpo_runs["ddp"].parent
+    charts = render_report(sweep_dir, tmp_path, [], home, screenshot=False)
+    epochs = [str(row["epoch"]) for row in json.loads((dpo_runs["ddp"] / "result.json").read_text())["history"]]
+    jobs = len([job for job in sweep_dir.iterdir() if (job / "result.json").is_file()])
+    for name in PAIR_METRICS:
+        for split in ("train", "val"):
+            chart = f"curve-{split}-{name.replace('/', '-')}"
+            assert len(charts.traces[chart]) == jobs and charts.xticks[chart] == epochs, chart
 
 
 @pytest.mark.slow

@@ -33,6 +33,14 @@ CURVES = [
     "val/perplexity",
     "experts/balance_loss",  # a mixture of experts' routing (project.model_options.expert_balancing.ExpertLoad)
     "experts/imbalance",
+    # DPO's (project.tasks.dpo.PAIR_METRICS, TRL's names; its loss above), spelt out: importing the task would import
+    # torch into the report.
+    *(
+        f"{split}/{name}"
+        for name in ("rewards/margins", "rewards/accuracies", "rewards/chosen", "rewards/rejected")
+        + ("logps/chosen", "logps/rejected")
+        for split in ("train", "val")
+    ),
 ]
 EXPERT_LOAD = "experts/load/"  # experts/load/<e>: expert e's share of a mixture's assignments in the epoch
 FLOOR = "data/entropy_floor"  # drawn on the loss charts: the best loss the data allows
