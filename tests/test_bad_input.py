@@ -790,6 +790,28 @@ CLI_CASES = [
 ]
 CLI_IDS = [f"{tool} {' '.join(arguments)}" for tool, arguments, _ in CLI_CASES]
 
+# Legal and almost surely not meant: (overrides, the one-line warning). Each runs with plan=true (checked and planned,
+# nothing trained), which must succeed; the same checks run before every launch.
+NOTICES = [
+    (
+        ["model=gpt", "model.lora.rank=4096"],
+        "model.lora.rank=4096 is above the width of ... layers it adapts (the narrowest: 32, the smaller of its input "
+        "and output): such a layer's update has rank 32 at most ... Use model.lora.rank=32 or less",
+    ),
+    (
+        ["model=gpt", "model.lora.targets=[q,k,v]", "model.lora.alpha=32"],
+        "model.lora.rank is 0: no adapters, so model.lora.alpha, model.lora.targets do nothing and every weight "
+        "trains. Give the adapters a rank (model.lora.rank=16) for LoRA.",
+    ),
+    (
+        [*DPO, "data.path={files}/chat/preference.jsonl", "trainer.precision=bf16-true"],
+        "trainer.precision=bf16-true keeps the weights in bfloat16 (8 significant bits), where an Adam step of about "
+        "the learning rate (model.optimizer.lr=1e-06) rounds away on every weight larger than 5.1e-04 in size ... "
+        "Use trainer.precision=bf16-mixed (float32 weights, bfloat16 matmuls), or a learning rate of 2e-05 or more.",
+    ),
+]
+NOTICE_IDS = [f"notice {' '.join(overrides)}" for overrides, _ in NOTICES]
+
 
 def fill(text: str, names: dict) -> str:
     for name, value in names.items():
@@ -854,7 +876,9 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
     }
     shutil.copy(names["mlp_ckpt"], files / "lonely.ckpt")  # a checkpoint with no job dir around it
     cases, dirs = [], []
-    for number, (overrides, _) in enumerate(CASES):
+    for number, (overrides, _) in enumerate(
+        CASES + [(["plan=true", *overrides], warning) for overrides, warning in NOTICES]
+    ):
         overrides = [fill(item, names) for item in overrides]
         language_model = any(mark in overrides for mark in LM_MARKS)
         base = [item for item in TINY_GPT if item != "model=gpt"] if language_model else TINY
@@ -883,7 +907,8 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
         results = run_all(train_server(home), cases, root / "output")
     finally:
         thaw(files / "frozen")
-    return {id: (result, *where, names) for id, result, where in zip(IDS + CLI_IDS, results, dirs)}
+    ids = IDS + NOTICE_IDS + CLI_IDS
+    return {id: (result, *where, names) for id, result, where in zip(ids, results, dirs, strict=True)}
 
 
 def run_all(server, cases: list[dict], output: Path) -> list[dict]:
@@ -930,6 +955,15 @@ def test_bad_input_fails_fast_with_a_clear_message(overrides, message, invocatio
         assert not (where / "workers").exists() and not (where / "wandb").exists()
         assert not (where / "checkpoints").exists() and not (where / "config.yaml").exists()
     assert not any(launch_dir.iterdir())
+
+
+@pytest.mark.parametrize("overrides,warning", NOTICES, ids=NOTICE_IDS)
+def test_a_setting_legal_but_almost_surely_not_meant_is_said_in_one_line(overrides, warning, invocations):
+    result, job_dir, _, names = invocations[f"notice {' '.join(overrides)}"]
+    output = result["stdout"] + result["stderr"]
+    assert result["exit_code"] == 0, output[-3000:]
+    lines = [line for line in output.splitlines() if warning.split(" ... ")[0] in line]
+    assert len(lines) == 1 and all(part in lines[0] for part in fill(warning, names).split(" ... ")), output[-3000:]
 
 
 def test_the_tools_table_is_large_and_every_case_distinct():

@@ -43,6 +43,7 @@ from project.config.schema import check_types
 from project.data.datamodule import DataModule
 from project.job.job import Job
 from project.job.layout import Layout
+from project.job.model_option import ModelOption
 from project.job.rules import gpus_problem, is_int, layout_problem
 from project.options.config_rules import ConfigRules
 from project.options.errors import ConfigError, cannot_build, positive_int
@@ -312,6 +313,31 @@ def _check_precision(cfg: DictConfig) -> None:
         )
 
 
+# The size most of a language model's weights are above (initialised at std 0.02, they stay near it).
+_TYPICAL_WEIGHT = 0.01
+
+
+def _warn_rounded_steps(cfg: DictConfig) -> None:
+    """Warn where Adam's steps would round away in bfloat16 weights (``bf16-true``): a bfloat16 number has 8
+    significant bits, so a step smaller than ``|w| x 2^-9`` leaves ``w`` as it was, and Adam's steps are about the
+    learning rate in size (its first ones exactly). Legal, and almost surely not meant."""
+    precision = _convert_precision_to_unified_args(cfg.trainer.precision)
+    optimizer = OmegaConf.select(cfg, "model.optimizer")
+    if precision != "bf16-true" or not isinstance(optimizer, DictConfig) or "lr" not in optimizer:
+        return
+    if str(optimizer.get("_target_", "")).rpartition(".")[2] not in ("Adam", "AdamW"):
+        return
+    lr = float(optimizer.lr)
+    if lr * 2**9 >= _TYPICAL_WEIGHT:
+        return
+    log.warning(
+        f"trainer.precision=bf16-true keeps the weights in bfloat16 (8 significant bits), where an Adam step of "
+        f"about the learning rate (model.optimizer.lr={lr:g}) rounds away on every weight larger than "
+        f"{lr * 2**9:.1e} in size: most of a language model's weights would not move. Use trainer.precision="
+        f"bf16-mixed (float32 weights, bfloat16 matmuls), or a learning rate of {_TYPICAL_WEIGHT / 2**9:.0e} or more."
+    )
+
+
 def _check_checkpoint(cfg: DictConfig, module: nn.Module, ckpt_path: str | None) -> None:
     """``ckpt_path`` (resolved) exists and holds this model: the same parameter names and shapes."""
     if ckpt_path is None:
@@ -479,6 +505,7 @@ def check_config(cfg: DictConfig) -> Job:
     _check_accelerator(cfg)
     _check_process_group(cfg)
     _check_precision(cfg)
+    _warn_rounded_steps(cfg)
     check_types(cfg)  # every other option against its constructor's type hints, every number finite
     # The data first: the model takes sizes from it (vocabulary, sequence length), so its own keys are to blame.
     data = _build("data", lambda: instantiate(cfg.data))  # cheap: data is read or generated in setup()
@@ -492,6 +519,10 @@ def check_config(cfg: DictConfig) -> Job:
     net_options = _build("model.net", lambda: net_constructor(cfg))  # the constructors and their options only
     model = _build("model", lambda: model_of(cfg, net_options))
     net, module = model.meta_model()
+    for option in model.module.keywords.values():  # every configured option, those that are off too
+        line = option.notice(net) if isinstance(option, ModelOption) else None
+        if line is not None:
+            log.warning(line)
     strategy = _build("strategy", lambda: build_strategy(cfg.strategy))  # checks its options; no process group yet
     layout = layout_of(strategy, cfg.strategy)
     _check_processes(cfg, strategy, layout, devices)

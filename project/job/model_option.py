@@ -64,6 +64,12 @@ class ModelOption(ABC):
         """The line logged when training starts, saying what it did; None: nothing to say."""
         return None
 
+    def notice(self, net: BlockSequence) -> str | None:
+        """A line warned before launch where the option's settings are legal but almost surely not meant (asked of
+        an option that is off too; ``net``: the model on the meta device, the options that are on built on it);
+        None: nothing to say."""
+        return None
+
     def training_loss(self, net: BlockSequence) -> torch.Tensor | None:
         """A term added to a training step's loss (not to the logged ``train/loss``), or None."""
         return None

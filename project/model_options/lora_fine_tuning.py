@@ -8,7 +8,7 @@ resumed run, ``export`` and ``generate`` never put them on another.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from torch import nn
 from project.checkpointing.hf import weights_fingerprint
 from project.job.job import Job
 from project.job.model_option import InitialWeights, ModelOption
-from project.models.lora import LoRA, apply_lora
+from project.models.lora import LoRA, LoRALinear, apply_lora
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeInt, PositiveFloat, Probability
@@ -109,6 +109,32 @@ class LoRAFineTuning(ModelOption):
         self.trained = sum(parameter.numel() for parameter in net.parameters() if parameter.requires_grad)
         self.total = sum(parameter.numel() for parameter in net.parameters())
 
+    def notice(self, net: BlockSequence) -> str | None:
+        """Adapter keys set with no rank (they do nothing: every weight trains), or a rank above the width of a layer
+        it adapts (that layer's update can be of its width's rank at most, for more parameters than the layer)."""
+        if not self.enabled:
+            defaults = {item.name: item.default for item in fields(self) if item.init and item.name != "rank"}
+            changed = [name for name, default in defaults.items() if _differs(getattr(self, name), default)]
+            if not changed:
+                return None
+            keys = ", ".join(f"model.lora.{name}" for name in changed)
+            return (
+                f"model.lora.rank is 0: no adapters, so {keys} {'does' if len(changed) == 1 else 'do'} nothing and "
+                "every weight trains. Give the adapters a rank (model.lora.rank=16) for LoRA."
+            )
+        widths = [
+            min(layer.in_features, layer.out_features) for layer in net.modules() if isinstance(layer, LoRALinear)
+        ]
+        narrower = [width for width in widths if width < self.rank]
+        if not narrower:
+            return None
+        return (
+            f"model.lora.rank={self.rank} is above the width of {len(narrower)} of the {len(widths)} layers it adapts "
+            f"(the narrowest: {min(narrower)}, the smaller of its input and output): such a layer's update has rank "
+            f"{min(narrower)} at most, and its adapters hold more parameters than the layer. Use model.lora.rank="
+            f"{min(widths)} or less (LoRA's usual: 8 to 64)."
+        )
+
     def summary(self) -> str:
         frozen = "frozen, the blocks' Linear weights in 4-bit NF4" if self.quantize_base else "frozen"
         return (
@@ -148,3 +174,8 @@ class LoRAFineTuning(ModelOption):
                 "use the model dir (or seed) and model.lora.quantize_base the run started from, unchanged: the "
                 "checkpoint holds the adapters alone.",
             )
+
+
+def _differs(value: object, default: object) -> bool:
+    """Whether a configured value is not its field's default (a list from the config against a tuple default)."""
+    return tuple(value) != tuple(default) if isinstance(default, tuple) else value != default  # type: ignore[arg-type]
