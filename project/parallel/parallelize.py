@@ -4,6 +4,7 @@ Strategies call these; the models know nothing about them.
 """
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, cast
@@ -15,7 +16,8 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from project.accounting.counts import counting, kept_for_backward, recomputing
@@ -170,10 +172,10 @@ _SAVED = _MATMULS | {
 def _selective_contexts() -> tuple[Any, Any]:
     """The forward and recompute contexts of one block's selective checkpoint: the forward keeps what the policy
     saves (reported as ``kept_for_backward``, for the memory plan); the recompute (marked as ``recomputing``) runs
-    the rest again. Torch 2.13 asks the policy in the forward only and replays its answers; earlier versions (the
-    GPU box's 2.11) ask again in the recompute and give no output: the matmuls are counted apart in each, so both
-    decide alike, and there the plan's activations leave the kept outputs out (its peak, torch's tracker's, has
-    them).
+    the rest again. Torch 2.13 asks the policy in the forward only, with each op's output, and replays its answers;
+    earlier versions (the GPU box's 2.11) ask before the op runs, without its output, and again in the recompute:
+    the matmuls are counted apart in each, so both decide alike, and what the forward kept is counted from the
+    forward context's cache once the block has run (``_kept_counted``).
 
     Only a simulation's recompute is marked: a real run's contexts are torch's two modes as they are, which is what
     compile requires of them (torch 2.11 asks it while AOTAutograd traces, where ``torch.compiler.is_compiling()``
@@ -185,12 +187,26 @@ def _selective_contexts() -> tuple[Any, Any]:
         matmuls[recompute] += func in _MATMULS
         if func not in _SAVED or (func in _MATMULS and matmuls[recompute] % 2 == 0):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if not recompute:
-            kept_for_backward(getattr(ctx, "op_output", None))
+        if not recompute and hasattr(ctx, "op_output"):
+            kept_for_backward(ctx.op_output)
         return CheckpointPolicy.MUST_SAVE
 
     forward, recompute = create_selective_checkpoint_contexts(policy)
-    return (forward, _recomputing_in(recompute)) if counting() else (forward, recompute)
+    if not counting():
+        return forward, recompute
+    return _kept_counted(forward), _recomputing_in(recompute)
+
+
+@contextmanager
+def _kept_counted(forward: Any) -> Iterator[None]:
+    """The forward context; then, where torch gave its policy no outputs (2.11), the outputs it kept (its
+    ``storage``: each op's outputs, their tensors wrapped with their versions) reported as ``kept_for_backward``."""
+    given = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
+    with forward:
+        yield
+    if not given:
+        for kept in tree_leaves(dict(forward.storage)):
+            kept_for_backward(getattr(kept, "val", kept))
 
 
 @contextmanager

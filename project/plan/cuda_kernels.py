@@ -35,8 +35,11 @@ from torch.distributed._tools import mem_tracker
 from torch.utils._pytree import tree_leaves, tree_map
 
 # CUDA's autocast policy, by op (torch 2.13's torch/include/ATen/autocast_mode.h: AT_FORALL_LOWER_PRECISION_FP,
-# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE).
-# tests/test_cuda_kernels.py checks these lists against that header and torch's own AutocastCUDA registrations.
+# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE, AT_FORALL_PROMOTE, AT_FORALL_DIFFERENT_REDISPATCH_SIGNATURE), as the
+# torch installed has it: 2.11's (the GPU boxes') runs rms_norm in the autocast dtype, not float32, and lists the
+# named-dimension overloads of the float32-with-dtype ops, which 2.13 dropped (2.12 not checked: taken as 2.13).
+# tests/test_cuda_kernels.py checks these lists against the installed torch's header and AutocastCUDA registrations.
+_BEFORE_2_13 = torch.torch_version.TorchVersion(torch.__version__) < "2.13"
 LOWER_PRECISION = [
     "_convolution.deprecated",
     "_convolution",
@@ -93,7 +96,7 @@ FP32 = [
     "softplus",
     "layer_norm",
     "native_layer_norm",
-    "rms_norm",
+    *([] if _BEFORE_2_13 else ["rms_norm"]),
     "group_norm",
     "frobenius_norm.dim",
     "nuclear_norm",
@@ -145,6 +148,12 @@ FP32_SET_OPT_DTYPE = [
     "linalg_matrix_norm.str_ord",
     "sum",
     "sum.dim_IntList",
+    *(
+        ["prod.dim_Dimname", "softmax.Dimname", "log_softmax.Dimname", "cumprod.dimname", "cumsum.dimname"]
+        + ["sum.dim_DimnameList"]
+        if _BEFORE_2_13
+        else []
+    ),
 ]
 PROMOTE = [
     "addcdiv",
@@ -160,10 +169,16 @@ PROMOTE = [
     "scatter_add",
 ]
 # norm without a dtype is redispatched to its overload with one, float32 (CUDA's fp32_append_dtype policy).
-FP32_APPEND_DTYPE = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype"}
+FP32_APPEND_DTYPE = {
+    "norm.Scalar": "norm.ScalarOpt_dtype",
+    "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
+    **({"norm.names_ScalarOpt_dim": "norm.names_ScalarOpt_dim_dtype"} if _BEFORE_2_13 else {}),
+}
 # CUDA's only other entries: its cuDNN convolutions (never called on a CPU) and binary_cross_entropy, which
 # CUDA's autocast refuses (a run raises; the simulation keeps the CPU's float32 for it).
-CUDA_ONLY = {"cudnn_convolution", "cudnn_convolution_transpose", "binary_cross_entropy"}
+CUDA_ONLY = {"cudnn_convolution", "cudnn_convolution_transpose", "binary_cross_entropy"} | (
+    {"_cudnn_rnn"} if _BEFORE_2_13 else set()
+)
 # The ops both tables list, with the same policy: the CPU's own kernel (its cast cache included) stays. Of the
 # ops both list, only binary_cross_entropy, grid_sampler and prod differ (aten/src/ATen/autocast_mode.cpp).
 SAME_ON_CPU = {
