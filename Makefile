@@ -23,10 +23,15 @@ OUT ?= gpu-check-results
 # fixture runs once; the session's shared runs are made once for all (tests/conftest.py: shared_run).
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile
+# make test-box-torch: the tests marked torch_internals on BOX_TORCH_VERSION, the GPU boxes' torch, in BOX_TORCH_VENV,
+# installed as make install installs .venv. PyPI's Linux wheel of that torch is the CUDA build (with CUDA's libraries,
+# about 3.5 GB on disk), which runs on a CPU as the CPU build does.
+BOX_TORCH_VERSION ?= 2.11.0
+BOX_TORCH_VENV ?= .venv-torch$(BOX_TORCH_VERSION)
 # make test-busy: the suite beside this many busy loops per core (no test may depend on wall time).
 BUSY_PER_CORE ?= 3
 
-.PHONY: help install train test test-fast test-busy lint lock clean gpu-bundle gpu-check offline-check
+.PHONY: help install train demo test test-fast test-busy test-box-torch lint lock clean gpu-bundle gpu-check offline-check
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -51,6 +56,9 @@ install: $(VENV)/.installed  ## create .venv and install the project with pinned
 train: install  ## train with the default config; pass Hydra overrides as ARGS="strategy=ddp trainer.devices=2"
 	$(BIN)/python train.py $(ARGS)
 
+demo: install  ## a first look in a few minutes on 2 CPU cores: a memory plan, a DDP/FSDP sweep, its report
+	bash scripts/demo.sh $(BIN)/python
+
 test: install  ## the whole test suite (what CI runs)
 	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
@@ -59,6 +67,10 @@ test-fast: install  ## the suite without the slow end-to-end runs
 
 test-busy: install  ## the whole suite beside BUSY_PER_CORE busy loops per core; prints the load it ran under
 	bash scripts/busy.sh $(BUSY_PER_CORE) $(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+
+test-box-torch:  ## the tests that lean on torch's internals, on the GPU boxes' torch (2.11), in a venv of its own
+	$(MAKE) install VENV=$(BOX_TORCH_VENV) TORCH_SPEC=torch==$(BOX_TORCH_VERSION)
+	$(BOX_TORCH_VENV)/bin/python -m pytest -m torch_internals $(XDIST) $(PYTEST_ARGS)
 
 lint: install  ## ruff (lint, import order, format) on the repo, mypy on project/ (CI runs it before the tests)
 	$(BIN)/ruff check .
@@ -81,4 +93,4 @@ offline-check: install  ## make gpu-bundle and gpu-check on a simulated GPU box:
 	PYTHON=$(PYTHON) PIP_TORCH_ARGS="$(PIP_TORCH_ARGS)" bash scripts/offline_check.sh $(BUNDLE)-local $(BUNDLE)
 
 clean:  ## remove .venv, the run outputs, the GPU bundle and its venv
-	rm -rf $(VENV) logs outputs multirun $(BUNDLE) $(BUNDLE)-local .gpu-venv
+	rm -rf $(VENV) $(BOX_TORCH_VENV) logs outputs multirun $(BUNDLE) $(BUNDLE)-local .gpu-venv

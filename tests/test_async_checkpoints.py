@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from project.checkpointing.background import staged_copy_fits
 from project.checkpointing.files import checkpoint_meta
 
+pytestmark = pytest.mark.torch_internals
+
 FSDP = [*TINY, "strategy=fsdp", "trainer.devices=2", "logger=csv", "trainer.max_epochs=2"]
 SLOW = ["+callbacks.slow._target_=helpers.probes.SlowCheckpointWrites", "+callbacks.slow.seconds=0.5"]
 # Every epoch's checkpoint kept, and no last.ckpt: each epoch's save is written while the next epoch trains.

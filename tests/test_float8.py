@@ -20,6 +20,8 @@ from project.parallel.parallelize import materialize
 from project.plan.memory_plan import simulate_devices
 from project.plan.step_time import kernel_seconds
 
+pytestmark = pytest.mark.torch_internals
+
 float8 = pytest.importorskip("torchao.float8")
 Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
 

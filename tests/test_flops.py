@@ -10,6 +10,8 @@ from torch import nn
 from project.config.build import build_net
 from project.observability.flops import peak_tflops, training_flops_per_sample
 
+pytestmark = pytest.mark.torch_internals
+
 
 def meta_net(overrides: list[str]) -> nn.Module:
     return build_net(compose_train(overrides))  # the model on the meta device, as a run builds it

@@ -10,6 +10,8 @@ from conftest import LOSS_KEYS, TINY, assert_close, assert_epoch_metrics, assert
 from project.checkpointing.files import is_sharded_checkpoint
 from project.strategies import FSDPStrategy
 
+pytestmark = pytest.mark.torch_internals
+
 TWO_DEVICES = ["trainer.devices=2", "data.batch_size=32"]  # the single_run's global batch of 64
 
 

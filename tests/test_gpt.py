@@ -19,6 +19,8 @@ from project.models.gpt import MLP
 from project.parallel.parallelize import _selective_contexts, apply_activation_checkpointing
 from project.tasks.language_model import TokenCrossEntropy
 
+pytestmark = pytest.mark.torch_internals
+
 LM_KEYS = ["train/loss", "val/loss", "val/perplexity"]
 
 

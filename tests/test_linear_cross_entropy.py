@@ -11,6 +11,8 @@ from project.models.gpt import GPT
 from project.models.linear_cross_entropy import IGNORE_INDEX, LOGITS_PER_CHUNK, chunk_rows, linear_cross_entropy
 from project.tasks.language_model import TokenCrossEntropy
 
+pytestmark = pytest.mark.torch_internals
+
 
 def problem(dtype: torch.dtype, rows: int = 21, dim: int = 16, vocab: int = 50):
     """Hidden states (3, rows / 3, dim), an output weight (vocab, dim), targets with a prompt's worth ignored."""

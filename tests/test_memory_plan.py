@@ -23,6 +23,8 @@ from project.parallel.parallelize import block_sizes, split_blocks, stage_module
 from project.plan.memory_plan import candidate_changes, plan_memory
 from project.plan.search import Candidate, candidate_layouts
 
+pytestmark = pytest.mark.torch_internals
+
 MODEL_STATE = ("params", "grads", "optimizer", "model_state")
 
 # Session runs of every strategy (conftest), each launched after its plan: (fixture, job index or None).

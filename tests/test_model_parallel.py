@@ -17,6 +17,8 @@ from test_step_counts import assert_collectives_as_planned
 from project.checkpointing.files import is_sharded_checkpoint
 from project.parallel.parallelize import split_blocks
 
+pytestmark = pytest.mark.torch_internals
+
 BATCH_64 = ["data.batch_size=64"]  # the single_run's global batch, one replica
 
 

@@ -25,6 +25,8 @@ from project.options.errors import ConfigError
 from project.parallel.fake_process_group import fake_process_group
 from project.parallel.parallelize import apply_activation_checkpointing, apply_fsdp, materialize
 
+pytestmark = pytest.mark.torch_internals
+
 transformers = pytest.importorskip("transformers")
 
 

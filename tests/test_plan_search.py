@@ -7,6 +7,8 @@ import re
 import pytest
 from conftest import TINY_GPT, train
 
+pytestmark = pytest.mark.torch_internals
+
 # The tiny GPT (3 blocks) on 2 simulated H100s: FSDP at 4 per device, so a global batch of 8. Communication is made
 # free (NVLink at 10^9 GB/s) and the GPU slow (a GFLOPS on one multiprocessor, which the tiny matmuls fill: each
 # step's FLOPs take seconds, beside which the collectives' latency and the memory-bound ops are nothing), so that

@@ -25,6 +25,8 @@ from project.plan.search import (
 )
 from project.plan.step_time import predict_step
 
+pytestmark = pytest.mark.torch_internals
+
 DEEP_GPT = [*TINY_GPT, "model.net.num_layers=13", "data.batch_size=8"]  # 13 blocks: more than copies of 3+4+5
 
 

@@ -25,6 +25,8 @@ from project.options.errors import ConfigError
 from project.parallel.parallelize import materialize
 from project.plan.memory_plan import plan_memory
 
+pytestmark = pytest.mark.torch_internals
+
 nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
 transformers = pytest.importorskip("transformers")
 

@@ -29,6 +29,8 @@ from project.plan.step_time import (
     wave_share,
 )
 
+pytestmark = pytest.mark.torch_internals
+
 # Round numbers: 100 TFLOPS at half efficiency is 5e13 FLOP/s; 1 TB/s at 80% is 8e11 B/s; 100 GB/s in a node, 10
 # GB/s between nodes; 2e12 exponentials a second.
 CLUSTER = Cluster(

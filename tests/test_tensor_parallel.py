@@ -18,6 +18,8 @@ from project.parallel.fake_process_group import fake_process_group
 from project.parallel.parallelize import apply_fsdp, materialize
 from project.parallel.tensor_parallel_plans import apply_tensor_parallel
 
+pytestmark = pytest.mark.torch_internals
+
 # Each layout's run (conftest) and its ranks: data-parallel replicas x tensor-parallel ranks (x pipeline stages).
 LAYOUTS = {
     "tensor_parallel": "gpt_tensor_parallel",
