@@ -40,6 +40,18 @@ def stop_on_early_warning() -> None:
     signal.signal(signal.SIGUSR1, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
 
 
+def interrupt_once() -> None:
+    """Ctrl-C interrupts this worker once (KeyboardInterrupt: Lightning stops the run cleanly), and later ones are
+    ignored: a terminal sends SIGINT to the launcher and the workers, and torchelastic passes it on to the workers
+    again, which would interrupt their stopping (a traceback from whatever teardown it lands in)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+
+
 JOB_LOG_VARIABLE = "PROJECT_JOB_LOG"  # set by the launcher: the job's log file, which workers append to
 HEARTBEAT_DIR_VARIABLE = "PROJECT_HEARTBEAT_DIR"  # set by the launcher: where each worker's heartbeat file goes
 HEARTBEAT_INTERVAL_S = 1.0

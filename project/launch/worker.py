@@ -10,11 +10,18 @@ import sys
 from pathlib import Path
 from typing import cast
 
-from project.launch.processes import JOB_LOG_VARIABLE, die_with_parent, start_heartbeat, stop_on_early_warning
+from project.launch.processes import (
+    JOB_LOG_VARIABLE,
+    die_with_parent,
+    interrupt_once,
+    start_heartbeat,
+    stop_on_early_warning,
+)
 
 die_with_parent()  # before the slow imports below, so that a launcher killed during start-up takes this along
 start_heartbeat(int(os.environ["RANK"]))
 stop_on_early_warning()
+interrupt_once()
 
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: E402
