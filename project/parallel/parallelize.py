@@ -169,6 +169,10 @@ _SAVED = _MATMULS | {
 }
 
 
+# Whether torch hands selective checkpointing's policy each op's output (2.13; not 2.11).
+_POLICY_GETS_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
+
+
 def _selective_contexts() -> tuple[Any, Any]:
     """The forward and recompute contexts of one block's selective checkpoint: the forward keeps what the policy
     saves (reported as ``kept_for_backward``, for the memory plan); the recompute (marked as ``recomputing``) runs
@@ -201,10 +205,9 @@ def _selective_contexts() -> tuple[Any, Any]:
 def _kept_counted(forward: Any) -> Iterator[None]:
     """The forward context; then, where torch gave its policy no outputs (2.11), the outputs it kept (its
     ``storage``: each op's outputs, their tensors wrapped with their versions) reported as ``kept_for_backward``."""
-    given = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
     with forward:
         yield
-    if not given:
+    if not _POLICY_GETS_OUTPUT:
         for kept in tree_leaves(dict(forward.storage)):
             kept_for_backward(getattr(kept, "val", kept))
 
