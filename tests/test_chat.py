@@ -203,7 +203,7 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     the base says hello, the LoRA fine-tune ahoy, merged and as a peft adapter on the base, and so does the QLoRA
     fine-tune; both LoRA exports give transformers and peft the run's last val/loss on its validation
     conversations; and DPO on the pairs that prefer "Ahoy" makes the base say it, in generate and, exported, in
-    transformers."""
+    transformers, with the margins and log-probabilities the page states, and without RPO's term says neither."""
     peft = pytest.importorskip("peft")
     for name in ("train.py", "conf"):
         (tmp_path / name).symlink_to(REPO / name)
@@ -223,7 +223,11 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     assert outputs[4].rstrip().endswith("Ahoy, Grace! Welcome aboard.<|im_end|>")  # QLoRA's generate --chat
     log = (out / "dpo-run" / "train.log").read_text()
     assert "DPO reference: the log-probabilities of all 512 pairs under the model before its first step" in log
-    assert json.loads((out / "dpo-run" / "result.json").read_text())["final"]["val/rewards/accuracies"] == 1.0
+    dpo = json.loads((out / "dpo-run" / "result.json").read_text())["final"]
+    assert dpo["val/rewards/accuracies"] == 1.0
+    alone, greedy = dpo_without_its_sft_term(page, tmp_path, env)
+    assert "Ahoy" not in greedy and "Hello" not in greedy
+    assert_figures_stated(page, dpo, alone)
     assert "Say hello to Grace.<|im_end|>\n<|im_start|>assistant\nAhoy, Grace! Welcome aboard.<|im_end|>" in outputs[5]
     assert greeting(transformers.AutoModelForCausalLM.from_pretrained(out / "dpo-merged"), out / "dpo-merged") == (
         "Ahoy, Ada! Welcome aboard."
@@ -239,6 +243,48 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     base = transformers.AutoModelForCausalLM.from_pretrained(out / "base")
     adapted = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
     assert val_loss(adapted, data) == pytest.approx(expected, rel=1e-5)
+
+
+def dpo_without_its_sft_term(page: str, cwd: Path, env: dict[str, str]) -> tuple[dict, str]:
+    """The page's DPO run as its figures without RPO's term were measured: ``model.dpo.sft_weight=0`` for 2 epochs,
+    into its own dir; its final metrics, and what ``generate --chat`` answers after it."""
+    block = next(block for block in fenced_blocks(page, "bash") if "experiment=dpo" in block)
+    train, generate, _export = re.split(r"\n(?=python )", block.strip())
+    changed = "model.dpo.sft_weight=0 trainer.max_epochs=2"
+    train = train.replace("model.dpo.sft_weight=1.0 trainer.max_epochs=3", changed).replace("dpo-run", "dpo-alone")
+    generate = generate.replace("dpo-run", "dpo-alone")
+    assert changed in train and "dpo-alone" in generate
+    result = subprocess.run(
+        ["bash", "-e", "-c", f"{train}\n{generate}"], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    final = json.loads((cwd / "logs" / "finetune" / "dpo-alone" / "result.json").read_text())["final"]
+    return final, result.stdout.rstrip().rpartition("<|im_start|>assistant")[2]
+
+
+def assert_figures_stated(page: str, dpo: dict, alone: dict) -> None:
+    """Each figure docs/finetuning.md states of its DPO runs, the last number of a phrase of the page, is the runs' to
+    10% (the page's tolerance). The base's log-probabilities are the reference's: the policy's less its reward over
+    beta (experiment=dpo's 0.1)."""
+
+    def base(name: str) -> float:
+        return dpo[f"val/logps/{name}"] - dpo[f"val/rewards/{name}"] / 0.1
+
+    figures = {
+        "`val/rewards/margins` 9.1": dpo["val/rewards/margins"],
+        "log-probability of the chosen answer is -89": base("chosen"),
+        "of the rejected hello, -18": base("rejected"),
+        "the chosen one is at -12.6": dpo["val/logps/chosen"],
+        "the rejected one at -32": dpo["val/logps/rejected"],
+        "a margin of 12.2": alone["val/rewards/margins"],
+        "pushed down to -112": alone["val/logps/rejected"],
+        "rises only to -61": alone["val/logps/chosen"],
+    }
+    prose = " ".join(page.split())
+    for phrase, measured in figures.items():
+        assert phrase in prose, phrase
+        stated = float(re.findall(r"-?\d+(?:\.\d+)?", phrase)[-1])
+        assert measured == pytest.approx(stated, rel=0.1), (phrase, measured)
 
 
 def test_the_end_of_an_assistant_turn_is_the_templates_own_token(chat_example):
