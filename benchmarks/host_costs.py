@@ -3,8 +3,8 @@
 The model (``project/plan/step_time.py``) prices the host's time of a step as the ops it dispatches eagerly, at
 the cluster's ``host_op_us``, plus other costs in eager ops' worth (``HOST_COSTS``). Each is measured here, in one
 process with one thread, on steps so small that their time is the host's: the tiny GPT (``model=gpt``, 2 blocks
-of width 128) at 2 sequences of 16 tokens, fused AdamW, written as a plain loop; the ops counted by the model's own
-counter (``StepCounts``) on a step of the same code.
+of width 16: their arithmetic next to nothing) at 2 sequences of 16 tokens, fused AdamW, written as a plain loop;
+the ops counted by the model's own counter (``StepCounts``) on a step of the same code.
 
 - an eager op: the eager step's time over its ops (``calibrate``'s ``measure_host``, which sets a cluster's
   ``host_op_us``);
@@ -62,7 +62,7 @@ def seconds(run: Callable[[], object], repeats: int = 200) -> float:
 
 
 def tiny_gpt(blocks: int = 2) -> GPT:
-    return init_weights(GPT(vocab_size=VOCAB, max_length=SEQ, num_layers=blocks, dim=128, num_heads=4), 0)
+    return init_weights(GPT(vocab_size=VOCAB, max_length=SEQ, num_layers=blocks, dim=16, num_heads=4), 0)
 
 
 def training_step(net: nn.Module, loss_of: Callable, optimizer: torch.optim.Optimizer) -> Callable[[], None]:

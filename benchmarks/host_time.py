@@ -6,8 +6,8 @@ epochs: its step is the samples a device trains per step over ``perf/samples_per
 only, no validation), the median over the epochs after the first. Each case runs ``--repeats`` times, in rounds
 over the cases; the error is given against the fastest run (the machine least disturbed by others: what the model
 predicts) and the median one. Threads pinned as ``benchmarks/overhead.py`` pins them (the cores split between the
-case's processes). The first case is the one the framework's own cost per step
-(``FRAMEWORK_STEP_OPS``) was fitted on; the others are checks.
+case's processes). No case is fitted: the framework's own cost per step (``FRAMEWORK_STEP_OPS``) was measured on
+the default MLP's step (``benchmarks/step_breakdown.py``), the host's op by ``calibrate --cpu`` on a narrower net.
 """
 
 import argparse
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 SMALL_GPT = ["model=gpt", "data=tokens", "data.batch_size=2", "data.seq_length=16", "data.num_train=512"]
 SMALL_GPT += ["data.num_val=64"]
 CASES = {
-    "tiny GPT, 2 x 16, eager (fitted)": SMALL_GPT,
+    "tiny GPT, 2 x 16, eager": SMALL_GPT,
     "tiny GPT, 2 x 16, compiled": [*SMALL_GPT, "model.compile=true"],
     "tiny GPT, 2 x 16, fsdp on 1 device": [*SMALL_GPT, "strategy=fsdp", "trainer.devices=1"],
     "tiny GPT, 2 x 16, ddp on 2": [*SMALL_GPT, "strategy=ddp", "trainer.devices=2"],

@@ -198,6 +198,13 @@ CASES = [
     ),
     (["plan=search", "cluster=h200_8x", "cluster.matmul_efficiency=1.5"], "cluster.matmul_efficiency: must be"),
     (
+        ["plan=true", "cluster=h200_8x", "~cluster.host_costs.dtensor"],
+        "cluster.host_costs: is {'compiled_kernels': 0.18, 'compiled_calls': 69.0, 'fsdp_modules': 59.0, "
+        "'framework_step': 80.0}, but it gives each of compiled_kernels, compiled_calls, dtensor, fsdp_modules, "
+        "framework_step",
+    ),
+    (["plan=true", "cluster=h200_8x", "cluster.host_costs.dtensor=0"], "cluster.host_costs: is {"),
+    (
         ["plan=search", "cluster=h100_sxm_8x", "plan_search.max_pipeline_ranks=0"],
         "plan_search.max_pipeline_ranks: must be a positive integer, got 0",
     ),

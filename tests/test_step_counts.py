@@ -88,13 +88,15 @@ def test_planned_flops_of_an_mlp_step_are_its_matmuls_arithmetic(layout, per_dev
 def test_planned_matmuls_of_an_mlp_step_are_its_layers_shapes():
     """Each Linear of the MLP (fp32, batch 64), as the step-time model prices it: forward, an addmm of bias, input
     and weight; backward, a matmul for the weight's gradient and one for the input's (but the first layer's), each of
-    the same three sizes. Every output fits one 128 x 128 tile."""
+    the same three sizes. Every output fits one 128 x 128 tile; its rows are the batch's, but the weight's gradient's,
+    whose rows are the layer's outputs."""
     (device,), _ = simulate_devices(resolved([*TINY, "data.batch_size=64", "logger=none"]))
     expected: Counter[str] = Counter()
     for index, (inputs, outputs) in enumerate(zip(MLP_DIMS, MLP_DIMS[1:])):
         flops, sizes = 2 * 64 * inputs * outputs, 64 * inputs + inputs * outputs + 64 * outputs
-        expected[Kernel("matmul", flops, 4 * (outputs + sizes), tiles=1).key] += 1
-        expected[Kernel("matmul", flops, 4 * sizes, tiles=1).key] += 1 if index == 0 else 2
+        expected[Kernel("matmul", flops, 4 * (outputs + sizes), tiles=1, rows=64).key] += 1
+        expected[Kernel("matmul", flops, 4 * sizes, tiles=1, rows=outputs).key] += 1
+        expected[Kernel("matmul", flops, 4 * sizes, tiles=1, rows=64).key] += 0 if index == 0 else 1
     assert device.kernels == dict(expected)
     assert device.moved_bytes > 0  # the activations, the loss, the optimizer's step
 

@@ -134,7 +134,7 @@ def test_a_matmul_counts_its_flops_bytes_and_output_tiles():
     a, b = torch.ones(300, 200), torch.ones(200, 500)
     with StepCounts(4, "data_parallel") as counts:
         a @ b
-    kernel = Kernel("matmul", 2 * 300 * 200 * 500, 4 * (300 * 200 + 200 * 500 + 300 * 500), tiles=3 * 4)
+    kernel = Kernel("matmul", 2 * 300 * 200 * 500, 4 * (300 * 200 + 200 * 500 + 300 * 500), tiles=3 * 4, rows=300)
     assert counts.kernels == {kernel.key: 1}
     assert counts.flops == kernel.flops and counts.moved_bytes == 0
 
@@ -178,6 +178,19 @@ def test_each_kernel_is_the_longer_of_its_arithmetic_and_its_bytes():
     # Causal attention: half the counted products at 25% of the peak, half the exponentials at 2e12 a second.
     attention = Kernel("attention", 10**12, 10**6, exponentials=10**10, causal=True)
     assert kernel_seconds(attention, CLUSTER) == pytest.approx(0.5e12 / 2.5e13 + 0.5e10 / 2e12)
+
+
+def test_a_cpus_matmul_of_few_rows_pays_for_packing_its_operand():
+    """On a CPU a matmul costs as if it had CPU_PACKING_ROWS (16) more rows: 16 rows twice their arithmetic, 2048
+    rows 1/128 more; a GPU's is its arithmetic over its waves alone, and a kernel without rows counted is priced as
+    before."""
+    cpu = dataclasses.replace(CLUSTER, kind="cpu")
+    arithmetic = 10**12 / 5e13  # at half of 100 TFLOPS, in whole waves
+    for rows, factor in [(16, 2.0), (2048, 1 + 16 / 2048)]:
+        kernel = Kernel("matmul", 10**12, 0, tiles=10, rows=rows)
+        assert kernel_seconds(kernel, cpu) == pytest.approx(factor * arithmetic)
+        assert kernel_seconds(kernel, CLUSTER) == pytest.approx(arithmetic)
+    assert kernel_seconds(Kernel("matmul", 10**12, 0, tiles=10), cpu) == pytest.approx(arithmetic)
 
 
 def test_a_power_limit_slows_the_clock_by_its_cube_root():
@@ -320,6 +333,18 @@ def test_the_host_prices_an_eager_op_at_the_clusters_speed_and_the_rest_in_eager
     assert host.framework == pytest.approx(FRAMEWORK_STEP_OPS * 10e-6)
     faster = dataclasses.replace(CLUSTER, host_op_us=5.0)  # a host twice as fast halves every cost
     assert host_time(rank, faster, ranks=1).ops == pytest.approx(host.ops / 2)
+
+
+def test_a_clusters_own_host_costs_replace_the_cpu_machines():
+    """A GPU's eager op includes its launch, so its host's other costs are other multiples of it: a cluster's
+    ``host_costs`` price them, the framework's work included; the H200 box's are conf/step_time/roofline.yaml's."""
+    rank = dataclasses.replace(device("rank 0", 0, {}), host_ops=HOST_OPS)
+    costs = {"compiled_kernels": 1.0, "compiled_calls": 2.0, "dtensor": 3.0, "fsdp_modules": 4.0, "framework_step": 5.0}
+    host = host_time(rank, dataclasses.replace(CLUSTER, host_costs=costs), ranks=1)
+    assert host.ops == pytest.approx((1000 + 100 * 1.0 + 10 * 2.0 + 50 * 3.0 + 3 * 4.0) * 10e-6)
+    assert host.framework == pytest.approx(5.0 * 10e-6)
+    assert resolved([*TINY_GPT, "plan=true", "cluster=h200_8x"]).cluster.host_costs["compiled_calls"] == 69.0
+    assert resolved([*TINY_GPT, "plan=true", "cluster=cpu_2core"]).cluster.host_costs is None
 
 
 @pytest.mark.parametrize("step_checks", ["auto", "each_step"])

@@ -140,7 +140,9 @@ class Kernel:
     output ``tiles`` (a matmul's 128 x 128 output blocks, batch included: how many of a GPU's multiprocessors it keeps
     busy; 0 where not counted), the exponentials an attention kernel computes (one per score: batch x heads x queries x
     keys, forward and again in backward) and whether it is causal (its kernels skip the masked half of the products and
-    scores torch's formula counts). As text, a key of ``DevicePlan.kernels``: ``matmul|<flops>|<bytes>|<tiles>|0|0``."""
+    scores torch's formula counts), and a matmul's output ``rows`` (its last but one dim: a CPU's cost of a matmul of
+    few rows is packing its other operand, ``project.plan.step_time``). As text, a key of ``DevicePlan.kernels``:
+    ``matmul|<flops>|<bytes>|<tiles>|0|0|<rows>``."""
 
     kind: str
     flops: int
@@ -148,17 +150,18 @@ class Kernel:
     tiles: int = 0
     exponentials: int = 0
     causal: bool = False
+    rows: int = 0
 
     TILE = 128  # a GEMM's output tile: cuBLAS's large-GEMM tiles on A100 and H100 are 128 or 256 wide
 
     @property
     def key(self) -> str:
-        return f"{self.kind}|{self.flops}|{self.bytes}|{self.tiles}|{self.exponentials}|{int(self.causal)}"
+        return f"{self.kind}|{self.flops}|{self.bytes}|{self.tiles}|{self.exponentials}|{int(self.causal)}|{self.rows}"
 
     @classmethod
     def parse(cls, key: str) -> "Kernel":
-        kind, flops, size, tiles, exponentials, causal = key.split("|")
-        return cls(kind, int(flops), int(size), int(tiles), int(exponentials), causal == "1")
+        kind, flops, size, tiles, exponentials, causal, rows = key.split("|")
+        return cls(kind, int(flops), int(size), int(tiles), int(exponentials), causal == "1", int(rows))
 
 
 def _bytes(tensors: Any) -> int:
@@ -370,7 +373,7 @@ class StepCounts(TorchDispatchMode):
             operands = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
             float8 = packet in FLOAT8_MATMULS or any(_float8_data(item) is not None for item in operands)
             kind = "float8_matmul" if float8 else "matmul"
-            kernel = Kernel(kind, flops, size, _output_tiles(out))
+            kernel = Kernel(kind, flops, size, _output_tiles(out), rows=out.shape[-2])
         elif "attention" in packet.__name__:
             query, key = _argument(func, args, kwargs, "query"), _argument(func, args, kwargs, "key")
             scores = math.prod(query.shape[:-1]) * key.shape[-2] if query is not None and key is not None else 0

@@ -39,7 +39,7 @@ from project.cli.usage import run_cli
 from project.job.cluster import Cluster
 from project.options.errors import ConfigError, check_writable
 from project.options.writes import written
-from project.plan.step_time import exponentials_per_s, flops_per_s, wave_share
+from project.plan.step_time import exponentials_per_s, flops_per_s, kernel_seconds
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 # The datasheet cluster of each GPU, by a part of its name (torch.cuda.get_device_name), the more specific first.
@@ -162,9 +162,9 @@ def _seconds(run: Callable[[], object], device: str, repeats: int = 10) -> float
 
 
 def measure_matmuls(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
-    """The median share of the peak (at the clock's ratio, over each shape's waves) the shapes' BF16 matmuls reach,
-    and each shape's TFLOPS."""
-    rate = flops_per_s(cluster)
+    """The median share of the peak the shapes' BF16 matmuls reach, where the step-time model prices them at the
+    peak (at the clock's ratio, over each shape's waves; a CPU's with packing), and each shape's TFLOPS."""
+    at_peak = dataclasses.replace(cluster, matmul_efficiency=1.0)
     shares, reached = [], []
     for shape in sizes.shapes:
         m, n, k = (int(size) for size in shape.split("x"))
@@ -172,7 +172,7 @@ def measure_matmuls(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
         b = torch.randn(k, n, device=sizes.device, dtype=sizes.dtype)
         seconds = _seconds(functools.partial(torch.matmul, a, b), sizes.device)
         tiles = math.ceil(m / Kernel.TILE) * math.ceil(n / Kernel.TILE)
-        shares.append(2 * m * n * k / seconds / rate / wave_share(tiles, cluster.multiprocessors))
+        shares.append(kernel_seconds(Kernel("matmul", 2 * m * n * k, 0, tiles, rows=m), at_peak) / seconds)
         reached.append(f"{shape} {2 * m * n * k / seconds / 1e12:.3g}")
     return sorted(shares)[len(shares) // 2], "TFLOPS " + ", ".join(reached)
 
@@ -206,12 +206,12 @@ def measure_bandwidth(sizes: Sizes, cluster: Cluster) -> tuple[float, str]:
     return bandwidth / (cluster.memory_tb_per_s * 1e12), f"{copied}: {bandwidth / 1e12:.2f} TB/s"
 
 
-def _host_bound_step(device: str) -> Callable[[], None]:
-    """A step (forward, backward, fused AdamW) of a GPT of 2 blocks of width 128 on 2 sequences of 16 tokens, so
+def _host_bound_step(device: str, width: int) -> Callable[[], None]:
+    """A step (forward, backward, fused AdamW) of a GPT of 2 blocks of ``width`` on 2 sequences of 16 tokens, so
     small that the device waits for the host."""
     from project.models import GPT, init_weights
 
-    net = init_weights(GPT(vocab_size=64, max_length=16, num_layers=2, dim=128, num_heads=4), 0).to(device)
+    net = init_weights(GPT(vocab_size=64, max_length=16, num_layers=2, dim=width, num_heads=4), 0).to(device)
     optimizer = torch.optim.AdamW(net.parameters(), fused=True)
     tokens = torch.randint(0, 64, (2, 16), device=device)
 
@@ -229,7 +229,9 @@ def measure_host(device: str) -> tuple[float, str]:
     them (``StepCounts``), timed over 50 steps (on a GPU, to the end of their kernels)."""
     from project.accounting.counts import StepCounts
 
-    step = _host_bound_step(device)
+    # Width 16: on a CPU the ops' arithmetic next to nothing, which the model prices as the CPU's compute (a wider
+    # net's would count twice)
+    step = _host_bound_step(device, width=16)
     step()  # the optimizer's state made: counted from the second step, as the plan counts
     counts = StepCounts(devices_per_node=1, world_dim="world")
     with counts:
@@ -252,7 +254,7 @@ def _latency_between_busy_ranks(flag: torch.Tensor) -> float:
     to 1 ms there (docs/step-time.md). Interleaved rounds of 10 steps without and with it, the median difference."""
     import torch.distributed as dist
 
-    step = _host_bound_step("cpu")
+    step = _host_bound_step("cpu", width=128)  # each rank's own work as long as a small model's step
 
     def steps(collective: bool) -> float:
         dist.barrier()
@@ -419,13 +421,14 @@ def calibrate_cpu(sizes: Sizes) -> tuple[Cluster, Measured]:
         "power_limit_w": "no power model for a CPU",
         "devices_per_node": "its cores: at most a process per core",
         "inter_node_gb_per_s": "as within the machine",
-        "matmul_efficiency": f"the median share of the peak over {len(sizes.shapes)} Linear layers' matmuls, forward "
-        f"and backward: {matmul_note}",
+        "matmul_efficiency": f"the median share of the peak, packing priced, over {len(sizes.shapes)} Linear layers' "
+        f"matmuls, forward and backward: {matmul_note}",
         "attention_efficiency": attention_note,
         "bandwidth_efficiency": bandwidth_note,
         "intra_node_gb_per_s": gloo_note,
         "host_op_us": host_note,
         "collective_latency_us": "an all-reduce of one number between 2 gloo processes, each after its own work",
+        "host_costs": "null: the 2-core CPU machine's, in its eager ops (HOST_COSTS, benchmarks/host_costs.py)",
         "float8_matmul_efficiency": "the model's (no float8 on a CPU)",
     }
     measured = Measured(

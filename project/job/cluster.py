@@ -5,7 +5,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
 
+from project.options.errors import ConfigError
 from project.options.option_types import PositiveFloat, PositiveInt, Range
+
+# The host's costs besides its eager ops, each in eager ops' worth of its time (``project.plan.step_time``): a
+# kernel a compiled region launches, a call of compiled code, a DTensor an op takes, an FSDP module's hooks in a step,
+# and the framework's own work in a step.
+HOST_COST_KEYS = ("compiled_kernels", "compiled_calls", "dtensor", "fsdp_modules", "framework_step")
 
 Efficiency = Annotated[float, Range(low=0, high=1, low_open=True)]
 
@@ -24,7 +30,9 @@ class Cluster:
     ``kind``: gpu, or cpu for a CPU that trains itself (``calibrate --cpu``: its cores as one device, its float32
     matmuls as the peak). ``host_op_us``: the host's speed, the microseconds of its time one eager op costs (the
     dispatcher, and on a GPU the launch), measured by ``calibrate``; the host's other costs are multiples of it
-    (``project.plan.step_time``). ``collective_latency_us``: each collective's fixed time where it is not NCCL's
+    (``project.plan.step_time``), by how many of its eager ops each costs: ``host_costs``, the host's own (keys of
+    ``HOST_COSTS`` and ``framework_step``), or None for this project's 2-core CPU machine's (``HOST_COSTS``,
+    ``FRAMEWORK_STEP_OPS``). ``collective_latency_us``: each collective's fixed time where it is not NCCL's
     (gloo on a CPU, measured), or None for NCCL's own tuning model."""
 
     name: str
@@ -46,8 +54,23 @@ class Cluster:
     bandwidth_efficiency: Efficiency
     host_op_us: PositiveFloat
     collective_latency_us: PositiveFloat | None
+    host_costs: dict[str, PositiveFloat] | None = None
 
     @classmethod
     def of(cls, values: Mapping[str, Any]) -> "Cluster":
         """The cluster of a config's ``cluster`` section (its other keys, Hydra's ``defaults``, left out)."""
-        return cls(**{field.name: values[field.name] for field in fields(cls)})
+        given = {field.name: values[field.name] for field in fields(cls)}
+        costs = given["host_costs"]
+        if costs is not None:
+            if set(costs) != set(HOST_COST_KEYS) or not all(_positive(costs[key]) for key in costs):
+                raise ConfigError(
+                    "cluster.host_costs",
+                    f"is {dict(costs)}, but it gives each of {', '.join(HOST_COST_KEYS)} in the host's eager ops.",
+                    "give each of them a positive number, or null for the 2-core CPU machine's (docs/step-time.md).",
+                )
+            costs = {key: float(costs[key]) for key in HOST_COST_KEYS}
+        return cls(**{**given, "host_costs": costs})
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0

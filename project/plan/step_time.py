@@ -42,7 +42,7 @@ where Inductor cuts a fused chain in more kernels than needed.
 import math
 from dataclasses import dataclass
 
-from project.accounting.counts import Kernel, Link
+from project.accounting.counts import Kernel, Link, StepCounts
 from project.job.cluster import Cluster
 from project.job.job import Job
 from project.parallel.dims import DATA_PARALLEL
@@ -116,13 +116,22 @@ def wave_share(tiles: int, multiprocessors: int) -> float:
     return tiles / (math.ceil(tiles / multiprocessors) * multiprocessors) if tiles else 1.0
 
 
+# A CPU's matmul packs its operands into blocks its cores multiply from, at every call: on the 2-core machine about
+# as long as 16 rows of the product take (8 x 1024 x 256 ran at a third of the peak, 32 rows at two thirds, 64 rows at
+# 0.72 to 0.86, 2048 at 0.98: calibrate --cpu's shapes, docs/step-time.md). A GPU's small matmul costs its tiles.
+CPU_PACKING_ROWS = 16
+
+
 def _arithmetic_seconds(kernel: Kernel, cluster: Cluster) -> float:
     """A kernel's arithmetic with its multiprocessors all busy: matmuls at ``matmul_efficiency`` (Float8's at
-    ``float8_matmul_efficiency`` of the FP8 peak); attention's
+    ``float8_matmul_efficiency`` of the FP8 peak), a CPU's as if it had ``CPU_PACKING_ROWS`` more rows; attention's
     products at ``attention_efficiency`` (a causal kernel's half of them) and its exponentials at the special-function
     units' rate."""
     if kernel.kind == "float8_matmul":
         return kernel.flops / cluster.float8_matmul_efficiency / float8_flops_per_s(cluster)
+    if kernel.kind == "matmul" and cluster.kind == "cpu" and kernel.rows:
+        packed = (kernel.rows + CPU_PACKING_ROWS) / kernel.rows
+        return packed * kernel.flops / cluster.matmul_efficiency / flops_per_s(cluster)
     if kernel.kind != "attention":
         return kernel.flops / cluster.matmul_efficiency / flops_per_s(cluster)
     done = 2 if kernel.causal else 1
@@ -139,9 +148,9 @@ def kernel_seconds(kernel: Kernel, cluster: Cluster) -> float:
     return max(arithmetic, kernel.bytes / _bytes_per_s(cluster))
 
 
-def compute_seconds(device: DevicePlan, cluster: Cluster) -> float:
-    """A device's kernels, one after another: its matmuls and attention by their roofline, the bytes of every
-    other op at the memory bandwidth."""
+def compute_seconds(device: DevicePlan | StepCounts, cluster: Cluster) -> float:
+    """A device's kernels (or those a step's ``StepCounts`` counted), one after another: its matmuls and attention by
+    their roofline, the bytes of every other op at the memory bandwidth."""
     kernels = sum(count * kernel_seconds(Kernel.parse(key), cluster) for key, count in device.kernels.items())
     return kernels + device.moved_bytes / _bytes_per_s(cluster)
 
@@ -184,19 +193,20 @@ def device_time(device: DevicePlan, cluster: Cluster, share: float = 1.0) -> Dev
     return DeviceTime(compute, overlapped, critical)
 
 
-# The host's costs besides an eager op, in eager ops' worth of its time: measured on the 2-core CPU machine
-# (``python benchmarks/host_costs.py``, the median of 6 rounds in two runs; docs/step-time.md), scaled to another
-# host by its ``host_op_us``.
+# The host's costs besides an eager op, in eager ops' worth of its time, on the 2-core CPU machine: measured there
+# (``python benchmarks/host_costs.py``, the median of 6 rounds in two runs, on a net so narrow that its arithmetic is
+# next to nothing; docs/step-time.md). A cluster may give its host's own (``Cluster.host_costs``): a GPU's eager op
+# includes its launch, and its host's costs are other multiples of it (conf/step_time/roofline.yaml).
 HOST_COSTS = {
-    "compiled_kernels": 0.18,  # a kernel a compiled region launches
-    "compiled_calls": 69.0,  # a call of compiled code (a block's forward or backward): guards, AOTAutograd's wrappers
-    "dtensor": 0.43,  # a DTensor an op takes: DTensor's sharding propagation, in Python, beside the local op
-    "fsdp_modules": 59.0,  # an FSDP module's four hooks in a step (its copies and collectives are ops of their own)
+    "compiled_kernels": 0.37,  # a kernel a compiled region launches
+    "compiled_calls": 56.0,  # a call of compiled code (a block's forward or backward): guards, AOTAutograd's wrappers
+    "dtensor": 0.79,  # a DTensor an op takes: DTensor's sharding propagation, in Python, beside the local op
+    "fsdp_modules": 117.0,  # an FSDP module's four hooks in a step (its copies and collectives are ops of their own)
 }
 # The framework's own work per training step, besides the step's ops: Lightning's loop, closure and hooks, the
 # callbacks, the next batch, the epoch metrics' updates. 0.69 ms a step of the default MLP on the 2-core CPU
-# machine (benchmarks/step_breakdown.py, docs/speed.md), at its 8.5 us an op (calibrate --cpu, the same hour).
-FRAMEWORK_STEP_OPS = 80.0
+# machine (benchmarks/step_breakdown.py, docs/speed.md), at its 5.15 us an op (calibrate --cpu).
+FRAMEWORK_STEP_OPS = 134.0
 
 
 @dataclass
@@ -216,9 +226,10 @@ def host_time(device: DevicePlan, cluster: Cluster, ranks: int) -> HostTime:
     includes their agreement on each step's flags (``StopTogether``: one all-reduce of two numbers, which a CPU's
     gloo waits for; a GPU's is queued, read a step late)."""
     op = cluster.host_op_us * 1e-6
+    costs = cluster.host_costs or {**HOST_COSTS, "framework_step": FRAMEWORK_STEP_OPS}
     counts = device.host_ops
-    eager = counts.get("eager", 0) + sum(weight * counts.get(key, 0) for key, weight in HOST_COSTS.items())
-    framework = FRAMEWORK_STEP_OPS * op
+    eager = counts.get("eager", 0) + sum(costs[key] * counts.get(key, 0) for key in HOST_COSTS)
+    framework = costs["framework_step"] * op
     if ranks > 1 and cluster.kind == "cpu" and cluster.collective_latency_us is not None:
         framework += cluster.collective_latency_us * 1e-6
     return HostTime(eager * op, framework)
