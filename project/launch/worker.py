@@ -6,6 +6,7 @@ MASTER_ADDR...).
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import cast
@@ -66,3 +67,5 @@ if __name__ == "__main__":
         main(sys.argv[1])
     except Exception:  # in train.log with its traceback, and in the error file the launcher's report quotes
         sys.exit(1)
+    finally:  # leaving: a Ctrl-C that reaches this worker only now would interrupt an exit hook (a traceback)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
