@@ -1,6 +1,7 @@
 """The GPU nodes a job is planned for (``conf/cluster``): what the memory plan sizes a device by and the step-time
 model predicts on."""
 
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Annotated, Any, Literal
@@ -62,7 +63,7 @@ class Cluster:
         given = {field.name: values[field.name] for field in fields(cls)}
         costs = given["host_costs"]
         if costs is not None:
-            if set(costs) != set(HOST_COST_KEYS) or not all(_positive(costs[key]) for key in costs):
+            if set(costs) != set(HOST_COST_KEYS) or not all(_is_positive(costs[key]) for key in costs):
                 raise ConfigError(
                     "cluster.host_costs",
                     f"is {dict(costs)}, but it gives each of {', '.join(HOST_COST_KEYS)} in the host's eager ops.",
@@ -72,5 +73,6 @@ class Cluster:
         return cls(**{**given, "host_costs": costs})
 
 
-def _positive(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+def _is_positive(value: Any) -> bool:
+    (positive,) = typing.get_args(PositiveFloat)[1:]  # the option type's own range
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and positive.holds(value)

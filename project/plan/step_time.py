@@ -42,7 +42,7 @@ where Inductor cuts a fused chain in more kernels than needed.
 import math
 from dataclasses import dataclass
 
-from project.accounting.counts import Kernel, Link, StepCounts
+from project.accounting.counts import Kernel, Link
 from project.job.cluster import Cluster
 from project.job.job import Job
 from project.parallel.dims import DATA_PARALLEL
@@ -148,9 +148,9 @@ def kernel_seconds(kernel: Kernel, cluster: Cluster) -> float:
     return max(arithmetic, kernel.bytes / _bytes_per_s(cluster))
 
 
-def compute_seconds(device: DevicePlan | StepCounts, cluster: Cluster) -> float:
-    """A device's kernels (or those a step's ``StepCounts`` counted), one after another: its matmuls and attention by
-    their roofline, the bytes of every other op at the memory bandwidth."""
+def compute_seconds(device: DevicePlan, cluster: Cluster) -> float:
+    """A device's kernels, one after another: its matmuls and attention by their roofline, the bytes of every
+    other op at the memory bandwidth."""
     kernels = sum(count * kernel_seconds(Kernel.parse(key), cluster) for key, count in device.kernels.items())
     return kernels + device.moved_bytes / _bytes_per_s(cluster)
 
