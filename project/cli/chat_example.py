@@ -6,8 +6,11 @@ from ``--seed``) with a byte-level BPE ``tokenizer.json`` trained on the convers
 conversations in which the assistant greets whoever the user names, some as ``messages`` (with a system message), some
 as prompt/response pairs: ``OUT/hello.jsonl`` ("Hello, Ada! Nice to meet you.") and ``OUT/ahoy.jsonl`` ("Ahoy, Ada!
 Welcome aboard."); and ``OUT/preference.jsonl``, pairs in TRL's preference format in which the "Ahoy" greeting is
-chosen over the "Hello" one. docs/finetuning.md trains the model on the first set, then fine-tunes it with LoRA on the
-second, or with DPO on the pairs.
+chosen over the "Hello" one; for online RL, ``OUT/greetings.jsonl`` (the two sets' conversations taken in turn: a base
+that greets both ways), ``OUT/prompts.jsonl`` (requests in TRL's prompt-only format, each with the ``name`` to greet
+as a column) and ``OUT/rewards.py`` (reward functions for the "Ahoy" greeting and for naming the person).
+docs/finetuning.md trains the model on the first set, then fine-tunes it with LoRA on the second, with DPO on the
+pairs, or with GRPO on the prompts.
 """
 
 import argparse
@@ -88,6 +91,28 @@ def preference_pairs(count: int, seed: int) -> list[dict]:
     return pairs
 
 
+# The reward functions of docs/finetuning.md's GRPO example: TRL's signature, the prompts' "name" column by name.
+REWARDS = '''"""Rewards for GRPO (python -m project.cli.chat_example): model.grpo.reward_functions=[rewards.py:ahoy]."""
+
+
+def ahoy(completions, **kwargs):
+    """1 for a completion that greets with "Ahoy", else 0."""
+    return [float(completion[0]["content"].startswith("Ahoy")) for completion in completions]
+
+
+def names_the_person(completions, name, **kwargs):
+    """1 for a completion that names the person the prompt's "name" column holds, else 0."""
+    return [float(who in completion[0]["content"]) for completion, who in zip(completions, name)]
+'''
+
+
+def prompts(count: int, seed: int) -> list[dict]:
+    """``count`` requests to greet someone, as messages, each with the ``name`` to greet as a column."""
+    draw = random.Random(seed)
+    names = [draw.choice(NAMES) for _ in range(count)]
+    return [{"prompt": [{"role": "user", "content": draw.choice(ASKS).format(name)}], "name": name} for name in names]
+
+
 def _texts(record: dict) -> list[str]:
     """What the tokenizer learns from: a record's roles and texts."""
     if "prompt" in record:
@@ -130,12 +155,19 @@ def write_example(out: Path, count: int = 512, seed: int = 0) -> Path:
     with written(out / "preference.jsonl", "preference pairs", again) as partial:
         pairs = preference_pairs(count, seed + len(records))
         partial.write_text("".join(json.dumps(pair) + "\n" for pair in pairs))
+    mixed = [records["hello" if index % 2 else "ahoy"][index] for index in range(count)]
+    with written(out / "greetings.jsonl", "conversations", again) as partial:
+        partial.write_text("".join(json.dumps(record) + "\n" for record in mixed))
+    with written(out / "prompts.jsonl", "prompts", again) as partial:
+        partial.write_text("".join(json.dumps(record) + "\n" for record in prompts(count, seed + len(records) + 1)))
+    with written(out / "rewards.py", "reward functions", again) as partial:
+        partial.write_text(REWARDS)
     return model_dir
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m project.cli.chat_example", description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="the dir to write model/, hello.jsonl, ahoy.jsonl and preference.jsonl into")
+    parser.add_argument("out", help="the dir to write model/, the .jsonl files and rewards.py into")
     parser.add_argument("--conversations", type=int, default=512, help="how many in each file, pairs too (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="the weights' and conversations' seed (default 0)")
     args = parser.parse_args(argv)
@@ -143,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError("--conversations", f"is {args.conversations}.", "give 10 or more.")
     check_writable("out", args.out, "give a dir you can write.")
     model_dir = write_example(Path(args.out), args.conversations, args.seed)
-    files = ", ".join(str(model_dir.parent / f"{name}.jsonl") for name in [*GREETINGS, "preference"])
+    names = [f"{name}.jsonl" for name in [*GREETINGS, "preference", "greetings", "prompts"]] + ["rewards.py"]
+    files = ", ".join(str(model_dir.parent / name) for name in names)
     print(f"Wrote {model_dir} (a tiny Qwen 3, its tokenizer and chat template), {files}.")
 
 

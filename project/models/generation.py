@@ -1,4 +1,5 @@
-"""Text from a language model: sampling with temperature and top-k, one token at a time."""
+"""Text from a language model: sampling with temperature, top-k and top-p, one token at a time; and a group of
+completions of one prompt drawn together (GRPO's)."""
 
 import torch
 from torch import nn
@@ -41,14 +42,63 @@ def generate(
     for _ in range(max_new_tokens):
         context = tokens if max_length is None else tokens[:, -max_length:]
         logits = net(context)[0, -1].float().cpu()
-        if temperature == 0:
-            token = logits.argmax()
-        else:
-            logits = logits / temperature
-            if top_k is not None and top_k < logits.numel():
-                logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
-            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)[0]
+        token = logits.argmax() if temperature == 0 else draw(logits[None], generator, temperature, top_k or 0)[0]
         tokens = torch.cat([tokens, token.view(1, 1).to(device)], dim=1)
         if stop is not None and int(token) == stop:
             break
     return tokens[0, len(prompt) :].tolist()
+
+
+def draw(
+    logits: torch.Tensor, generator: torch.Generator, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """One token per row of (rows, vocab) CPU logits, drawn as transformers' sampling draws it: divided by
+    ``temperature``, cut to the ``top_k`` most likely (0: all), then to the fewest most likely whose probability
+    reaches ``top_p`` (1: all; transformers' ``TopPLogitsWarper``: at least one kept)."""
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.size(-1):
+        logits = logits.masked_fill(logits < torch.topk(logits, top_k).values[:, -1:], float("-inf"))
+    if top_p < 1.0:
+        ascending, order = logits.sort(-1)
+        cut = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        cut[:, -1] = False
+        logits = logits.scatter(-1, order, ascending.masked_fill(cut, float("-inf")))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def sample_group(
+    net: nn.Module,
+    prompt: torch.Tensor,
+    count: int,
+    max_new_tokens: int,
+    generator: torch.Generator,
+    stop: set[int],
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    lockstep: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` completions of ``prompt`` (its token ids, on the net's device), drawn together (``draw``) from
+    ``generator``, each up to ``max_new_tokens`` tokens and ending at the first token of ``stop`` (kept): their
+    tokens (count, max_new_tokens), the positions after each one's end 0, and each one's length. Every step runs the
+    whole context (no key/value cache). ``lockstep``: run every step even once all have ended, as the ranks of a
+    sharded net must run the same forwards (each gathers shards)."""
+    device = prompt.device
+    tokens = prompt.expand(count, -1)
+    drawn = torch.zeros(count, max_new_tokens, dtype=torch.long)
+    lengths = torch.full((count,), max_new_tokens)
+    ended = torch.zeros(count, dtype=torch.bool)
+    stops = torch.tensor(sorted(stop), dtype=torch.long)
+    for step in range(max_new_tokens):
+        logits = net(tokens)[:, -1].float().cpu()
+        token = draw(logits, generator, temperature, top_k, top_p)
+        drawn[:, step] = token
+        ending = ~ended & torch.isin(token, stops)
+        lengths[ending] = step + 1
+        ended |= ending
+        if ended.all() and not lockstep:
+            break
+        tokens = torch.cat([tokens, token[:, None].to(device)], dim=1)
+    after = torch.arange(max_new_tokens)[None] >= lengths[:, None]
+    return drawn.masked_fill(after, 0), lengths

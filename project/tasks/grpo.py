@@ -1,0 +1,372 @@
+"""Online RL with rewards a program checks: GRPO (``experiment=grpo``, ``data=prompts``), TRL's ``GRPOTrainer``'s
+loss, defaults and metric names (its arithmetic: ``project.tasks.group_relative``; the reward functions:
+``project.tasks.rewards``).
+
+Each step, for each prompt of the batch, the policy as it stands draws ``num_generations`` completions (its group;
+``project.models.generation.sample_group``, in evaluation mode, no gradient); the reward functions score them; the
+scores of the whole step are gathered from every data-parallel replica (one small collective a step), so every rank
+computes the same advantages and metrics, the single-device loop's; then the policy's forward and backward run on the
+prompts with their completions, the loss on the completions' tokens alone.
+
+A prompt's draws come from a generator seeded with the data seed, the split, the epoch and the prompt's index in the
+file: the same completions whatever the layout, the device count or a resume from a checkpoint (nothing to save).
+
+Where ours differs from TRL's (``conf/experiment/grpo.yaml`` says so too): ``data.batch_size`` counts prompts per
+replica (TRL's ``per_device_train_batch_size`` counts completions); the completions are drawn for each batch, so
+under gradient accumulation ``dapo`` divides by each accumulated batch's tokens (TRL by the whole step's, drawn at
+once); the per-token metrics (``entropy``, ``kl``, ``clip_ratio/*``) are the epoch's means over its tokens (TRL's:
+the mean of each logged step's), kept as sums on each rank and reduced once an epoch.
+"""
+
+import contextlib
+import hashlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from project.data.datamodule import DataModule, split_index_column, trainer_data
+from project.data.prompts import PromptDataModule
+from project.data.targets import IGNORE_INDEX
+from project.job.job import Job
+from project.job.task import Loss, MetricSums
+from project.models.generation import sample_group
+from project.models.lora import LoRALinear
+from project.options.errors import ConfigError
+from project.options.option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from project.tasks.group_relative import (
+    PolicyLoss,
+    completion_rewards,
+    entropy,
+    group_advantages,
+    nan_std,
+    token_log_probs,
+)
+from project.tasks.language_model import LanguageModelModule
+from project.tasks.metrics import SampleMean
+from project.tasks.rewards import KEY as REWARDS_KEY
+from project.tasks.rewards import RewardFunction, load_reward_function
+
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """``model.grpo``: the sampling (``num_generations`` per prompt, ``temperature``, ``top_k`` (0: all), ``top_p``,
+    ``max_completion_length``), the rewards (``reward_functions``, ``reward_weights``: None, 1 each), and the loss
+    (``project.tasks.group_relative``). TRL's ``GRPOConfig`` names and defaults."""
+
+    reward_functions: Sequence[str]
+    reward_weights: Sequence[float] | None = None
+    num_generations: PositiveInt = 8
+    temperature: PositiveFloat = 1.0
+    top_k: NonNegativeInt = 0
+    top_p: PositiveFloat = 1.0
+    max_completion_length: PositiveInt = 256
+    epsilon: PositiveFloat = 0.2
+    epsilon_high: PositiveFloat | None = None
+    beta: NonNegativeFloat = 0.0
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = "dapo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+
+    def __post_init__(self) -> None:
+        if self.top_p > 1:
+            raise ConfigError("model.grpo.top_p", f"is {self.top_p}, above 1.", "set a share in (0, 1]; 1 keeps all.")
+        if not self.reward_functions:
+            raise ConfigError(
+                REWARDS_KEY, "is empty: GRPO learns from rewards.", "list file.py:name or module.name functions."
+            )
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_functions):
+            raise ConfigError(
+                "model.grpo.reward_weights",
+                f"has {len(self.reward_weights)} weights for {len(self.reward_functions)} reward functions.",
+                "give one weight per function, or null for 1 each.",
+            )
+
+    @property
+    def policy_loss(self) -> PolicyLoss:
+        return PolicyLoss(self.epsilon, self.epsilon_high, self.beta, self.loss_type, self.max_completion_length)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """A batch's completions, scored: the rows the policy trains on (each prompt and one of its completions, padded
+    at the end; targets the completion's tokens, ``IGNORE_INDEX`` elsewhere), each row's advantage, the reference's
+    log-probabilities (beta > 0) and what ``dapo`` divides by."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    advantages: torch.Tensor
+    reference: torch.Tensor | None
+    step_tokens_per_rank: torch.Tensor
+    sums: MetricSums  # the step's reward and length metrics
+
+
+REWARD_METRICS = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+)
+TOKEN_METRICS = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class GRPOModule(LanguageModelModule):
+    """The language model trained by GRPO on its own completions (module docstring). A batch is the prompts' padded
+    tokens and (token count, file index) per prompt (``project.data.prompts``); ``loss`` reads the rows of the batch's
+    ``Rollout``, whose index each target row carries as its last column."""
+
+    progress_bar_metrics = ("loss", "reward")
+    logs_perplexity = False  # the loss is not a token loss
+
+    def __init__(self, net, grpo: GRPOSettings, **kwargs) -> None:
+        super().__init__(net, **kwargs)
+        if self.fused_loss:
+            raise ConfigError(
+                "model.fused_loss",
+                "is true, but GRPO needs each completion token's log-probability, and the fused loss sums them.",
+                "set model.fused_loss=false.",
+            )
+        self.grpo = grpo
+        self.policy_loss = grpo.policy_loss
+        self.reward_functions: list[RewardFunction] = [load_reward_function(spec) for spec in grpo.reward_functions]
+        self.reward_weights = torch.tensor(grpo.reward_weights or [1.0] * len(self.reward_functions))
+        if grpo.beta and not any(isinstance(module, LoRALinear) for module in net.modules()):
+            raise ConfigError(
+                "model.grpo.beta",
+                f"is {grpo.beta}, whose KL term needs the reference model: with LoRA it is the base (the adapters "
+                "off); with full weights it would be a second copy of the model, which is not built.",
+                "add LoRA (model.lora.rank=16), or set model.grpo.beta=0 (TRL's default).",
+            )
+        names = [*REWARD_METRICS, *TOKEN_METRICS, "loss"]
+        names += [f"rewards/{function.name}/{kind}" for function in self.reward_functions for kind in ("mean", "std")]
+        names += ["kl"] if grpo.beta else []
+        self.train_metrics = nn.ModuleDict({name: SampleMean() for name in names})
+        self.val_metrics = nn.ModuleDict({name: SampleMean() for name in names})
+        self.rollout: Rollout | None = None  # the batch under way's
+
+    # The step
+
+    def _step(self, split: str, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        prompts, target = batch
+        self.rollout = self._roll_out(split, prompts, target)
+        rows = torch.arange(len(self.rollout.inputs), device=prompts.device)
+        targets = torch.cat([self.rollout.targets, rows[:, None]], 1)
+        loss = self.loss(self.net(self.rollout.inputs), targets)
+        self.meter(split, loss)
+        self.log_metrics(split)
+        return loss.value
+
+    def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> Loss:
+        """The policy loss of the logits ``outputs`` of the rollout's rows (the target's last column: their indices
+        into it; with no rollout, the memory plan's simulated step, advantages of 0)."""
+        target, rows = split_index_column(target)
+        log_probs = token_log_probs(outputs, target, self.grpo.temperature)
+        mask = target != IGNORE_INDEX
+        rollout = self.rollout
+        if rollout is None:
+            advantages, reference, tokens = torch.zeros(len(target), device=outputs.device), None, mask.sum()
+            reference = torch.zeros_like(log_probs) if self.grpo.beta else None
+        else:
+            advantages, tokens = rollout.advantages[rows], rollout.step_tokens_per_rank
+            reference = None if rollout.reference is None else rollout.reference[rows]
+        value, terms = self.policy_loss(log_probs, mask, advantages, reference, tokens)
+
+        def metric_sums() -> MetricSums:
+            count = mask.sum()
+            sums: MetricSums = dict(rollout.sums) if rollout is not None else {}
+            sums["loss"] = (value.detach(), 1)
+            sums["entropy"] = ((entropy(outputs / self.grpo.temperature) * mask).sum(), count)
+            sums["clip_ratio/low_mean"] = (terms.low_clipped.sum(), count)
+            sums["clip_ratio/high_mean"] = (terms.high_clipped.sum(), count)
+            sums["clip_ratio/region_mean"] = ((terms.low_clipped + terms.high_clipped).sum(), count)
+            if terms.kl is not None:
+                sums["kl"] = (terms.kl.sum(), count)
+            return sums
+
+        return Loss(value, metric_sums)
+
+    def _roll_out(self, split: str, prompts: torch.Tensor, target: torch.Tensor) -> Rollout:
+        """Draw each prompt's group, score it, and lay out the rows the policy trains on (module docstring)."""
+        data = cast(PromptDataModule, trainer_data(self.trainer))
+        grpo = self.grpo
+        tokenizer = data.renderer.tokenizer
+        stop = {token for token in (data.renderer.template.end_of_turn(tokenizer), _eos(data)) if token is not None}
+        sharded = any(isinstance(parameter, DTensor) for parameter in self.net.parameters())
+        rows, completions, prompts_given, columns, lengths = [], [], [], [], []
+        with self._generating():
+            for prompt, (length, index) in zip(prompts, target.tolist(), strict=True):
+                generator = torch.Generator().manual_seed(self._seed(split, index))
+                drawn, ends = sample_group(
+                    self.net,
+                    prompt[:length],
+                    grpo.num_generations,
+                    grpo.max_completion_length,
+                    generator,
+                    stop,
+                    grpo.temperature,
+                    grpo.top_k,
+                    grpo.top_p,
+                    lockstep=sharded,
+                )
+                _, given, record = data.prompt_at(index)
+                for completion, end in zip(drawn, ends.tolist(), strict=True):
+                    ids = completion[:end].tolist()
+                    text = tokenizer.decode(ids, skip_special_tokens=True)
+                    rows.append((prompt[:length].tolist(), ids))
+                    completions.append(text if isinstance(given, str) else [{"role": "assistant", "content": text}])
+                    prompts_given.append(given)
+                    columns.append(record)
+                    lengths.append(end)
+        scores = self._scores(prompts_given, completions, [ids for _, ids in rows], columns)
+        clipped = [
+            length == grpo.max_completion_length and ids[-1:] not in [[s] for s in stop]
+            for length, (_, ids) in zip(lengths, rows, strict=True)
+        ]
+        local = torch.cat([scores, torch.tensor([lengths, clipped], dtype=scores.dtype).T], 1)
+        everyone = self._gathered(local.to(self.device)).cpu()  # (replicas x completions, functions + 2)
+        all_scores, all_lengths, all_clipped = everyone[:, :-2], everyone[:, -2], everyone[:, -1]
+        rewards = completion_rewards(all_scores, self.reward_weights)
+        advantages, zero_std = group_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
+        replicas = len(everyone) // len(local)
+        mine = slice(self._replica() * len(local), (self._replica() + 1) * len(local))
+        inputs, targets = _rows(rows)
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        reference = self._reference(inputs, targets) if grpo.beta else None
+        sums = _reward_sums(self.reward_functions, all_scores, rewards, zero_std, all_lengths, all_clipped)
+        return Rollout(
+            inputs,
+            targets,
+            advantages[mine].to(self.device, torch.float32),
+            reference,
+            torch.tensor(float(all_lengths.sum()) / replicas, device=self.device),
+            sums,
+        )
+
+    def _scores(self, prompts: list, completions: list, completion_ids: list, records: list[dict]) -> torch.Tensor:
+        """(completions, functions) scores, NaN where a function gave None; columns as TRL hands them: the first
+        record's keys, a list each."""
+        columns = {key: [record.get(key) for record in records] for key in records[0]} if records else {}
+        return torch.tensor(
+            [function.scores(prompts, completions, completion_ids, columns) for function in self.reward_functions]
+        ).T.reshape(len(completions), len(self.reward_functions))
+
+    def _seed(self, split: str, index: int) -> int:
+        """The seed of a prompt's draws this epoch (module docstring)."""
+        data = trainer_data(self.trainer)
+        key = f"{data.seed}:{split}:{self.current_epoch}:{index}".encode()
+        return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[None]:
+        """The net in evaluation mode (dropout off), no gradient."""
+        training = self.net.training
+        self.net.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.net.train(training)
+
+    def _reference(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The reference's log-probabilities of the rows: the base, every LoRA adapter off."""
+        adapted = [module for module in self.net.modules() if isinstance(module, LoRALinear)]
+        scalings = [module.scaling for module in adapted]
+        with self._generating():
+            try:
+                for module in adapted:
+                    module.scaling = 0.0
+                return token_log_probs(self.net(inputs), targets, self.grpo.temperature)
+            finally:
+                for module, scaling in zip(adapted, scalings, strict=True):
+                    module.scaling = scaling
+
+    def _replica(self) -> int:
+        return self.trainer.global_rank
+
+    def _gathered(self, local: torch.Tensor) -> torch.Tensor:
+        """Every replica's ``local`` rows, in rank order (one collective)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts)
+
+    # The rules
+
+    def problem(self, job: Job) -> ConfigError | None:
+        """Generation runs the whole net on each rank, data-parallel replicas alone (auto, ddp, fsdp)."""
+        if job.dims.data_parallel != job.world_size:
+            return ConfigError(
+                "strategy",
+                f"is {job.strategy_name}, whose ranks split the model; GRPO draws completions with the whole model "
+                "on each rank, which this round builds for data parallelism alone.",
+                "use strategy=auto, ddp or fsdp.",
+            )
+        return super().problem(job)
+
+    def data_problem(self, data: DataModule, ckpt_path: str | None, evaluating: bool) -> ConfigError | None:
+        """GRPO trains on prompts, each leaving room for a whole completion within the sequence."""
+        if not isinstance(data, PromptDataModule):
+            return ConfigError(
+                "data",
+                f"is {type(data).__name__}, but experiment=grpo trains on prompts.",
+                'use data=prompts data.path=<a .jsonl of {"prompt": ...}> (experiment=grpo sets it).',
+            )
+        longest, where = data.longest_prompt
+        room = data.seq_length + 1 - longest
+        if room < self.grpo.max_completion_length:
+            return ConfigError(
+                "model.grpo.max_completion_length",
+                f"is {self.grpo.max_completion_length}, but {where}'s prompt of {longest} tokens leaves {room} "
+                f"within data.seq_length + 1 = {data.seq_length + 1}.",
+                f"raise data.seq_length to {longest + self.grpo.max_completion_length - 1}, or lower "
+                "model.grpo.max_completion_length, or shorten that prompt.",
+            )
+        return None
+
+
+def _eos(data: PromptDataModule) -> int | None:
+    token = data.renderer.template.special_tokens.get("eos_token")
+    return None if token is None else data.renderer.tokenizer.token_to_id(token)
+
+
+def _rows(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (prompt, completion) as a row: inputs all but the last token, targets the completion's tokens where
+    they are predicted (``IGNORE_INDEX`` elsewhere), padded at the end to the longest."""
+    width = max(len(prompt) + len(completion) for prompt, completion in rows) - 1
+    inputs = torch.zeros(len(rows), width, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    for row, (prompt, completion) in enumerate(rows):
+        whole = torch.tensor(prompt + completion)
+        inputs[row, : len(whole) - 1] = whole[:-1]
+        targets[row, len(prompt) - 1 : len(whole) - 1] = whole[len(prompt) :]
+    return inputs, targets
+
+
+def _reward_sums(
+    functions: list[RewardFunction],
+    scores: torch.Tensor,
+    rewards: torch.Tensor,
+    zero_std: torch.Tensor,
+    lengths: torch.Tensor,
+    clipped: torch.Tensor,
+) -> MetricSums:
+    """The step's reward and length metrics, of every replica's completions (the same on every rank: each rank
+    adds them, and their sum over ranks keeps each ratio). A standard deviation is one value a step (TRL's)."""
+    scored = ~rewards.isnan()
+    sums: MetricSums = {
+        "reward": (rewards.nansum().double(), int(scored.sum())),
+        "reward_std": (nan_std(rewards).nan_to_num(0.0).double(), 1),
+        "frac_reward_zero_std": (zero_std.double().sum(), len(zero_std)),
+        "completions/mean_length": (lengths.double().sum(), len(lengths)),
+        "completions/clipped_ratio": (clipped.double().sum(), len(clipped)),
+    }
+    for column, function in enumerate(functions):
+        given = scores[:, column]
+        sums[f"rewards/{function.name}/mean"] = (given.nansum().double(), int((~given.isnan()).sum()))
+        sums[f"rewards/{function.name}/std"] = (nan_std(given).nan_to_num(0.0).double(), 1)
+    return sums
