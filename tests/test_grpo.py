@@ -5,20 +5,22 @@ import hashlib
 import importlib
 import math
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import only_run, train, two_job_sweep
+from conftest import only_run, run_command, train, two_job_sweep
 from helpers.reference import build_optimizer, epoch_order, lr_factor
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from project.checkpointing.hf import HFWeights, net_options, read_config
 from project.cli.chat_example import write_example
 from project.data.targets import IGNORE_INDEX
-from project.models import init_weights
+from project.parallel.parallelize import materialize
 from project.tasks.group_relative import (
     PolicyLoss,
     completion_rewards,
@@ -188,11 +190,9 @@ def test_rewards_are_weighted_sums_of_the_scores_given():
 # Every strategy against a hand-written GRPO loop
 
 REWARDS = Path(__file__).parent / "helpers" / "grpo_rewards.py"
-NET = ["model.net.dim=32", "model.net.num_heads=2", "model.net.num_kv_heads=2", "model.net.hidden_dim=64"]
 GRPO_OVERRIDES = [
     "experiment=grpo",
     "model=qwen3",
-    *NET,
     "data.seq_length=32",
     "data.batch_size=4",
     "data.val_fraction=0.2",
@@ -211,12 +211,19 @@ STOP = "<|im_end|>"
 
 
 @pytest.fixture(scope="session")
-def prompt_example(shared_tmp) -> tuple[Path, Path]:
-    """The chat example's model dir (its tokenizer and template) and 40 prompts: 32 training, 8 validation."""
+def prompt_example(shared_tmp, home) -> tuple[Path, Path]:
+    """A base that greets (the chat example's tiny Qwen 3 trained on its greetings, exported: its completions end
+    at the end of turn, at different lengths) and 40 prompts: 32 training, 8 validation."""
     out = shared_tmp / "grpo-example"
-    if not (out / "prompts.jsonl").is_file():
-        write_example(out, count=40)
-    return out / "model", out / "prompts.jsonl"
+    if not (out / "base" / "model.safetensors").is_file():
+        model_dir = write_example(out, count=40)
+        chat = [f"data.path={out / 'greetings.jsonl'}", "data.seq_length=32", "model.optimizer.lr=0.01"]
+        run = [f"model.init_from={model_dir}", "model=qwen3", "data=chat", *chat, "trainer.max_epochs=6"]
+        train([*run, f"hydra.run.dir={out / 'base-run'}", "logger=csv"], home)
+        export = [sys.executable, "-m", "project.cli.export", str(out / "base-run" / "checkpoints" / "last.ckpt")]
+        result = run_command([*export, str(out / "base")], home)
+        assert result.returncode == 0, result.output[-3000:]
+    return out / "base", out / "prompts.jsonl"
 
 
 def prompt_seed(seed: int, split: str, epoch: int, index: int) -> int:
@@ -239,7 +246,9 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
     module = importlib.import_module("helpers.grpo_rewards")
     functions = [getattr(module, spec.rpartition(":")[2]) for spec in grpo.reward_functions]
     weights = torch.tensor(list(grpo.reward_weights))
-    net = init_weights(instantiate(cfg.model.net), cfg.seed)
+    with torch.device("meta"):  # the shape of the model dir's config.json, as model.init_from gives it
+        net = instantiate(OmegaConf.merge(cfg.model.net, net_options(read_config(cfg.model.init_from))))
+    materialize(net, torch.device("cpu"), cfg.seed, HFWeights(cfg.model.init_from))
     train_prompts = data.num_train_samples
     accumulate, epochs = cfg.trainer.accumulate_grad_batches, cfg.trainer.max_epochs
     batches = train_prompts // global_batch
@@ -355,10 +364,10 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
 
 @pytest.fixture(scope="session")
 def grpo_runs(prompt_example, runs_dir, home) -> dict[str, Path]:
-    """GRPO from seeded weights on the example's prompts: on one device (4 prompts a batch), and under ddp and fsdp
+    """GRPO of the greeting base on the example's prompts: on one device (4 prompts a batch), and under ddp and fsdp
     (2 replicas of 2 prompts) over 2 processes; each prompt drawn 4 times, 2 batches accumulated a step."""
     model_dir, prompts = prompt_example
-    data = [f"data.path={prompts}", f"data.tokenizer={model_dir}"]
+    data = [f"data.path={prompts}", f"model.init_from={model_dir}"]
     sweep = [*GRPO_OVERRIDES, *data, "data.batch_size=2", "trainer.devices=2", "strategy=ddp,fsdp"]
     sweep_dir = two_job_sweep("grpo", sweep, runs_dir, home)[1][0].parent
     single = runs_dir / "grpo-single"
@@ -379,10 +388,10 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_e
 
     model_dir, prompts = prompt_example
     if not _HAND_WRITTEN:
-        cfg = compose_train([*GRPO_OVERRIDES, f"data.path={prompts}", f"data.tokenizer={model_dir}"])
+        cfg = compose_train([*GRPO_OVERRIDES, f"data.path={prompts}", f"model.init_from={model_dir}"])
         _HAND_WRITTEN.append(hand_written_grpo(cfg, global_batch=4))
     expected = _HAND_WRITTEN[0]
     run = only_run(grpo_runs[strategy])
-    for key in expected[0]:
-        assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-9), key
+    for key in expected[0]:  # on-policy the loss is a sum of terms near 1 that cancel to near 0: held to 1e-6 apart
+        assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
     assert all(row["train/frac_reward_zero_std"] < 1 for row in expected)
