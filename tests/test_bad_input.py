@@ -28,6 +28,12 @@ from project.cli.prepare import prepare
 # key their way.
 NF4_SHAPE = [arg for arg in TINY_LLAMA_NF4 if arg.startswith("model")]  # a Llama whose weights NF4 can store
 DPO = ["experiment=dpo", "data=preference", "model=qwen3", "data.tokenizer={files}/chat/model"]  # seeded weights
+GRPO = ["experiment=grpo", "data=prompts", "model=qwen3", "data.tokenizer={files}/chat/model"]
+GRPO_AHOY = [
+    *GRPO,
+    "data.path={files}/chat/prompts.jsonl",
+    "model.grpo.reward_functions=[{files}/chat/rewards.py:ahoy]",
+]
 
 CASES = [
     # Numbers and their ranges
@@ -721,6 +727,87 @@ CASES = [
         [*DPO, "data.path={files}/chat/preference.jsonl", "model.dpo.beta=0"],
         "model.dpo.beta: must be a positive number, got 0",
     ),
+    # GRPO: its prompts, its reward functions (each called once before launch), its keys
+    (
+        [*GRPO_AHOY[:-2], "data.path={files}/prompts_not_json.jsonl", GRPO_AHOY[-1]],
+        "data.path: {files}/prompts_not_json.jsonl:2: is not JSON",
+    ),
+    (
+        [*GRPO_AHOY[:-2], "data.path={files}/prompt_missing.jsonl", GRPO_AHOY[-1]],
+        "data.path: {files}/prompt_missing.jsonl:2: has no prompt (its keys: ['question'])",
+    ),
+    (
+        [*GRPO_AHOY[:-2], "data.path={files}/prompt_empty.jsonl", GRPO_AHOY[-1]],
+        "data.path: {files}/prompt_empty.jsonl:2: has an empty prompt",
+    ),
+    (
+        [*GRPO_AHOY, "data.seq_length=8"],
+        "data.path: {files}/chat/prompts.jsonl:1: the prompt is ... tokens, which leaves no completion token within "
+        "data.seq_length = 8",
+    ),
+    (
+        [*GRPO_AHOY, "data.seq_length=24"],
+        "model.grpo.max_completion_length: is 256, but {files}/chat/prompts.jsonl:",
+    ),
+    (
+        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/nowhere.py:ahoy]"],
+        "model.grpo.reward_functions: lists {files}/nowhere.py:ahoy, but {files}/nowhere.py is not a file",
+    ),
+    (
+        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/chat/rewards.py:ahoi]"],
+        "model.grpo.reward_functions: lists {files}/chat/rewards.py:ahoi, but {files}/chat/rewards.py has no ahoi. "
+        "Fix: did you mean {files}/chat/rewards.py:ahoy?",
+    ),
+    (
+        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[nowhere_module.ahoy]"],
+        "model.grpo.reward_functions: lists nowhere_module.ahoy, but module nowhere_module does not import",
+    ),
+    (
+        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:threshold]"],
+        "model.grpo.reward_functions: lists {files}/bad_rewards.py:threshold, which is a float, not a function",
+    ),
+    (
+        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:raises]"],
+        "model.grpo.reward_functions: {files}/bad_rewards.py:raises raised ValueError: no reward today, when called "
+        "before launch on {files}/chat/prompts.jsonl:1's prompt and an empty completion",
+    ),
+    (
+        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:too_few]"],
+        "model.grpo.reward_functions: {files}/bad_rewards.py:too_few returned 0 scores for 1 completions",
+    ),
+    (
+        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:words]"],
+        "model.grpo.reward_functions: {files}/bad_rewards.py:words returned 'good' for completion 0: a number or "
+        "None is due",
+    ),
+    (
+        [*GRPO_AHOY, "model.grpo.reward_weights=[1.0,2.0]"],
+        "model.grpo.reward_weights: has 2 weights for 1 reward functions",
+    ),
+    (
+        [*GRPO_AHOY, "model.grpo.beta=0.04"],
+        "model.grpo.beta: is 0.04, whose KL term needs the reference model",
+    ),
+    (
+        [*GRPO_AHOY, "strategy=tensor_parallel", "trainer.devices=2"],
+        "strategy: is tensor_parallel, whose ranks split the model; GRPO draws completions with the whole model",
+    ),
+    (
+        [*GRPO_AHOY, "model.grpo.loss_type=ppo"],
+        "model.grpo.loss_type: must be one of 'grpo', 'dr_grpo', 'dapo', got 'ppo'",
+    ),
+    (
+        [*GRPO_AHOY, "model.grpo.top_p=1.5"],
+        "model.grpo.top_p: is 1.5, above 1",
+    ),
+    (
+        [*GRPO_AHOY[:-2], "data=chat", "data.path={files}/chat/hello.jsonl", GRPO_AHOY[-1]],
+        "data: is ChatDataModule, but experiment=grpo trains on prompts",
+    ),
+    (
+        [*GRPO_AHOY[1:-1]],
+        "data: is prompts alone, which LanguageModelModule cannot train on: they are for GRPO",
+    ),
 ]
 # Cases on TINY_GPT's language data, with their own model.
 LM_MARKS = ("model=gpt", "model=llama", "model=qwen2", "model=qwen3", "model=moe")
@@ -870,6 +957,15 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
     (files / "prepared" / "tokenizer.json").write_text("{}")
     blank_response = {**json.loads(good_pair), "chosen": " \n "}
     (files / "pair_with_blank_response.jsonl").write_text(good_pair + "\n" + json.dumps(blank_response) + "\n")
+    good_prompt = (files / "chat" / "prompts.jsonl").read_text().splitlines()[0]
+    (files / "prompts_not_json.jsonl").write_text(good_prompt + "\n{not json\n")
+    (files / "prompt_missing.jsonl").write_text(good_prompt + '\n{"question": "Greet Ada."}\n')
+    (files / "prompt_empty.jsonl").write_text(good_prompt + '\n{"prompt": ""}\n')
+    (files / "bad_rewards.py").write_text(
+        "threshold = 0.5\n\n\ndef raises(completions, **kwargs):\n    raise ValueError('no reward today')\n\n\n"
+        "def too_few(completions, **kwargs):\n    return []\n\n\ndef words(completions, **kwargs):\n"
+        "    return ['good' for _ in completions]\n"
+    )
     shutil.copytree(files / "chat" / "model", files / "chat-bad-template")
     (files / "chat-bad-template" / "chat_template.jinja").write_text("{% for message in messages %}\n{% if %}")
     (files / "frozen").mkdir()
@@ -889,7 +985,9 @@ def invocations(tmp_path_factory, home, single_run, ddp_fsdp_sweep, gpt_lora_aut
         overrides = [fill(item, names) for item in overrides]
         language_model = any(mark in overrides for mark in LM_MARKS)
         base = [item for item in TINY_GPT if item != "model=gpt"] if language_model else TINY
-        if any(f"data={name}" in overrides for name in ("text", "shards", "chat", "preference")):  # their own data
+        if any(
+            f"data={name}" in overrides for name in ("text", "shards", "chat", "preference", "prompts")
+        ):  # their own data
             base = [item for item in base if not item.startswith(("data=", "data.vocab", "data.seq", "data.num"))]
         job_dir, launch_dir = (
             root / "jobs" / str(number),

@@ -49,7 +49,7 @@ from project.tasks.group_relative import (
 from project.tasks.language_model import LanguageModelModule
 from project.tasks.metrics import SampleMean
 from project.tasks.rewards import KEY as REWARDS_KEY
-from project.tasks.rewards import RewardFunction, load_reward_function
+from project.tasks.rewards import RewardFailed, RewardFunction, load_reward_function
 
 
 @dataclass(frozen=True)
@@ -316,6 +316,9 @@ class GRPOModule(LanguageModelModule):
                 f"is {type(data).__name__}, but experiment=grpo trains on prompts.",
                 'use data=prompts data.path=<a .jsonl of {"prompt": ...}> (experiment=grpo sets it).',
             )
+        problem = self._reward_problem(data)
+        if problem is not None:
+            return problem
         longest, where = data.longest_prompt
         room = data.seq_length + 1 - longest
         if room < self.grpo.max_completion_length:
@@ -326,6 +329,26 @@ class GRPOModule(LanguageModelModule):
                 f"raise data.seq_length to {longest + self.grpo.max_completion_length - 1}, or lower "
                 "model.grpo.max_completion_length, or shorten that prompt.",
             )
+        return None
+
+
+    def _reward_problem(self, data: PromptDataModule) -> ConfigError | None:
+        """Each reward function called once, on the first prompt with an empty completion, as training calls it:
+        one that raises or breaks the contract is refused before launch, naming it."""
+        where, given, record = data.prompt_at(0)
+        completion = "" if isinstance(given, str) else [{"role": "assistant", "content": ""}]
+        columns = {key: [value] for key, value in record.items()}
+        for function in self.reward_functions:
+            try:
+                function.scores([given], [completion], [[]], columns)
+            except RewardFailed as failure:
+                return ConfigError(
+                    REWARDS_KEY,
+                    f"{function.spec} {failure.problem}, when called before launch on {where}'s prompt and an empty "
+                    "completion.",
+                    "fix the function: it takes prompts, completions and completion_ids (and the line's other keys) "
+                    "by name, and returns one number (or None) per completion, as TRL's reward functions do.",
+                )
         return None
 
 
