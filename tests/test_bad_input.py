@@ -29,10 +29,10 @@ from project.cli.prepare import prepare
 NF4_SHAPE = [arg for arg in TINY_LLAMA_NF4 if arg.startswith("model")]  # a Llama whose weights NF4 can store
 DPO = ["experiment=dpo", "data=preference", "model=qwen3", "data.tokenizer={files}/chat/model"]  # seeded weights
 GRPO = ["experiment=grpo", "data=prompts", "model=qwen3", "data.tokenizer={files}/chat/model"]
-GRPO_AHOY = [
+GRPO_HELLO = [
     *GRPO,
     "data.path={files}/chat/prompts.jsonl",
-    "model.grpo.reward_functions=[{files}/chat/rewards.py:ahoy]",
+    "model.grpo.reward_functions=[{files}/chat/rewards.py:hello]",
 ]
 
 CASES = [
@@ -729,83 +729,83 @@ CASES = [
     ),
     # GRPO: its prompts, its reward functions (each called once before launch), its keys
     (
-        [*GRPO_AHOY[:-2], "data.path={files}/prompts_not_json.jsonl", GRPO_AHOY[-1]],
+        [*GRPO_HELLO[:-2], "data.path={files}/prompts_not_json.jsonl", GRPO_HELLO[-1]],
         "data.path: {files}/prompts_not_json.jsonl:2: is not JSON",
     ),
     (
-        [*GRPO_AHOY[:-2], "data.path={files}/prompt_missing.jsonl", GRPO_AHOY[-1]],
+        [*GRPO_HELLO[:-2], "data.path={files}/prompt_missing.jsonl", GRPO_HELLO[-1]],
         "data.path: {files}/prompt_missing.jsonl:2: has no prompt (its keys: ['question'])",
     ),
     (
-        [*GRPO_AHOY[:-2], "data.path={files}/prompt_empty.jsonl", GRPO_AHOY[-1]],
+        [*GRPO_HELLO[:-2], "data.path={files}/prompt_empty.jsonl", GRPO_HELLO[-1]],
         "data.path: {files}/prompt_empty.jsonl:2: has an empty prompt",
     ),
     (
-        [*GRPO_AHOY, "data.seq_length=8"],
+        [*GRPO_HELLO, "data.seq_length=8"],
         "data.path: {files}/chat/prompts.jsonl:1: the prompt is ... tokens, which leaves no completion token within "
         "data.seq_length = 8",
     ),
     (
-        [*GRPO_AHOY, "data.seq_length=24"],
+        [*GRPO_HELLO, "data.seq_length=24"],
         "model.grpo.max_completion_length: is 256, but {files}/chat/prompts.jsonl:",
     ),
     (
-        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/nowhere.py:ahoy]"],
+        [*GRPO_HELLO[:-1], "model.grpo.reward_functions=[{files}/nowhere.py:ahoy]"],
         "model.grpo.reward_functions: lists {files}/nowhere.py:ahoy, but {files}/nowhere.py is not a file",
     ),
     (
-        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/chat/rewards.py:ahoi]"],
-        "model.grpo.reward_functions: lists {files}/chat/rewards.py:ahoi, but {files}/chat/rewards.py has no ahoi. "
-        "Fix: did you mean {files}/chat/rewards.py:ahoy?",
+        [*GRPO_HELLO[:-1], "model.grpo.reward_functions=[{files}/chat/rewards.py:helo]"],
+        "model.grpo.reward_functions: lists {files}/chat/rewards.py:helo, but {files}/chat/rewards.py has no helo. "
+        "Fix: did you mean {files}/chat/rewards.py:hello?",
     ),
     (
-        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[nowhere_module.ahoy]"],
+        [*GRPO_HELLO[:-1], "model.grpo.reward_functions=[nowhere_module.ahoy]"],
         "model.grpo.reward_functions: lists nowhere_module.ahoy, but module nowhere_module does not import",
     ),
     (
-        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:threshold]"],
+        [*GRPO_HELLO[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:threshold]"],
         "model.grpo.reward_functions: lists {files}/bad_rewards.py:threshold, which is a float, not a function",
     ),
     (
-        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:raises]"],
+        [*GRPO_HELLO[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:raises]"],
         "model.grpo.reward_functions: {files}/bad_rewards.py:raises raised ValueError: no reward today, when called "
         "before launch on {files}/chat/prompts.jsonl:1's prompt and an empty completion",
     ),
     (
-        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:too_few]"],
+        [*GRPO_HELLO[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:too_few]"],
         "model.grpo.reward_functions: {files}/bad_rewards.py:too_few returned 0 scores for 1 completions",
     ),
     (
-        [*GRPO_AHOY[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:words]"],
+        [*GRPO_HELLO[:-1], "model.grpo.reward_functions=[{files}/bad_rewards.py:words]"],
         "model.grpo.reward_functions: {files}/bad_rewards.py:words returned 'good' for completion 0: a number or "
         "None is due",
     ),
     (
-        [*GRPO_AHOY, "model.grpo.reward_weights=[1.0,2.0]"],
+        [*GRPO_HELLO, "model.grpo.reward_weights=[1.0,2.0]"],
         "model.grpo.reward_weights: has 2 weights for 1 reward functions",
     ),
     (
-        [*GRPO_AHOY, "model.grpo.beta=0.04"],
+        [*GRPO_HELLO, "model.grpo.beta=0.04"],
         "model.grpo.beta: is 0.04, whose KL term needs the reference model",
     ),
     (
-        [*GRPO_AHOY, "strategy=tensor_parallel", "trainer.devices=2"],
+        [*GRPO_HELLO, "strategy=tensor_parallel", "trainer.devices=2"],
         "strategy: is tensor_parallel, whose ranks split the model; GRPO draws completions with the whole model",
     ),
     (
-        [*GRPO_AHOY, "model.grpo.loss_type=ppo"],
+        [*GRPO_HELLO, "model.grpo.loss_type=ppo"],
         "model.grpo.loss_type: must be one of 'grpo', 'dr_grpo', 'dapo', got 'ppo'",
     ),
     (
-        [*GRPO_AHOY, "model.grpo.top_p=1.5"],
+        [*GRPO_HELLO, "model.grpo.top_p=1.5"],
         "model.grpo.top_p: is 1.5, above 1",
     ),
     (
-        [*GRPO_AHOY[:-2], "data=chat", "data.path={files}/chat/hello.jsonl", GRPO_AHOY[-1]],
+        [*GRPO_HELLO[:-2], "data=chat", "data.path={files}/chat/hello.jsonl", GRPO_HELLO[-1]],
         "data: is ChatDataModule, but experiment=grpo trains on prompts",
     ),
     (
-        [*GRPO_AHOY[1:-1]],
+        [*GRPO_HELLO[1:-1]],
         "data: is prompts alone, which LanguageModelModule cannot train on: they are for GRPO",
     ),
 ]

@@ -202,8 +202,9 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     """docs/finetuning.md's commands, as a user runs them from a clone (train.py and conf/ here, the rest installed):
     the base says hello, the LoRA fine-tune ahoy, merged and as a peft adapter on the base, and so does the QLoRA
     fine-tune; both LoRA exports give transformers and peft the run's last val/loss on its validation
-    conversations; and DPO on the pairs that prefer "Ahoy" makes the base say it, in generate and, exported, in
-    transformers, with the margins and log-probabilities the page states, and without RPO's term says neither."""
+    conversations; DPO on the pairs that prefer "Ahoy" makes the base say it, in generate and, exported, in
+    transformers, with the margins and log-probabilities the page states, and without RPO's term says neither; and
+    GRPO rewarding "Hello" raises the reward each epoch, by the page's figures, and makes greedy decoding say it."""
     peft = pytest.importorskip("peft")
     for name in ("train.py", "conf"):
         (tmp_path / name).symlink_to(REPO / name)
@@ -232,6 +233,12 @@ def test_the_finetuning_page_runs_word_for_word(tmp_path, home):
     assert greeting(transformers.AutoModelForCausalLM.from_pretrained(out / "dpo-merged"), out / "dpo-merged") == (
         "Ahoy, Ada! Welcome aboard."
     )
+    history = json.loads((out / "grpo-run" / "result.json").read_text())["history"]
+    rewards = [row["train/reward"] for row in history]
+    assert rewards == sorted(rewards) and rewards[0] < rewards[-1]  # GRPO: the reward rises each epoch
+    stated = re.search(r"rises from (\d\.\d+) to (\d\.\d+) and (\d\.\d+)", " ".join(page.split()))
+    assert stated is not None and rewards == pytest.approx([float(value) for value in stated.groups()], rel=0.1)
+    assert outputs[6].rstrip().endswith("Hello, Grace! Nice to meet you.<|im_end|>")  # the rewarded greeting
     expected_lines = fenced_blocks(page, "text")[0].splitlines()
     assert outputs[3].splitlines()[-len(expected_lines) :] == expected_lines  # after the exports' own lines
     expected = json.loads((out / "lora-run" / "result.json").read_text())["final"]["val/loss"]

@@ -95,7 +95,7 @@ def test_every_option_composes_and_resolves(override, prepared_corpus, chat_mode
     if override in ("data=prompts", "experiment=grpo"):  # the chat model dir, its prompts and reward functions
         prompts = f"data.path={chat_model_dir.parent}/prompts.jsonl"
         partners = ["model=qwen3", f"model.init_from={chat_model_dir}", prompts]
-        partners += ["experiment=grpo", f"model.grpo.reward_functions=[{chat_model_dir.parent}/rewards.py:ahoy]"]
+        partners += ["experiment=grpo", f"model.grpo.reward_functions=[{chat_model_dir.parent}/rewards.py:hello]"]
     cfg = compose_train([override, *partners])
     del cfg.hydra
     OmegaConf.resolve(cfg)  # every interpolation resolves

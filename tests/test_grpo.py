@@ -310,7 +310,7 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
         log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
         ratio = torch.exp(log_probs - log_probs.detach())
         loss = (-torch.tensor(advantages)[:, None] * ratio * mask).sum() / mask.sum()
-        probabilities = logits.detach().softmax(-1)
+        probabilities = logits.detach().double().softmax(-1)  # float64: no float32 softmax underflow in the log
         entropies = -(probabilities * probabilities.log()).sum(-1)
         lengths = torch.tensor([len(completion) for completion in ids], dtype=torch.float64)
         clipped = torch.tensor([len(c) == longest and c[-1] != stop for c in ids], dtype=torch.float64)

@@ -7,10 +7,10 @@ conversations in which the assistant greets whoever the user names, some as ``me
 as prompt/response pairs: ``OUT/hello.jsonl`` ("Hello, Ada! Nice to meet you.") and ``OUT/ahoy.jsonl`` ("Ahoy, Ada!
 Welcome aboard."); and ``OUT/preference.jsonl``, pairs in TRL's preference format in which the "Ahoy" greeting is
 chosen over the "Hello" one; for online RL, ``OUT/greetings.jsonl`` (the two sets' conversations taken in turn: a base
-that greets both ways), ``OUT/prompts.jsonl`` (requests in TRL's prompt-only format, each with the ``name`` to greet
-as a column) and ``OUT/rewards.py`` (reward functions for the "Ahoy" greeting and for naming the person).
-docs/finetuning.md trains the model on the first set, then fine-tunes it with LoRA on the second, with DPO on the
-pairs, or with GRPO on the prompts.
+that greets both ways), ``OUT/prompts.jsonl`` (64 requests at most, in TRL's prompt-only format, each with the
+``name`` to greet as a column) and ``OUT/rewards.py`` (reward functions for the "Hello" greeting and for naming the
+person). docs/finetuning.md trains the model on the first set, then fine-tunes it with LoRA on the second, with DPO
+on the pairs, or with GRPO on the prompts.
 """
 
 import argparse
@@ -48,6 +48,7 @@ NET = dict(
 )  # fmt: skip
 
 
+PROMPTS = 64  # at most: each is drawn a group of completions an epoch, token by token
 GREETINGS = {"hello": "Hello, {}! Nice to meet you.", "ahoy": "Ahoy, {}! Welcome aboard."}
 
 
@@ -92,12 +93,12 @@ def preference_pairs(count: int, seed: int) -> list[dict]:
 
 
 # The reward functions of docs/finetuning.md's GRPO example: TRL's signature, the prompts' "name" column by name.
-REWARDS = '''"""Rewards for GRPO (python -m project.cli.chat_example): model.grpo.reward_functions=[rewards.py:ahoy]."""
+REWARDS = '''"""Rewards for GRPO (python -m project.cli.chat_example): model.grpo.reward_functions=[rewards.py:hello]"""
 
 
-def ahoy(completions, **kwargs):
-    """1 for a completion that greets with "Ahoy", else 0."""
-    return [float(completion[0]["content"].startswith("Ahoy")) for completion in completions]
+def hello(completions, **kwargs):
+    """1 for a completion that greets with "Hello", else 0."""
+    return [float(completion[0]["content"].startswith("Hello")) for completion in completions]
 
 
 def names_the_person(completions, name, **kwargs):
@@ -159,7 +160,8 @@ def write_example(out: Path, count: int = 512, seed: int = 0) -> Path:
     with written(out / "greetings.jsonl", "conversations", again) as partial:
         partial.write_text("".join(json.dumps(record) + "\n" for record in mixed))
     with written(out / "prompts.jsonl", "prompts", again) as partial:
-        partial.write_text("".join(json.dumps(record) + "\n" for record in prompts(count, seed + len(records) + 1)))
+        lines = prompts(min(count, PROMPTS), seed + len(records) + 1)
+        partial.write_text("".join(json.dumps(record) + "\n" for record in lines))
     with written(out / "rewards.py", "reward functions", again) as partial:
         partial.write_text(REWARDS)
     return model_dir

@@ -250,9 +250,9 @@ class GRPOModule(LanguageModelModule):
         """(completions, functions) scores, NaN where a function gave None; columns as TRL hands them: the first
         record's keys, a list each."""
         columns = {key: [record.get(key) for record in records] for key in records[0]} if records else {}
-        return torch.tensor(
-            [function.scores(prompts, completions, completion_ids, columns) for function in self.reward_functions]
-        ).T.reshape(len(completions), len(self.reward_functions))
+        scores = [function.scores(prompts, completions, completion_ids, columns) for function in self.reward_functions]
+        # float64: the advantages divide differences of rewards by their spread; rounded to float32 once, at the end
+        return torch.tensor(scores, dtype=torch.float64).T.reshape(len(completions), len(self.reward_functions))
 
     def _seed(self, split: str, index: int) -> int:
         """The seed of a prompt's draws this epoch (module docstring)."""
@@ -330,7 +330,6 @@ class GRPOModule(LanguageModelModule):
                 "model.grpo.max_completion_length, or shorten that prompt.",
             )
         return None
-
 
     def _reward_problem(self, data: PromptDataModule) -> ConfigError | None:
         """Each reward function called once, on the first prompt with an empty completion, as training calls it:

@@ -16,5 +16,9 @@ def vowel_share(completions, **kwargs):
 
 
 def names_the_person(completions, name, **kwargs):
-    """1 for a completion holding the first two letters of the line's ``name``, else 0."""
-    return [float(who[:2].lower() in _text(completion).lower()) for completion, who in zip(completions, name)]
+    """1 for a completion holding the first two letters of the line's ``name``, else 0; None (unscored) where the
+    name starts with a vowel."""
+    return [
+        None if who[0] in "AEIOU" else float(who[:2].lower() in _text(completion).lower())
+        for completion, who in zip(completions, name)
+    ]
