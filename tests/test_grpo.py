@@ -3,6 +3,7 @@
 
 import hashlib
 import importlib
+import json
 import math
 import statistics
 import sys
@@ -395,3 +396,25 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_e
     for key in expected[0]:  # on-policy the loss is a sum of terms near 1 that cancel to near 0: held to 1e-6 apart
         assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
     assert all(row["train/frac_reward_zero_std"] < 1 for row in expected)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_goes_on_as_the_straight_one(prompt_example, tmp_path, home):
+    """GRPO with LoRA and the KL term (the base as reference) on one device, no learning-rate schedule: epoch 1
+    resumed from epoch 0's checkpoint draws the same completions and gives the straight run's numbers, KL included
+    (a resumed run's draws are seeded by epoch and prompt, nothing to save)."""
+    model_dir, prompts = prompt_example
+    run = [*GRPO_OVERRIDES, f"data.path={prompts}", f"model.init_from={model_dir}", "model.scheduler=null"]
+    run += ["model.lora.rank=8", "model.lora.dropout=0", "model.grpo.beta=0.04", "logger=csv"]
+    train([*run, f"hydra.run.dir={tmp_path / 'straight'}"], home)
+    train([*run, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}"], home)
+    first = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    train([*run, f"hydra.run.dir={tmp_path / 'resumed'}", f"ckpt_path={first}"], home)
+    straight, resumed = (
+        json.loads((tmp_path / name / "result.json").read_text())["history"] for name in ("straight", "resumed")
+    )
+    assert len(resumed) == 2 and straight[1]["train/kl"] > 0
+    keys = [key for key in straight[1] if key.startswith(("train/", "val/"))]
+    assert {"train/kl", "val/reward", "train/rewards/vowel_share/mean"} <= set(keys)
+    for key in keys:
+        assert resumed[1][key] == pytest.approx(straight[1][key], rel=1e-5, abs=1e-6), key
