@@ -384,7 +384,8 @@ _HAND_WRITTEN: list[list[dict[str, float]]] = []
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp"])
 def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_example, strategy):
     """Each epoch's loss, rewards (each function's too), lengths and entropy, training and validation, in the run's
-    W&B history, equal the hand-written loop's to 1e-5; and the rewards moved: not every group alike."""
+    W&B history, equal the hand-written loop's to 1e-5; and the rewards moved: not every group alike. The run's W&B
+    table of completions holds each epoch's first validation batch."""
     from test_config import compose_train
 
     model_dir, prompts = prompt_example
@@ -396,6 +397,8 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_e
     for key in expected[0]:  # on-policy the loss is a sum of terms near 1 that cancel to near 0: held to 1e-6 apart
         assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
     assert all(row["train/frac_reward_zero_std"] < 1 for row in expected)
+    table = run.summary["completions"]  # each epoch's first validation batch, rank 0's: 4 prompts, or 2 a replica
+    assert table["_type"] == "table-file" and table["nrows"] == 2 * 4 * (4 if strategy == "auto" else 2)
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ from project.job.job import Job
 from project.job.task import Loss, MetricSums
 from project.models.generation import sample_group
 from project.models.lora import LoRALinear
+from project.observability.loggers import EpochWandbLogger
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from project.tasks.group_relative import (
@@ -102,6 +103,7 @@ class Rollout:
     reference: torch.Tensor | None
     step_tokens_per_rank: torch.Tensor
     sums: MetricSums  # the step's reward and length metrics
+    shown: list[dict[str, object]]  # this rank's prompts, completions and rewards, as the W&B table shows them
 
 
 REWARD_METRICS = (
@@ -147,6 +149,8 @@ class GRPOModule(LanguageModelModule):
         self.train_metrics = nn.ModuleDict({name: SampleMean() for name in names})
         self.val_metrics = nn.ModuleDict({name: SampleMean() for name in names})
         self.rollout: Rollout | None = None  # the batch under way's
+        # The W&B table "completions": the first validation batch's completions of each epoch, rank 0's.
+        self.completion_rows: list[dict[str, object]] = []
 
     # The step
 
@@ -159,6 +163,18 @@ class GRPOModule(LanguageModelModule):
         self.meter(split, loss)
         self.log_metrics(split)
         return loss.value
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self._step("val", batch)
+        if batch_idx == 0 and not self.trainer.sanity_checking and self.trainer.is_global_zero:
+            assert self.rollout is not None
+            self.completion_rows += [{"epoch": self.current_epoch, **row} for row in self.rollout.shown]
+
+    def on_validation_epoch_end(self) -> None:
+        super().on_validation_epoch_end()
+        for logger in self.loggers:
+            if isinstance(logger, EpochWandbLogger) and self.completion_rows:
+                logger.log_summary_table("completions", self.completion_rows)
 
     def loss(self, outputs: torch.Tensor, target: torch.Tensor) -> Loss:
         """The policy loss of the logits ``outputs`` of the rollout's rows (the target's last column: their indices
@@ -237,6 +253,17 @@ class GRPOModule(LanguageModelModule):
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         reference = self._reference(inputs, targets) if grpo.beta else None
         sums = _reward_sums(self.reward_functions, all_scores, rewards, zero_std, all_lengths, all_clipped)
+        shown = [
+            {
+                "prompt": given if isinstance(given, str) else given[-1]["content"],
+                "completion": completion if isinstance(completion, str) else completion[0]["content"],
+                "reward": float(reward),
+                "advantage": float(advantage),
+            }
+            for given, completion, reward, advantage in zip(
+                prompts_given, completions, rewards[mine], advantages[mine], strict=True
+            )
+        ]
         return Rollout(
             inputs,
             targets,
@@ -244,6 +271,7 @@ class GRPOModule(LanguageModelModule):
             reference,
             torch.tensor(float(all_lengths.sum()) / replicas, device=self.device),
             sums,
+            shown,
         )
 
     def _scores(self, prompts: list, completions: list, completion_ids: list, records: list[dict]) -> torch.Tensor:
