@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import only_run, run_command, train, two_job_sweep
-from helpers.reference import build_optimizer, epoch_order, lr_factor
+from helpers.reference import build_optimizer, epoch_order, lr_factor, with_peft_lora
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -247,9 +247,13 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
     module = importlib.import_module("helpers.grpo_rewards")
     functions = [getattr(module, spec.rpartition(":")[2]) for spec in grpo.reward_functions]
     weights = torch.tensor(list(grpo.reward_weights))
-    with torch.device("meta"):  # the shape of the model dir's config.json, as model.init_from gives it
-        net = instantiate(OmegaConf.merge(cfg.model.net, net_options(read_config(cfg.model.init_from))))
+    # The shape of the model dir's config.json, as model.init_from gives it.
+    cfg = OmegaConf.merge(cfg, {"model": {"net": net_options(read_config(cfg.model.init_from))}})
+    with torch.device("meta"):
+        net = instantiate(cfg.model.net)
     materialize(net, torch.device("cpu"), cfg.seed, HFWeights(cfg.model.init_from))
+    if cfg.model.lora.rank:
+        net = with_peft_lora(net, cfg)
     train_prompts = data.num_train_samples
     accumulate, epochs = cfg.trainer.accumulate_grad_batches, cfg.trainer.max_epochs
     batches = train_prompts // global_batch
@@ -366,7 +370,8 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
 @pytest.fixture(scope="session")
 def grpo_runs(prompt_example, runs_dir, home) -> dict[str, Path]:
     """GRPO of the greeting base on the example's prompts: on one device (4 prompts a batch), and under ddp and fsdp
-    (2 replicas of 2 prompts) over 2 processes; each prompt drawn 4 times, 2 batches accumulated a step."""
+    (2 replicas of 2 prompts) over 2 processes, and fsdp with LoRA adapters; each prompt drawn 4 times, 2 batches
+    accumulated a step."""
     model_dir, prompts = prompt_example
     data = [f"data.path={prompts}", f"model.init_from={model_dir}"]
     sweep = [*GRPO_OVERRIDES, *data, "data.batch_size=2", "trainer.devices=2", "strategy=ddp,fsdp"]
@@ -374,14 +379,19 @@ def grpo_runs(prompt_example, runs_dir, home) -> dict[str, Path]:
     single = runs_dir / "grpo-single"
     if not (single / "result.json").is_file():
         train([*GRPO_OVERRIDES, *data, f"hydra.run.dir={single}"], home)
-    return {"auto": single, "ddp": sweep_dir / "0", "fsdp": sweep_dir / "1"}
+    lora = runs_dir / "grpo-fsdp-lora"
+    if not (lora / "result.json").is_file():
+        train([*GRPO_OVERRIDES, *data, *LORA, "data.batch_size=2", "trainer.devices=2", "strategy=fsdp",
+               f"hydra.run.dir={lora}"], home)  # fmt: skip
+    return {"auto": single, "ddp": sweep_dir / "0", "fsdp": sweep_dir / "1", "fsdp+lora": lora}
 
 
-_HAND_WRITTEN: list[list[dict[str, float]]] = []
+LORA = ["model.lora.rank=8", "model.lora.dropout=0", "model.optimizer.lr=0.01"]
+_HAND_WRITTEN: dict[bool, list[dict[str, float]]] = {}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "fsdp+lora"])
 def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_example, strategy):
     """Each epoch's loss, rewards (each function's too), lengths and entropy, training and validation, in the run's
     W&B history, equal the hand-written loop's to 1e-5; and the rewards moved: not every group alike. The run's W&B
@@ -389,16 +399,19 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_e
     from test_config import compose_train
 
     model_dir, prompts = prompt_example
-    if not _HAND_WRITTEN:
-        cfg = compose_train([*GRPO_OVERRIDES, f"data.path={prompts}", f"model.init_from={model_dir}"])
-        _HAND_WRITTEN.append(hand_written_grpo(cfg, global_batch=4))
-    expected = _HAND_WRITTEN[0]
+    lora = strategy.endswith("+lora")
+    if lora not in _HAND_WRITTEN:
+        run = [*GRPO_OVERRIDES, f"data.path={prompts}", f"model.init_from={model_dir}", *(LORA if lora else [])]
+        _HAND_WRITTEN[lora] = hand_written_grpo(compose_train(run), global_batch=4)
+    expected = _HAND_WRITTEN[lora]
     run = only_run(grpo_runs[strategy])
     for key in expected[0]:  # on-policy the loss is a sum of terms near 1 that cancel to near 0: held to 1e-6 apart
         assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
     assert all(row["train/frac_reward_zero_std"] < 1 for row in expected)
     table = run.summary["completions"]  # each epoch's first validation batch, rank 0's: 4 prompts, or 2 a replica
     assert table["_type"] == "table-file" and table["nrows"] == 2 * 4 * (4 if strategy == "auto" else 2)
+    if lora:
+        assert "LoRA (rank 8 on q, v)" in (grpo_runs[strategy] / "train.log").read_text()
 
 
 @pytest.mark.slow
