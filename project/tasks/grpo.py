@@ -184,7 +184,7 @@ class GRPOModule(LanguageModelModule):
         mask = target != IGNORE_INDEX
         rollout = self.rollout
         if rollout is None:
-            advantages, reference, tokens = torch.zeros(len(target), device=outputs.device), None, mask.sum()
+            advantages, tokens = torch.zeros(len(target), device=outputs.device), mask.sum()
             reference = torch.zeros_like(log_probs) if self.grpo.beta else None
         else:
             advantages, tokens = rollout.advantages[rows], rollout.step_tokens_per_rank
@@ -238,10 +238,8 @@ class GRPOModule(LanguageModelModule):
                     columns.append(record)
                     lengths.append(end)
         scores = self._scores(prompts_given, completions, [ids for _, ids in rows], columns)
-        clipped = [
-            length == grpo.max_completion_length and ids[-1:] not in [[s] for s in stop]
-            for length, (_, ids) in zip(lengths, rows, strict=True)
-        ]
+        # Cut at the limit: as long as it allows, and not ended by a stop token.
+        clipped = [len(ids) == grpo.max_completion_length and ids[-1] not in stop for _, ids in rows]
         local = torch.cat([scores, torch.tensor([lengths, clipped], dtype=scores.dtype).T], 1)
         everyone = self._gathered(local.to(self.device)).cpu()  # (replicas x completions, functions + 2)
         all_scores, all_lengths, all_clipped = everyone[:, :-2], everyone[:, -2], everyone[:, -1]
