@@ -99,6 +99,17 @@ class PromptDataModule(TemplatedDataModule):
         """The ``index``-th prompt of the file: where it is, the prompt as given (text or messages), its columns."""
         return self.records[index]
 
+    @functools.cached_property
+    def stop_tokens(self) -> set[int]:
+        """The tokens a completion ends at (kept): the template's end of turn and the tokenizer's end of sequence."""
+        renderer = self.renderer
+        eos = renderer.template.special_tokens.get("eos_token")
+        tokens = (
+            renderer.template.end_of_turn(renderer.tokenizer),
+            None if eos is None else renderer.tokenizer.token_to_id(eos),
+        )
+        return {token for token in tokens if token is not None}
+
     @property
     def longest_prompt(self) -> tuple[int, str]:
         """The most tokens a prompt has, and where that prompt is."""

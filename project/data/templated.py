@@ -109,15 +109,20 @@ class ChatRenderer:
             ) from None
 
     def rows(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs: each sequence but its last token, then padding to ``seq_length``; targets: the next token where it
-        is trained, else ``IGNORE_INDEX``."""
-        inputs = torch.full((len(sequences), self.seq_length), PAD_ID, dtype=torch.long)
-        targets = torch.full((len(sequences), self.seq_length), IGNORE_INDEX, dtype=torch.long)
-        for row, (ids, mask) in enumerate(sequences):
-            tokens, trained = torch.tensor(ids), torch.tensor(mask)
-            inputs[row, : len(ids) - 1] = tokens[:-1]
-            targets[row, : len(ids) - 1] = torch.where(trained[1:], tokens[1:], IGNORE_INDEX)
-        return inputs, targets
+        """``token_rows`` of ``seq_length`` tokens."""
+        return token_rows(sequences, self.seq_length)
+
+
+def token_rows(sequences: list[Sequence], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs: each sequence but its last token, then padding to ``width``; targets: the next token where it is
+    trained, else ``IGNORE_INDEX``."""
+    inputs = torch.full((len(sequences), width), PAD_ID, dtype=torch.long)
+    targets = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
+    for row, (ids, mask) in enumerate(sequences):
+        tokens, trained = torch.tensor(ids), torch.tensor(mask)
+        inputs[row, : len(ids) - 1] = tokens[:-1]
+        targets[row, : len(ids) - 1] = torch.where(trained[1:], tokens[1:], IGNORE_INDEX)
+    return inputs, targets
 
 
 def _after_prompt(prompt_ids: list[int], whole: list[list[int]]) -> list[Sequence]:

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from project.data.datamodule import DataModule, split_index_column, trainer_data
 from project.data.prompts import PromptDataModule
 from project.data.targets import IGNORE_INDEX
+from project.data.templated import token_rows
 from project.job.job import Job
 from project.job.task import Loss, MetricSums
 from project.models.generation import sample_group
@@ -210,7 +210,7 @@ class GRPOModule(LanguageModelModule):
         data = cast(PromptDataModule, trainer_data(self.trainer))
         grpo = self.grpo
         tokenizer = data.renderer.tokenizer
-        stop = {token for token in (data.renderer.template.end_of_turn(tokenizer), _eos(data)) if token is not None}
+        stop = data.stop_tokens
         sharded = any(isinstance(parameter, DTensor) for parameter in self.net.parameters())
         rows, completions, prompts_given, columns, lengths = [], [], [], [], []
         with self._generating():
@@ -241,13 +241,17 @@ class GRPOModule(LanguageModelModule):
         # Cut at the limit: as long as it allows, and not ended by a stop token.
         clipped = [len(ids) == grpo.max_completion_length and ids[-1] not in stop for _, ids in rows]
         local = torch.cat([scores, torch.tensor([lengths, clipped], dtype=scores.dtype).T], 1)
-        everyone = self._gathered(local.to(self.device)).cpu()  # (replicas x completions, functions + 2)
+        # Every replica's, in rank order: (replicas x completions, functions + 2).
+        everyone = cast(torch.Tensor, self.all_gather(local.to(self.device))).reshape(-1, local.shape[1]).cpu()
         all_scores, all_lengths, all_clipped = everyone[:, :-2], everyone[:, -2], everyone[:, -1]
         rewards = completion_rewards(all_scores, self.reward_weights)
         advantages, zero_std = group_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
         replicas = len(everyone) // len(local)
-        mine = slice(self._replica() * len(local), (self._replica() + 1) * len(local))
-        inputs, targets = _rows(rows)
+        rank = self.trainer.global_rank  # every rank a data-parallel replica (``problem``)
+        mine = slice(rank * len(local), (rank + 1) * len(local))
+        # Each prompt and one of its completions, the completion's tokens trained, padded to the longest.
+        sequences = [(prompt + ids, [False] * len(prompt) + [True] * len(ids)) for prompt, ids in rows]
+        inputs, targets = token_rows(sequences, max(len(ids) for ids, _ in sequences) - 1)
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         reference = self._reference(inputs, targets) if grpo.beta else None
         sums = _reward_sums(self.reward_functions, all_scores, rewards, zero_std, all_lengths, all_clipped)
@@ -310,17 +314,6 @@ class GRPOModule(LanguageModelModule):
                 for module, scaling in zip(adapted, scalings, strict=True):
                     module.scaling = scaling
 
-    def _replica(self) -> int:
-        return self.trainer.global_rank
-
-    def _gathered(self, local: torch.Tensor) -> torch.Tensor:
-        """Every replica's ``local`` rows, in rank order (one collective)."""
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return local
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, local.contiguous())
-        return torch.cat(parts)
-
     # The rules
 
     def problem(self, job: Job) -> ConfigError | None:
@@ -375,24 +368,6 @@ class GRPOModule(LanguageModelModule):
                     "by name, and returns one number (or None) per completion, as TRL's reward functions do.",
                 )
         return None
-
-
-def _eos(data: PromptDataModule) -> int | None:
-    token = data.renderer.template.special_tokens.get("eos_token")
-    return None if token is None else data.renderer.tokenizer.token_to_id(token)
-
-
-def _rows(rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each (prompt, completion) as a row: inputs all but the last token, targets the completion's tokens where
-    they are predicted (``IGNORE_INDEX`` elsewhere), padded at the end to the longest."""
-    width = max(len(prompt) + len(completion) for prompt, completion in rows) - 1
-    inputs = torch.zeros(len(rows), width, dtype=torch.long)
-    targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    for row, (prompt, completion) in enumerate(rows):
-        whole = torch.tensor(prompt + completion)
-        inputs[row, : len(whole) - 1] = whole[:-1]
-        targets[row, len(prompt) - 1 : len(whole) - 1] = whole[len(prompt) :]
-    return inputs, targets
 
 
 def _reward_sums(
