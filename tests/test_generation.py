@@ -12,7 +12,8 @@ from conftest import TINY_GPT, only_run, run_command, train
 from project.checkpointing.hf import HFWeights, net_options, read_config
 from project.data.codecs import BytesCodec
 from project.models import GPT, Llama
-from project.models.generation import generate
+from project.models.generation import generate, sample_group
+from project.models.kv_cache import KeyValueCache
 from project.parallel.parallelize import materialize
 
 transformers = pytest.importorskip("transformers")
@@ -41,6 +42,60 @@ def test_greedy_generation_is_transformers_greedy_generation(tmp_path):
     prompt = [5, 17, 3, 42]
     expected = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert generate(net.eval(), prompt, max_new_tokens=20, temperature=0) == expected[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt"])
+def test_passes_over_a_key_value_cache_give_the_whole_contexts_logits(family):
+    """Rotary positions (grouped-query heads; Qwen 3's wider, normalised ones) and GPT's learned positions: the
+    prompt's pass and each later one-token pass over the cache give the logits of the whole context run again."""
+    torch.manual_seed(0)
+    if family == "gpt":
+        net = GPT(vocab_size=61, max_length=32, num_layers=2, dim=32, num_heads=4).eval()
+    else:
+        qwen3 = dict(head_dim=16, qk_norm=True) if family == "qwen3" else {}
+        net = Llama(61, 32, 2, 32, 4, 2, 48, **qwen3).eval()
+    context = torch.randint(0, 61, (3, 5))
+    cache = KeyValueCache(len(net.blocks), 12)
+    with torch.no_grad():
+        torch.testing.assert_close(net(context, cache=cache), net(context), atol=1e-5, rtol=1e-5)
+        for _ in range(6):
+            token = torch.randint(0, 61, (3, 1))
+            context = torch.cat([context, token], 1)
+            torch.testing.assert_close(net(token, cache=cache)[:, -1], net(context)[:, -1], atol=1e-5, rtol=1e-5)
+    assert cache.length == 11
+
+
+def test_a_group_drawn_over_the_cache_at_top_k_1_is_transformers_greedy_generation(tmp_path):
+    """A random Qwen3ForCausalLM, loaded here: each completion of a group drawn with only the most likely token
+    allowed is what transformers' generate(do_sample=False), over its own cache, writes; the stop token ends it."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        vocab_size=61,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    reference = transformers.Qwen3ForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        net = Llama(**net_options(read_config(tmp_path)))
+    materialize(net, torch.device("cpu"), seed=0, weights=HFWeights(tmp_path))
+    prompt = [5, 17, 3, 42]
+    expected = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    expected = expected[0, len(prompt) :].tolist()
+    drawn, lengths = sample_group(net.eval(), torch.tensor(prompt), 3, 16, torch.Generator(), {-1}, top_k=1)
+    assert drawn.tolist() == [expected] * 3 and lengths.tolist() == [16] * 3
+    stop = expected[6]  # its first appearance ends each completion there, kept
+    end = expected.index(stop) + 1
+    drawn, lengths = sample_group(net, torch.tensor(prompt), 2, 16, torch.Generator(), {stop}, top_k=1)
+    assert lengths.tolist() == [end] * 2 and drawn[:, :end].tolist() == [expected[:end]] * 2
+    assert not drawn[:, end:].any()
 
 
 def test_sampling_follows_temperature_and_top_k():

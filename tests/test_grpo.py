@@ -5,23 +5,30 @@ import hashlib
 import importlib
 import json
 import math
+import os
+import re
 import statistics
+import subprocess
 import sys
+import textwrap
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import only_run, run_command, train, two_job_sweep
+from conftest import REPO, isolated_env, only_run, run_command, train, two_job_sweep
 from helpers.reference import build_optimizer, epoch_order, lr_factor, with_peft_lora
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from test_memory_plan import resolved
 
 from project.checkpointing.hf import HFWeights, net_options, read_config
 from project.cli.chat_example import write_example
 from project.data.targets import IGNORE_INDEX
 from project.parallel.parallelize import materialize
+from project.plan.memory_plan import plan_memory
+from project.plan.simulate import generation_flops
 from project.tasks.group_relative import (
     PolicyLoss,
     completion_rewards,
@@ -434,3 +441,70 @@ def test_a_resumed_run_goes_on_as_the_straight_one(prompt_example, tmp_path, hom
     assert {"train/kl", "val/reward", "train/rewards/vowel_share/mean"} <= set(keys)
     for key in keys:
         assert resumed[1][key] == pytest.approx(straight[1][key], rel=1e-5, abs=1e-6), key
+
+
+def test_the_plan_prices_each_steps_completions_as_arithmetic_says(tmp_path):
+    """GRPO of the example's tiny Qwen 3 under fsdp over 2 H100s in bf16, planned: the step trains batch x
+    num_generations rows; the generation inside it holds a key/value cache of 2 (keys, values) x blocks x rows x
+    key/value heads x head width x (prompt + completion) positions at 2 bytes, and the whole model gathered at 2
+    bytes a parameter; its FLOPs are torch's formulas' (2 a weight a token for each matmul, 4 a query, key and
+    head dimension for attention) of each prompt's pass over its group's rows, then of the one-token passes, whose
+    keys grow by one a pass."""
+    model_dir = write_example(tmp_path, count=40)
+    rows, new, length, batch = 4, 16, 40, 2
+    job = resolved(
+        [
+            "experiment=grpo",
+            "model=qwen3",
+            f"model.init_from={model_dir}",
+            f"data.path={tmp_path / 'prompts.jsonl'}",
+            f"model.grpo.reward_functions=[{tmp_path / 'rewards.py'}:hello]",
+            f"model.grpo.num_generations={rows}",
+            f"model.grpo.max_completion_length={new}",
+            f"data.seq_length={length}",
+            f"data.batch_size={batch}",
+            "strategy=fsdp",
+            "trainer.devices=2",
+            "cluster=h100_sxm_8x",
+            "trainer.precision=bf16-mixed",
+        ]
+    )
+    assert job.data.sequences_per_sample == rows and job.tokens_per_step == batch * rows * length
+    generation = plan_memory(job, suggest=False).generation
+    assert generation is not None and generation.prompts == batch
+    net = job.meta_net()
+    attention = net.blocks[0].attention
+    layers, heads, kv_heads, width = len(net.blocks), attention.num_heads, attention.num_kv_heads, attention.head_dim
+    prompt = length + 1 - new
+    assert generation.cache == 2 * layers * rows * kv_heads * width * (prompt + new) * 2
+    parameters = sum(parameter.numel() for parameter in net.parameters())
+    assert generation.gathered == pytest.approx(2 * parameters, rel=0.01)  # FSDP pads each to a multiple of 2 rows
+    weights = sum(module.weight.numel() for module in net.modules() if isinstance(module, torch.nn.Linear))
+    prompt_pass = rows * prompt * 2 * weights + layers * 4 * rows * heads * width * prompt * prompt
+    token_passes = sum(rows * (2 * weights + layers * 4 * heads * width * (prompt + step)) for step in range(1, new))
+    assert generation_flops(generation) == batch * (prompt_pass + token_passes)
+
+
+@pytest.mark.slow
+def test_the_pages_qwen3_plan_prints_its_draws_as_stated(tmp_path, home):
+    """docs/finetuning.md's plan of GRPO on Qwen 3 0.6B over 8 H100s, run as the page says: it prints the draws'
+    line the page shows, and the step's prediction with the generating time the page states."""
+    page = (REPO / "docs" / "finetuning.md").read_text()
+    block = next(body for body in list_item_blocks(page, "bash") if "experiment=grpo model=qwen3_0_6b" in body)
+    stated = next(body for body in list_item_blocks(page, "text") if "Generating" in body)
+    for name in ("train.py", "conf"):
+        (tmp_path / name).symlink_to(REPO / name)
+    env = {**isolated_env(home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(
+        ["bash", "-e", "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    drawn, fits, predicted = stated.splitlines()
+    assert drawn in result.stdout.splitlines() and fits in result.stdout.splitlines()
+    generating = re.search(r"Of the step, generating takes .*", predicted).group(0)
+    assert generating in result.stdout
+
+
+def list_item_blocks(page: str, language: str) -> list[str]:
+    """The fenced blocks of ``language`` inside a list item of ``page`` (indented), dedented."""
+    return [textwrap.dedent(body) for _, body in re.findall(rf"^( +)```{language}\n(.*?)^\1```$", page, re.S | re.M)]

@@ -109,6 +109,7 @@ def build_job(cfg: DictConfig, layout: Layout, model: Model, ckpt_path: str | No
     becomes a job: ``project.config.checks.check_config`` builds it once, and the planner changes it, never the
     config."""
     choices = cfg.get("choices") or {}
+    _, module = model.meta_model()
     return Job(
         layout=layout,
         model=model,
@@ -121,7 +122,8 @@ def build_job(cfg: DictConfig, layout: Layout, model: Model, ckpt_path: str | No
         precision=cast(str, _convert_precision_to_unified_args(cfg.trainer.precision)),
         accelerator=str(cfg.trainer.accelerator),
         uses_cuda=uses_cuda(cfg),
-        data=data.shape,
+        data=module.step_shape(data.shape),
+        generation=module.generation(data.shape),
         train_samples=data.num_train_samples,
         val_samples=data.num_val_samples,
         validation=ValidationSchedule(

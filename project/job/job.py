@@ -20,7 +20,7 @@ from project.data.datamodule import DataShape
 from project.job.cluster import Cluster
 from project.job.layout import Layout
 from project.job.model_option import Target
-from project.job.task import TaskModule
+from project.job.task import Generation, TaskModule
 from project.models.sequence import BlockSequence
 from project.options.errors import built
 from project.options.option_types import PositiveInt
@@ -144,7 +144,8 @@ class Job:
     precision: str  # Lightning's name for it: 32-true, bf16-mixed...
     accelerator: str  # trainer.accelerator
     uses_cuda: bool  # whether it trains on CUDA GPUs (accelerator gpu, or auto on a machine with them)
-    data: DataShape
+    data: DataShape  # the rows a training step runs (``TaskModule.step_shape``)
+    generation: Generation | None  # what the task draws inside each step (``TaskModule.generation``), or None
     train_samples: int
     val_samples: int
     validation: ValidationSchedule
@@ -226,6 +227,7 @@ class Job:
         simulated = {
             "model": stable(self.model),
             "data": stable(self.data),
+            "generation": stable(self.generation),
             "layout": stable(self.layout),
             "figures": [self.devices, self.nodes, self.batch_size, self.accumulate, self.precision, self.on_gpus],
         }

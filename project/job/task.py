@@ -11,6 +11,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from project.data.datamodule import DataShape
 from project.job.model_option import ModelOption, Target
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
@@ -54,6 +55,19 @@ class Precomputation:
         return train_samples + val_samples
 
 
+@dataclass(frozen=True)
+class Generation:
+    """What a task draws from its model inside each training step, before the step's forward (GRPO's completions),
+    which the plan simulates and prices: for each prompt of a replica's batch, ``sequences`` completions drawn
+    together after a prompt of at most ``prompt_tokens`` tokens, each of at most ``new_tokens``: the prompt's pass
+    over the group's rows, then passes of one token a row over a key/value cache, the model's FSDP units gathered
+    once for the whole draw (``project.models.generation.sample_group``)."""
+
+    sequences: int
+    prompt_tokens: int
+    new_tokens: int
+
+
 class TaskModule(Protocol):
     """What the strategies, the layouts, the memory plan and the job's rules use of a task's LightningModule
     (``project.tasks.base.TrainingModule``), for type checking."""
@@ -83,3 +97,7 @@ class TaskModule(Protocol):
     def log_metrics(self, split: str) -> None: ...
 
     def problem(self, job: "Job") -> ConfigError | None: ...
+
+    def step_shape(self, shape: DataShape) -> DataShape: ...
+
+    def generation(self, shape: DataShape) -> Generation | None: ...

@@ -4,6 +4,9 @@ completions of one prompt drawn together (GRPO's)."""
 import torch
 from torch import nn
 
+from project.models.kv_cache import KeyValueCache
+from project.models.sequence import BlockSequence
+
 
 def check_settings(max_new_tokens: int, temperature: float, top_k: int | None) -> str | None:
     """What is wrong with these sampling settings (the setting's name first), or None."""
@@ -68,7 +71,7 @@ def draw(
 
 @torch.no_grad()
 def sample_group(
-    net: nn.Module,
+    net: BlockSequence,
     prompt: torch.Tensor,
     count: int,
     max_new_tokens: int,
@@ -77,28 +80,28 @@ def sample_group(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    lockstep: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``count`` completions of ``prompt`` (its token ids, on the net's device), drawn together (``draw``) from
     ``generator``, each up to ``max_new_tokens`` tokens and ending at the first token of ``stop`` (kept): their
-    tokens (count, max_new_tokens), the positions after each one's end 0, and each one's length. Every step runs the
-    whole context (no key/value cache). ``lockstep``: run every step even once all have ended, as the ranks of a
-    sharded net must run the same forwards (each gathers shards)."""
+    tokens (count, max_new_tokens), the positions after each one's end 0, and each one's length. The prompt's pass
+    runs once for the group's rows, each later pass one token a row, over the keys and values a ``KeyValueCache``
+    keeps. A sharded net's units must be gathered around it (``gathered_throughout``): its ranks stop apart."""
     device = prompt.device
+    cache = KeyValueCache(len(net.blocks), len(prompt) + max_new_tokens)
     tokens = prompt.expand(count, -1)
     drawn = torch.zeros(count, max_new_tokens, dtype=torch.long)
     lengths = torch.full((count,), max_new_tokens)
     ended = torch.zeros(count, dtype=torch.bool)
     stops = torch.tensor(sorted(stop), dtype=torch.long)
     for step in range(max_new_tokens):
-        logits = net(tokens)[:, -1].float().cpu()
+        logits = net(tokens, cache=cache)[:, -1].float().cpu()
         token = draw(logits, generator, temperature, top_k, top_p)
         drawn[:, step] = token
         ending = ~ended & torch.isin(token, stops)
         lengths[ending] = step + 1
         ended |= ending
-        if ended.all() and not lockstep:
+        if ended.all():
             break
-        tokens = torch.cat([tokens, token[:, None].to(device)], dim=1)
+        tokens = token[:, None].to(device)
     after = torch.arange(max_new_tokens)[None] >= lengths[:, None]
     return drawn.masked_fill(after, 0), lengths

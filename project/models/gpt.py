@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from project.models.kv_cache import LayerCache
 from project.models.linear_cross_entropy import LOGITS_PER_CHUNK, linear_cross_entropy
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
@@ -31,14 +32,19 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.dropout = dropout
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """``cache``: the keys and values of the positions before ``x``'s, extended with ``x``'s (generation)."""
         batch, length, _ = x.shape
+        start = 0 if cache is None else cache.length
         q, k, v = (
             projection(x).view(batch, length, -1, self.head_dim).transpose(1, 2)
             for projection in (self.q, self.k, self.v)
         )
+        if cache is not None:
+            k, v = cache.extend(k, v)
         dropout = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        # After a cache's first pass, one token sees every position before it: no mask.
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=start == 0)
         return self.proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -66,8 +72,8 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = MLP(dim, dropout, gelu_approximate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x), cache=cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -80,8 +86,9 @@ class Embedding(nn.Module):
         self.positions = nn.Embedding(max_length, dim)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """``start``: the first token's position (after a key/value cache's)."""
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         return self.dropout(self.tokens(tokens) + self.positions(positions))
 
 

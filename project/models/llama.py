@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from project.models.gpt import LMHead
+from project.models.kv_cache import LayerCache
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import PositiveFloat, PositiveInt
@@ -42,10 +43,10 @@ def rope_frequencies(
     return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
-def rotate(x: torch.Tensor, frequencies: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, frequencies: torch.Tensor, start: int = 0) -> torch.Tensor:
     """Rotate each head's (i, i + head_dim / 2) pairs of ``x`` (batch, heads, length, head_dim) by position x
-    frequency, the angles in float32."""
-    positions = torch.arange(x.shape[2], device=x.device, dtype=torch.float32)
+    frequency, the angles in float32; ``start``: the first row's position (after a key/value cache's)."""
+    positions = torch.arange(start, start + x.shape[2], device=x.device, dtype=torch.float32)
     angles = torch.outer(positions, frequencies)
     angles = torch.cat([angles, angles], dim=-1)
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
@@ -82,8 +83,10 @@ class Attention(nn.Module):
         # Checked here, where Llama's and the mixture's blocks both take it: a degenerate rule gives NaN frequencies
         self.rope_theta, self.rope_scaling = rope[0], rope_scaling_checked(rope[1])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """``cache``: the keys and values of the positions before ``x``'s, extended with ``x``'s (generation)."""
         batch, length, _ = x.shape
+        start = 0 if cache is None else cache.length
         # -1: the heads the projections computed (all of them, or a tensor-parallel rank's share, in proportion).
         q, k, v = (projection(x).view(batch, length, -1, self.head_dim) for projection in (self.q, self.k, self.v))
         if self.q_norm is not None and self.k_norm is not None:
@@ -92,8 +95,12 @@ class Attention(nn.Module):
         # Computed for each call, on the input's device: a buffer would need initialising after meta-device
         # construction in every strategy, and these few small kernels cost next to attention nothing.
         frequencies = rope_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
-        q, k = rotate(q, frequencies), rotate(k, frequencies)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
+        q, k = rotate(q, frequencies, start), rotate(k, frequencies, start)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+        # After a cache's first pass, one token sees every position before it: no mask.
+        causal = start == 0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -121,8 +128,8 @@ class Block(nn.Module):
         self.norm2 = nn.RMSNorm(dim, eps=heads.norm_eps)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm1(x))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attention(self.norm1(x), cache=cache)
         return x + self.mlp(self.norm2(x))
 
 
@@ -133,7 +140,7 @@ class TokenEmbedding(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, dim)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         return self.tokens(tokens)
 
 

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+from project.models.kv_cache import KeyValueCache
+
 
 class BlockSequence(nn.Module):
     """A model as ``stem``, an ordered ``blocks`` list, and ``head``. FSDP shards it block by block; model_parallel
@@ -17,10 +19,18 @@ class BlockSequence(nn.Module):
     def init_parameter(self, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, target: torch.Tensor | None = None, cache: KeyValueCache | None = None
+    ) -> torch.Tensor:
         """The head's output; given ``target``, what a head that takes the targets makes of them (a language
-        model's ``LMHead``: the summed token loss, its logits never whole)."""
-        x = self.stem(x)
-        for block in self.blocks:
-            x = block(x)
+        model's ``LMHead``: the summed token loss, its logits never whole). ``cache``: a decoder's keys and values
+        of the tokens before ``x``'s, which its blocks extend (generation)."""
+        if cache is None:
+            x = self.stem(x)
+            for block in self.blocks:
+                x = block(x)
+        else:
+            x = self.stem(x, cache.length)
+            for block, layer in zip(self.blocks, cache.layers, strict=True):
+                x = block(x, cache=layer)
         return self.head(x) if target is None else self.head(x, target)

@@ -258,6 +258,34 @@ def compile_blocks(model: BlockSequence) -> None:
         block.forward = torch.compile(block.forward)
 
 
+@contextmanager
+def gathered_throughout(net: nn.Module) -> Iterator[None]:
+    """Each FSDP unit of ``net`` gathered once on entry, kept gathered through every forward inside, and freed on
+    exit: generation's many small forwards (one a token) then gather each unit once, not once a token. Without FSDP,
+    nothing to do.
+
+    FSDP2 has no getter for a unit's ``reshard_after_forward`` (``set_reshard_after_forward`` only sets it, and
+    marks the root's own choice as the user's), so it is read where FSDP keeps it, each parameter group's
+    ``post_forward_mesh_info`` (None: kept after forward), and put back; the root is initialised first, as its first
+    forward would (its parameters then kept after forward), so that what is put back is what training runs with."""
+    units = [module for module in net.modules() if isinstance(module, FSDPModule)]
+    if isinstance(net, FSDPModule):
+        net._get_fsdp_state()._lazy_init()
+    groups = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+    after_forward = [group.post_forward_mesh_info for group in groups]
+    for group in groups:
+        group.post_forward_mesh_info = None
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for group, mesh_info in zip(groups, after_forward, strict=True):
+            group.post_forward_mesh_info = mesh_info
+        for unit in units:
+            unit.reshard()
+
+
 # Compute dtype of FSDP's gathered parameters for each Trainer precision; None keeps the parameters' own dtype.
 # (16-mixed is refused by the checks: Lightning's ModelParallelStrategy does not support it.)
 _FSDP_PARAM_DTYPES = {"bf16-mixed": torch.bfloat16}

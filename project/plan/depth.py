@@ -37,9 +37,9 @@ def shallow_copy(job: Job, depth: int) -> Job:
 
 def extrapolated_plan(job: Job) -> MemoryPlan | None:
     """``job``'s memory plan (no suggestion) from its shallow copies, or None where that cannot be: a net without
-    ``num_layers`` (blocks not all alike), a device with too few blocks to gain from it (no more than the
-    copies' together), or figures that are not on a line."""
-    if job.model.num_layers is None:
+    ``num_layers`` (blocks not all alike), a task that generates inside its steps, a device with too few blocks to
+    gain from it (no more than the copies' together), or figures that are not on a line."""
+    if job.model.num_layers is None or job.generation is not None:
         return None
     blocks = blocks_per_device(job)
     stages = blocks_per_device(shallow_copy(job, 1))  # the stages each device runs: its blocks at one a stage

@@ -32,7 +32,7 @@ from project.job.rules import layout_problem
 from project.layouts.fsdp_layout import FSDPLayout
 from project.options.errors import ConfigError
 from project.parallel.parallelize import Checkpointing
-from project.plan.simulate import DevicePlan, simulate
+from project.plan.simulate import DevicePlan, GenerationPlan, generation_flops, simulate, simulate_generation
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +56,13 @@ class MemoryPlan:
     # (plan=search): the rest of that device's step and the devices after it left out, so the peak is at least
     # ``peak``, and the step's FLOPs and collectives are not known
 
+    generation: GenerationPlan | None = None  # what the task draws inside each step (GRPO's completions)
+
     @property
     def peak(self) -> int:
-        return max(device.peak for device in self.devices)
+        """The most a device holds: in the step's forward and backward, or while it generates."""
+        generating = self.generation.peak if self.generation is not None else 0
+        return max(generating, *(device.peak for device in self.devices))
 
     @property
     def fits(self) -> bool:
@@ -90,6 +94,17 @@ def simulate_devices(
             return devices, True
     bar.close()
     return devices, False
+
+
+def simulate_job_generation(job: Job) -> GenerationPlan | None:
+    """The generation inside each of the job's steps (``Job.generation``), simulated on its first device (a task
+    that generates runs on data-parallel layouts, whose devices are alike), or None: it generates nothing."""
+    if job.generation is None:
+        return None
+    works = job.layout.simulated_devices(job)
+    generation = simulate_generation(next(iter(works)), job, job.dims.world_dim)
+    works.close()
+    return generation
 
 
 def device_capacity(job: Job) -> tuple[int, str]:
@@ -181,6 +196,7 @@ def plan_memory(
     title = (lambda what: f"Simulating {what}") if progress else (lambda what: None)
     devices, partial = simulate_devices(job, capacity if stop_over_capacity else None, title("the config's layout"))
     plan = MemoryPlan(devices, capacity, source, job.activation_checkpointing, job.world_size, partial=partial)
+    plan.generation = None if partial else simulate_job_generation(job)
     if alternatives:
         switched = checkpointing_switched(job)
         described = title(f"it with activation checkpointing {checkpointing_label(switched.activation_checkpointing)}")
@@ -190,7 +206,9 @@ def plan_memory(
         for change, changed in candidate_changes(job):
             if layout_problem(changed) is not None:
                 continue
+            generation = simulate_job_generation(changed)
             peak = max(device.peak for device in simulate_devices(changed, progress=title(change))[0])
+            peak = max(peak, generation.peak if generation is not None else 0)
             plan.alternatives[change] = peak
             if peak <= capacity:
                 plan.suggestion = change
@@ -233,6 +251,14 @@ def format_plan(plan: MemoryPlan, job: Job) -> str:
     widths = [max(len(str(row[i])) for row in rows + [columns]) for i in range(len(columns))]
     lines = [header, "  ".join(name.rjust(width) for name, width in zip(columns, widths))]
     lines += ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    if plan.generation is not None and job.generation is not None:
+        generation, drawn = plan.generation, job.generation
+        lines.append(
+            f"Generating inside each step ({generation.prompts} prompt(s) x {drawn.sequences} completions of up to "
+            f"{drawn.new_tokens} tokens, after a prompt of up to {drawn.prompt_tokens}): peak "
+            f"{_size(generation.peak)}, of which the key/value cache {_size(generation.cache)} and the model "
+            f"gathered {_size(generation.gathered)}; {generation_flops(generation) / 1e12:.3g} TFLOP."
+        )
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"Peak {_size(plan.peak)} per device {verdict} in {_size(plan.capacity)} ({plan.capacity_source}).")
     for change, peak in plan.alternatives.items():

@@ -42,7 +42,7 @@ from project.options.errors import ConfigError, made_dir
 from project.parallel.parallelize import Checkpointing
 from project.plan.depth import extrapolated_plan
 from project.plan.memory_plan import MemoryPlan, _size, device_capacity, plan_memory, with_checkpointing
-from project.plan.simulate import DevicePlan
+from project.plan.simulate import DevicePlan, GenerationPlan
 from project.plan.step_time import StepTime, compute_floor, predict_step, throughput_bound, throughput_unit
 
 SEARCHABLE = ("ddp", "fsdp", "pipeline")  # the strategy group's options a search can lay out (conf/strategy)
@@ -119,7 +119,12 @@ def _simulate(job: Job, whole: bool) -> dict[str, Any]:
 
 def _plan_of(saved: dict[str, Any]) -> MemoryPlan:
     fields = {name: saved[name] for name in MemoryPlan.__dataclass_fields__}
-    return MemoryPlan(**{**fields, "devices": [DevicePlan(**device) for device in saved["devices"]]})
+    generation = saved["generation"]
+    if generation is not None:
+        passes = {name: DevicePlan(**generation[name]) for name in ("gather", "prompt_pass", "token_pass")}
+        generation = GenerationPlan(**{**generation, **passes})
+    devices = [DevicePlan(**device) for device in saved["devices"]]
+    return MemoryPlan(**{**fields, "devices": devices, "generation": generation})
 
 
 def _keep(candidate: Candidate, saved: dict[str, Any]) -> None:

@@ -39,7 +39,8 @@ from project.job.job import Job
 from project.job.layout import DeviceWork
 from project.job.task import TaskModule
 from project.models.float8 import fake_scales_flattened
-from project.parallel.parallelize import allocate
+from project.models.kv_cache import KeyValueCache
+from project.parallel.parallelize import allocate, gathered_throughout
 from project.plan.cuda_kernels import cuda_kernels
 
 # What FSDPMemTracker counts as FSDP's communication: gathered parameters and the buffers of the collectives.
@@ -82,13 +83,11 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(tensor.untyped_storage().nbytes() for tensor in tensors)
 
 
-def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None = None) -> DevicePlan:
-    """A training step of ``work`` on fake tensors under ``MemTracker``, the optimizer's state already made (so,
-    a second step, which holds the most), with CUDA's kernels for a job on GPUs (``cuda_kernels``): the device's
-    bytes, FLOPs and collectives (``world_dim``: the mesh dimension of the collectives over every rank,
-    ``ParallelDims.world_dim``). With ``stop_above``, the step stops
-    at the first moment the device holds more: its peak is then just above it, and its activations, FLOPs and
-    collectives those counted up to there."""
+@contextmanager
+def _simulated_device(work: DeviceWork, job: Job) -> Iterator[tuple[FakeTensorMode, torch.optim.Optimizer]]:
+    """Inside: ``work``'s net allocated as fake tensors, at the job's precision, with CUDA's kernels for a job on
+    GPUs, as after a first step: the optimizer's state made, the gradients there. Yields the fake mode and the
+    optimizer."""
     precision = job.precision
     module, net = work.module, work.module.net
     if precision in ("bf16-true", "16-true"):  # Lightning's HalfPrecision converts the module
@@ -118,13 +117,37 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
             if parameter.requires_grad:  # a frozen one (LoRA's base) has none
                 parameter.grad = torch.zeros_like(parameter)
         optimizer.step()
-        tracker: MemTracker
-        if isinstance(net, FSDPModule):  # the same counts, and which of them are FSDP's gathers and reductions
-            tracker = StepFSDPMemTracker(net, optimizer)
-        else:
-            tracker = StepMemoryTracker()
-            tracker.track_external(net, optimizer)
-        tracker.stop_above = stop_above
+        yield fake_mode, optimizer
+
+
+def _tracker(net: nn.Module, optimizer: torch.optim.Optimizer, stop_above: int | None) -> MemTracker:
+    """The step's memory tracker: FSDP's (which also tells its gathers and reductions apart) or the plain one."""
+    tracker: MemTracker
+    if isinstance(net, FSDPModule):
+        tracker = StepFSDPMemTracker(net, optimizer)
+    else:
+        tracker = StepMemoryTracker()
+        tracker.track_external(net, optimizer)
+    tracker.stop_above = stop_above
+    return tracker
+
+
+def _fsdp_communication(tracker: MemTracker) -> int:
+    """The bytes of FSDP's gathered parameters and collective buffers at the peak."""
+    at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return sum(at_peak.get(kind, 0) for kind in FSDP_COMMUNICATION)
+
+
+def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None = None) -> DevicePlan:
+    """A training step of ``work`` on fake tensors under ``MemTracker``, the optimizer's state already made (so,
+    a second step, which holds the most), with CUDA's kernels for a job on GPUs (``cuda_kernels``): the device's
+    bytes, FLOPs and collectives (``world_dim``: the mesh dimension of the collectives over every rank,
+    ``ParallelDims.world_dim``). With ``stop_above``, the step stops
+    at the first moment the device holds more: its peak is then just above it, and its activations, FLOPs and
+    collectives those counted up to there."""
+    module, net = work.module, work.module.net
+    with _simulated_device(work, job) as (fake_mode, optimizer):
+        tracker = _tracker(net, optimizer, stop_above)
         saved: dict[Any, int] = {}  # storage -> bytes, of the tensors saved for backward that are not parameters
         held: list[torch.Tensor] = []  # for the whole run: communication buffers
         input_buffers: list[torch.Tensor] = []
@@ -166,9 +189,8 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         if activations is None:  # stopped within the step: what was saved up to there
             activations = sum(saved.values())
         sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
-        at_peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
         peak = held_bytes(tracker, "peak")
-        comm_bytes += sum(at_peak.get(kind, 0) for kind in FSDP_COMMUNICATION)
+        comm_bytes += _fsdp_communication(tracker)
     # What the simulation does not run: DDP's all-reduce of the gradients (no DDP wrapper), a pipeline's sends.
     counted = counts.collectives + Counter(work.unsimulated_collectives)
     calls = counts.collective_calls + Counter(work.unsimulated_calls)
@@ -187,6 +209,74 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         collectives={kind: counted[kind] for kind in sorted(counted) if counted[kind]},
         collective_calls={kind: calls[kind] for kind in sorted(calls) if counted[kind]},
         host_ops={**counts.host_ops, "fsdp_modules": sum(isinstance(part, FSDPModule) for part in net.modules())},
+    )
+
+
+@dataclass
+class GenerationPlan:
+    """A step's generation on one device (``Job.generation``; ``simulate_generation``): its peak, of which the
+    key/value cache and FSDP's gathered parameters; and its work in three parts, each a ``DevicePlan`` of counts:
+    gathering the model once (``gather``), one prompt's pass over its group's rows (``prompt_pass``), and one
+    pass of one token a row (``token_pass``), of which a step runs ``prompts`` and ``prompts`` x (``new_tokens`` -
+    1)."""
+
+    peak: int
+    cache: int
+    gathered: int
+    prompts: int
+    new_tokens: int
+    gather: DevicePlan
+    prompt_pass: DevicePlan
+    token_pass: DevicePlan
+
+
+def generation_flops(generation: GenerationPlan) -> int:
+    """A step's generation's FLOPs: its prompts' passes and their one-token passes."""
+    passes = generation.prompt_pass.flops + (generation.new_tokens - 1) * generation.token_pass.flops
+    return generation.prompts * passes
+
+
+def simulate_generation(work: DeviceWork, job: Job, world_dim: str) -> GenerationPlan:
+    """The generation inside a training step of ``work`` (``job.generation``), on fake tensors: the model state as
+    the step starts (the optimizer's state, the last step's gradients), FSDP's units gathered for the whole draw
+    (``gathered_throughout``), a prompt at its longest over the group's rows, then one token a row over the full
+    cache (its buffers are made whole at the prompt's pass): its peak. Its counts: the gathers, the prompt's pass,
+    and the middle one-token pass, whose attention reads the mean of the passes' keys (prompt + new_tokens / 2;
+    they grow by one a pass)."""
+    generation = job.generation
+    assert generation is not None, "a task that generates"
+    net = work.module.net
+    autocast_dtype = AUTOCAST_DTYPES.get(job.precision)
+    autocast = torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype is not None else nullcontext()
+    parts: list[_Tally] = []
+    with _simulated_device(work, job) as (fake_mode, optimizer):
+        # The plain tracker: FSDP's tracks one forward per module (a pass a token is many).
+        tracker = StepMemoryTracker()
+        tracker.track_external(net, optimizer)
+        counts = StepCounts(job.devices, world_dim, fake_mode)
+        net.eval()
+        with tracker, _dtensor_shapes_inferred_apart(), counts, torch.no_grad(), autocast:
+            start, before = _Tally.of(counts), held_bytes(tracker)
+            with gathered_throughout(net):
+                parts.append(_Tally.of(counts).minus(start))
+                gathered = held_bytes(tracker) - before
+                cache = KeyValueCache(len(net.blocks), generation.prompt_tokens + generation.new_tokens)
+                start = _Tally.of(counts)
+                net(torch.zeros(generation.sequences, generation.prompt_tokens, dtype=torch.long), cache=cache)
+                parts.append(_Tally.of(counts).minus(start))
+                for layer in cache.layers:
+                    layer.length = generation.prompt_tokens + generation.new_tokens // 2 - 1
+                start = _Tally.of(counts)
+                net(torch.zeros(generation.sequences, 1, dtype=torch.long), cache=cache)
+                parts.append(_Tally.of(counts).minus(start))
+                buffers = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
+                cached = _storage_bytes([tensor for tensor in buffers if tensor is not None])
+                del cache
+        peak = held_bytes(tracker, "peak")
+        sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
+    gather, prompt_pass, token_pass = (part.device_plan(work.name, sizes) for part in parts)
+    return GenerationPlan(
+        peak, cached, gathered, job.batch_size, generation.new_tokens, gather, prompt_pass, token_pass
     )
 
 
@@ -435,6 +525,29 @@ class _Tally:
 
     def minus(self, start: "_Tally") -> "_Tally":
         return _Tally(self.counted - start.counted)
+
+    def device_plan(self, name: str, sizes: dict[str, int]) -> DevicePlan:
+        """What was counted, as a device's plan of the model state ``sizes`` (its bytes in flight not known)."""
+
+        def counter(kind: str) -> dict[str, int]:
+            return {key[len(kind) + 1 :]: value for key, value in self.counted.items() if key.startswith(f"{kind}/")}
+
+        return DevicePlan(
+            name,
+            sizes["params"],
+            sizes["grads"],
+            sizes["optimizer"],
+            0,
+            0,
+            0,
+            flops=self.counted["flops"],
+            recomputed_flops=self.counted["recomputed_flops"],
+            moved_bytes=self.counted["moved_bytes"],
+            kernels=counter("kernels"),
+            collectives=counter("collectives"),
+            collective_calls=counter("collective_calls"),
+            host_ops=counter("host_ops"),
+        )
 
     def add_to(self, counts: StepCounts) -> None:
         for key, value in self.counted.items():

@@ -47,7 +47,7 @@ from project.job.cluster import Cluster
 from project.job.job import Job
 from project.parallel.dims import DATA_PARALLEL
 from project.plan.memory_plan import MemoryPlan
-from project.plan.simulate import DevicePlan
+from project.plan.simulate import DevicePlan, GenerationPlan, generation_flops
 
 GB = 1e9  # network and NVLink figures are decimal gigabytes per second, as datasheets give them
 # NCCL's tuning model (src/graph/tuning.cc, ring algorithm, Simple protocol, the one that carries large buffers): a
@@ -259,6 +259,49 @@ class StepTime:
     mfu: float
     host: float = 0.0  # the host's seconds of the step (dispatch and the framework's own work)
     host_bound: float = 0.0  # what the step is longer for the host: the step less the device's alone
+    generation: "GenerationTime | None" = None  # of ``seconds``, what the task draws inside the step
+
+
+@dataclass
+class GenerationTime:
+    """A step's generation (``GenerationPlan``), seconds: gathering the model, the prompts' passes, the one-token
+    passes; the host's dispatch of the passes' ops, and what of it shows beyond the device's own time."""
+
+    gather: float
+    prompt_passes: float
+    token_passes: float
+    host: float
+    host_bound: float
+
+    @property
+    def seconds(self) -> float:
+        return self.gather + self.prompt_passes + self.token_passes
+
+
+def predict_generation(generation: GenerationPlan, fsdp_units: int, cluster: Cluster, share: float) -> GenerationTime:
+    """A step's generation on ``cluster`` (``share`` of a device: a CPU's cores split between processes). Each pass
+    ends with its logits read on the host, where the next token is drawn: the next pass cannot be queued before,
+    so a pass takes the longer of the device's time and the host's dispatch of its ops (on a CPU, their sum). The
+    host's ops include each of the ``fsdp_units``' two forward hooks, half a step's four (``HOST_COSTS``)."""
+    op = cluster.host_op_us * 1e-6
+    costs = cluster.host_costs or HOST_COSTS
+    hooks = fsdp_units * costs["fsdp_modules"] / 2 * op
+
+    def seconds(work: DevicePlan) -> tuple[float, float, float]:
+        busy = device_time(work, cluster, share).busy
+        host = HostTime(host_time(work, cluster, 1).ops + hooks, 0.0)
+        return with_host(busy, host, cluster, waits=False), busy, host.ops
+
+    prompt, prompt_busy, prompt_host = seconds(generation.prompt_pass)
+    token, token_busy, token_host = seconds(generation.token_pass)
+    prompts, passes = generation.prompts, generation.prompts * (generation.new_tokens - 1)
+    return GenerationTime(
+        device_time(generation.gather, cluster, share).busy,
+        prompts * prompt,
+        passes * token,
+        prompts * prompt_host + passes * token_host,
+        prompts * (prompt - prompt_busy) + passes * (token - token_busy),
+    )
 
 
 def throughput_unit(job: Job) -> str:
@@ -287,6 +330,14 @@ def predict_step(plan: MemoryPlan, job: Job, cluster: Cluster) -> StepTime:
     device_alone = busy.busy / (1 - bubble)
     tokens = job.tokens_per_step * job.dims.data_parallel / plan.world_size
     flops = plan.devices[slowest].flops - plan.devices[slowest].recomputed_flops
+    drawn, host, host_bound = None, hosts[slowest].total, seconds - device_alone
+    if plan.generation is not None:  # before the step's forward, on every device alike
+        units = plan.devices[slowest].host_ops.get("fsdp_modules", 0)
+        drawn = predict_generation(plan.generation, units, cluster, share)
+        seconds += drawn.seconds
+        host += drawn.host
+        host_bound += drawn.host_bound
+        flops += generation_flops(plan.generation)
     return StepTime(
         seconds,
         busy.compute,
@@ -294,8 +345,9 @@ def predict_step(plan: MemoryPlan, job: Job, cluster: Cluster) -> StepTime:
         device_alone - busy.busy,
         tokens / seconds,
         flops / seconds / (cluster.peak_tflops * 1e12 * share),
-        hosts[slowest].total,
-        seconds - device_alone,
+        host,
+        host_bound,
+        drawn,
     )
 
 
@@ -310,6 +362,15 @@ def format_step(step: StepTime, cluster: Cluster, job: Job) -> str:
         f"{step.tokens_per_device_per_s:,.0f} {throughput_unit(job)}/s per GPU, MFU {100 * step.mfu:.1f}% "
         "(docs/step-time.md)."
     )
+    drawn, generation = step.generation, job.generation
+    if drawn is not None and generation is not None:
+        per_token = drawn.token_passes / job.batch_size / max(generation.new_tokens - 1, 1)
+        line += (
+            f" Of the step, generating takes {drawn.seconds:.3g} s: the prompts' passes {drawn.prompt_passes:.2g} s, "
+            f"{generation.new_tokens - 1} passes of one token per prompt {drawn.token_passes:.3g} s "
+            f"({1e3 * per_token:.2g} ms each), gathering the model {drawn.gather:.2g} s; "
+            f"{drawn.host_bound:.2g} s of it waiting on the host."
+        )
     precomputation = job.model.task.precomputation
     if precomputation is not None:
         samples = precomputation.samples_forward(job.train_samples, job.val_samples)

@@ -19,11 +19,11 @@ from torchmetrics import Metric
 
 from project.checkpointing.files import checkpoint_meta
 from project.checkpointing.hf import HFWeights
-from project.data.datamodule import DataModule, trainer_data
+from project.data.datamodule import DataModule, DataShape, trainer_data
 from project.data.targets import IGNORE_INDEX
 from project.job.job import Job
 from project.job.model_option import InitialWeights, ModelOption, Target
-from project.job.task import Loss, MetricSums, Precomputation
+from project.job.task import Generation, Loss, MetricSums, Precomputation
 from project.model_options import CONFIG_KEYS, in_order
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
@@ -341,6 +341,15 @@ class TrainingModule(L.LightningModule, ABC):
     def problem(self, job: Job) -> ConfigError | None:
         """The first of the task's own rules that ``job`` breaks (how its devices divide the work), or None: asked
         with the layout's of every job and every layout the planner tries."""
+        return None
+
+    def step_shape(self, shape: DataShape) -> DataShape:
+        """The shapes of the rows a training step runs forward and backward, of batches of the data's ``shape``:
+        the data's own, but where the task makes rows of its own (GRPO's completions)."""
+        return shape
+
+    def generation(self, shape: DataShape) -> Generation | None:
+        """What the task draws from the model inside each step, of batches of ``shape`` (None: nothing)."""
         return None
 
     def data_problem(self, data: DataModule, ckpt_path: str | None, evaluating: bool) -> ConfigError | None:

@@ -21,24 +21,24 @@ the mean of each logged step's), kept as sums on each rank and reduced once an e
 import contextlib
 import hashlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from project.data.datamodule import DataModule, split_index_column, trainer_data
+from project.data.datamodule import DataModule, DataShape, split_index_column, trainer_data
 from project.data.prompts import PromptDataModule
 from project.data.targets import IGNORE_INDEX
 from project.data.templated import token_rows
 from project.job.job import Job
-from project.job.task import Loss, MetricSums
+from project.job.task import Generation, Loss, MetricSums
 from project.models.generation import sample_group
 from project.models.lora import LoRALinear
 from project.observability.loggers import EpochWandbLogger
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from project.parallel.parallelize import gathered_throughout
 from project.tasks.group_relative import (
     PolicyLoss,
     completion_rewards,
@@ -211,7 +211,6 @@ class GRPOModule(LanguageModelModule):
         grpo = self.grpo
         tokenizer = data.renderer.tokenizer
         stop = data.stop_tokens
-        sharded = any(isinstance(parameter, DTensor) for parameter in self.net.parameters())
         rows, completions, prompts_given, columns, lengths = [], [], [], [], []
         with self._generating():
             for prompt, (length, index) in zip(prompts, target.tolist(), strict=True):
@@ -226,7 +225,6 @@ class GRPOModule(LanguageModelModule):
                     grpo.temperature,
                     grpo.top_k,
                     grpo.top_p,
-                    lockstep=sharded,
                 )
                 _, given, record = data.prompt_at(index)
                 for completion, end in zip(drawn, ends.tolist(), strict=True):
@@ -291,7 +289,7 @@ class GRPOModule(LanguageModelModule):
         return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
 
     @contextlib.contextmanager
-    def _generating(self) -> Iterator[None]:
+    def _evaluating(self) -> Iterator[None]:
         """The net in evaluation mode (dropout off), no gradient."""
         training = self.net.training
         self.net.eval()
@@ -301,11 +299,18 @@ class GRPOModule(LanguageModelModule):
         finally:
             self.net.train(training)
 
+    @contextlib.contextmanager
+    def _generating(self) -> Iterator[None]:
+        """As ``_evaluating``, FSDP's units gathered throughout, and compiled blocks run eagerly (a pass of one token
+        a row, over a cache that grows each token, would compile anew)."""
+        with self._evaluating(), gathered_throughout(self.net), torch.compiler.set_stance("force_eager"):
+            yield
+
     def _reference(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The reference's log-probabilities of the rows: the base, every LoRA adapter off."""
         adapted = [module for module in self.net.modules() if isinstance(module, LoRALinear)]
         scalings = [module.scaling for module in adapted]
-        with self._generating():
+        with self._evaluating():
             try:
                 for module in adapted:
                     module.scaling = 0.0
@@ -313,6 +318,19 @@ class GRPOModule(LanguageModelModule):
             finally:
                 for module, scaling in zip(adapted, scalings, strict=True):
                     module.scaling = scaling
+
+    # The plan
+
+    def step_shape(self, shape: DataShape) -> DataShape:
+        """A batch's prompts become ``num_generations`` rows each, a prompt with one completion, of at most
+        ``data.seq_length`` tokens (padded to the longest)."""
+        return replace(shape, sequences_per_sample=self.grpo.num_generations)
+
+    def generation(self, shape: DataShape) -> Generation:
+        """Each prompt's group, the prompt at its longest (``data.seq_length`` + 1 less a whole completion)."""
+        assert shape.seq_length is not None, "prompts are token data"
+        length = self.grpo.max_completion_length
+        return Generation(self.grpo.num_generations, shape.seq_length + 1 - length, length)
 
     # The rules
 
