@@ -59,8 +59,8 @@ train: install  ## train with the default config; pass Hydra overrides as ARGS="
 demo: install  ## a first look in a few minutes on 2 CPU cores: a memory plan, a DDP/FSDP sweep, its report
 	bash scripts/demo.sh $(BIN)/python
 
-test: install  ## the whole test suite (what CI runs)
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS)
+test: install  ## the whole test suite (what CI runs); lists its 25 slowest tests, to keep it within 20 minutes
+	$(BIN)/python -m pytest $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 test-fast: install  ## the suite without the slow end-to-end runs
 	$(BIN)/python -m pytest -m "not slow" $(XDIST) $(PYTEST_ARGS)

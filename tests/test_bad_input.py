@@ -790,7 +790,15 @@ CASES = [
     ),
     (
         [*GRPO_HELLO, "strategy=tensor_parallel", "trainer.devices=2"],
-        "strategy: is tensor_parallel, whose ranks split the model; GRPO draws completions with the whole model",
+        "strategy.sequence_parallel: is true, but GRPO's one-token passes cannot split their sequence",
+    ),
+    (
+        [*GRPO_HELLO, "strategy=tensor_parallel", "trainer.devices=2", "strategy.sequence_parallel=false"],
+        "strategy.loss_parallel: is true, but GRPO's one-token passes",
+    ),
+    (
+        [*GRPO_HELLO, "strategy=pipeline", "trainer.devices=2", "model.net.tie_weights=false", "data.batch_size=4"],
+        "strategy: is pipeline, whose ranks hold stages of the model; GRPO draws completions",
     ),
     (
         [*GRPO_HELLO, "model.grpo.loss_type=ppo"],

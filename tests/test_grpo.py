@@ -377,8 +377,8 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
 @pytest.fixture(scope="session")
 def grpo_runs(prompt_example, runs_dir, home) -> dict[str, Path]:
     """GRPO of the greeting base on the example's prompts: on one device (4 prompts a batch), and under ddp and fsdp
-    (2 replicas of 2 prompts) over 2 processes, and fsdp with LoRA adapters; each prompt drawn 4 times, 2 batches
-    accumulated a step."""
+    (2 replicas of 2 prompts) over 2 processes, fsdp with LoRA adapters, and tensor_parallel over 2 ranks (one
+    replica of 4 prompts); each prompt drawn 4 times, 2 batches accumulated a step."""
     model_dir, prompts = prompt_example
     data = [f"data.path={prompts}", f"model.init_from={model_dir}"]
     sweep = [*GRPO_OVERRIDES, *data, "data.batch_size=2", "trainer.devices=2", "strategy=ddp,fsdp"]
@@ -390,7 +390,16 @@ def grpo_runs(prompt_example, runs_dir, home) -> dict[str, Path]:
     if not (lora / "result.json").is_file():
         train([*GRPO_OVERRIDES, *data, *LORA, "data.batch_size=2", "trainer.devices=2", "strategy=fsdp",
                f"hydra.run.dir={lora}"], home)  # fmt: skip
-    return {"auto": single, "ddp": sweep_dir / "0", "fsdp": sweep_dir / "1", "fsdp+lora": lora}
+    split = runs_dir / "grpo-tensor-parallel"
+    if not (split / "result.json").is_file():
+        train([*GRPO_OVERRIDES, *data, *TENSOR_PARALLEL, f"hydra.run.dir={split}"], home)
+    runs = {"auto": single, "ddp": sweep_dir / "0", "fsdp": sweep_dir / "1", "fsdp+lora": lora}
+    return {**runs, "tensor_parallel": split}
+
+
+# One replica of 4 prompts over 2 ranks, each layer split: the sequence and the logits whole (GRPO's rule).
+TENSOR_PARALLEL = ["strategy=tensor_parallel", "trainer.devices=2"]
+TENSOR_PARALLEL += ["strategy.sequence_parallel=false", "strategy.loss_parallel=false"]
 
 
 LORA = ["model.lora.rank=8", "model.lora.dropout=0", "model.optimizer.lr=0.01"]
@@ -398,7 +407,7 @@ _HAND_WRITTEN: dict[bool, list[dict[str, float]]] = {}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "fsdp+lora"])
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "fsdp+lora", "tensor_parallel"])
 def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_example, strategy):
     """Each epoch's loss, rewards (each function's too), lengths and entropy, training and validation, in the run's
     W&B history, equal the hand-written loop's to 1e-5; and the rewards moved: not every group alike. The run's W&B
@@ -416,7 +425,8 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_e
         assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
     assert all(row["train/frac_reward_zero_std"] < 1 for row in expected)
     table = run.summary["completions"]  # each epoch's first validation batch, rank 0's: 4 prompts, or 2 a replica
-    assert table["_type"] == "table-file" and table["nrows"] == 2 * 4 * (4 if strategy == "auto" else 2)
+    prompts = 4 if strategy in ("auto", "tensor_parallel") else 2  # a replica's
+    assert table["_type"] == "table-file" and table["nrows"] == 2 * 4 * prompts
     if lora:
         assert "LoRA (rank 8 on q, v)" in (grpo_runs[strategy] / "train.log").read_text()
 

@@ -3,10 +3,11 @@ loss, defaults and metric names (its arithmetic: ``project.tasks.group_relative`
 ``project.tasks.rewards``).
 
 Each step, for each prompt of the batch, the policy as it stands draws ``num_generations`` completions (its group;
-``project.models.generation.sample_group``, in evaluation mode, no gradient); the reward functions score them; the
-scores of the whole step are gathered from every data-parallel replica (one small collective a step), so every rank
-computes the same advantages and metrics, the single-device loop's; then the policy's forward and backward run on the
-prompts with their completions, the loss on the completions' tokens alone.
+``project.models.generation.sample_group``, in evaluation mode, no gradient, over a key/value cache, FSDP's units
+gathered once for all the step's draws); the reward functions score them; the scores of the whole step are gathered
+from every rank (one small collective a step; a tensor-parallel group's, drawn together, kept once), so every rank
+computes the same advantages and metrics, the single-device loop's; then the policy's forward and backward run on
+the prompts with their completions, the loss on the completions' tokens alone.
 
 A prompt's draws come from a generator seeded with the data seed, the split, the epoch and the prompt's index in the
 file: the same completions whatever the layout, the device count or a resume from a checkpoint (nothing to save).
@@ -29,10 +30,12 @@ from torch import nn
 
 from project.data.datamodule import DataModule, DataShape, split_index_column, trainer_data
 from project.data.prompts import PromptDataModule
+from project.data.sampling import data_parallel_rank_and_size
 from project.data.targets import IGNORE_INDEX
 from project.data.templated import token_rows
 from project.job.job import Job
 from project.job.task import Generation, Loss, MetricSums
+from project.layouts.sharded_layout import ShardedLayout
 from project.models.generation import sample_group
 from project.models.lora import LoRALinear
 from project.observability.loggers import EpochWandbLogger
@@ -238,15 +241,18 @@ class GRPOModule(LanguageModelModule):
         scores = self._scores(prompts_given, completions, [ids for _, ids in rows], columns)
         # Cut at the limit: as long as it allows, and not ended by a stop token.
         clipped = [len(ids) == grpo.max_completion_length and ids[-1] not in stop for _, ids in rows]
-        local = torch.cat([scores, torch.tensor([lengths, clipped], dtype=scores.dtype).T], 1)
-        # Every replica's, in rank order: (replicas x completions, functions + 2).
-        everyone = cast(torch.Tensor, self.all_gather(local.to(self.device))).reshape(-1, local.shape[1]).cpu()
-        all_scores, all_lengths, all_clipped = everyone[:, :-2], everyone[:, -2], everyone[:, -1]
+        replica, replicas = data_parallel_rank_and_size(self.trainer)
+        figures = [lengths, clipped, [replica] * len(rows)]
+        local = torch.cat([scores, torch.tensor(figures, dtype=scores.dtype).T], 1)
+        # Every rank's: (ranks, completions, functions + 3). The ranks of a tensor-parallel group draw the same
+        # completions of the same prompts: each replica's are kept once, in replica order.
+        ranks = cast(torch.Tensor, self.all_gather(local.to(self.device))).reshape(-1, *local.shape).cpu()
+        first = [int((ranks[:, 0, -1] == index).nonzero()[0]) for index in range(replicas)]
+        everyone = ranks[first].reshape(-1, local.shape[1])
+        all_scores, all_lengths, all_clipped = everyone[:, :-3], everyone[:, -3], everyone[:, -2]
         rewards = completion_rewards(all_scores, self.reward_weights)
         advantages, zero_std = group_advantages(rewards, grpo.num_generations, grpo.scale_rewards)
-        replicas = len(everyone) // len(local)
-        rank = self.trainer.global_rank  # every rank a data-parallel replica (``problem``)
-        mine = slice(rank * len(local), (rank + 1) * len(local))
+        mine = slice(replica * len(local), (replica + 1) * len(local))
         # Each prompt and one of its completions, the completion's tokens trained, padded to the longest.
         sequences = [(prompt + ids, [False] * len(prompt) + [True] * len(ids)) for prompt, ids in rows]
         inputs, targets = token_rows(sequences, max(len(ids) for ids, _ in sequences) - 1)
@@ -335,13 +341,25 @@ class GRPOModule(LanguageModelModule):
     # The rules
 
     def problem(self, job: Job) -> ConfigError | None:
-        """Generation runs the whole net on each rank, data-parallel replicas alone (auto, ddp, fsdp)."""
-        if job.dims.data_parallel != job.world_size:
+        """The draws run the whole net on each rank, or on each tensor-parallel group together: not split in
+        pipeline stages. Under tensor parallelism each pass's sequence and logits stay whole: one token a pass
+        cannot be split by position, and each draw reads the last position's whole logits."""
+        dims = job.dims
+        if dims.pipelined:
             return ConfigError(
                 "strategy",
-                f"is {job.strategy_name}, whose ranks split the model; GRPO draws completions with the whole model "
-                "on each rank, which this round builds for data parallelism alone.",
-                "use strategy=auto, ddp or fsdp.",
+                f"is {job.strategy_name}, whose ranks hold stages of the model; GRPO draws completions with every "
+                "block on each rank (or each tensor-parallel group), which is not built across stages.",
+                "use strategy=auto, ddp, fsdp or tensor_parallel.",
+            )
+        split = job.layout.tensor_parallel if isinstance(job.layout, ShardedLayout) else None
+        if dims.tensor_parallel > 1 and split is not None and (split.sequence_parallel or split.loss_parallel):
+            key = "strategy.sequence_parallel" if split.sequence_parallel else "strategy.loss_parallel"
+            return ConfigError(
+                key,
+                "is true, but GRPO's one-token passes cannot split their sequence between the tensor-parallel "
+                "ranks, and each draw reads the last position's logits whole.",
+                "set strategy.sequence_parallel=false strategy.loss_parallel=false.",
             )
         return super().problem(job)
 
