@@ -798,7 +798,11 @@ CASES = [
     ),
     (
         [*GRPO_HELLO, "strategy=pipeline", "trainer.devices=2", "model.net.tie_weights=false", "data.batch_size=4"],
-        "strategy: is pipeline, whose ranks hold stages of the model; GRPO draws completions",
+        "strategy: is pipeline, whose ranks or devices hold stages of the model; GRPO draws completions",
+    ),
+    (
+        [*GRPO_HELLO, "strategy=model_parallel", "trainer.devices=2", "model.net.tie_weights=false"],
+        "strategy: is model_parallel, whose ranks or devices hold stages of the model; GRPO draws",
     ),
     (
         [*GRPO_HELLO, "model.grpo.loss_type=ppo"],

@@ -342,14 +342,15 @@ class GRPOModule(LanguageModelModule):
 
     def problem(self, job: Job) -> ConfigError | None:
         """The draws run the whole net on each rank, or on each tensor-parallel group together: not split in
-        pipeline stages. Under tensor parallelism each pass's sequence and logits stay whole: one token a pass
-        cannot be split by position, and each draw reads the last position's whole logits."""
+        stages (a pipeline's ranks, model_parallel's devices). Under tensor parallelism each pass's sequence and
+        logits stay whole: one token a pass cannot be split by position, and each draw reads the last position's
+        whole logits."""
         dims = job.dims
-        if dims.pipelined:
+        if dims.pipelined or job.processes_per_node < job.devices:  # a pipeline; a process driving several stages
             return ConfigError(
                 "strategy",
-                f"is {job.strategy_name}, whose ranks hold stages of the model; GRPO draws completions with every "
-                "block on each rank (or each tensor-parallel group), which is not built across stages.",
+                f"is {job.strategy_name}, whose ranks or devices hold stages of the model; GRPO draws completions "
+                "with every block on each rank (or each tensor-parallel group), which is not built across stages.",
                 "use strategy=auto, ddp, fsdp or tensor_parallel.",
             )
         split = job.layout.tensor_parallel if isinstance(job.layout, ShardedLayout) else None
