@@ -406,8 +406,13 @@ LORA = ["model.lora.rank=8", "model.lora.dropout=0", "model.optimizer.lr=0.01"]
 _HAND_WRITTEN: dict[bool, list[dict[str, float]]] = {}
 
 
+# fsdp's draws gather each unit once through FSDP2's internals (gathered_throughout): run on the boxes' torch too.
+INTERNALS = pytest.mark.torch_internals
+STRATEGIES = ["auto", "ddp", pytest.param("fsdp", marks=INTERNALS), pytest.param("fsdp+lora", marks=INTERNALS)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["auto", "ddp", "fsdp", "fsdp+lora", "tensor_parallel"])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, "tensor_parallel"])
 def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_example, strategy):
     """Each epoch's loss, rewards (each function's too), lengths and entropy, training and validation, in the run's
     W&B history, equal the hand-written loop's to 1e-5; and the rewards moved: not every group alike. The run's W&B
@@ -453,6 +458,7 @@ def test_a_resumed_run_goes_on_as_the_straight_one(prompt_example, tmp_path, hom
         assert resumed[1][key] == pytest.approx(straight[1][key], rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.torch_internals
 def test_the_plan_prices_each_steps_completions_as_arithmetic_says(tmp_path):
     """GRPO of the example's tiny Qwen 3 under fsdp over 2 H100s in bf16, planned: the step trains batch x
     num_generations rows; the generation inside it holds a key/value cache of 2 (keys, values) x blocks x rows x

@@ -271,7 +271,7 @@ def gathered_throughout(net: nn.Module) -> Iterator[None]:
     units = [module for module in net.modules() if isinstance(module, FSDPModule)]
     if isinstance(net, FSDPModule):
         net._get_fsdp_state()._lazy_init()
-    groups = [group for unit in units for group in unit._get_fsdp_state()._fsdp_param_groups]
+    groups = [group for unit in units for group in _param_groups(unit)]
     after_forward = [group.post_forward_mesh_info for group in groups]
     for group in groups:
         group.post_forward_mesh_info = None
@@ -284,6 +284,15 @@ def gathered_throughout(net: nn.Module) -> Iterator[None]:
             group.post_forward_mesh_info = mesh_info
         for unit in units:
             unit.reshard()
+
+
+def _param_groups(unit: FSDPModule) -> list[Any]:
+    """A unit's FSDP parameter groups: a list in torch 2.13, one group (or None) in 2.11."""
+    state = unit._get_fsdp_state()
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 # Compute dtype of FSDP's gathered parameters for each Trainer precision; None keeps the parameters' own dtype.
