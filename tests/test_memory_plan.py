@@ -79,7 +79,8 @@ PLANNED_RUNS = [
     ),
 ]
 # The runs that also tracked the peak of their first two steps (callbacks.memory.tracked_steps=2). Not
-# model_parallel, whose stages share the one CPU, nor the compiled pipeline, whose fused kernels the plan does not see.
+# model_parallel, whose stages share the one CPU, nor the compiled pipeline: under the tracker (a dispatch mode) a
+# compiled block saves what eager autograd saves, which its plan does not.
 TRACKED_RUNS = [
     run
     for run in PLANNED_RUNS

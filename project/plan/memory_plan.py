@@ -7,9 +7,9 @@ real one (``Layout.simulated_devices``: FSDP shards it over a mesh of the job's 
 process-group backend, a pipeline keeps one rank's stages, ...); each such device's step is simulated.
 
 A job on GPUs is simulated with CUDA's kernels (``project.plan.cuda_kernels``: CUDA's autocast, attention and
-RMSNorm kernels, the allocator's blocks), any other with the CPU's. What a plan does not see: the caching
-allocator's fragmentation and CUDA's own context (a GPU's real peak is higher than its allocated bytes), and
-``torch.compile``'s fused kernels.
+RMSNorm kernels, the allocator's blocks), any other with the CPU's; a compiled block as inductor partitions it
+(``project.plan.compiled_blocks``). What a plan does not see: the caching allocator's fragmentation and CUDA's own
+context (a GPU's real peak is higher than its allocated bytes), and the buffers inside a compiled kernel.
 """
 
 import json

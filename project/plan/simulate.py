@@ -41,6 +41,7 @@ from project.job.task import TaskModule
 from project.models.float8 import fake_scales_flattened
 from project.models.kv_cache import KeyValueCache
 from project.parallel.parallelize import allocate, gathered_throughout
+from project.plan.compiled_blocks import partitioned_blocks
 from project.plan.cuda_kernels import cuda_kernels
 
 # What FSDPMemTracker counts as FSDP's communication: gathered parameters and the buffers of the collectives.
@@ -324,14 +325,16 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
             output.register_hook(backward_starts)
 
     loss = module.compiled_loss_module()
-    compiled = [*getattr(net, "blocks", []), *([loss] if loss is not None else [])]
+    blocks = list(getattr(net, "blocks", []))
+    compiled = [*blocks, *([loss] if loss is not None else [])]
     handles = [
         hook
         for part in compiled
         for hook in (part.register_forward_pre_hook(before), part.register_forward_hook(after))
     ]
     try:
-        yield
+        with partitioned_blocks(blocks):
+            yield
     finally:
         for handle in handles:
             handle.remove()

@@ -1,0 +1,208 @@
+"""A compiled block in a simulated step, as inductor runs it: AOTAutograd's forward and backward graphs, cut where
+inductor's partitioner cuts them (``partitioned_blocks``).
+
+``model.compile`` compiles each block's forward (``compile_blocks``). What that changes in the step's memory is
+what the block keeps for its backward: inductor does not save each op's inputs as eager autograd does; its
+partitioner (``min_cut_rematerialization_partition``, over the joint forward and backward graph of inductor's
+decompositions) saves a cut of the forward's values, recomputing cheap elementwise ones in the backward (a norm's
+output, an activation) rather than keeping them. No rule reproduces that cut: AOTAutograd makes it, on this CPU, from
+fake tensors, in about a second a block shape. Here each block shape is traced once, with inductor's decompositions
+and partitioner and without its code generation (identity compilers: the graphs run op by op), and each block of
+that shape runs those graphs: the simulation's tracker then sees exactly the tensors the compiled forward saves, and
+its counters the ops of inductor's graphs. What inductor's kernels do inside (their buffers between ops) does not
+show in saved activations, and a kernel's own buffers live only while it runs.
+
+A block whose forward AOTAutograd cannot trace here runs eagerly, as before (``eager_fallbacks`` names it): one
+holding tensor subclasses (DTensor under tensor parallelism, NF4 under QLoRA), selective checkpointing (the compiled
+run applies its policy inside the graph, which this tracing does not), a forward with a data-dependent shape (a
+mixture's routing).
+"""
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, cast
+
+import torch
+from functorch.compile import min_cut_rematerialization_partition
+from torch import nn
+from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.aot_autograd import aot_function
+from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.modules import module as module_registry
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+log = logging.getLogger(__name__)
+
+Signature = tuple[Any, ...]
+# Each block signature's graphs, or why AOTAutograd could not trace it: traced once a process (a plan, a search,
+# simulates many steps of the same blocks).
+_TRACED: dict[Signature, Callable[..., Any] | str] = {}
+_SAID: set[tuple[str, str]] = set()  # (block class, why) already warned of: once a process
+
+
+def _tensor_signature(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad)
+
+
+def _signature(block: nn.Module, tensors: dict[str, torch.Tensor], args: tuple) -> Signature:
+    """What a block's traced graphs depend on: its class and settings (the plain attributes of it and its modules:
+    widths, head counts, RoPE's base), its parameters' and inputs' shapes, strides and dtypes, and the autocast
+    and grad modes they run under."""
+    settings = tuple(
+        (name, key, repr(value))
+        for name, module in block.named_modules()
+        for key, value in sorted(vars(module).items())
+        if not key.startswith("_") and isinstance(value, int | float | str | bool | tuple | type(None))
+    )
+    return (
+        type(block),
+        settings,
+        tuple((name, _tensor_signature(tensor)) for name, tensor in tensors.items()),
+        tuple(_tensor_signature(arg) if isinstance(arg, torch.Tensor) else repr(arg) for arg in args),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.is_grad_enabled(),
+    )
+
+
+def _traceable(tensors: list[torch.Tensor]) -> bool:
+    return all(not is_traceable_wrapper_subclass(tensor) for tensor in tensors)
+
+
+def _fresh(tensor: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of the mode in force, shaped as ``tensor``."""
+    made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+    return made.requires_grad_(tensor.requires_grad)
+
+
+# The module hooks every module call runs (torch.nn.modules.module's registries, which torch's memory trackers fill):
+# the trace calls the block's modules on tensors of its own, which those hooks must not follow.
+_GLOBAL_MODULE_HOOKS = [
+    "_global_forward_pre_hooks",
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs",
+    "_global_backward_pre_hooks",
+    "_global_backward_hooks",
+]
+
+
+@contextmanager
+def _without_global_module_hooks() -> Iterator[None]:
+    saved = {name: dict(getattr(module_registry, name)) for name in _GLOBAL_MODULE_HOOKS}
+    for name in _GLOBAL_MODULE_HOOKS:
+        getattr(module_registry, name).clear()
+    try:
+        yield
+    finally:
+        for name, hooks in saved.items():
+            getattr(module_registry, name).update(hooks)
+
+
+class PartitionedBlocks:
+    """Compiled blocks run as their AOTAutograd graphs, one trace per block signature (``_signature``)."""
+
+    def __init__(self) -> None:
+        self.eager_fallbacks: dict[str, str] = {}  # block class -> why it ran eagerly
+
+    def fall_back(self, block: nn.Module, why: str) -> None:
+        """``block`` runs eagerly in the plan, for ``why``: said once a block class and reason in a process (a plan
+        simulates several steps)."""
+        name, why = type(block).__name__, why.splitlines()[0]
+        self.eager_fallbacks.setdefault(name, why)
+        if (name, why) not in _SAID:
+            _SAID.add((name, why))
+            log.warning(
+                "model.compile: %s planned as eager: %s. Its saved activations are eager autograd's, "
+                "which inductor's partition may keep fewer of.",
+                name,
+                why,
+            )
+
+    @staticmethod
+    def _trace(forward: Callable[..., Any], block: nn.Module, tensors: dict, args: tuple) -> Callable[..., Any] | str:
+        """``forward`` of ``block`` compiled by AOTAutograd as inductor calls it, traced on fresh fake tensors with the
+        simulation's own modes (its tracker, counters and fake tensors) set aside, so that tracing counts nothing; or
+        why it could not be traced."""
+
+        def functional(tensors: dict[str, torch.Tensor], *args: Any) -> Any:
+            with _reparametrize_module(block, tensors):
+                return forward(*args)
+
+        compiled = aot_function(
+            functional,
+            # aot_eager's compilers: the graphs run op by op, each input freed after its last use, as inductor's
+            # code frees it (plain calls would keep every saved tensor until the backward's end)
+            fw_compiler=cast(Any, boxed_nop),  # (typed for a list of example inputs; takes their sequence too)
+            bw_compiler=cast(Any, boxed_nop),
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table(),
+        )
+        # Nothing of the trace reaches the step: not the simulation's modes, nor the saved-tensor hooks in force (an
+        # activation checkpoint's, which would count the trace's tensors as the block's)
+        identity = torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor)
+        with _disable_current_modes(), _without_global_module_hooks(), FakeTensorMode(), identity:
+            fresh_tensors = {name: _fresh(tensor) for name, tensor in tensors.items()}
+            fresh_args = tuple(_fresh(arg) if isinstance(arg, torch.Tensor) else arg for arg in args)
+            try:
+                # The first call traces and runs forward; a backward compiles the backward graph here, not lazily
+                # inside the step's modes.
+                outputs = [
+                    output
+                    for output in tree_leaves(compiled(fresh_tensors, *fresh_args))
+                    if isinstance(output, torch.Tensor) and output.requires_grad
+                ]
+                torch.autograd.backward(outputs, [torch.ones_like(output) for output in outputs])
+            except Exception as error:  # noqa: BLE001  (any failure to trace: the block runs eagerly, named)
+                return f"AOTAutograd could not trace it ({type(error).__name__}: {error})"
+        return compiled
+
+    def forward_of(self, block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        """``block``'s forward as its compiled graphs run it (``forward`` itself where they cannot)."""
+
+        def partitioned(*args: Any, **kwargs: Any) -> Any:
+            tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+            inputs = [arg for arg in args if isinstance(arg, torch.Tensor)]
+            if not _traceable([*tensors.values(), *inputs]):
+                self.fall_back(block, "a tensor subclass among its weights or inputs (DTensor, NF4)")
+                return forward(*args, **kwargs)
+            if kwargs:
+                self.fall_back(block, f"called with keyword arguments {sorted(kwargs)}")
+                return forward(*args, **kwargs)
+            key = _signature(block, tensors, args)
+            if key not in _TRACED:
+                _TRACED[key] = self._trace(forward, block, tensors, args)
+            compiled = _TRACED[key]
+            if isinstance(compiled, str):
+                self.fall_back(block, compiled)
+                return forward(*args)
+            with torch.autocast("cpu", enabled=False):  # the graphs hold autocast's casts already
+                return compiled(tensors, *args)
+
+        return partitioned
+
+
+@contextmanager
+def partitioned_blocks(blocks: list[nn.Module]) -> Iterator[PartitionedBlocks]:
+    """While inside, each of ``blocks`` runs its forward as compiled (``PartitionedBlocks``); a selectively
+    checkpointed one stays eager (the compiled run applies the policy inside its graph)."""
+    partitioned = PartitionedBlocks()
+    replaced = {}  # block -> its own forward attribute (a wrapper a strategy set), or None: the class's
+    for block in blocks:
+        if getattr(block.forward, "checkpointed", False):
+            partitioned.fall_back(block, "selective checkpointing, whose policy the compiled run applies in its graph")
+            continue
+        replaced[block] = vars(block).get("forward")
+        block.forward = partitioned.forward_of(block, block.forward)  # type: ignore[method-assign]
+    try:
+        yield partitioned
+    finally:
+        for block, forward in replaced.items():
+            if forward is None:
+                del block.forward
+            else:
+                block.forward = forward  # type: ignore[method-assign]
