@@ -382,12 +382,18 @@ def _step(
     if work.forward_in_backward:
         zero_grad()
 
+    def storage_of(tensor: torch.Tensor) -> Any:
+        # A tensor-parallel activation is a DTensor: its bytes are this rank's part (its local tensor).
+        return (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
+
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         counts.materialize(tensor)  # kept for backward: in memory, written by a fused kernel too
         if not isinstance(tensor, nn.Parameter) and not isinstance(tensor._base, nn.Parameter):  # a linear saves W.T
-            # A tensor-parallel activation is a DTensor: its bytes are this rank's part (its local tensor).
-            storage = (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).untyped_storage()
-            saved[storage._cdata] = storage.nbytes()
+            storage = storage_of(tensor)
+            # A compiled block's graph saves its weights as aliases of their storage (torch 2.11), and FSDP's
+            # parameters in a forward are plain tensors: a weight's storage is the model's, not an activation.
+            if storage._cdata not in {storage_of(parameter)._cdata for parameter in module.net.parameters()}:
+                saved[storage._cdata] = storage.nbytes()
         return tensor
 
     pending: list[tuple[int, torch.Tensor]] = []  # micro-batches whose backward is still to run, oldest first
