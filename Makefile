@@ -31,7 +31,8 @@ BOX_TORCH_VENV ?= .venv-torch$(BOX_TORCH_VERSION)
 # make test-busy: the suite beside this many busy loops per core (no test may depend on wall time).
 BUSY_PER_CORE ?= 3
 
-.PHONY: help install train demo test test-fast test-busy test-box-torch lint lock clean gpu-bundle gpu-check offline-check
+.PHONY: help install train demo test test-fast test-busy test-box-torch lint lock clean gpu-bundle gpu-check gpu-collect
+.PHONY: offline-check
 
 help:  ## this list
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | expand -t 16
@@ -86,6 +87,9 @@ gpu-bundle: install  ## write BUNDLE (gpu-bundle/): the wheels an offline GPU bo
 
 gpu-check:  ## on an offline GPU box: BUNDLE over its torch, then pytest -m gpu and benchmarks/gpu.py into OUT
 	bash scripts/gpu_check.sh $(BUNDLE) $(OUT)
+
+gpu-collect:  ## on an offline GPU box, in one 9-minute call: what --refit reads, into OUT/collect/gpu_collect.json
+	GPU_CHECK_PARTS=collect bash scripts/gpu_check.sh $(BUNDLE) $(OUT)
 
 offline-check: install  ## make gpu-bundle and gpu-check on a simulated GPU box: a CPU torch, no GPU (CI runs it)
 	$(MAKE) gpu-bundle

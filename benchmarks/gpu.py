@@ -27,7 +27,8 @@ Targets, printed next to the figures: gpt_350m compiled at 50% MFU or more, llam
 case's framework / hand throughput at 0.98 or more (its median over the pairs), llama_1b compiled in Float8 at 1.2x
 its bf16 throughput or more, and a background save stalling training less than a fifth of a synchronous one.
 ``--profile`` then traces a few steps of a framework run (``ProfileSteps``) of every case that missed a target
-(``--profile all``: of every case).
+(``--profile all``: of every case). ``--framework-only``: no hand loop, the framework's figures alone (``make
+gpu-collect``'s cases, in a lease too short for both).
 
 Prints the tables and writes them to ``--out`` (if given) after each case, so that a run cut short keeps what it
 measured: ``gpu_benchmark.json`` (every figure, the machine, the command) and ``gpu_benchmark.md``; with ``--profile``
@@ -218,19 +219,19 @@ def median_or_none(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def measure(name: str, overrides: list[str], pairs: int, first: int, tmp: Path) -> dict[str, Any]:
+def measure(name: str, overrides: list[str], pairs: int, first: int, tmp: Path, hand: bool = True) -> dict[str, Any]:
     """Runs the framework and the hand loop ``pairs`` times, in alternating order (``first``: which goes first in the
-    first pair, 0 the framework), and returns the case's figures."""
-    runs: dict[str, list[dict[str, Any]]] = {"framework": [], "hand": []}
+    first pair, 0 the framework), and returns the case's figures; without ``hand``, the framework alone."""
+    runs: dict[str, list[dict[str, Any]]] = {"framework": [], "hand": []} if hand else {"framework": []}
     logs = []
     for pair in range(pairs):
-        clocks = {side: tmp / f"{name}-{pair}-{side}.jsonl" for side in runs}
+        clocks = {side: tmp / f"{name}-{pair}-{side}.jsonl" for side in ("framework", "hand")}
         job_dir = tmp / f"{name}-{pair}"
         commands = {
             "framework": framework_command(overrides, clocks["framework"], job_dir),
             "hand": [sys.executable, "benchmarks/hand_loop.py", str(clocks["hand"]), "auto", *overrides],
         }
-        for side in ["framework", "hand"] if (first + pair) % 2 == 0 else ["hand", "framework"]:
+        for side in list(runs) if (first + pair) % 2 == 0 else reversed(runs):
             start = time.perf_counter()
             epoch_s, startup_s = run(commands[side], clocks[side], ENV)
             runs[side].append({"epoch_s": epoch_s, "startup_s": startup_s, "wall_s": time.perf_counter() - start})
@@ -241,7 +242,7 @@ def measure(name: str, overrides: list[str], pairs: int, first: int, tmp: Path) 
             )
         logs.append([row for row in epochs(job_dir) if "perf/tokens_per_sec" in row])  # the training rows
     steady = {side: [statistics.median(r["epoch_s"][1:]) for r in side_runs] for side, side_runs in runs.items()}
-    ratios = [hand / framework for framework, hand in zip(steady["framework"], steady["hand"])]
+    ratios = [hand / framework for framework, hand in zip(steady["framework"], steady.get("hand", []))]
     peaks = [row["memory/peak_allocated_mb"] for rows in logs for row in rows if "memory/peak_allocated_mb" in row]
     return {
         **{
@@ -250,12 +251,11 @@ def measure(name: str, overrides: list[str], pairs: int, first: int, tmp: Path) 
         },
         "peak_allocated_mb": max(peaks) if peaks else None,
         "epoch_s": {side: statistics.median(times) for side, times in steady.items()},
-        "throughput_ratio": {
-            "min": min(ratios),
-            "median": statistics.median(ratios),
-            "max": max(ratios),
-            "pairs": ratios,
-        },
+        "throughput_ratio": (
+            {"min": min(ratios), "median": statistics.median(ratios), "max": max(ratios), "pairs": ratios}
+            if ratios
+            else None
+        ),
         "runs": runs,
         "framework_epochs": logs,
     }
@@ -303,7 +303,9 @@ def targets(
         wanted = [("perf/mfu", result.get("mfu"), mfu_targets[name])] if name in mfu_targets else []
         if name in float8_targets:
             wanted.append(("Float8 / bf16 throughput", result.get("twin_speedup"), float8_targets[name]))
-        wanted.append(("framework / hand throughput", result.get("throughput_ratio", {}).get("median"), RATIO_TARGET))
+        wanted.append(
+            ("framework / hand throughput", (result.get("throughput_ratio") or {}).get("median"), RATIO_TARGET)
+        )
         for metric, value, threshold in wanted:
             checks.append(
                 {
@@ -337,7 +339,7 @@ def markdown(report: dict[str, Any]) -> str:
         if "error" in r:
             rows.append([r["case"], f"{r['batch_size']} x {r['seq_length']}", "failed: see the JSON", *[""] * 7])
             continue
-        ratio = r["throughput_ratio"]
+        ratio = r["throughput_ratio"]  # None: the framework alone (--framework-only)
         rows.append(
             [
                 r["case"],
@@ -347,8 +349,8 @@ def markdown(report: dict[str, Any]) -> str:
                 figure(r["mfu"], "{:.1%}"),
                 figure(r["peak_allocated_mb"], "{:,.0f}"),
                 f"{r['epoch_s']['framework']:.3f}",
-                f"{r['epoch_s']['hand']:.3f}",
-                summary([ratio["min"], ratio["median"], ratio["max"]]),
+                figure(r["epoch_s"].get("hand"), "{:.3f}"),
+                "n/a" if ratio is None else summary([ratio["min"], ratio["median"], ratio["max"]]),
                 figure(r.get("twin_speedup"), "{:.3f}"),
             ]
         )
@@ -437,6 +439,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=None, help="where the JSON and markdown go (none: printed only)")
     parser.add_argument("--pairs", type=int, default=1, help="framework / hand-loop pairs per case")
+    parser.add_argument(
+        "--framework-only", action="store_true", help="no hand loop: the framework's figures alone (make gpu-collect)"
+    )
     parser.add_argument("--epochs", type=int, default=2, help="epochs per run (at least 2: the first is warm-up)")
     parser.add_argument("--steps", type=int, default=None, help="steps per epoch (default 40; 8 with --smoke)")
     parser.add_argument(
@@ -493,7 +498,9 @@ def main() -> None:
     unknown = set(args.cases or []) - {*known, CHECKPOINT_CASE}
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; choose among {sorted(known)} and {CHECKPOINT_CASE}")
-    cases = {name: case for name, case in known.items() if args.cases is None or name in args.cases}
+    # In --cases' order: a caller with a budget (make gpu-collect) puts first what it needs most.
+    chosen = known if args.cases is None else [name for name in args.cases if name in known]
+    cases = {name: known[name] for name in chosen}
     checkpoint_model = next(model for model in models if model.preset == ("gpt" if args.smoke else "gpt_125m"))
     measure_stall = args.cases is None or CHECKPOINT_CASE in args.cases
     if args.out is not None:
@@ -522,7 +529,7 @@ def main() -> None:
     }
     print(
         f"{report['machine']['gpu'] or 'CPU (smoke)'}, torch {torch.__version__}: {len(cases) + measure_stall} cases, "
-        f"{args.pairs} pair(s) each",
+        + ("the framework alone" if args.framework_only else f"{args.pairs} pair(s) each"),
         flush=True,
     )
     failed = False
@@ -544,7 +551,7 @@ def main() -> None:
             }
             try:
                 # Alternating which side goes first from case to case too: with one pair, half the cases each.
-                result.update(measure(name, overrides, args.pairs, index % 2, tmp))
+                result.update(measure(name, overrides, args.pairs, index % 2, tmp, not args.framework_only))
             except (RuntimeError, subprocess.TimeoutExpired) as error:  # a failed run; the other cases go on
                 print(error, file=sys.stderr)
                 result["error"] = str(error)[-4000:]

@@ -2,7 +2,9 @@
 
     python benchmarks/step_time.py          # every row, about a minute on 2 CPU cores
     python benchmarks/step_time.py 8b       # our own rows and the Llama 3.1 8B rows only
+    python benchmarks/step_time.py own      # our own rows only
     python benchmarks/step_time.py --refit  # the efficiencies and the host's speed fitted again too (below)
+    python benchmarks/step_time.py --refit gpu_collect.json  # ... on what make gpu-collect measured instead
     python benchmarks/step_time.py --cpu-host-costs  # the H200 rows with the CPU machine's host costs (below)
 
 First our own runs on one H200 (docs/gpu.md: the GPU benchmark's gpt_350m and llama_1b, eager and compiled). The
@@ -19,13 +21,20 @@ published throughput (docs/performance.md of pytorch/torchtitan, at its commit 8
 tables of its earlier version), each row predicted with the fitted efficiencies and its hardware's datasheet
 cluster: nothing is fitted to those rows.
 
+``--refit FILE`` fits them on a ``make gpu-collect`` JSON instead (``scripts/gpu_collect.py``; ``collected``): its
+bf16 cases of gpt_350m and llama_1b fit the three efficiencies, its Float8 cases Float8's, its host-bound cases
+(the tiny GPT's and gpt_125m's) the host's speed; each case planned on its GPU's datasheet cluster, as measured
+(the file's overrides, ``step_checks`` as the run had it); the peer trainer's throughput is printed beside.
+
 Each row's layout is planned as ``plan=search`` plans it (``extrapolated_plan``: the counts the step time reads are
 exactly the whole simulation's). Table 5's 405B pipelines are not among the rows: 32 micro-batches through 126
 blocks take this machine's simulation about 15 minutes a row.
 """
 
+import argparse
 import dataclasses
 import itertools
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -36,6 +45,10 @@ from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+from gpu_collect import check as check_collected  # noqa: E402
+
+from project.cli.calibrate import BASES  # noqa: E402
 from project.config.checks import check_config  # noqa: E402
 from project.config.composed import composed_train_config  # noqa: E402
 from project.job.job import Job  # noqa: E402
@@ -59,6 +72,7 @@ class Row:
     published: float  # tokens/s per GPU
     overrides: list[str]
     note: str = ""
+    over_sequence: bool = True  # composed over SEQUENCE (torchtitan's sequence); a collected run's are its own
 
 
 def own(preset: str, vocab: int, batch: int, compiled: bool) -> list[str]:
@@ -140,9 +154,47 @@ ROWS = [
 ]
 
 
-def config(overrides: list[str]):
+# The GPU benchmark's models whose step the host sets the pace of (docs/gpu.md): they fit the host's speed, not the
+# efficiencies.
+HOST_BOUND_MODELS = {"gpt", "gpt_125m"}
+
+
+@dataclass
+class Collected:
+    """A gpu_collect.json's measured cases, as rows: those the efficiencies, Float8's and the host's speed fit."""
+
+    bf16: list[Row]
+    float8: list[Row]
+    host: list[Row]
+    peer: dict[str, Any] | None
+
+
+def collected(path: Path) -> Collected:
+    """The cases ``scripts/gpu_collect.py`` measured (each with a throughput), planned on the GPU's datasheet
+    cluster with the run's own overrides but its accelerator (this machine plans for GPUs without one)."""
+    report = json.loads(path.read_text())
+    problems = check_collected(report)
+    if problems:
+        raise SystemExit(f"{path}: " + "; ".join(problems))
+    gpu = report["machine"]["gpu"] or ""
+    cluster = next((base for part, base in BASES if part in gpu), None)
+    if cluster is None:
+        raise SystemExit(f"{path}: no datasheet cluster is known for the GPU {gpu!r} (conf/cluster)")
+    source = f"{path.name} ({gpu}, {report['machine']['date']})"
+    rows: dict[str, list[Row]] = {"bf16": [], "float8": [], "host": []}
+    for case in report["cases"]:
+        if case.get("error") or not case.get("tokens_per_sec"):
+            continue
+        overrides = [item for item in case["overrides"] if not item.startswith("trainer.accelerator=")]
+        row = Row(source, case["case"], case["tokens_per_sec"], [*overrides, f"cluster={cluster}"], over_sequence=False)
+        kind = "host" if case["model"] in HOST_BOUND_MODELS else "float8" if case["float8"] else "bf16"
+        rows[kind].append(row)
+    return Collected(rows["bf16"], rows["float8"], rows["host"], report.get("peer"))
+
+
+def config(overrides: list[str], over_sequence: bool = True):
     """The config ``python train.py <overrides>`` resolves to, as the plan reads it."""
-    cfg = composed_train_config([*SEQUENCE, "data.num_train=100000", *overrides])
+    cfg = composed_train_config([*(SEQUENCE if over_sequence else []), "data.num_train=100000", *overrides])
     return OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -166,7 +218,7 @@ class Planned:
 
 def planned(row: Row) -> Planned:
     start = time.perf_counter()
-    job = check_config(config(row.overrides))
+    job = check_config(config(row.overrides, row.over_sequence))
     plan = extrapolated_plan(job) or plan_memory(job, suggest=False)
     return Planned(row, job, plan, time.perf_counter() - start)
 
@@ -206,33 +258,57 @@ def table(rows: list[Planned], efficiencies: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    published = [row for row in ROWS if "8B" in row.what] if "8b" in sys.argv[1:] else ROWS
-    own_rows = [planned(row) for row in FITTED]
-    float8_rows = [planned(row) for row in FITTED_FLOAT8]
-    roofline = OmegaConf.load(REPO / "conf" / "step_time" / "roofline.yaml")
-    refit = "--refit" in sys.argv
-    efficiencies = fit(own_rows, EFFICIENCIES) if refit else {name: roofline[name] for name in EFFICIENCIES}
-    efficiencies = (
-        fit(float8_rows, ("float8_matmul_efficiency",), efficiencies)
-        if refit
-        else {**efficiencies, "float8_matmul_efficiency": roofline["float8_matmul_efficiency"]}
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "rows", nargs="?", choices=["8b", "own"], help="8b: our own rows and the Llama 3.1 8B rows only; own: ours only"
     )
-    host_checks = [planned(row) for row in HOST_CHECKS]
-    if "--cpu-host-costs" in sys.argv:
+    parser.add_argument(
+        "--refit", nargs="?", const="", default=None, metavar="FILE", help="fit again (on FILE: a gpu_collect.json)"
+    )
+    parser.add_argument("--cpu-host-costs", action="store_true", help="the CPU machine's host costs")
+    args = parser.parse_args()
+    published = {"8b": [row for row in ROWS if "8B" in row.what], "own": []}.get(args.rows, ROWS)
+    refit = args.refit is not None
+    measured = collected(Path(args.refit)) if args.refit else None
+    bf16, float8, host_bound = (
+        (FITTED, FITTED_FLOAT8, HOST_CHECKS) if measured is None else (measured.bf16, measured.float8, measured.host)
+    )
+    own_rows = [planned(row) for row in bf16]
+    float8_rows = [planned(row) for row in float8]
+    roofline = OmegaConf.load(REPO / "conf" / "step_time" / "roofline.yaml")
+    efficiencies = {name: roofline[name] for name in (*EFFICIENCIES, "float8_matmul_efficiency")}
+    if refit and own_rows:
+        efficiencies = {**efficiencies, **fit(own_rows, EFFICIENCIES)}
+    if refit and float8_rows:
+        efficiencies = fit(float8_rows, ("float8_matmul_efficiency",), efficiencies)
+    host_checks = [planned(row) for row in host_bound]
+    if args.cpu_host_costs:
         efficiencies = {**efficiencies, "host_costs": None}
         host = fit_host(own_rows + host_checks, efficiencies)
+    elif refit and measured is not None and host_checks:
+        host = fit_host(host_checks, efficiencies)  # the host-bound cases: the host sets their pace
     else:
         host = fit_host([own_rows[1]], efficiencies) if refit else roofline["host_op_us"]
     efficiencies = {**efficiencies, "host_op_us": host}
     figures = ", ".join(f"{name} {value:.2f}" for name, value in efficiencies.items() if value is not None)
-    print("On our H200 rows:", figures, "(the CPU machine's host costs)" if "host_costs" in efficiencies else "")
+    rows_named = "On our H200 rows:" if measured is None else f"On {args.refit}:"
+    print(rows_named, figures, "(the CPU machine's host costs)" if "host_costs" in efficiencies else "")
     table(own_rows + float8_rows + host_checks, efficiencies)
     print()
+    if measured is not None and measured.peer is not None:
+        peer = measured.peer
+        print(
+            f"Peer: {peer['trainer']}, {peer['model']}{' compiled' if peer['compile'] else ''}, "
+            f"{peer['batch_size']} x {peer['seq_length']}: {peer['tokens_per_sec']:,.0f} tokens/s, peak "
+            + ("n/a" if peer["peak_allocated_mb"] is None else f"{peer['peak_allocated_mb']:,.0f} MiB")
+            + "\n"
+        )
     rows = []
     for row in published:
         rows.append(planned(row))
         print(f"  ({rows[-1].seconds:.0f} s to simulate {row.what})", file=sys.stderr, flush=True)
-    table(rows, efficiencies)
+    if rows:
+        table(rows, efficiencies)
 
 
 if __name__ == "__main__":

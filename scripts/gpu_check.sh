@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh <bundle dir> <out dir>
 # GPU_PYTHON: the box's interpreter, the one with torch (default python3). GPU_VENV: the venv made over it
 # (default .gpu-venv). GPU_CHECK_PARTS: some of "smoke tests benchmark" (all three, the default), for a box whose
-# sessions are short;
+# sessions are short, or "collect" (make gpu-collect: scripts/gpu_collect.py, into OUT/collect);
 # GPU_TESTS_K: a pytest -k expression, e.g. memory_plan or "not memory_plan", to split the tests too;
 # GPU_BENCHMARK_CASES: the benchmark's cases to run (benchmarks/gpu.py --cases), to split the benchmark.
 # A failed test or benchmark still leaves every table; the exit code is then 1.
@@ -61,5 +61,10 @@ elif has_cuda; then
 else
     echo "No CUDA device: benchmarks/gpu.py not run." | tee -a "$log"
     benchmark=not-run
+fi
+if [[ " $parts " == *" collect "* ]]; then
+    # One call's worth of what benchmarks/step_time.py --refit reads (without CUDA: each part skipped, named)
+    "$py" scripts/gpu_collect.py --out "$out/collect" 2>&1 | tee -a "$log"
+    [ "${PIPESTATUS[0]}" = 0 ] || echo "scripts/gpu_collect.py: a part failed (see $out/collect)" | tee -a "$log"
 fi
 "$py" scripts/gpu_report.py "$out" --smoke-exit "$smoke" --tests-exit "$tests" --benchmark-exit "$benchmark"

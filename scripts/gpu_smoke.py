@@ -2,7 +2,7 @@
 on one GPU, each a real ``python train.py``, and a table of each as passed, refused before launch (with the rule
 it breaks) or failed (with its first error line).
 
-    python scripts/gpu_smoke.py --out <dir> [--jobs 8] [--only strategy=fsdp compile=compiled ...] [--cpu]
+    python scripts/gpu_smoke.py --out <dir> [--jobs 8] [--only strategy=fsdp compile=compiled ...] [--short] [--cpu]
 
 The features (``FEATURES``): the model (a dense Llama, a mixture of experts, whose experts run as grouped matmuls
 in bf16 on a GPU), the strategy (auto, fsdp, tensor_parallel, each on one device), eager or compiled blocks,
@@ -10,7 +10,8 @@ activation checkpointing (off, selective, full), bf16 or Float8 matmuls, and ful
 combination is checked as ``train.py`` checks it before launch (``check_config``): what it refuses (Float8 with
 LoRA, say) is a row with the rule's message, not a run. The others train, ``--jobs`` at a time, each in a fresh
 process (so each compiles its own blocks; a shared process would reuse, or past its recompile limit silently stop
-compiling, another's). Writes ``gpu_smoke.md`` and ``gpu_smoke.json`` to ``--out``; exits 1 if a run failed.
+compiling, another's). ``--short``: each setting once, the others at their first (``short_list``). Writes
+``gpu_smoke.md`` and ``gpu_smoke.json`` to ``--out``; exits 1 if a run failed.
 ``--cpu`` runs the same on the CPU (Float8 emulated by torchao, no grouped matmuls): the check of the script itself.
 """
 
@@ -78,6 +79,16 @@ def combinations(only: dict[str, str]) -> Iterator[dict[str, str]]:
     settings = [[only[name]] if name in only else list(options) for name, options in FEATURES.items()]
     for chosen in itertools.product(*settings):
         yield dict(zip(FEATURES, chosen))
+
+
+def short_list() -> Iterator[dict[str, str]]:
+    """The first setting of every feature, then each other setting with the rest at their first: each setting runs
+    once (10 combinations), for a lease too short for every combination (``make gpu-collect``)."""
+    base = {name: next(iter(options)) for name, options in FEATURES.items()}
+    yield base
+    for name, options in FEATURES.items():
+        for setting in list(options)[1:]:
+            yield {**base, name: setting}
 
 
 def overrides(combination: dict[str, str], accelerator: str) -> list[str]:
@@ -152,8 +163,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=8, help="runs at once (one GPU holds many of these small runs)")
     parser.add_argument("--only", nargs="*", default=[], help="feature=setting pairs that fix features")
     parser.add_argument("--timeout", type=int, default=600, help="seconds a run may take")
+    parser.add_argument("--short", action="store_true", help="each setting once, the others at their first")
     parser.add_argument("--cpu", action="store_true", help="on the CPU: the check of this script without a GPU")
     args = parser.parse_args()
+    if args.short and args.only:
+        parser.error("--short and --only: choose one")
     only = dict(pair.split("=", 1) for pair in args.only)
     for name, setting in only.items():
         if setting not in FEATURES.get(name, {}):
@@ -167,7 +181,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     start = time.monotonic()
     rows = []
-    for combination in combinations(only):
+    for combination in short_list() if args.short else combinations(only):
         run_args = overrides(combination, accelerator)
         reason = refusal(run_args)
         row = {"combination": combination, "overrides": run_args}

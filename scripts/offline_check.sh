@@ -4,8 +4,8 @@
 # what GPU images ship beside it. make gpu-check then installs the bundle (made for this python) with --no-index
 # into a venv made from that interpreter with --system-site-packages (scripts/venv.sh). Checked: the box's torch is
 # kept, every GPU test is collected and skipped, python train.py trains with the default config (W&B offline) from
-# that venv; and make install with VENV_FLAGS=--system-site-packages over the same box (from the registries) keeps
-# that torch too.
+# that venv, make gpu-collect writes its JSON (every part skipped); and make install with
+# VENV_FLAGS=--system-site-packages over the same box (from the registries) keeps that torch too.
 # This machine's python3 has packages of its own, which the venv sees too; so a wheel the bundle should hold but
 # lacks could go unnoticed here. Checked against that: every distribution the project needs at run time is in the
 # venv, in the box's own venv, or in the bundle, and the bundle the box gets (cp312) holds the same distributions.
@@ -68,6 +68,9 @@ HOME=$box/home "$box/venv/bin/python" train.py trainer.max_epochs=1 print_config
 grep -q '"status": "completed"' "$box/run/result.json"
 ls "$box"/run/wandb/offline-run-*/*.wandb >/dev/null
 echo "python train.py trained from the offline install (W&B offline run written)"
+# make gpu-collect without a GPU: every part skipped and named, the JSON as benchmarks/step_time.py --refit reads it
+make gpu-collect BUNDLE="$bundle" OUT="$box/collect" GPU_PYTHON="$python" GPU_VENV="$box/venv"
+"$box/venv/bin/python" scripts/gpu_collect.py --check "$box/collect/collect/gpu_collect.json"
 
 make install VENV="$box/dev-venv" VENV_FLAGS=--system-site-packages PYTHON="$python"
 kept "$box/dev-venv/bin/python"

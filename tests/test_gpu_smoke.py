@@ -9,7 +9,7 @@ import sys
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "scripts"))
-from gpu_smoke import FEATURES, combinations, first_error_line  # noqa: E402
+from gpu_smoke import FEATURES, combinations, first_error_line, short_list  # noqa: E402
 
 FIXED = {"model": "dense", "strategy": "auto", "compile": "eager", "checkpointing": "off"}
 
@@ -18,6 +18,16 @@ def test_every_combination_once():
     every = list(combinations({}))
     assert len(every) == len({tuple(c.values()) for c in every}) == math.prod(map(len, FEATURES.values())) == 216
     assert list(combinations(FIXED)) == [c for c in every if all(c[name] == FIXED[name] for name in FIXED)]
+
+
+def test_the_short_list_runs_each_setting_once_beside_the_first_of_the_others():
+    short = list(short_list())
+    first = short[0]
+    assert len(short) == 1 + sum(len(options) - 1 for options in FEATURES.values()) == 10
+    for name, options in FEATURES.items():
+        for setting in options:  # each setting in a combination of the short list, the other features at their first
+            assert any(c[name] == setting and all(c[o] == first[o] for o in FEATURES if o != name) for c in short)
+    assert all(c in list(combinations({})) for c in short)
 
 
 def test_the_error_line_is_the_one_raised_below_its_causes():
