@@ -58,6 +58,7 @@ CASES = [  # in the order they run: those the efficiencies fit on first, the hos
 ]
 CPU_CASES = ["gpt"]  # benchmarks/gpu.py --smoke's cases: eager only
 STEPS = 20
+CPU_STEPS = 4  # the pipeline's check: its figures are of no worth, its time is the suite's
 # A case as --refit reads it: these keys, with a figure or None where the run failed.
 CASE_KEYS = {"case": str, "model": str, "compile": bool, "float8": bool, "overrides": list}
 
@@ -65,10 +66,11 @@ CASE_KEYS = {"case": str, "model": str, "compile": bool, "float8": bool, "overri
 def commands(out: Path, cpu: bool) -> dict[str, list[str] | None]:
     python = sys.executable
     smoke = None if cpu else [python, "scripts/gpu_smoke.py", "--short", "--out", str(out / "smoke")]
-    cases = [python, "benchmarks/gpu.py", "--framework-only", "--steps", str(STEPS), "--out", str(out / "cases")]
+    steps = str(CPU_STEPS if cpu else STEPS)
+    cases = [python, "benchmarks/gpu.py", "--framework-only", "--steps", steps, "--out", str(out / "cases")]
     cases += ["--smoke", "--cases", *CPU_CASES] if cpu else ["--cases", *CASES]
     peer = [python, "benchmarks/peer_trainer.py", "--out", str(out / "peer.json")]
-    peer += ["--tiny", "--steps", "8", "--warmup", "3", "--seq-length", "64"] if cpu else ["--compile"]
+    peer += ["--tiny", "--steps", "6", "--warmup", "3", "--seq-length", "64"] if cpu else ["--compile"]
     return {"smoke": smoke, "cases": cases, "peer": peer}
 
 
