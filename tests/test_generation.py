@@ -19,11 +19,11 @@ from project.parallel.parallelize import materialize
 transformers = pytest.importorskip("transformers")
 
 
-def test_greedy_generation_is_transformers_greedy_generation(tmp_path):
-    """A random LlamaForCausalLM, loaded here: temperature 0 writes what transformers' generate(do_sample=False)
-    writes, token for token."""
+def random_hf_model_loaded(tmp_path, family: str, **shape) -> tuple:
+    """A random transformers ``<family>ForCausalLM`` (seeded; no BOS or stop token), saved to ``tmp_path`` and loaded
+    from there into this project's ``Llama``: the reference and ours."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=61,
         hidden_size=48,
         intermediate_size=80,
@@ -33,12 +33,20 @@ def test_greedy_generation_is_transformers_greedy_generation(tmp_path):
         max_position_embeddings=64,
         bos_token_id=None,
         eos_token_id=None,
-    )  # no stop token: 20 tokens
-    reference = transformers.LlamaForCausalLM(config).eval()
+        **shape,
+    )
+    reference = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     reference.save_pretrained(tmp_path)
     with torch.device("meta"):
         net = Llama(**net_options(read_config(tmp_path)))
     materialize(net, torch.device("cpu"), seed=0, weights=HFWeights(tmp_path))
+    return reference, net
+
+
+def test_greedy_generation_is_transformers_greedy_generation(tmp_path):
+    """A random LlamaForCausalLM, loaded here: temperature 0 writes what transformers' generate(do_sample=False)
+    writes, token for token."""
+    reference, net = random_hf_model_loaded(tmp_path, "Llama")  # no stop token: 20 tokens
     prompt = [5, 17, 3, 42]
     expected = reference.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)
     assert generate(net.eval(), prompt, max_new_tokens=20, temperature=0) == expected[0, len(prompt) :].tolist()
@@ -68,24 +76,7 @@ def test_passes_over_a_key_value_cache_give_the_whole_contexts_logits(family):
 def test_a_group_drawn_over_the_cache_at_top_k_1_is_transformers_greedy_generation(tmp_path):
     """A random Qwen3ForCausalLM, loaded here: each completion of a group drawn with only the most likely token
     allowed is what transformers' generate(do_sample=False), over its own cache, writes; the stop token ends it."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        vocab_size=61,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    reference = transformers.Qwen3ForCausalLM(config).eval()
-    reference.save_pretrained(tmp_path)
-    with torch.device("meta"):
-        net = Llama(**net_options(read_config(tmp_path)))
-    materialize(net, torch.device("cpu"), seed=0, weights=HFWeights(tmp_path))
+    reference, net = random_hf_model_loaded(tmp_path, "Qwen3", head_dim=16)
     prompt = [5, 17, 3, 42]
     expected = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, pad_token_id=0)
     expected = expected[0, len(prompt) :].tolist()
