@@ -305,7 +305,7 @@ def test_slurm_local_runs_two_ddp_jobs_and_a_preempted_one_is_requeued_into_the_
     os.kill(task, signal.SIGUSR2)
     output, _ = sweep.communicate(timeout=300)
     assert sweep.returncode == 0, output[-6000:]
-    submitit_log = "".join(path.read_text() for path in (sweep_dir / ".submitit").glob("*/*_0_log.err"))
+    submitit_log = "".join(path.read_text() for path in (sweep_dir / ".submitit").glob("*_0_log.err"))
     assert "Caught signal SIGUSR2" in submitit_log and "this job is preempted" in submitit_log
 
     with open(sweep_dir / "summary.csv") as file:
@@ -340,7 +340,7 @@ def test_slurm_local_runs_a_two_node_job_with_a_task_per_node(ddp_fsdp_sweep, ru
         home,
     )
     job = sweep_dir / "0"
-    assert len(list((sweep_dir / ".submitit").glob("*/*_1_log.out"))) == 1  # a second task
+    assert len(list((sweep_dir / ".submitit").glob("*_1_log.out"))) == 1  # a second task
     assert (job / "workers" / "node1" / "config.yaml").is_file()  # ...which started node 1's rank
     assert "[rank 1]" in (job / "train.log").read_text()
     # Global rank 0 ran on node 0: its W&B run is the one the job's config.yaml names, which a requeue continues.
