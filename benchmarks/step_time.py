@@ -3,6 +3,7 @@
     python benchmarks/step_time.py          # every row, about a minute on 2 CPU cores
     python benchmarks/step_time.py 8b       # our own rows and the Llama 3.1 8B rows only
     python benchmarks/step_time.py own      # our own rows only
+    python benchmarks/step_time.py megatron # our own rows and Megatron-LM's weak-scaling table, about 10 minutes
     python benchmarks/step_time.py --refit  # the efficiencies and the host's speed fitted again too (below)
     python benchmarks/step_time.py --refit gpu_collect.json  # ... on what make gpu-collect measured instead
     python benchmarks/step_time.py --cpu-host-costs  # the H200 rows with the CPU machine's host costs (below)
@@ -19,7 +20,9 @@ was fitted on the one Float8 run (again with
 loss's gain down to Float8's matmuls). Then torchtitan's
 published throughput (docs/performance.md of pytorch/torchtitan, at its commit 820504e of 2025-06-13, and the A100
 tables of its earlier version), each row predicted with the fitted efficiencies and its hardware's datasheet
-cluster: nothing is fitted to those rows.
+cluster: nothing is fitted to those rows. ``megatron`` predicts Megatron-LM's weak-scaling table instead (Narayanan
+et al., SC'21, Table 1: GPT from 1.7B to 1T parameters on 32 to 3,072 A100s, tensor, pipeline and data parallel),
+each row's TFLOP/s turned into tokens/s by the paper's own FLOP count (``megatron_tokens_per_s``).
 
 ``--refit FILE`` fits them on a ``make gpu-collect`` JSON instead (``scripts/gpu_collect.py``; ``collected``): its
 bf16 cases of gpt_350m and llama_1b fit the three efficiencies, its Float8 cases Float8's, its host-bound cases
@@ -27,8 +30,8 @@ bf16 cases of gpt_350m and llama_1b fit the three efficiencies, its Float8 cases
 (the file's overrides, ``step_checks`` as the run had it); the peer trainer's throughput is printed beside.
 
 Each row's layout is planned as ``plan=search`` plans it (``extrapolated_plan``: the counts the step time reads are
-exactly the whole simulation's). Table 5's 405B pipelines are not among the rows: 32 micro-batches through 126
-blocks take this machine's simulation about 15 minutes a row.
+exactly the whole simulation's). Table 5's 405B pipelines are not among the rows: they ran Float8 and async tensor
+parallelism, which the model does not see.
 """
 
 import argparse
@@ -154,6 +157,60 @@ ROWS = [
 ]
 
 
+def megatron_tokens_per_s(tflops: float, layers: int, hidden: int, seq: int = 2048, vocab: int = 51200) -> float:
+    """Tokens/s per GPU of a published Megatron throughput in TFLOP/s per GPU, which Narayanan et al. (2021) count
+    as 96 B s l h^2 (1 + s/6h + V/16lh) FLOPs a batch of B sequences: full recomputation's extra forward included."""
+    flops_per_token = 96 * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+    return tflops * 1e12 / flops_per_token
+
+
+def megatron_row(
+    billions: float, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int, tflops: float
+) -> Row:
+    """A row of Megatron-LM's weak-scaling table (Narayanan et al., SC'21, Table 1: GPT, sequence 2048, vocabulary
+    51,200, mixed precision, full recomputation, DGX A100 80GB nodes with 8 HDR InfiniBand ports) in this project's
+    nearest layout: without a pipeline, tensor parallelism under FSDP (Megatron's data parallelism all-reduces
+    whole gradients; a ring all-reduce moves the bytes of FSDP's gather and reduce-scatter, both hidden behind the
+    compute); with one, interleaved 1F1B (2 stages a rank) over micro-batches of one sequence, as the paper runs
+    Table 1 (its micro-batch size is not given: one is assumed)."""
+    replicas = gpus // (tp * pp)
+    local = batch // replicas  # sequences a replica's step
+    model = ["model=gpt", f"model.net.num_layers={layers}", f"model.net.dim={hidden}", f"model.net.num_heads={heads}"]
+    model += ["model.net.vocab_size=51200", "data=tokens", "data.vocab_size=51200", "data.seq_length=2048"]
+    model += ["trainer.precision=bf16-mixed", "model.activation_checkpointing=true", "cluster=a100_80g_8x"]
+    nodes = [f"trainer.devices={min(gpus, 8)}", f"trainer.num_nodes={max(gpus // 8, 1)}", f"data.batch_size={local}"]
+    if pp > 1:
+        layout = ["strategy=pipeline", f"strategy.tensor_parallel_size={tp}", f"strategy.num_stages={2 * pp}"]
+        layout += ["strategy.schedule=interleaved_1f1b", "strategy.stages_per_rank=2", f"strategy.microbatches={local}"]
+    elif tp > 1:
+        layout = ["strategy=fsdp", f"strategy.tensor_parallel_size={tp}"]
+    else:
+        layout = ["strategy=ddp"]
+    what = f"GPT {billions}B, TP {tp} x PP {pp} x DP {replicas}, {gpus} A100s, batch {batch}"
+    note = f"published {tflops:g} TFLOP/s a GPU, recompute counted"
+    return Row(
+        "Megatron Table 1",
+        what,
+        megatron_tokens_per_s(tflops, layers, hidden),
+        [*model, *nodes, *layout],
+        note,
+        over_sequence=False,
+    )
+
+
+MEGATRON = [
+    megatron_row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    megatron_row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    megatron_row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    megatron_row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    megatron_row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    megatron_row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    megatron_row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    megatron_row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    megatron_row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    megatron_row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+
 # The GPU benchmark's models whose step the host sets the pace of (docs/gpu.md): they fit the host's speed, not the
 # efficiencies.
 HOST_BOUND_MODELS = {"gpt", "gpt_125m"}
@@ -241,6 +298,11 @@ def fit_host(rows: list[Planned], efficiencies: dict[str, Any]) -> float:
     return min(grid, key=lambda host: max(abs(row.error({**efficiencies, "host_op_us": host})) for row in rows))
 
 
+def _figure(tokens_per_s: float) -> str:
+    """Whole tokens, or 3 significant figures below 100 (a trillion parameters train 20 tokens/s a GPU)."""
+    return f"{tokens_per_s:,.0f}" if tokens_per_s >= 100 else f"{tokens_per_s:.3g}"
+
+
 def table(rows: list[Planned], efficiencies: dict[str, Any]) -> None:
     print(
         "| source | run | measured tokens/s/GPU | predicted | error | MFU | exposed comm s | bubble s | host's share | "
@@ -250,7 +312,8 @@ def table(rows: list[Planned], efficiencies: dict[str, Any]) -> None:
     for row in rows:
         step = row.step(efficiencies)
         print(
-            f"| {row.row.source} | {row.row.what} | {row.row.published:,.0f} | {step.tokens_per_device_per_s:,.0f} | "
+            f"| {row.row.source} | {row.row.what} | {_figure(row.row.published)} | "
+            f"{_figure(step.tokens_per_device_per_s)} | "
             f"{row.error(efficiencies):+.1%} | {step.mfu:.1%} | {step.exposed_communication:.3f} | "
             f"{step.bubble:.3f} | {step.host / step.seconds:.0%} | {row.row.note} |",
             flush=True,
@@ -260,14 +323,17 @@ def table(rows: list[Planned], efficiencies: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "rows", nargs="?", choices=["8b", "own"], help="8b: our own rows and the Llama 3.1 8B rows only; own: ours only"
+        "rows",
+        nargs="?",
+        choices=["8b", "own", "megatron"],
+        help="8b: our own rows and the Llama 3.1 8B rows only; own: ours only; megatron: ours and Megatron-LM's",
     )
     parser.add_argument(
         "--refit", nargs="?", const="", default=None, metavar="FILE", help="fit again (on FILE: a gpu_collect.json)"
     )
     parser.add_argument("--cpu-host-costs", action="store_true", help="the CPU machine's host costs")
     args = parser.parse_args()
-    published = {"8b": [row for row in ROWS if "8B" in row.what], "own": []}.get(args.rows, ROWS)
+    published = {"8b": [row for row in ROWS if "8B" in row.what], "own": [], "megatron": MEGATRON}.get(args.rows, ROWS)
     refit = args.refit is not None
     measured = collected(Path(args.refit)) if args.refit else None
     bf16, float8, host_bound = (
