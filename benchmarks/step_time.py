@@ -169,10 +169,10 @@ def megatron_row(
 ) -> Row:
     """A row of Megatron-LM's weak-scaling table (Narayanan et al., SC'21, Table 1: GPT, sequence 2048, vocabulary
     51,200, mixed precision, full recomputation, DGX A100 80GB nodes with 8 HDR InfiniBand ports) in this project's
-    nearest layout: without a pipeline, tensor parallelism under FSDP (Megatron's data parallelism all-reduces
-    whole gradients; a ring all-reduce moves the bytes of FSDP's gather and reduce-scatter, both hidden behind the
-    compute); with one, interleaved 1F1B (2 stages a rank) over micro-batches of one sequence, as the paper runs
-    Table 1 (its micro-batch size is not given: one is assumed)."""
+    nearest layout: without a pipeline, tensor parallelism under FSDP (Megatron's data parallelism all-reduced
+    whole gradients, half the bytes of FSDP's two gathers and reduce-scatter; either hides behind these rows'
+    compute); with one, interleaved 1F1B (2 stages a rank) over micro-batches of one sequence (Table 1 states
+    neither: both assumed)."""
     replicas = gpus // (tp * pp)
     local = batch // replicas  # sequences a replica's step
     model = ["model=gpt", f"model.net.num_layers={layers}", f"model.net.dim={hidden}", f"model.net.num_heads={heads}"]

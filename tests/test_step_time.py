@@ -31,6 +31,7 @@ from project.plan.step_time import (
 )
 
 pytestmark = pytest.mark.torch_internals
+sys.path.insert(0, str(REPO / "benchmarks"))  # benchmarks/step_time.py's Megatron count
 
 # Round numbers: 100 TFLOPS at half efficiency is 5e13 FLOP/s; 1 TB/s at 80% is 8e11 B/s; 100 GB/s in a node, 10
 # GB/s between nodes; 2e12 exponentials a second.
@@ -387,7 +388,6 @@ def test_megatrons_published_flop_count_is_the_plans_with_recomputation(layers, 
     (1 + s/6h + V/16lh) FLOPs a batch of B sequences under full recomputation. The plan of a GPT so checkpointed
     counts within 3% of it (its causal attention's backward a little less than the count's), so a predicted
     tokens/s and a published TFLOP/s measure the same work."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
     from step_time import megatron_tokens_per_s
 
     model = ["model=gpt", f"model.net.num_layers={layers}", f"model.net.dim={width}", f"model.net.num_heads={heads}"]
