@@ -386,8 +386,9 @@ def test_a_cpu_step_is_its_host_and_its_compute_one_after_the_other_on_its_share
 def test_megatrons_published_flop_count_is_the_plans_with_recomputation(layers, width, heads, sequence, vocabulary):
     """benchmarks/step_time.py turns Megatron-LM's published TFLOP/s into tokens/s by the paper's count, 96 B s l h^2
     (1 + s/6h + V/16lh) FLOPs a batch of B sequences under full recomputation. The plan of a GPT so checkpointed
-    counts within 3% of it (its causal attention's backward a little less than the count's), so a predicted
-    tokens/s and a published TFLOP/s measure the same work."""
+    counts within 3% of it, so a predicted tokens/s and a published TFLOP/s measure the same work. (Less by
+    torch's checkpoint stopping its recompute once the backward has all it saved: each block's last matmul, 8 h^2
+    FLOPs a token, is not rerun; more by flash attention's backward, 2.5 times its forward where the count has 2.)"""
     from step_time import megatron_tokens_per_s
 
     model = ["model=gpt", f"model.net.num_layers={layers}", f"model.net.dim={width}", f"model.net.num_heads={heads}"]
