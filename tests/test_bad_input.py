@@ -785,10 +785,6 @@ CASES = [
         "model.grpo.reward_weights: has 2 weights for 1 reward functions",
     ),
     (
-        [*GRPO_HELLO, "model.grpo.beta=0.04"],
-        "model.grpo.beta: is 0.04, whose KL term needs the reference model",
-    ),
-    (
         [*GRPO_HELLO, "strategy=tensor_parallel", "trainer.devices=2"],
         "strategy.sequence_parallel: is true, but GRPO's one-token passes cannot split their sequence",
     ),

@@ -1,6 +1,8 @@
 """GRPO (project/tasks/grpo.py): its arithmetic (project/tasks/group_relative.py) against TRL's own
 ``GRPOTrainer`` (TRL 1.16) and the definitions in plain Python; every strategy against a hand-written GRPO loop."""
 
+import contextlib
+import copy
 import hashlib
 import importlib
 import json
@@ -26,9 +28,11 @@ from test_memory_plan import resolved
 from project.checkpointing.hf import HFWeights, net_options, read_config
 from project.cli.chat_example import write_example
 from project.data.targets import IGNORE_INDEX
+from project.job.job import Job
 from project.parallel.parallelize import materialize
 from project.plan.memory_plan import plan_memory
 from project.plan.simulate import generation_flops
+from project.plan.step_time import predict_step
 from project.tasks.group_relative import (
     PolicyLoss,
     completion_rewards,
@@ -243,9 +247,12 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
     """GRPO as the papers and TRL write it, in plain PyTorch: each prompt's group drawn token by token from the
     softmax of the last logits over the temperature (a generator per prompt, seeded as documented), up to the end of
     turn; rewards the weighted sum of the functions' scores, a group's advantage (r - mean) / (std + 1e-4); the
-    ``dapo`` loss, minus the advantage times the on-policy ratio, summed over the global batch's completion tokens
-    and divided by them, accumulated; the metrics, means over the epoch (a standard deviation one value a global
-    batch). The data's tensors and records, the tokenizer's decoding and the model class come from the project."""
+    ``dapo`` loss, minus the advantage times the on-policy ratio, with ``model.grpo.beta`` > 0 plus beta times the
+    KL estimate exp(ref - logp) - (ref - logp) - 1 to the reference (a copy of the initial model; with LoRA, peft's
+    model with its adapters disabled) times the ratio (TRL's default ``use_bias_correction_kl``), summed over the
+    global batch's completion tokens and divided by them, accumulated; the metrics, means over the epoch (a
+    standard deviation one value a global batch). The data's tensors and records, the tokenizer's decoding and the
+    model class come from the project."""
     data = instantiate(cfg.data)
     tokenizer = data.renderer.tokenizer
     stop = tokenizer.token_to_id(STOP)
@@ -259,8 +266,10 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
     with torch.device("meta"):
         net = instantiate(cfg.model.net)
     materialize(net, torch.device("cpu"), cfg.seed, HFWeights(cfg.model.init_from))
-    if cfg.model.lora.rank:
+    lora, beta = bool(cfg.model.lora.rank), grpo.beta
+    if lora:
         net = with_peft_lora(net, cfg)
+    reference_net = copy.deepcopy(net) if beta and not lora else None
     train_prompts = data.num_train_samples
     accumulate, epochs = cfg.trainer.accumulate_grad_batches, cfg.trainer.max_epochs
     batches = train_prompts // global_batch
@@ -317,11 +326,24 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
             whole = torch.tensor(prompt + completion)
             inputs[row, : len(whole) - 1] = whole[:-1]
             targets[row, len(prompt) - 1 : len(whole) - 1] = whole[len(prompt) :]
+
+        def log_probs_of(logits: torch.Tensor) -> torch.Tensor:
+            return logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+
         logits = net(inputs) / temperature
         mask = targets != IGNORE_INDEX
-        log_probs = logits.log_softmax(-1).gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
+        log_probs = log_probs_of(logits)
         ratio = torch.exp(log_probs - log_probs.detach())
-        loss = (-torch.tensor(advantages)[:, None] * ratio * mask).sum() / mask.sum()
+        per_token = -torch.tensor(advantages)[:, None] * ratio
+        if beta:
+            training = net.training
+            net.eval()
+            with torch.no_grad(), net.disable_adapter() if lora else contextlib.nullcontext():
+                reference = log_probs_of((net if lora else reference_net)(inputs) / temperature)
+            net.train(training)
+            kl = (torch.exp(reference - log_probs) - (reference - log_probs) - 1) * ratio
+            per_token = per_token + beta * kl
+        loss = (per_token * mask).sum() / mask.sum()
         probabilities = logits.detach().double().softmax(-1)  # float64: no float32 softmax underflow in the log
         entropies = -(probabilities * probabilities.log()).sum(-1)
         lengths = torch.tensor([len(completion) for completion in ids], dtype=torch.float64)
@@ -336,6 +358,8 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
             "completions/clipped_ratio": (clipped.sum().item(), len(rows)),
             "entropy": ((entropies * mask).sum().item(), int(mask.sum())),
         }
+        if beta:
+            values["kl"] = ((kl.detach() * mask).sum().item(), int(mask.sum()))
         for function, column in zip(functions, scores.T, strict=True):
             given = column[~column.isnan()].tolist()
             values[f"rewards/{function.__name__}/mean"] = (sum(given), len(given))
@@ -378,21 +402,22 @@ def hand_written_grpo(cfg: DictConfig, global_batch: int) -> list[dict[str, floa
 def grpo_runs(prompt_example, runs_dir, home) -> dict[str, Path]:
     """GRPO of the greeting base on the example's prompts: on one device (4 prompts a batch), and under ddp and fsdp
     (2 replicas of 2 prompts) over 2 processes, fsdp with LoRA adapters, and tensor_parallel over 2 ranks (one
-    replica of 4 prompts); each prompt drawn 4 times, 2 batches accumulated a step."""
+    replica of 4 prompts); each prompt drawn 4 times, 2 batches accumulated a step. All but the one-device run with
+    the KL term (``KL``): the initial weights as reference, each rank's share of them; with LoRA the base."""
     model_dir, prompts = prompt_example
     data = [f"data.path={prompts}", f"model.init_from={model_dir}"]
-    sweep = [*GRPO_OVERRIDES, *data, "data.batch_size=2", "trainer.devices=2", "strategy=ddp,fsdp"]
+    sweep = [*GRPO_OVERRIDES, *data, *KL, "data.batch_size=2", "trainer.devices=2", "strategy=ddp,fsdp"]
     sweep_dir = two_job_sweep("grpo", sweep, runs_dir, home)[1][0].parent
     single = runs_dir / "grpo-single"
     if not (single / "result.json").is_file():
         train([*GRPO_OVERRIDES, *data, f"hydra.run.dir={single}"], home)
     lora = runs_dir / "grpo-fsdp-lora"
     if not (lora / "result.json").is_file():
-        train([*GRPO_OVERRIDES, *data, *LORA, "data.batch_size=2", "trainer.devices=2", "strategy=fsdp",
+        train([*GRPO_OVERRIDES, *data, *KL, *LORA, "data.batch_size=2", "trainer.devices=2", "strategy=fsdp",
                f"hydra.run.dir={lora}"], home)  # fmt: skip
     split = runs_dir / "grpo-tensor-parallel"
     if not (split / "result.json").is_file():
-        train([*GRPO_OVERRIDES, *data, *TENSOR_PARALLEL, f"hydra.run.dir={split}"], home)
+        train([*GRPO_OVERRIDES, *data, *KL, *TENSOR_PARALLEL, f"hydra.run.dir={split}"], home)
     runs = {"auto": single, "ddp": sweep_dir / "0", "fsdp": sweep_dir / "1", "fsdp+lora": lora}
     return {**runs, "tensor_parallel": split}
 
@@ -403,7 +428,8 @@ TENSOR_PARALLEL += ["strategy.sequence_parallel=false", "strategy.loss_parallel=
 
 
 LORA = ["model.lora.rank=8", "model.lora.dropout=0", "model.optimizer.lr=0.01"]
-_HAND_WRITTEN: dict[bool, list[dict[str, float]]] = {}
+KL = ["model.grpo.beta=0.04"]
+_HAND_WRITTEN: dict[tuple[bool, bool], list[dict[str, float]]] = {}
 
 
 # fsdp's draws gather each unit once through FSDP2's internals (gathered_throughout): run on the boxes' torch too.
@@ -414,17 +440,18 @@ STRATEGIES = ["auto", "ddp", pytest.param("fsdp", marks=INTERNALS), pytest.param
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", [*STRATEGIES, "tensor_parallel"])
 def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_example, strategy):
-    """Each epoch's loss, rewards (each function's too), lengths and entropy, training and validation, in the run's
-    W&B history, equal the hand-written loop's to 1e-5; and the rewards moved: not every group alike. The run's W&B
-    table of completions holds each epoch's first validation batch."""
+    """Each epoch's loss, rewards (each function's too), lengths, entropy and KL, training and validation, in the
+    run's W&B history, equal the hand-written loop's to 1e-5; and the rewards moved: not every group alike. The
+    run's W&B table of completions holds each epoch's first validation batch."""
     from test_config import compose_train
 
     model_dir, prompts = prompt_example
-    lora = strategy.endswith("+lora")
-    if lora not in _HAND_WRITTEN:
+    lora, kl = strategy.endswith("+lora"), strategy != "auto"
+    if (lora, kl) not in _HAND_WRITTEN:
         run = [*GRPO_OVERRIDES, f"data.path={prompts}", f"model.init_from={model_dir}", *(LORA if lora else [])]
-        _HAND_WRITTEN[lora] = hand_written_grpo(compose_train(run), global_batch=4)
-    expected = _HAND_WRITTEN[lora]
+        _HAND_WRITTEN[lora, kl] = hand_written_grpo(compose_train([*run, *(KL if kl else [])]), global_batch=4)
+    expected = _HAND_WRITTEN[lora, kl]
+    assert ("train/kl" in expected[0]) == kl and (not kl or expected[-1]["train/kl"] > 0)
     run = only_run(grpo_runs[strategy])
     for key in expected[0]:  # on-policy the loss is a sum of terms near 1 that cancel to near 0: held to 1e-6 apart
         assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
@@ -437,13 +464,15 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_e
 
 
 @pytest.mark.slow
-def test_a_resumed_run_goes_on_as_the_straight_one(prompt_example, tmp_path, home):
-    """GRPO with LoRA and the KL term (the base as reference) on one device, no learning-rate schedule: epoch 1
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_a_resumed_run_goes_on_as_the_straight_one(prompt_example, tmp_path, home, weights):
+    """GRPO with the KL term on one device, no learning-rate schedule, with LoRA (the base as reference) and with
+    full weights (the initial weights as reference, built again by the resumed run, not the checkpoint's): epoch 1
     resumed from epoch 0's checkpoint draws the same completions and gives the straight run's numbers, KL included
     (a resumed run's draws are seeded by epoch and prompt, nothing to save)."""
     model_dir, prompts = prompt_example
     run = [*GRPO_OVERRIDES, f"data.path={prompts}", f"model.init_from={model_dir}", "model.scheduler=null"]
-    run += ["model.lora.rank=8", "model.lora.dropout=0", "model.grpo.beta=0.04", "logger=csv"]
+    run += [*(["model.lora.rank=8", "model.lora.dropout=0"] if weights == "lora" else []), *KL, "logger=csv"]
     train([*run, f"hydra.run.dir={tmp_path / 'straight'}"], home)
     train([*run, "trainer.max_epochs=1", f"hydra.run.dir={tmp_path / 'first'}"], home)
     first = tmp_path / "first" / "checkpoints" / "last.ckpt"
@@ -458,6 +487,30 @@ def test_a_resumed_run_goes_on_as_the_straight_one(prompt_example, tmp_path, hom
         assert resumed[1][key] == pytest.approx(straight[1][key], rel=1e-5, abs=1e-6), key
 
 
+def planned_grpo_job(tmp_path: Path, *overrides: str) -> Job:
+    """GRPO of the example's tiny Qwen 3 under fsdp over 2 H100s in bf16: 2 prompts a replica, 4 completions of up
+    to 16 tokens each, sequences of 40."""
+    model_dir = write_example(tmp_path, count=40)
+    return resolved(
+        [
+            "experiment=grpo",
+            "model=qwen3",
+            f"model.init_from={model_dir}",
+            f"data.path={tmp_path / 'prompts.jsonl'}",
+            f"model.grpo.reward_functions=[{tmp_path / 'rewards.py'}:hello]",
+            "model.grpo.num_generations=4",
+            "model.grpo.max_completion_length=16",
+            "data.seq_length=40",
+            "data.batch_size=2",
+            "strategy=fsdp",
+            "trainer.devices=2",
+            "cluster=h100_sxm_8x",
+            "trainer.precision=bf16-mixed",
+            *overrides,
+        ]
+    )
+
+
 @pytest.mark.torch_internals
 def test_the_plan_prices_each_steps_completions_as_arithmetic_says(tmp_path):
     """GRPO of the example's tiny Qwen 3 under fsdp over 2 H100s in bf16, planned: the step trains batch x
@@ -466,25 +519,8 @@ def test_the_plan_prices_each_steps_completions_as_arithmetic_says(tmp_path):
     bytes a parameter; its FLOPs are torch's formulas' (2 a weight a token for each matmul, 4 a query, key and
     head dimension for attention) of each prompt's pass over its group's rows, then of the one-token passes, whose
     keys grow by one a pass."""
-    model_dir = write_example(tmp_path, count=40)
     rows, new, length, batch = 4, 16, 40, 2
-    job = resolved(
-        [
-            "experiment=grpo",
-            "model=qwen3",
-            f"model.init_from={model_dir}",
-            f"data.path={tmp_path / 'prompts.jsonl'}",
-            f"model.grpo.reward_functions=[{tmp_path / 'rewards.py'}:hello]",
-            f"model.grpo.num_generations={rows}",
-            f"model.grpo.max_completion_length={new}",
-            f"data.seq_length={length}",
-            f"data.batch_size={batch}",
-            "strategy=fsdp",
-            "trainer.devices=2",
-            "cluster=h100_sxm_8x",
-            "trainer.precision=bf16-mixed",
-        ]
-    )
+    job = planned_grpo_job(tmp_path)
     assert job.data.sequences_per_sample == rows and job.tokens_per_step == batch * rows * length
     generation = plan_memory(job, suggest=False).generation
     assert generation is not None and generation.prompts == batch
@@ -499,6 +535,33 @@ def test_the_plan_prices_each_steps_completions_as_arithmetic_says(tmp_path):
     prompt_pass = rows * prompt * 2 * weights + layers * 4 * rows * heads * width * prompt * prompt
     token_passes = sum(rows * (2 * weights + layers * 4 * heads * width * (prompt + step)) for step in range(1, new))
     assert generation_flops(generation) == batch * (prompt_pass + token_passes)
+
+
+@pytest.mark.torch_internals
+def test_the_plan_holds_and_prices_the_kl_terms_reference(tmp_path):
+    """With the KL term and full weights, each device keeps its share of the initial weights (fp32, half of them
+    under fsdp over 2), held in its peak; each step runs the reference's forward over the step's rows (2 prompts x
+    4 completions of 40 tokens: 2 FLOPs a weight a token, and 4 a query, key and head dimension for attention),
+    priced in the step's time."""
+    plain, with_kl = (planned_grpo_job(tmp_path, *kl) for kl in ([], ["model.grpo.beta=0.04"]))
+    plans = [plan_memory(job, suggest=False) for job in (plain, with_kl)]
+    net = plain.meta_net()
+    parameters = sum(parameter.numel() for parameter in net.parameters())
+    kept = plans[1].devices[0].kept
+    assert plans[0].devices[0].kept == 0 and kept == pytest.approx(4 * parameters / 2, rel=0.01)
+    # (and the KL term's few tensors in the loss)
+    assert plans[1].devices[0].peak - plans[0].devices[0].peak == pytest.approx(kept, rel=0.01)
+    reference = plans[1].generation.reference_pass
+    assert plans[0].generation.reference_pass is None and reference is not None
+    attention = net.blocks[0].attention
+    layers, heads, width = len(net.blocks), attention.num_heads, attention.head_dim
+    weights = sum(module.weight.numel() for module in net.modules() if isinstance(module, torch.nn.Linear))
+    rows, length = 2 * 4, 40
+    assert reference.flops == rows * length * 2 * weights + layers * 4 * rows * heads * width * length * length
+    steps = [predict_step(plan, job, job.cluster) for plan, job in zip(plans, (plain, with_kl), strict=True)]
+    assert steps[0].generation.reference_pass == 0 and steps[1].generation.reference_pass > 0
+    # (and the loss's KL ops, a few host dispatches)
+    assert steps[1].seconds == pytest.approx(steps[0].seconds + steps[1].generation.reference_pass, rel=0.01)
 
 
 @pytest.mark.slow

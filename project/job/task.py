@@ -61,11 +61,13 @@ class Generation:
     which the plan simulates and prices: for each prompt of a replica's batch, ``sequences`` completions drawn
     together after a prompt of at most ``prompt_tokens`` tokens, each of at most ``new_tokens``: the prompt's pass
     over the group's rows, then passes of one token a row over a key/value cache, the model's FSDP units gathered
-    once for the whole draw (``project.models.generation.sample_group``)."""
+    once for the whole draw (``project.models.generation.sample_group``). With ``reference_pass``, then a forward
+    without gradient over the step's rows (GRPO's KL reference, ``beta`` > 0), the FSDP units gathered for it."""
 
     sequences: int
     prompt_tokens: int
     new_tokens: int
+    reference_pass: bool = False
 
 
 class TaskModule(Protocol):
@@ -101,3 +103,5 @@ class TaskModule(Protocol):
     def step_shape(self, shape: DataShape) -> DataShape: ...
 
     def generation(self, shape: DataShape) -> Generation | None: ...
+
+    def keep_initial_weights(self) -> list[torch.Tensor]: ...

@@ -259,6 +259,12 @@ def format_plan(plan: MemoryPlan, job: Job) -> str:
             f"{_size(generation.peak)}, of which the key/value cache {_size(generation.cache)} and the model "
             f"gathered {_size(generation.gathered)}; {generation_flops(generation) / 1e12:.3g} TFLOP."
         )
+    kept = max(device.kept for device in plan.devices)
+    if kept:
+        lines.append(
+            f"Kept beside the model state: {_size(kept)} a device, the task's copy of its initial weights (GRPO's "
+            "reference with full weights, model.grpo.beta > 0)."
+        )
     verdict = "fits" if plan.fits else "does NOT fit"
     lines.append(f"Peak {_size(plan.peak)} per device {verdict} in {_size(plan.capacity)} ({plan.capacity_source}).")
     for change, peak in plan.alternatives.items():

@@ -121,7 +121,8 @@ def _plan_of(saved: dict[str, Any]) -> MemoryPlan:
     fields = {name: saved[name] for name in MemoryPlan.__dataclass_fields__}
     generation = saved["generation"]
     if generation is not None:
-        passes = {name: DevicePlan(**generation[name]) for name in ("gather", "prompt_pass", "token_pass")}
+        names = ("gather", "prompt_pass", "token_pass", "reference_pass")
+        passes = {name: DevicePlan(**generation[name]) for name in names if generation.get(name) is not None}
         generation = GenerationPlan(**{**generation, **passes})
     devices = [DevicePlan(**device) for device in saved["devices"]]
     return MemoryPlan(**{**fields, "devices": devices, "generation": generation})

@@ -74,6 +74,7 @@ class DevicePlan:
     collective_calls: dict[str, int] = field(default_factory=dict)  # ...and how many
     host_ops: dict[str, int] = field(default_factory=dict)  # what the host runs: StepCounts.host_ops, and
     # "fsdp_modules", the FSDP-wrapped modules whose hooks run each step
+    kept: int = 0  # held throughout beside the model state: the task's copy of its initial weights (in ``peak``)
 
     @property
     def model_state(self) -> int:
@@ -157,9 +158,12 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         # step, whose only collectives are a few small all-reduces of tensor-parallel norms' gradients.
         counts = StepCounts(job.devices, world_dim, fake_mode)
         activations: int | None = None
+        kept: list[torch.Tensor] = []  # what the task keeps of the initial weights
         compiled = _fused_in_compiled(net, module, counts) if job.model.compile else nullcontext()
         with tracker, _dtensor_shapes_inferred_apart(), compiled:
             try:
+                # Made inside the tracker, which counts them then (FSDP's takes no tensors made before it).
+                kept = module.keep_initial_weights()
                 if work.extra_buffer_bytes:
                     held.append(torch.empty(work.extra_buffer_bytes, dtype=torch.uint8))
                 # A pipeline stage's receive buffers, one per micro-batch: for its inputs, and for its outputs'
@@ -210,6 +214,7 @@ def simulate(work: DeviceWork, job: Job, world_dim: str, stop_above: int | None 
         collectives={kind: counted[kind] for kind in sorted(counted) if counted[kind]},
         collective_calls={kind: calls[kind] for kind in sorted(calls) if counted[kind]},
         host_ops={**counts.host_ops, "fsdp_modules": sum(isinstance(part, FSDPModule) for part in net.modules())},
+        kept=_storage_bytes(kept),
     )
 
 
@@ -219,7 +224,8 @@ class GenerationPlan:
     key/value cache and FSDP's gathered parameters; and its work in three parts, each a ``DevicePlan`` of counts:
     gathering the model once (``gather``), one prompt's pass over its group's rows (``prompt_pass``), and one
     pass of one token a row (``token_pass``), of which a step runs ``prompts`` and ``prompts`` x (``new_tokens`` -
-    1)."""
+    1); and where the task asks for it (``Generation.reference_pass``), one forward over the step's rows, the model
+    gathered for it (``reference_pass``)."""
 
     peak: int
     cache: int
@@ -229,12 +235,14 @@ class GenerationPlan:
     gather: DevicePlan
     prompt_pass: DevicePlan
     token_pass: DevicePlan
+    reference_pass: DevicePlan | None = None
 
 
 def generation_flops(generation: GenerationPlan) -> int:
-    """A step's generation's FLOPs: its prompts' passes and their one-token passes."""
+    """A step's generation's FLOPs: its prompts' passes and their one-token passes, and the reference's pass."""
     passes = generation.prompt_pass.flops + (generation.new_tokens - 1) * generation.token_pass.flops
-    return generation.prompts * passes
+    reference = generation.reference_pass.flops if generation.reference_pass is not None else 0
+    return generation.prompts * passes + reference
 
 
 def simulate_generation(work: DeviceWork, job: Job, world_dim: str) -> GenerationPlan:
@@ -243,7 +251,8 @@ def simulate_generation(work: DeviceWork, job: Job, world_dim: str) -> Generatio
     (``gathered_throughout``), a prompt at its longest over the group's rows, then one token a row over the full
     cache (its buffers are made whole at the prompt's pass): its peak. Its counts: the gathers, the prompt's pass,
     and the middle one-token pass, whose attention reads the mean of the passes' keys (prompt + new_tokens / 2;
-    they grow by one a pass)."""
+    they grow by one a pass). Then, with ``reference_pass``, the net's forward over a step's rows, gathered again (the
+    task's reading of the logits left out: the training step reads the same logits, and keeps more)."""
     generation = job.generation
     assert generation is not None, "a task that generates"
     net = work.module.net
@@ -253,7 +262,7 @@ def simulate_generation(work: DeviceWork, job: Job, world_dim: str) -> Generatio
     with _simulated_device(work, job) as (fake_mode, optimizer):
         # The plain tracker: FSDP's tracks one forward per module (a pass a token is many).
         tracker = StepMemoryTracker()
-        tracker.track_external(net, optimizer)
+        tracker.track_external(net, optimizer, *work.module.keep_initial_weights())
         counts = StepCounts(job.devices, world_dim, fake_mode)
         net.eval()
         with tracker, _dtensor_shapes_inferred_apart(), counts, torch.no_grad(), autocast:
@@ -273,11 +282,17 @@ def simulate_generation(work: DeviceWork, job: Job, world_dim: str) -> Generatio
                 buffers = [tensor for layer in cache.layers for tensor in (layer.keys, layer.values)]
                 cached = _storage_bytes([tensor for tensor in buffers if tensor is not None])
                 del cache
+            if generation.reference_pass:
+                start = _Tally.of(counts)
+                rows = work.microbatch_size * job.data.sequences_per_sample
+                with gathered_throughout(net):
+                    net(job.data.example_batch(job.batch_size)[0][:rows])
+                parts.append(_Tally.of(counts).minus(start))
         peak = held_bytes(tracker, "peak")
         sizes = model_state_bytes_per_device(net, [optimizer]).get(0, {"params": 0, "grads": 0, "optimizer": 0})
-    gather, prompt_pass, token_pass = (part.device_plan(work.name, sizes) for part in parts)
+    gather, prompt_pass, token_pass, *reference = (part.device_plan(work.name, sizes) for part in parts)
     return GenerationPlan(
-        peak, cached, gathered, job.batch_size, generation.new_tokens, gather, prompt_pass, token_pass
+        peak, cached, gathered, job.batch_size, generation.new_tokens, gather, prompt_pass, token_pass, *reference
     )
 
 

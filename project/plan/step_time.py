@@ -265,17 +265,19 @@ class StepTime:
 @dataclass
 class GenerationTime:
     """A step's generation (``GenerationPlan``), seconds: gathering the model, the prompts' passes, the one-token
-    passes; the host's dispatch of the passes' ops, and what of it shows beyond the device's own time."""
+    passes, the reference's pass; the host's dispatch of the passes' ops, and what of it shows beyond the device's
+    own time."""
 
     gather: float
     prompt_passes: float
     token_passes: float
     host: float
     host_bound: float
+    reference_pass: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return self.gather + self.prompt_passes + self.token_passes
+        return self.gather + self.prompt_passes + self.token_passes + self.reference_pass
 
 
 def predict_generation(generation: GenerationPlan, fsdp_units: int, cluster: Cluster, share: float) -> GenerationTime:
@@ -294,13 +296,18 @@ def predict_generation(generation: GenerationPlan, fsdp_units: int, cluster: Clu
 
     prompt, prompt_busy, prompt_host = seconds(generation.prompt_pass)
     token, token_busy, token_host = seconds(generation.token_pass)
+    # The reference's pass, its model gathered (a gather's time and a pass's: counted together)
+    reference, reference_busy, reference_host = (
+        seconds(generation.reference_pass) if generation.reference_pass is not None else (0.0, 0.0, 0.0)
+    )
     prompts, passes = generation.prompts, generation.prompts * (generation.new_tokens - 1)
     return GenerationTime(
         device_time(generation.gather, cluster, share).busy,
         prompts * prompt,
         passes * token,
-        prompts * prompt_host + passes * token_host,
-        prompts * (prompt - prompt_busy) + passes * (token - token_busy),
+        prompts * prompt_host + passes * token_host + reference_host,
+        prompts * (prompt - prompt_busy) + passes * (token - token_busy) + reference - reference_busy,
+        reference,
     )
 
 
@@ -368,8 +375,9 @@ def format_step(step: StepTime, cluster: Cluster, job: Job) -> str:
         line += (
             f" Of the step, generating takes {drawn.seconds:.3g} s: the prompts' passes {drawn.prompt_passes:.2g} s, "
             f"{generation.new_tokens - 1} passes of one token per prompt {drawn.token_passes:.3g} s "
-            f"({1e3 * per_token:.2g} ms each), gathering the model {drawn.gather:.2g} s; "
-            f"{drawn.host_bound:.2g} s of it waiting on the host."
+            f"({1e3 * per_token:.2g} ms each), gathering the model {drawn.gather:.2g} s"
+            + (f", the reference's pass {drawn.reference_pass:.2g} s" if drawn.reference_pass else "")
+            + f"; {drawn.host_bound:.2g} s of it waiting on the host."
         )
     precomputation = job.model.task.precomputation
     if precomputation is not None:

@@ -183,7 +183,14 @@ class TrainingModule(L.LightningModule, ABC):
             strategy.parallelize(self.net)
         weights = HFWeights(self.init_from) if self.init_from else None
         materialize(self.net, self.trainer.strategy.root_device, self.init_seed, weights)
+        self.keep_initial_weights()
         self._configured = True
+
+    def keep_initial_weights(self) -> list[torch.Tensor]:
+        """What the task keeps of the net's weights as they start (GRPO's reference with full weights): called once
+        they are on this rank's device, each a shard where the layout shards, before a checkpoint's are loaded (a
+        resumed run keeps the same); and by the memory plan on its fake ones. Returns the tensors kept: none here."""
+        return []
 
     def prepare_net(self, target: Target) -> None:
         """What the model's own settings do to the plain (meta) net before a layout acts, in torchtitan's order: each

@@ -27,6 +27,7 @@ from typing import Literal, cast
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from project.data.datamodule import DataModule, DataShape, split_index_column, trainer_data
 from project.data.prompts import PromptDataModule
@@ -139,13 +140,10 @@ class GRPOModule(LanguageModelModule):
         self.policy_loss = grpo.policy_loss
         self.reward_functions: list[RewardFunction] = [load_reward_function(spec) for spec in grpo.reward_functions]
         self.reward_weights = torch.tensor(grpo.reward_weights or [1.0] * len(self.reward_functions))
-        if grpo.beta and not any(isinstance(module, LoRALinear) for module in net.modules()):
-            raise ConfigError(
-                "model.grpo.beta",
-                f"is {grpo.beta}, whose KL term needs the reference model: with LoRA it is the base (the adapters "
-                "off); with full weights it would be a second copy of the model, which is not built.",
-                "add LoRA (model.lora.rank=16), or set model.grpo.beta=0 (TRL's default).",
-            )
+        # The KL term's reference: with LoRA the base (every adapter off); with full weights the initial weights, a
+        # copy of this rank's share kept when they are placed (``keep_initial_weights``).
+        self.adapters = [module for module in net.modules() if isinstance(module, LoRALinear)]
+        self.reference_weights: list[torch.Tensor] = []
         names = [*REWARD_METRICS, *TOKEN_METRICS, "loss"]
         names += [f"rewards/{function.name}/{kind}" for function in self.reward_functions for kind in ("mean", "std")]
         names += ["kl"] if grpo.beta else []
@@ -312,18 +310,39 @@ class GRPOModule(LanguageModelModule):
         with self._evaluating(), gathered_throughout(self.net), torch.compiler.set_stance("force_eager"):
             yield
 
+    def keep_initial_weights(self) -> list[torch.Tensor]:
+        """With ``beta`` > 0 and full weights, a copy of this rank's share of every parameter as it starts: the KL
+        term's reference. (Not in the checkpoint: a resumed run's ``configure_model`` makes the same weights.)"""
+        if self.grpo.beta and not self.adapters:
+            self.reference_weights = [_local(parameter).detach().clone() for parameter in self.net.parameters()]
+        return self.reference_weights
+
     def _reference(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The reference's log-probabilities of the rows: the base, every LoRA adapter off."""
-        adapted = [module for module in self.net.modules() if isinstance(module, LoRALinear)]
-        scalings = [module.scaling for module in adapted]
-        with self._evaluating():
-            try:
-                for module in adapted:
-                    module.scaling = 0.0
-                return token_log_probs(self.net(inputs), targets, self.grpo.temperature)
-            finally:
-                for module, scaling in zip(adapted, scalings, strict=True):
-                    module.scaling = scaling
+        """The reference's log-probabilities of the rows, FSDP's units gathered for the pass (so none keeps the
+        reference's values gathered after it)."""
+        with self._evaluating(), self._as_reference(), gathered_throughout(self.net):
+            return token_log_probs(self.net(inputs), targets, self.grpo.temperature)
+
+    @contextlib.contextmanager
+    def _as_reference(self) -> Iterator[None]:
+        """Inside, the net is the reference: with LoRA every adapter off; with full weights each parameter holds
+        its initial value, exchanged in place with the kept copy (one parameter's worth of memory at a time, where
+        FSDP's and tensor parallelism's collectives read the shards), and exchanged back on the way out."""
+        scalings = [module.scaling for module in self.adapters]
+        for module in self.adapters:
+            module.scaling = 0.0
+        parameters = [_local(parameter) for parameter in self.net.parameters()] if self.reference_weights else []
+        # Lightning's true half precisions convert the parameters after the copy was kept: the same values, rounded
+        kept = self.reference_weights = [
+            copy.to(parameter.dtype) for copy, parameter in zip(self.reference_weights, parameters, strict=True)
+        ]
+        _exchange(parameters, kept)
+        try:
+            yield
+        finally:
+            _exchange(parameters, kept)
+            for module, scaling in zip(self.adapters, scalings, strict=True):
+                module.scaling = scaling
 
     # The plan
 
@@ -336,7 +355,7 @@ class GRPOModule(LanguageModelModule):
         """Each prompt's group, the prompt at its longest (``data.seq_length`` + 1 less a whole completion)."""
         assert shape.seq_length is not None, "prompts are token data"
         length = self.grpo.max_completion_length
-        return Generation(self.grpo.num_generations, shape.seq_length + 1 - length, length)
+        return Generation(self.grpo.num_generations, shape.seq_length + 1 - length, length, bool(self.grpo.beta))
 
     # The rules
 
@@ -405,6 +424,21 @@ class GRPOModule(LanguageModelModule):
                     "by name, and returns one number (or None) per completion, as TRL's reward functions do.",
                 )
         return None
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``parameter``: a DTensor's local shard (FSDP's, tensor parallelism's), where its
+    collectives read them."""
+    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
+
+
+@torch.no_grad()
+def _exchange(these: list[torch.Tensor], those: list[torch.Tensor]) -> None:
+    """Swap the values of each pair, in place."""
+    for this, that in zip(these, those, strict=True):
+        held = this.clone()
+        this.copy_(that)
+        that.copy_(held)
 
 
 def _reward_sums(
