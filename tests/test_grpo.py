@@ -451,7 +451,7 @@ def test_every_strategy_gives_the_hand_written_loops_numbers(grpo_runs, prompt_e
         run = [*GRPO_OVERRIDES, f"data.path={prompts}", f"model.init_from={model_dir}", *(LORA if lora else [])]
         _HAND_WRITTEN[lora, kl] = hand_written_grpo(compose_train([*run, *(KL if kl else [])]), global_batch=4)
     expected = _HAND_WRITTEN[lora, kl]
-    assert ("train/kl" in expected[0]) == kl and (not kl or expected[-1]["train/kl"] > 0)
+    assert ("train/kl" in expected[0]) == kl and (not kl or expected[-1]["train/kl"] > 1e-4)
     run = only_run(grpo_runs[strategy])
     for key in expected[0]:  # on-policy the loss is a sum of terms near 1 that cancel to near 0: held to 1e-6 apart
         assert run.series(key) == pytest.approx([row[key] for row in expected], rel=1e-5, abs=1e-6), key
@@ -480,7 +480,7 @@ def test_a_resumed_run_goes_on_as_the_straight_one(prompt_example, tmp_path, hom
     straight, resumed = (
         json.loads((tmp_path / name / "result.json").read_text())["history"] for name in ("straight", "resumed")
     )
-    assert len(resumed) == 2 and straight[1]["train/kl"] > 0
+    assert len(resumed) == 2 and straight[1]["train/kl"] > 1e-4
     keys = [key for key in straight[1] if key.startswith(("train/", "val/"))]
     assert {"train/kl", "val/reward", "train/rewards/vowel_share/mean"} <= set(keys)
     for key in keys:

@@ -83,8 +83,9 @@ class ModelOption(ABC):
         """Before each optimizer step, its gradients in."""
         return None
 
-    def after_optimizer_step(self, net: BlockSequence) -> None:
-        """After each optimizer step (an optimizer post-step hook, which the memory plan's simulated step runs too)."""
+    def after_weights_change(self, net: BlockSequence) -> None:
+        """After the trained weights change: each optimizer step (an optimizer post-step hook, which the memory plan's
+        simulated step runs too), and a task's exchange of them for others (GRPO's reference with full weights)."""
         return None
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any], weights: InitialWeights) -> None:

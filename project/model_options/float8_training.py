@@ -101,8 +101,8 @@ class Float8Training(ModelOption):
             f"The embedding, output layer, routers{small} and layers of widths not in 16s keep the run's precision."
         )
 
-    def after_optimizer_step(self, net: BlockSequence) -> None:
-        """The scales of the next all-gathers, from the weights the step has just updated."""
+    def after_weights_change(self, net: BlockSequence) -> None:
+        """The scales of the next all-gathers, from the weights as they now are."""
         if self.gathers_in_float8:
             precompute_float8_scales(net)
 

@@ -475,12 +475,13 @@ class TrainingModule(L.LightningModule, ABC):
         """The optimizer over the parameter groups, with what the model options do after each of its steps."""
         optimizer = self.optimizer_factory(params=self._optimizer_groups())
         if self.options:
-            optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step())
+            optimizer.register_step_post_hook(lambda *_: self.after_weights_change())
         return optimizer
 
-    def _after_optimizer_step(self) -> None:
+    def after_weights_change(self) -> None:
+        """Each model option's ``after_weights_change``: after an optimizer step, or a task's exchange of weights."""
         for option in self.options:
-            option.after_optimizer_step(self.net)
+            option.after_weights_change(self.net)
 
     def configure_optimizers(self):
         optimizer = self.new_optimizer()

@@ -327,22 +327,40 @@ class GRPOModule(LanguageModelModule):
     def _as_reference(self) -> Iterator[None]:
         """Inside, the net is the reference: with LoRA every adapter off; with full weights each parameter holds
         its initial value, exchanged in place with the kept copy (one parameter's worth of memory at a time, where
-        FSDP's and tensor parallelism's collectives read the shards), and exchanged back on the way out."""
+        FSDP's and tensor parallelism's collectives read the shards), and exchanged back on the way out, what the
+        model options derive from the weights (Float8's gathered scales) made again each time."""
         scalings = [module.scaling for module in self.adapters]
-        for module in self.adapters:
-            module.scaling = 0.0
         parameters = [_local(parameter) for parameter in self.net.parameters()] if self.reference_weights else []
-        # Lightning's true half precisions convert the parameters after the copy was kept: the same values, rounded
-        kept = self.reference_weights = [
-            copy.to(parameter.dtype) for copy, parameter in zip(self.reference_weights, parameters, strict=True)
-        ]
-        _exchange(parameters, kept)
+        exchanged = 0
         try:
+            for module in self.adapters:
+                module.scaling = 0.0
+            self._kept_as_parameters()
+            for parameter, kept in zip(parameters, self.reference_weights, strict=True):
+                _exchange(parameter, kept)
+                exchanged += 1
+            if parameters:
+                self.after_weights_change()
             yield
         finally:
-            _exchange(parameters, kept)
+            for parameter, kept in zip(parameters[:exchanged], self.reference_weights, strict=False):
+                _exchange(parameter, kept)
+            if exchanged:
+                self.after_weights_change()
             for module, scaling in zip(self.adapters, scalings, strict=True):
                 module.scaling = scaling
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self._kept_as_parameters()
+
+    def _kept_as_parameters(self) -> None:
+        """The kept copy in the parameters' dtypes: Lightning's true half precisions convert the model after
+        ``configure_model`` (the same values, rounded as the model's were)."""
+        parameters = [_local(parameter) for parameter in self.net.parameters()] if self.reference_weights else []
+        self.reference_weights = [
+            kept.to(parameter.dtype) for kept, parameter in zip(self.reference_weights, parameters, strict=True)
+        ]
 
     # The plan
 
@@ -433,12 +451,11 @@ def _local(parameter: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _exchange(these: list[torch.Tensor], those: list[torch.Tensor]) -> None:
-    """Swap the values of each pair, in place."""
-    for this, that in zip(these, those, strict=True):
-        held = this.clone()
-        this.copy_(that)
-        that.copy_(held)
+def _exchange(this: torch.Tensor, that: torch.Tensor) -> None:
+    """Swap the values of two tensors of one shape and dtype, in place."""
+    held = this.clone()
+    this.copy_(that)
+    that.copy_(held)
 
 
 def _reward_sums(
