@@ -1,5 +1,6 @@
-"""A compiled block in the memory plan (project/plan/compiled_blocks.py) against inductor itself: what
-``torch.compile`` keeps for backward when it compiles the block on this CPU; and the plans of compiled jobs."""
+"""A compiled block in the plan (project/plan/compiled_blocks.py) against inductor itself: what ``torch.compile``
+keeps for backward when it compiles the block on this CPU, and what its kernels read and write; and the plans of
+compiled jobs."""
 
 import logging
 
@@ -61,6 +62,85 @@ def test_a_compiled_block_saves_what_inductor_saves(family):
         torch.Size(shape).numel() * dtype.itemsize for shape, dtype in eager
     )
     torch.testing.assert_close(planned_output, eager_output)
+
+
+def bytes_of_compiled_kernels(block: torch.nn.Module, x: torch.Tensor) -> tuple[int, int, int]:
+    """What ``torch.compile``'s code for ``block`` on this CPU reads and writes beside its extern kernels (matmuls,
+    attention), forward and backward, by inductor's own per-kernel count (its metrics, logged when asked: each a
+    kernel's bytes // 4), and how many such kernels it made."""
+    from torch._inductor import metrics
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+
+    # Compiled anew (a cached graph's code is loaded without being counted), its metrics logged.
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch._logging.set_logs(inductor_metrics=True)
+        try:
+            torch._dynamo.reset()  # not a graph another test compiled
+            metrics.reset()
+            block.forward = torch.compile(block.forward)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                output = block(x)
+            forward = list(metrics.nodes_num_elem)
+            output.sum().backward()
+            backward = metrics.nodes_num_elem[len(forward) :]
+        finally:
+            torch._logging.set_logs()
+    fused = [
+        [count for node, count in nodes if not isinstance(node, ExternKernelSchedulerNode | NopKernelSchedulerNode)]
+        for nodes in (forward, backward)
+    ]
+    return 4 * sum(fused[0]), 4 * sum(fused[1]), len(fused[0]) + len(fused[1])
+
+
+@pytest.mark.slow  # inductor compiles C++ for each block: about 20 s each on 2 cores
+@pytest.mark.parametrize("family", ["qwen3", "gpt"])
+def test_the_plans_kernel_bytes_are_inductors_own_count_of_a_real_compile(family):
+    """The bytes the plan prices for a compiled block's fused kernels (inductor's scheduler run on its graphs,
+    without code: ``FusedKernels``) are those inductor counts for the kernels it generates when ``torch.compile``
+    compiles the same block on this CPU, forward and backward, to its count's rounding (4 bytes a kernel)."""
+    x = torch.randn(BATCH, SEQ, 64, requires_grad=True)
+    compiled_forward, compiled_backward, kernels = bytes_of_compiled_kernels(first_block(family), x)
+    planned_block = first_block(family)
+    with partitioned_blocks([planned_block]) as partitioned, torch.autocast("cpu", dtype=torch.bfloat16):
+        scheduled = partitioned.scheduled(planned_block, (x,))
+    assert scheduled is not None
+    forward, backward = scheduled
+    assert forward.kernels + backward.kernels == kernels
+    assert forward.moved_bytes == pytest.approx(compiled_forward, abs=4 * forward.kernels)
+    assert backward.moved_bytes == pytest.approx(compiled_backward, abs=4 * backward.kernels)
+
+
+def test_the_plan_prices_each_compiled_block_call_by_its_scheduled_bytes(monkeypatch):
+    """A compiled Llama's plan adds, for each block's forward and each backward, the bytes inductor's scheduler
+    gave that block's graphs, and nothing by rule for the ops inside: of two blocks, the step's bytes move by twice
+    each graph's count when that count is set to 0, and by 2 GB a block when it is a gigabyte more; where the
+    scheduler fails, the rule counts the ops inside (more than nothing)."""
+    scheduled = compiled_blocks._scheduled
+
+    def with_bytes(change):
+        def schedule(graph_module, inputs, backward):
+            kernels = scheduled(graph_module, inputs, backward)
+            return compiled_blocks.FusedKernels(kernels.kernels, change(kernels.moved_bytes))
+
+        return schedule
+
+    def failing(graph_module, inputs, backward):
+        raise RuntimeError("not scheduled")
+
+    job = ["model=llama", "model.net.num_layers=2", "data=tokens", "data.seq_length=64", "data.batch_size=4"]
+    job += ["cluster=h200_8x", "trainer.precision=bf16-mixed", "model.compile=true"]
+    moved, graphs = {}, {}
+    schedules = {"as scheduled": scheduled, "none": with_bytes(lambda _: 0), "more": with_bytes(lambda n: n + 10**9)}
+    for name, schedule in {**schedules, "by rule": failing}.items():
+        for cache in ("_TRACED", "_SCHEDULED"):
+            monkeypatch.setattr(compiled_blocks, cache, {})
+        monkeypatch.setattr(compiled_blocks, "_scheduled", schedule)
+        devices, _ = simulate_devices(resolved(job))
+        moved[name], graphs[name] = devices[0].moved_bytes, list(compiled_blocks._SCHEDULED.values())
+    ((forward, backward),) = graphs["as scheduled"]  # both blocks alike: one signature
+    assert moved["as scheduled"] - moved["none"] == 2 * (forward.moved_bytes + backward.moved_bytes)
+    assert moved["more"] - moved["as scheduled"] == 2 * 2 * 10**9
+    assert graphs["by rule"] == [] and moved["by rule"] > moved["none"]
 
 
 def activations(overrides: list[str]) -> list[int]:

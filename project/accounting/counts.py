@@ -304,6 +304,9 @@ class StepCounts(TorchDispatchMode):
         self.world_dim = world_dim
         self.fake_mode = fake_mode  # a simulation's: the mode of the step's tensors
         self.fused = fused
+        # Inside a compiled part whose kernels' bytes inductor's scheduler counted (added as a whole by the caller):
+        # its elementwise ops move nothing more here
+        self.bytes_apart = False
         self.counting_collectives = True  # off for the optimizer's step (its few small all-reduces)
         self.flops = 0
         self.recomputed_flops = 0  # of which activation checkpointing's recompute
@@ -386,9 +389,9 @@ class StepCounts(TorchDispatchMode):
     def _count_moved(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """The bytes an elementwise (memory-bound) op reads and writes: its tensor inputs and outputs (an in-place
         op's output is the input it writes; ``copy_`` writes its destination without reading it). An op that
-        neither returns a tensor nor writes one (``prim.device``) runs no kernel."""
+        neither returns a tensor nor writes one (``prim.device``) runs no kernel; inside ``bytes_apart``, none."""
         outputs = [item for item in tree_leaves(out) if isinstance(item, torch.Tensor)]
-        if not outputs and not func._schema.is_mutable:
+        if self.bytes_apart or (not outputs and not func._schema.is_mutable):
             return
         inputs = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
         if func._overloadpacket is aten.copy_:

@@ -12,23 +12,35 @@ op by op), and each block of that shape runs those graphs: the simulation's trac
 the compiled forward saves, and its counters the ops of inductor's graphs. What inductor's kernels do inside (their
 buffers between ops) does not show in saved activations, and a kernel's own buffers live only while it runs.
 
+Each graph is also lowered by inductor and scheduled, as its compile does before generating code
+(``FusedKernels``): what its kernels other than the matmuls and attention read and write, which no rule
+reproduces either (a norm's input read by two kernels, a backward's reductions each a kernel of its own). That is
+inductor's own count, its ``num_bytes_accessed`` metric, and the step's time prices it (``StepCounts.bytes_apart``).
+
 A block whose forward AOTAutograd cannot trace here runs eagerly, as before (``eager_fallbacks`` names it): one
 holding tensor subclasses (DTensor under tensor parallelism, NF4 under QLoRA), selective checkpointing (the compiled
 run applies its policy inside the graph, which this tracing does not), a forward with a data-dependent shape (a
 mixture's routing).
 """
 
+import copy
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from functorch.compile import min_cut_rematerialization_partition
 from torch import nn
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.aot_autograd import aot_function
+from torch._guards import detect_fake_mode
+from torch._inductor.debug import DebugContext
 from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.graph import GraphLowering
+from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import module as module_registry
 from torch.nn.utils.stateless import _reparametrize_module
@@ -42,6 +54,36 @@ Signature = tuple[Any, ...]
 # simulates many steps of the same blocks).
 _TRACED: dict[Signature, Callable[..., Any] | str] = {}
 _SAID: set[tuple[str, str]] = set()  # (block class, why) already warned of: once a process
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """What inductor's scheduler makes of one compiled graph (a block's forward or its backward), without generating
+    code: the kernels it fuses the ops into, beside the extern ones (matmuls, attention), and the bytes those read
+    and write (inductor's ``GraphLowering.count_bytes``, less the extern kernels', which are priced by shape)."""
+
+    kernels: int
+    moved_bytes: int
+
+
+def _scheduled(graph_module: torch.fx.GraphModule, inputs: list[Any], backward: bool) -> FusedKernels:
+    """``graph_module`` (AOTAutograd's, on fake ``inputs``) lowered and scheduled by inductor, as its compile does
+    before generating code: on a copy (the plan runs the graph itself)."""
+    lowering = GraphLowering(copy.deepcopy(graph_module), example_inputs=inputs, is_backward=backward)
+    # (DebugContext: the scheduler writes its debug trace through it, a no-op unless inductor's tracing is on)
+    with DebugContext(), V.set_graph_handler(lowering), V.set_fake_mode(detect_fake_mode(inputs)):
+        lowering.run(*inputs)
+        lowering._update_scheduler()
+        nodes = [
+            node
+            for node in lowering.scheduler.nodes
+            if not isinstance(node, ExternKernelSchedulerNode | NopKernelSchedulerNode)
+        ]
+        return FusedKernels(len(nodes), sum(node.get_read_write_buffers_sizes() for node in nodes))
+
+
+# Each block signature's forward and backward as inductor schedules them (traced with ``_TRACED``).
+_SCHEDULED: dict[Signature, tuple[FusedKernels, FusedKernels]] = {}
 
 
 def _tensor_signature(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -108,6 +150,7 @@ class PartitionedBlocks:
 
     def __init__(self) -> None:
         self.eager_fallbacks: dict[str, str] = {}  # block class -> why it ran eagerly
+        self.forwards: dict[nn.Module, Callable[..., Any]] = {}  # each block's own forward, as it was
 
     def fall_back(self, block: nn.Module, why: str) -> None:
         """``block`` runs eagerly in the plan, for ``why``: said once a block class and reason in a process (a plan
@@ -123,22 +166,36 @@ class PartitionedBlocks:
                 why,
             )
 
-    @staticmethod
-    def _trace(forward: Callable[..., Any], block: nn.Module, tensors: dict, args: tuple) -> Callable[..., Any] | str:
+    def _trace(
+        self, forward: Callable[..., Any], block: nn.Module, tensors: dict, args: tuple, key: Signature
+    ) -> Callable[..., Any] | str:
         """``forward`` of ``block`` compiled by AOTAutograd as inductor calls it, traced on fresh fake tensors with the
         simulation's own modes (its tracker, counters and fake tensors) set aside, so that tracing counts nothing; or
-        why it could not be traced."""
+        why it could not be traced. Its two graphs scheduled by inductor too (``_SCHEDULED``), where it can."""
 
         def functional(tensors: dict[str, torch.Tensor], *args: Any) -> Any:
             with _reparametrize_module(block, tensors):
                 return forward(*args)
 
+        scheduled: list[FusedKernels] = []
+        unscheduled: list[str] = []
+
+        def compiler(backward: bool) -> Any:
+            # aot_eager's compiler: the graph runs op by op, each input freed after its last use, as inductor's code
+            # frees it (plain calls would keep every saved tensor until the backward's end)
+            def compile_graph(graph_module: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+                try:
+                    scheduled.append(_scheduled(graph_module, list(inputs), backward))
+                except Exception as error:  # noqa: BLE001  (any failure to schedule: its bytes by the rule)
+                    unscheduled.append(f"{type(error).__name__}: {error}")
+                return boxed_nop(graph_module, inputs)
+
+            return compile_graph
+
         compiled = aot_function(
             functional,
-            # aot_eager's compilers: the graphs run op by op, each input freed after its last use, as inductor's
-            # code frees it (plain calls would keep every saved tensor until the backward's end)
-            fw_compiler=cast(Any, boxed_nop),  # (typed for a list of example inputs; takes their sequence too)
-            bw_compiler=cast(Any, boxed_nop),
+            fw_compiler=compiler(backward=False),
+            bw_compiler=compiler(backward=True),
             partition_fn=min_cut_rematerialization_partition,
             decompositions=select_decomp_table(),
         )
@@ -159,29 +216,52 @@ class PartitionedBlocks:
                 torch.autograd.backward(outputs, [torch.ones_like(output) for output in outputs])
             except Exception as error:  # noqa: BLE001  (any failure to trace: the block runs eagerly, named)
                 return f"AOTAutograd could not trace it ({type(error).__name__}: {error})"
+        if len(scheduled) == 2:
+            _SCHEDULED[key] = (scheduled[0], scheduled[1])
+        else:
+            self.fall_back_bytes(block, unscheduled[0] if unscheduled else "no backward graph")
         return compiled
+
+    def fall_back_bytes(self, block: nn.Module, why: str) -> None:
+        """``block``'s kernels' bytes are counted by the rule (``StepCounts.fused``), for ``why``: said once."""
+        name, why = type(block).__name__, why.splitlines()[0]
+        if (name, why) not in _SAID:
+            _SAID.add((name, why))
+            log.warning("model.compile: %s's kernels not scheduled by inductor (%s); their bytes by rule.", name, why)
+
+    def _traced(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[Signature, Callable[..., Any]] | str:
+        """``block``'s signature on ``args`` and its traced graphs (traced on the first call of the signature), or
+        why it runs eagerly."""
+        tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+        inputs = [arg for arg in args if isinstance(arg, torch.Tensor)]
+        if not _traceable([*tensors.values(), *inputs]):
+            return "a tensor subclass among its weights or inputs (DTensor, NF4)"
+        if kwargs:
+            return f"called with keyword arguments {sorted(kwargs)}"
+        key = _signature(block, tensors, args)
+        if key not in _TRACED:
+            _TRACED[key] = self._trace(self.forwards[block], block, tensors, args, key)
+        compiled = _TRACED[key]
+        return compiled if isinstance(compiled, str) else (key, compiled)
+
+    def scheduled(self, block: nn.Module, args: tuple) -> tuple[FusedKernels, FusedKernels] | None:
+        """How inductor schedules ``block``'s forward and backward on ``args`` (traced here if not yet), or None:
+        it runs eagerly, or its graphs could not be scheduled."""
+        traced = self._traced(block, args, {}) if block in self.forwards else "not compiled"
+        return None if isinstance(traced, str) else _SCHEDULED.get(traced[0])
 
     def forward_of(self, block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         """``block``'s forward as its compiled graphs run it (``forward`` itself where they cannot)."""
+        self.forwards[block] = forward
 
         def partitioned(*args: Any, **kwargs: Any) -> Any:
+            traced = self._traced(block, args, kwargs)
+            if isinstance(traced, str):
+                self.fall_back(block, traced)
+                return forward(*args, **kwargs)
             tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
-            inputs = [arg for arg in args if isinstance(arg, torch.Tensor)]
-            if not _traceable([*tensors.values(), *inputs]):
-                self.fall_back(block, "a tensor subclass among its weights or inputs (DTensor, NF4)")
-                return forward(*args, **kwargs)
-            if kwargs:
-                self.fall_back(block, f"called with keyword arguments {sorted(kwargs)}")
-                return forward(*args, **kwargs)
-            key = _signature(block, tensors, args)
-            if key not in _TRACED:
-                _TRACED[key] = self._trace(forward, block, tensors, args)
-            compiled = _TRACED[key]
-            if isinstance(compiled, str):
-                self.fall_back(block, compiled)
-                return forward(*args)
             with torch.autocast("cpu", enabled=False):  # the graphs hold autocast's casts already
-                return compiled(tensors, *args)
+                return traced[1](tensors, *args)
 
         return partitioned
 

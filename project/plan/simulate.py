@@ -11,7 +11,7 @@ collectives are counted beside (``project.accounting.counts``).
 
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -41,7 +41,7 @@ from project.job.task import TaskModule
 from project.models.float8 import fake_scales_flattened
 from project.models.kv_cache import KeyValueCache
 from project.parallel.parallelize import allocate, gathered_throughout
-from project.plan.compiled_blocks import partitioned_blocks
+from project.plan.compiled_blocks import FusedKernels, partitioned_blocks
 from project.plan.cuda_kernels import cuda_kernels
 
 # What FSDPMemTracker counts as FSDP's communication: gathered parameters and the buffers of the collectives.
@@ -301,59 +301,79 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
     """While inside: ``counts`` counts the blocks' forward and backward as compiled (``StepCounts.fused``), as
     ``model.compile`` compiles them (``compile_blocks``), and the loss where the task compiles it
     (``compiled_loss_module``: the criterion of plain logits, or the fused loss's head); the rest (embedding, head,
-    optimizer, a tensor-parallel loss) as eager.
+    optimizer, a tensor-parallel loss) as eager. A block's forward and backward run as AOTAutograd's graphs
+    (``partitioned_blocks``), and the bytes their fused kernels move are inductor's count of them (``FusedKernels``),
+    added at each call, the rule counting none inside (``StepCounts.bytes_apart``); where inductor could not schedule
+    a block, and for the loss, the rule's.
     Forward: a block's hooks around its forward. Backward: a block's starts when its output's gradient is computed
     and ends when its input's is; between two blocks, the one tensor is the first's output and the second's input,
     so a depth (+1 at an output, -1 at an input) stays inside from the last block's output to the first's input.
     The loss likewise, from its output's gradient (backward's start) to its logits'. Each forward and each
     backward of a compiled part is one call of compiled code (``StepCounts.compiled_call``)."""
     depth = 0
+    apart = 0  # of that depth, inside parts whose bytes inductor counted
+    calls: dict[nn.Module, tuple[FusedKernels, FusedKernels] | None] = {}  # each block's forward under way
 
-    def enter(*_: Any) -> None:
-        nonlocal depth
-        depth += 1
-        counts.fused = depth > 0
+    def entering(scheduled: bool) -> Callable[..., None]:
+        def enter(*_: Any) -> None:
+            nonlocal depth, apart
+            depth, apart = depth + 1, apart + scheduled
+            counts.fused, counts.bytes_apart = depth > 0, apart > 0
 
-    def leave(*_: Any) -> None:
-        nonlocal depth
-        depth -= 1
-        counts.fused = depth > 0
+        return enter
+
+    def leaving(scheduled: bool) -> Callable[..., None]:
+        def leave(*_: Any) -> None:
+            nonlocal depth, apart
+            depth, apart = depth - 1, apart - scheduled
+            counts.fused, counts.bytes_apart = depth > 0, apart > 0
+
+        return leave
 
     def before(block: nn.Module, args: tuple) -> None:
         if block is loss and isinstance(args[0], DTensor):
             return  # split logits: the loss stays eager (TokenCrossEntropy)
+        kernels = calls[block] = partitioned.scheduled(block, args)
         for item in args:
             if isinstance(item, torch.Tensor) and item.requires_grad:
-                item.register_hook(leave)
+                item.register_hook(leaving(kernels is not None))
         counts.compiled_call()  # the compiled forward
-        enter()
+        entering(kernels is not None)()
+        if kernels is not None:
+            counts.moved_bytes += kernels[0].moved_bytes
 
-    def backward_starts(*_: Any) -> None:
-        counts.compiled_call()  # the compiled backward
-        enter()
+    def backward_of(kernels: tuple[FusedKernels, FusedKernels] | None) -> Callable[..., None]:
+        def backward_starts(*_: Any) -> None:
+            counts.compiled_call()  # the compiled backward
+            entering(kernels is not None)()
+            if kernels is not None:
+                counts.moved_bytes += kernels[1].moved_bytes
+
+        return backward_starts
 
     def after(block: nn.Module, args: tuple, output: Any) -> None:
         if block is loss and isinstance(args[0], DTensor):
             return
-        leave()
+        kernels = calls.pop(block)
+        leaving(kernels is not None)()
         if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(backward_starts)
+            output.register_hook(backward_of(kernels))
 
     loss = module.compiled_loss_module()
     blocks = list(getattr(net, "blocks", []))
     compiled = [*blocks, *([loss] if loss is not None else [])]
-    handles = [
-        hook
-        for part in compiled
-        for hook in (part.register_forward_pre_hook(before), part.register_forward_hook(after))
-    ]
-    try:
-        with partitioned_blocks(blocks):
+    with partitioned_blocks(blocks) as partitioned:
+        handles = [
+            hook
+            for part in compiled
+            for hook in (part.register_forward_pre_hook(before), part.register_forward_hook(after))
+        ]
+        try:
             yield
-    finally:
-        for handle in handles:
-            handle.remove()
-        counts.fused = False
+        finally:
+            for handle in handles:
+                handle.remove()
+            counts.fused = counts.bytes_apart = False
 
 
 @contextmanager
