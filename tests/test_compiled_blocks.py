@@ -102,7 +102,7 @@ def test_the_plans_kernel_bytes_are_inductors_own_count_of_a_real_compile(family
     compiled_forward, compiled_backward, kernels = bytes_of_compiled_kernels(first_block(family), x)
     planned_block = first_block(family)
     with partitioned_blocks([planned_block]) as partitioned, torch.autocast("cpu", dtype=torch.bfloat16):
-        scheduled = partitioned.scheduled(planned_block, (x,))
+        scheduled = partitioned.scheduled(planned_block, (x,), {})
     assert scheduled is not None
     forward, backward = scheduled
     assert forward.kernels + backward.kernels == kernels

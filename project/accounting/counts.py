@@ -284,10 +284,10 @@ class StepCounts(TorchDispatchMode):
     a collective) is one kernel, so an op does not read again what another such op wrote, and what it writes stays
     in registers unless something needs it in memory: a matmul, attention kernel or collective that reads it,
     autograd saving it for backward (``materialize``, from the simulation's pack hook), or its being alive when the
-    step ends (the weights and optimizer state an update writes; ``flush``). Inductor writes a fused kernel's
-    outputs that are read outside it, and no other. So torchao's Float8 casts (a largest magnitude, a scale, a
-    scaled cast) write only their float8 result, as Inductor's fused casts do. ``fused`` may change during a step:
-    a simulation sets it while a compiled block runs (``project.plan.simulate``), the rest staying eager.
+    step ends (the weights and optimizer state an update writes; ``flush``). That is a lower bound: inductor's own
+    kernels move more (a norm's input read by two kernels, a backward's reductions each a kernel), so the blocks
+    inductor schedules are priced by its count instead (``bytes_apart``). ``fused`` may change during a step: a
+    simulation sets it while a compiled part runs (``project.plan.simulate``), the rest staying eager.
 
     ``host_ops`` counts what the host does to run the step (``project.plan.step_time``'s host term): ``eager``, the
     ops dispatched one by one (views and allocations too: each costs the dispatcher, and on a GPU a launch);

@@ -244,10 +244,10 @@ class PartitionedBlocks:
         compiled = _TRACED[key]
         return compiled if isinstance(compiled, str) else (key, compiled)
 
-    def scheduled(self, block: nn.Module, args: tuple) -> tuple[FusedKernels, FusedKernels] | None:
-        """How inductor schedules ``block``'s forward and backward on ``args`` (traced here if not yet), or None:
-        it runs eagerly, or its graphs could not be scheduled."""
-        traced = self._traced(block, args, {}) if block in self.forwards else "not compiled"
+    def scheduled(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[FusedKernels, FusedKernels] | None:
+        """How inductor schedules ``block``'s forward and backward on ``args`` and ``kwargs`` (traced here if not
+        yet), or None: it runs eagerly, or its graphs could not be scheduled."""
+        traced = self._traced(block, args, kwargs) if block in self.forwards else "not compiled"
         return None if isinstance(traced, str) else _SCHEDULED.get(traced[0])
 
     def forward_of(self, block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:

@@ -27,7 +27,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from torch.distributed.tensor import DTensor, _sharding_prop
 from torch.distributed.tensor.parallel import loss_parallel
 
-from project.accounting.counts import StepCounts, counting_kept
+from project.accounting.counts import RECOMPUTING, StepCounts, counting_kept
 from project.accounting.memory_trackers import (
     OverCapacity,
     StepFSDPMemTracker,
@@ -330,17 +330,19 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
 
         return leave
 
-    def before(block: nn.Module, args: tuple) -> None:
+    def before(block: nn.Module, args: tuple, kwargs: dict) -> None:
         if block is loss and isinstance(args[0], DTensor):
             return  # split logits: the loss stays eager (TokenCrossEntropy)
-        kernels = calls[block] = partitioned.scheduled(block, args)
+        kernels = calls[block] = partitioned.scheduled(block, args, kwargs)
+        counts.compiled_call()  # the compiled forward
+        if kernels is not None:
+            counts.moved_bytes += kernels[0].moved_bytes
+        if RECOMPUTING.get():  # activation checkpointing's recompute, inside the block's backward: already there
+            return
         for item in args:
             if isinstance(item, torch.Tensor) and item.requires_grad:
                 item.register_hook(leaving(kernels is not None))
-        counts.compiled_call()  # the compiled forward
         entering(kernels is not None)()
-        if kernels is not None:
-            counts.moved_bytes += kernels[0].moved_bytes
 
     def backward_of(kernels: tuple[FusedKernels, FusedKernels] | None) -> Callable[..., None]:
         def backward_starts(*_: Any) -> None:
@@ -355,9 +357,16 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
         if block is loss and isinstance(args[0], DTensor):
             return
         kernels = calls.pop(block)
+        if RECOMPUTING.get():
+            return
         leaving(kernels is not None)()
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(backward_of(kernels))
+            if not any(isinstance(item, torch.Tensor) and item.requires_grad for item in args):
+                # No input's gradient ends its backward (a frozen embedding's output under LoRA): its own backward's
+                # end does (a compiled block's backward is one autograd node).
+                assert output.grad_fn is not None
+                output.grad_fn.register_hook(leaving(kernels is not None))
 
     loss = module.compiled_loss_module()
     blocks = list(getattr(net, "blocks", []))
@@ -366,7 +375,10 @@ def _fused_in_compiled(net: nn.Module, module: TaskModule, counts: StepCounts) -
         handles = [
             hook
             for part in compiled
-            for hook in (part.register_forward_pre_hook(before), part.register_forward_hook(after))
+            for hook in (
+                part.register_forward_pre_hook(before, with_kwargs=True),
+                part.register_forward_hook(after),
+            )
         ]
         try:
             yield

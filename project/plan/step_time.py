@@ -12,8 +12,9 @@ The model, per device of the plan:
   counts);
 - each Float8 matmul (``torch._scaled_mm``): as a matmul, at ``float8_matmul_efficiency`` of the FP8 peak;
 - every other op (norms, activations, residual adds, softmax, casts, the optimizer): its bytes over the memory
-  bandwidth; under ``model.compile`` an elementwise chain of a block reads only its inputs and writes only what
-  something needs in memory (``StepCounts.fused``);
+  bandwidth; under ``model.compile`` a block's are what inductor's kernels for it read and write
+  (``project.plan.compiled_blocks.FusedKernels``), a chain elsewhere in a compiled part reads only its inputs and
+  writes only what something needs in memory (``StepCounts.fused``);
 - the bandwidth is the datasheet's times ``bandwidth_efficiency``. The four efficiencies are the same for every
   GPU (``conf/step_time/roofline.yaml``): what differs between GPUs comes from their datasheets;
 - each collective: NCCL's ring latency (``ring_latency``, NCCL's own tuning model) plus the bytes a rank puts on
