@@ -9,6 +9,7 @@ import torch
 from test_memory_plan import resolved
 
 from project.models import GPT, Llama
+from project.parallel.parallelize import apply_activation_checkpointing
 from project.plan import compiled_blocks
 from project.plan.compiled_blocks import partitioned_blocks
 from project.plan.memory_plan import simulate_devices
@@ -18,11 +19,19 @@ pytestmark = pytest.mark.torch_internals
 BATCH, SEQ = 2, 32
 
 
-def first_block(family: str) -> torch.nn.Module:
+def first_block(family: str, checkpointing: str = "off") -> torch.nn.Module:
+    """A one-block model's block, checkpointed as ``model.activation_checkpointing`` would."""
     torch.manual_seed(0)
     if family == "gpt":
-        return GPT(vocab_size=61, max_length=SEQ, num_layers=1, dim=64, num_heads=4).blocks[0]
-    return Llama(61, SEQ, 1, 64, 4, 2, 160, head_dim=16, qk_norm=True).blocks[0]  # Qwen 3's block
+        model = GPT(vocab_size=61, max_length=SEQ, num_layers=1, dim=64, num_heads=4)
+    else:
+        model = Llama(61, SEQ, 1, 64, 4, 2, 160, head_dim=16, qk_norm=True)  # Qwen 3's block
+    apply_activation_checkpointing(model, checkpointing)
+    return model.blocks[0]
+
+
+# Each block shape, and a selectively checkpointed one (torchtitan's compiled recipe): the policy applied in the graph
+FAMILIES = [("qwen3", "off"), ("gpt", "off"), ("qwen3", "selective")]
 
 
 def saved_for_backward(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list]:
@@ -43,17 +52,18 @@ def saved_for_backward(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.T
 
 
 @pytest.mark.slow  # inductor compiles C++ for each block: about 20 s each on 2 cores
-@pytest.mark.parametrize("family", ["qwen3", "gpt"])
-def test_a_compiled_block_saves_what_inductor_saves(family):
+@pytest.mark.parametrize(("family", "checkpointing"), FAMILIES)
+def test_a_compiled_block_saves_what_inductor_saves(family, checkpointing):
     """The same block compiled by ``torch.compile`` (inductor's code, on this CPU) and run as the plan runs it
     (AOTAutograd's graphs, cut by inductor's partitioner, op by op): the same tensors saved for backward, fewer
-    than eager autograd saves, and the same output."""
+    than eager autograd saves (without checkpointing), and the same output. Selectively checkpointed, the policy
+    applied inside the graph: what it keeps (a matmul's output of two, attention's), its weights and its input."""
     x = torch.randn(BATCH, SEQ, 64, requires_grad=True)
     eager_output, eager = saved_for_backward(first_block(family), x)
-    inductor_block = first_block(family)
+    inductor_block = first_block(family, checkpointing)
     inductor_block.forward = torch.compile(inductor_block.forward)
     _, inductor = saved_for_backward(inductor_block, x)
-    planned_block = first_block(family)
+    planned_block = first_block(family, checkpointing)
     with partitioned_blocks([planned_block]) as partitioned:
         planned_output, planned = saved_for_backward(planned_block, x)
     assert partitioned.eager_fallbacks == {}
@@ -93,14 +103,15 @@ def bytes_of_compiled_kernels(block: torch.nn.Module, x: torch.Tensor) -> tuple[
 
 
 @pytest.mark.slow  # inductor compiles C++ for each block: about 20 s each on 2 cores
-@pytest.mark.parametrize("family", ["qwen3", "gpt"])
-def test_the_plans_kernel_bytes_are_inductors_own_count_of_a_real_compile(family):
+@pytest.mark.parametrize(("family", "checkpointing"), FAMILIES)
+def test_the_plans_kernel_bytes_are_inductors_own_count_of_a_real_compile(family, checkpointing):
     """The bytes the plan prices for a compiled block's fused kernels (inductor's scheduler run on its graphs,
     without code: ``FusedKernels``) are those inductor counts for the kernels it generates when ``torch.compile``
-    compiles the same block on this CPU, forward and backward, to its count's rounding (4 bytes a kernel)."""
+    compiles the same block on this CPU, forward and backward (a selective checkpoint's recompute in it), to its
+    count's rounding (4 bytes a kernel)."""
     x = torch.randn(BATCH, SEQ, 64, requires_grad=True)
-    compiled_forward, compiled_backward, kernels = bytes_of_compiled_kernels(first_block(family), x)
-    planned_block = first_block(family)
+    compiled_forward, compiled_backward, kernels = bytes_of_compiled_kernels(first_block(family, checkpointing), x)
+    planned_block = first_block(family, checkpointing)
     with partitioned_blocks([planned_block]) as partitioned, torch.autocast("cpu", dtype=torch.bfloat16):
         scheduled = partitioned.scheduled(planned_block, (x,), {})
     assert scheduled is not None
@@ -171,3 +182,19 @@ def test_a_block_of_dtensors_is_planned_as_eager_and_named(caplog, monkeypatch):
         compiled = activations([*overrides, "model.compile=true"])
     assert "Block planned as eager: a tensor subclass" in caplog.text
     assert compiled == activations([*overrides, "model.compile=false"])
+
+
+def test_a_selectively_checkpointed_compiled_plan_recomputes_what_the_policy_leaves():
+    """Selective checkpointing compiled (torchtitan's recipe): the policy applied inside the graph recomputes in
+    the backward, and counts as recomputed (left out of MFU), the FLOPs of the matmuls it does not keep, every
+    second one, as it does eager: a Llama block's key, output and up projections (2 FLOPs a weight and token). Its
+    activations are fewer than the eager checkpoint's (the partitioner keeps none of the elementwise ops')."""
+    overrides = ["model=llama", "trainer.precision=bf16-mixed", "model.activation_checkpointing=selective"]
+    plans = {}
+    for compiled in ("true", "false"):
+        job = ["data=tokens", "data.seq_length=64", "data.batch_size=4", "cluster=h200_8x", *overrides]
+        (plans[compiled],), _ = simulate_devices(resolved([*job, f"model.compile={compiled}"]))
+    dim, kv_width, hidden, layers, tokens = 128, 64, 352, 2, 4 * 64  # conf/model/llama.yaml's, the batch's
+    recomputed = 2 * tokens * layers * (dim * kv_width + dim * dim + dim * hidden)
+    assert plans["true"].recomputed_flops == plans["false"].recomputed_flops == recomputed
+    assert plans["true"].activations < plans["false"].activations

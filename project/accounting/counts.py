@@ -261,8 +261,9 @@ def counting() -> bool:
 
 
 @contextmanager
-def counting_kept(count: Callable[[torch.Tensor], object]) -> Iterator[None]:
-    """Within: each tensor selective checkpointing keeps goes to ``count`` (as autograd's to a pack hook)."""
+def counting_kept(count: Callable[[torch.Tensor], object] | None) -> Iterator[None]:
+    """Within: each tensor selective checkpointing keeps goes to ``count`` (as autograd's to a pack hook); None:
+    nothing is counted (a trace's own tensors)."""
     token = KEPT_FOR_BACKWARD.set(count)
     try:
         yield

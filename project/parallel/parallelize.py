@@ -233,7 +233,7 @@ def apply_activation_checkpointing(model: BlockSequence, mode: Checkpointing = "
     if mode == "off":
         return
     for block in model.blocks:
-        if checkpoint.state(block) is not None or getattr(block.forward, "checkpointed", False):
+        if checkpoint.state(block) is not None or hasattr(block.forward, "selective_context"):
             continue
         if mode == "full":
             checkpoint(block, context_fn=lambda: (nullcontext(), recomputing()))
@@ -246,7 +246,7 @@ def _selectively_checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         return torch_checkpoint(forward, *args, use_reentrant=False, context_fn=_selective_contexts, **kwargs)
 
-    checkpointed.checkpointed = True  # type: ignore[attr-defined]
+    checkpointed.selective_context = _selective_contexts  # type: ignore[attr-defined]  # what the plan traces
     return checkpointed
 
 

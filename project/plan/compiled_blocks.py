@@ -17,10 +17,13 @@ Each graph is also lowered by inductor and scheduled, as its compile does before
 reproduces either (a norm's input read by two kernels, a backward's reductions each a kernel of its own). That is
 inductor's own count, its ``num_bytes_accessed`` metric, and the step's time prices it (``StepCounts.bytes_apart``).
 
+A selectively checkpointed block is traced as dynamo hands it to AOTAutograd (``_as_compiled``): the checkpoint's
+higher-order op, whose policy tags each op, so that the partitioner keeps what the policy saves and recomputes the
+rest in the backward graph, as the compiled run does.
+
 A block whose forward AOTAutograd cannot trace here runs eagerly, as before (``eager_fallbacks`` names it): one
-holding tensor subclasses (DTensor under tensor parallelism, NF4 under QLoRA), selective checkpointing (the compiled
-run applies its policy inside the graph, which this tracing does not), a forward with a data-dependent shape (a
-mixture's routing).
+holding tensor subclasses (DTensor under tensor parallelism, NF4 under QLoRA), a forward with a data-dependent shape
+(a mixture's routing).
 """
 
 import copy
@@ -36,6 +39,7 @@ from torch import nn
 from torch._dynamo.backends.debugging import boxed_nop
 from torch._functorch.aot_autograd import aot_function
 from torch._guards import detect_fake_mode
+from torch._higher_order_ops.wrap import tag_activation_checkpoint
 from torch._inductor.debug import DebugContext
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.graph import GraphLowering
@@ -46,6 +50,8 @@ from torch.nn.modules import module as module_registry
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+from project.accounting.counts import RECOMPUTING, counting_kept
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +96,12 @@ def _tensor_signature(tensor: torch.Tensor) -> tuple[Any, ...]:
     return (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad)
 
 
-def _signature(block: nn.Module, tensors: dict[str, torch.Tensor], args: tuple) -> Signature:
+def _signature(
+    block: nn.Module, forward: Callable[..., Any], tensors: dict[str, torch.Tensor], args: tuple
+) -> Signature:
     """What a block's traced graphs depend on: its class and settings (the plain attributes of it and its modules:
-    widths, head counts, RoPE's base), its parameters' and inputs' shapes, strides and dtypes, and the autocast
-    and grad modes they run under."""
+    widths, head counts, RoPE's base), whether its ``forward`` is selectively checkpointed, its parameters' and
+    inputs' shapes, strides and dtypes, and the autocast and grad modes they run under."""
     settings = tuple(
         (name, key, repr(value))
         for name, module in block.named_modules()
@@ -103,6 +111,7 @@ def _signature(block: nn.Module, tensors: dict[str, torch.Tensor], args: tuple) 
     return (
         type(block),
         settings,
+        hasattr(forward, "selective_context"),
         tuple((name, _tensor_signature(tensor)) for name, tensor in tensors.items()),
         tuple(_tensor_signature(arg) if isinstance(arg, torch.Tensor) else repr(arg) for arg in args),
         torch.is_autocast_enabled("cpu"),
@@ -121,6 +130,48 @@ def _fresh(tensor: torch.Tensor) -> torch.Tensor:
     return made.requires_grad_(tensor.requires_grad)
 
 
+def _as_compiled(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` as dynamo hands it to AOTAutograd. A selectively checkpointed one (``selective_context``, its
+    checkpoint's contexts: ``project.parallel.parallelize``) becomes the checkpoint's higher-order op over the
+    block's own forward, a graph of one call, as dynamo makes it: under AOTAutograd the op runs the checkpoint with
+    its policy tagging each op it traces (saved, or recomputed), and the partitioner keeps the saved ones and puts
+    the others' recompute in the backward graph."""
+    context_fn = getattr(forward, "selective_context", None)
+    if context_fn is None:
+        return forward
+    inner = forward.__wrapped__  # type: ignore[attr-defined]
+
+    def checkpointed(*args: Any) -> Any:
+        graph = torch.fx.Graph()
+        graph.output(graph.call_function(inner, tuple(graph.placeholder(f"arg{i}") for i in range(len(args)))))
+        body = torch.fx.GraphModule({}, graph)
+        body.meta["_checkpoint_context_fn"] = context_fn
+        return tag_activation_checkpoint(body, *args)
+
+    return checkpointed
+
+
+def _recomputes_marked(graph_module: torch.fx.GraphModule) -> None:
+    """A backward graph's recompute of forward ops (copied by the partitioner with their checkpoint's ``recompute``
+    tag) runs marked as ``recomputing``, as an eager recompute is: the step's model FLOPs leave it out."""
+    tokens = []
+
+    def begins() -> None:
+        tokens.append(RECOMPUTING.set(True))
+
+    def ends() -> None:
+        RECOMPUTING.reset(tokens.pop())
+
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.meta.get("recompute") is not None:
+            with graph.inserting_before(node):
+                graph.call_function(begins)
+            with graph.inserting_after(node):
+                graph.call_function(ends)
+    graph_module.recompile()
+
+
 # The module hooks every module call runs (torch.nn.modules.module's registries, which torch's memory trackers fill):
 # the trace calls the block's modules on tensors of its own, which those hooks must not follow.
 _GLOBAL_MODULE_HOOKS = [
@@ -131,6 +182,16 @@ _GLOBAL_MODULE_HOOKS = [
     "_global_backward_pre_hooks",
     "_global_backward_hooks",
 ]
+
+
+@contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    saved = logging.getLogger(logger).level
+    logging.getLogger(logger).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logging.getLogger(logger).setLevel(saved)
 
 
 @contextmanager
@@ -173,9 +234,11 @@ class PartitionedBlocks:
         simulation's own modes (its tracker, counters and fake tensors) set aside, so that tracing counts nothing; or
         why it could not be traced. Its two graphs scheduled by inductor too (``_SCHEDULED``), where it can."""
 
+        compiled_forward = _as_compiled(forward)
+
         def functional(tensors: dict[str, torch.Tensor], *args: Any) -> Any:
             with _reparametrize_module(block, tensors):
-                return forward(*args)
+                return compiled_forward(*args)
 
         scheduled: list[FusedKernels] = []
         unscheduled: list[str] = []
@@ -188,6 +251,8 @@ class PartitionedBlocks:
                     scheduled.append(_scheduled(graph_module, list(inputs), backward))
                 except Exception as error:  # noqa: BLE001  (any failure to schedule: its bytes by the rule)
                     unscheduled.append(f"{type(error).__name__}: {error}")
+                if backward:
+                    _recomputes_marked(graph_module)
                 return boxed_nop(graph_module, inputs)
 
             return compile_graph
@@ -200,9 +265,18 @@ class PartitionedBlocks:
             decompositions=select_decomp_table(),
         )
         # Nothing of the trace reaches the step: not the simulation's modes, nor the saved-tensor hooks in force (an
-        # activation checkpoint's, which would count the trace's tensors as the block's)
+        # activation checkpoint's, which would count the trace's tensors as the block's), nor its count of what a
+        # selective checkpoint keeps. (Torch warns, once, that a checkpoint's policy under compile must meet no
+        # in-place op: the run's compile warns of its own.)
         identity = torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, lambda tensor: tensor)
-        with _disable_current_modes(), _without_global_module_hooks(), FakeTensorMode(), identity:
+        with (
+            _disable_current_modes(),
+            _without_global_module_hooks(),
+            FakeTensorMode(),
+            identity,
+            counting_kept(None),
+            _quiet("torch._higher_order_ops.wrap"),
+        ):
             fresh_tensors = {name: _fresh(tensor) for name, tensor in tensors.items()}
             fresh_args = tuple(_fresh(arg) if isinstance(arg, torch.Tensor) else arg for arg in args)
             try:
@@ -238,7 +312,7 @@ class PartitionedBlocks:
             return "a tensor subclass among its weights or inputs (DTensor, NF4)"
         if kwargs:
             return f"called with keyword arguments {sorted(kwargs)}"
-        key = _signature(block, tensors, args)
+        key = _signature(block, self.forwards[block], tensors, args)
         if key not in _TRACED:
             _TRACED[key] = self._trace(self.forwards[block], block, tensors, args, key)
         compiled = _TRACED[key]
@@ -268,14 +342,10 @@ class PartitionedBlocks:
 
 @contextmanager
 def partitioned_blocks(blocks: list[nn.Module]) -> Iterator[PartitionedBlocks]:
-    """While inside, each of ``blocks`` runs its forward as compiled (``PartitionedBlocks``); a selectively
-    checkpointed one stays eager (the compiled run applies the policy inside its graph)."""
+    """While inside, each of ``blocks`` runs its forward as compiled (``PartitionedBlocks``)."""
     partitioned = PartitionedBlocks()
     replaced = {}  # block -> its own forward attribute (a wrapper a strategy set), or None: the class's
     for block in blocks:
-        if getattr(block.forward, "checkpointed", False):
-            partitioned.fall_back(block, "selective checkpointing, whose policy the compiled run applies in its graph")
-            continue
         replaced[block] = vars(block).get("forward")
         block.forward = partitioned.forward_of(block, block.forward)  # type: ignore[method-assign]
     try:
