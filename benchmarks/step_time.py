@@ -110,6 +110,13 @@ FITTED_FLOAT8 = [
     )
 ]
 SELECTIVE = ["model.activation_checkpointing=selective"]  # torchtitan's per-op selective AC
+# torchtitan's Llama 2 runs on 64 A100s (the same earlier page): sequence 4096, Llama 2's 32,000-token vocabulary and
+# RoPE; the 70B's shape is Llama 3's (grouped keys and values, SwiGLU 28,672 wide), the 13B's is Llama 2's own.
+LLAMA_2 = ["data=tokens", "data.vocab_size=32000", "data.seq_length=4096", "trainer.precision=bf16-mixed"]
+LLAMA_2 += ["model.net.rope_scaling=null", "model.net.rope_theta=10000.0", "cluster=a100_80g_8x", "strategy=fsdp"]
+LLAMA_2 += ["trainer.devices=8", "trainer.num_nodes=8"]
+LLAMA_2_13B = ["model=llama_8b", "model.net.num_layers=40", "model.net.dim=5120", "model.net.num_heads=40"]
+LLAMA_2_13B += ["model.net.num_kv_heads=40", "model.net.hidden_dim=13824"]
 ROWS = [
     Row(
         "Table 1",
@@ -145,6 +152,27 @@ ROWS = [
         ["model=llama_70b", "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=8", "data.batch_size=1"]
         + ["model.activation_checkpointing=true", "cluster=a100_80g_8x"],
     ),
+    *[
+        Row("Llama 2 on A100 (earlier version)", what, published, [*LLAMA_2, *overrides], over_sequence=False)
+        for what, published, overrides in [
+            ("Llama 2 13B, FSDP 64, A100 80GB, local batch 2, no AC", 2162, [*LLAMA_2_13B, "data.batch_size=2"]),
+            (
+                "Llama 2 13B, FSDP 64, A100 80GB, local batch 2, selective op AC",
+                1904,
+                [*LLAMA_2_13B, "data.batch_size=2", *SELECTIVE],
+            ),
+            (
+                "Llama 2 70B, FSDP 64, A100 80GB, local batch 1, selective op AC",
+                355,
+                ["model=llama_70b", "data.batch_size=1", *SELECTIVE],
+            ),
+            (
+                "Llama 2 70B, FSDP 64, A100 80GB, local batch 2, full AC",
+                353,
+                ["model=llama_70b", "data.batch_size=2", "model.activation_checkpointing=true"],
+            ),
+        ]
+    ],
     Row(
         "Table 4",
         "70B, FSDP 32 x TP 8, H100, local batch 16, full AC, compile + Float8",

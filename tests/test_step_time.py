@@ -28,6 +28,7 @@ from project.plan.step_time import (
     kernel_seconds,
     predict_step,
     wave_share,
+    wire_bytes,
 )
 
 pytestmark = pytest.mark.torch_internals
@@ -213,6 +214,23 @@ def test_a_collective_pays_nccl_ring_latency_per_call():
     size = 4 * 10**9  # 3/4 of it on the wire in a node, at 100 GB/s; ten calls pay ten latencies
     assert collective_seconds(in_node, size, 10, CLUSTER) == pytest.approx(10 * latency(in_node) + 0.03)
     assert math.isclose(collective_seconds(Link("send", "pipeline", 2, 2), 10**9, 1, CLUSTER), 0.1 + 18e-6)
+
+
+def test_a_ring_across_nodes_crosses_them_over_each_ranks_port():
+    """NCCL runs a collective as one ring a channel, each channel crossing between nodes at another GPU's port: an
+    all-gather of 8 ranks, 4 on each of 2 nodes, puts 7/8 of its 4 GB on the wire at 4 x 10 GB/s (3.5 GB in
+    0.0875 s); with 30 GB/s ports, 4 of them would pass 120 GB/s, above NVLink's 100, which then sets the pace
+    (an all-reduce: 2 x 7/8 x 4 GB). A group of one rank a node, a send and an all-to-all cross at one port."""
+    size = 4 * 10**9
+    spread = Link("all_gather", "data_parallel", 8, 2)
+    assert collective_seconds(spread, size, 1, CLUSTER) == pytest.approx(latency(spread) + 3.5e9 / 40e9)
+    fast_ports = dataclasses.replace(CLUSTER, inter_node_gb_per_s=30)
+    reduced = Link("all_reduce", "data_parallel", 8, 2)
+    assert collective_seconds(reduced, size, 1, fast_ports) == pytest.approx(latency(reduced) + 7e9 / 100e9)
+    for one_port in (Link("all_gather", "data_parallel", 2, 2), Link("all_to_all", "expert_parallel", 8, 2)):
+        assert collective_seconds(one_port, size, 1, CLUSTER) == pytest.approx(
+            latency(one_port) + wire_bytes(one_port, size) / 10e9
+        )
 
 
 # Two pipeline ranks of 8 (4 stages of 2 data-parallel ranks, 4 devices a node).

@@ -85,8 +85,22 @@ def ring_latency(link: Link) -> float:
     return (NCCL_BASE_US + (steps - inter) * NCCL_NVLINK_STEP_US + inter * NCCL_NETWORK_STEP_US) * 1e-6
 
 
+def link_gb_per_s(link: Link, cluster: Cluster) -> float:
+    """The bandwidth a rank's share of ``link``'s collective crosses: NVLink in one node. Across nodes, a ring
+    collective (all-gather, reduce-scatter, all-reduce) runs as NCCL runs it, one ring a channel, each channel's
+    ring crossing between nodes at a different GPU's network port: a group with k ranks on each node moves its bytes
+    between nodes over k ports at once, each rank's NVLink the ceiling (NCCL's bus bandwidth across DGX nodes is
+    their ports' sum). A send, or an all-to-all (whose bytes for other nodes leave by each rank's own port), has
+    its rank's one port."""
+    if link.nodes == 1:
+        return cluster.intra_node_gb_per_s
+    if link.kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        return min(cluster.intra_node_gb_per_s, cluster.inter_node_gb_per_s * (link.ranks // link.nodes))
+    return cluster.inter_node_gb_per_s
+
+
 def collective_seconds(link: Link, size: int, calls: int, cluster: Cluster) -> float:
-    bandwidth = cluster.intra_node_gb_per_s if link.nodes == 1 else cluster.inter_node_gb_per_s
+    bandwidth = link_gb_per_s(link, cluster)
     latency = ring_latency(link) if cluster.collective_latency_us is None else cluster.collective_latency_us * 1e-6
     return calls * latency + wire_bytes(link, size) / (bandwidth * GB)
 
