@@ -22,10 +22,6 @@ from typing import Any
 import torch
 from torch._dynamo.device_interface import CudaInterface
 from torch._inductor import scheduler as inductor_scheduler
-from torch._inductor.debug import DebugContext
-from torch._inductor.graph import GraphLowering
-from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
-from torch._inductor.virtualized import V
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -82,6 +78,9 @@ def _pretend_h100() -> Iterator[None]:
             setattr(owner, name, value)
 
 
+SCHEDULED = compiled_blocks._scheduled  # inductor's scheduler on a graph, for the device of its inputs
+
+
 def triton_scheduled(graph_module: torch.fx.GraphModule, inputs: list[Any], backward: bool) -> tuple[int, int]:
     """``graph_module`` (a block's graph on CPU fake tensors) traced again on CUDA fake tensors and scheduled by
     inductor's Triton backend: its kernels beside the extern ones, and the bytes they read and write."""
@@ -100,21 +99,11 @@ def triton_scheduled(graph_module: torch.fx.GraphModule, inputs: list[Any], back
             ]
         traced = make_fx(graph_module, tracing_mode="fake")(*cuda_inputs)
         placeholders = [node.meta["val"] for node in traced.graph.nodes if node.op == "placeholder"]
-        lowering = GraphLowering(traced, example_inputs=placeholders, is_backward=backward)
-        mode = torch._guards.detect_fake_mode(placeholders)
-        with DebugContext(), V.set_graph_handler(lowering), V.set_fake_mode(mode):
-            lowering.run(*placeholders)
-            lowering._update_scheduler()
-            nodes = [
-                node
-                for node in lowering.scheduler.nodes
-                if not isinstance(node, ExternKernelSchedulerNode | NopKernelSchedulerNode)
-            ]
-            return len(nodes), sum(node.get_read_write_buffers_sizes() for node in nodes)
+        kernels = SCHEDULED(traced, placeholders, backward)
+    return kernels.kernels, kernels.moved_bytes
 
 
 def main() -> None:
-    cpu_scheduled = compiled_blocks._scheduled
     print("| row | graph | CPU kernels | CPU GB | Triton kernels | Triton GB | Triton / CPU bytes |")
     print("|---|---|---|---|---|---|---|")
     for row in [*[row for row in FITTED if "compiled" in row.what], *[row for row in ROWS if "compile" in row.what]]:
@@ -123,7 +112,7 @@ def main() -> None:
         seen: list[tuple[bool, Any, tuple[int, int]]] = []
 
         def both(graph_module: torch.fx.GraphModule, inputs: list[Any], backward: bool) -> Any:
-            kernels = cpu_scheduled(graph_module, inputs, backward)
+            kernels = SCHEDULED(graph_module, inputs, backward)
             seen.append((backward, kernels, triton_scheduled(graph_module, inputs, backward)))  # noqa: B023
             return kernels
 
@@ -137,7 +126,7 @@ def main() -> None:
                 f" | {kernels} | {moved / 1e9:.3f} | {moved / cpu.moved_bytes:.2f} |",
                 flush=True,
             )
-    compiled_blocks._scheduled = cpu_scheduled
+    compiled_blocks._scheduled = SCHEDULED
 
 
 if __name__ == "__main__":
