@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch._guards import active_fake_mode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from project.parallel.local_tensors import local_tensor
 
 MB = 2**20
 
@@ -19,7 +20,7 @@ MB = 2**20
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this device holds of ``tensor``: its local shard when sharded (FSDP's DTensors); of a tensor subclass
     that stores its values in other tensors (torchao's NF4), theirs."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = local_tensor(tensor)
     if is_traceable_wrapper_subclass(local):
         return sum(local_bytes(getattr(local, name)) for name in local.__tensor_flatten__()[0])
     return local.numel() * local.element_size()

@@ -23,11 +23,12 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from project.models.moe import ExpertMLPs, Experts, holds_values, mixtures, swiglu_experts
 from project.models.sequence import BlockSequence
 from project.parallel.dims import divisors
+from project.parallel.local_tensors import local_tensor
 
 # FSDP warns that the experts' output is a view (the last all-to-all's), on which an in-place op would skip its
 # pre-backward hook; ``Experts.forward`` only multiplies it, out of place.
@@ -74,7 +75,9 @@ class ExpertParallelMLPs(ExpertMLPs):
             ]
         ).to(rows.device)
         expert_counts = [sum(received_counts[source][expert] for source in range(size)) for expert in range(local)]
-        gate, up, down = (_GradientScale.apply(_local(weight), 1 / size) for weight in (self.gate, self.up, self.down))
+        gate, up, down = (
+            _GradientScale.apply(local_tensor(weight), 1 / size) for weight in (self.gate, self.up, self.down)
+        )
         outputs = swiglu_experts(arrived[by_expert], expert_counts, gate, up, down)
         in_arrival_order = torch.empty_like(outputs).index_copy(0, by_expert, outputs)
         return all_to_all_single_autograd(in_arrival_order, send_sizes, receive_sizes, group)
@@ -91,10 +94,6 @@ class _GradientScale(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad * ctx.scale, None
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def apply_expert_parallel(model: BlockSequence, mesh: DeviceMesh) -> None:

@@ -39,6 +39,7 @@ from project.models import gpt, llama
 from project.models.gpt import GPT, LMHead
 from project.models.llama import Llama
 from project.models.mlp import MLP
+from project.parallel.local_tensors import local_tensor
 
 
 class ReplicateParallel(ParallelStyle):
@@ -74,7 +75,7 @@ def _inputs_replicated(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tu
 
 
 def _output_local(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return output.to_local() if isinstance(output, DTensor) else output
+    return local_tensor(output)
 
 
 def _norm(sequence_parallel: bool) -> ParallelStyle:

@@ -13,7 +13,6 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torchmetrics import Metric
 
@@ -28,6 +27,7 @@ from project.model_options import CONFIG_KEYS, in_order
 from project.models.sequence import BlockSequence
 from project.options.errors import ConfigError
 from project.options.option_types import Seed
+from project.parallel.local_tensors import local_tensor
 from project.parallel.parallelize import (
     ActivationCheckpointing,
     apply_activation_checkpointing,
@@ -56,7 +56,7 @@ def local_gradients_finite(optimizer: torch.optim.Optimizer) -> torch.Tensor:
     tensor on the gradients' device, read without a device sync or a collective. Element by element, not by the
     norm, which can overflow a half-precision dtype while every element is finite."""
     grads = [
-        parameter.grad.to_local() if isinstance(parameter.grad, DTensor) else parameter.grad
+        local_tensor(parameter.grad)
         for group in optimizer.param_groups
         for parameter in group["params"]
         if parameter.grad is not None

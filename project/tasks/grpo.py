@@ -27,7 +27,6 @@ from typing import Literal, cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from project.data.datamodule import DataModule, DataShape, split_index_column, trainer_data
 from project.data.prompts import PromptDataModule
@@ -42,6 +41,7 @@ from project.models.lora import LoRALinear
 from project.observability.loggers import EpochWandbLogger
 from project.options.errors import ConfigError
 from project.options.option_types import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
+from project.parallel.local_tensors import local_tensor
 from project.parallel.parallelize import gathered_throughout
 from project.tasks.group_relative import (
     PolicyLoss,
@@ -314,7 +314,7 @@ class GRPOModule(LanguageModelModule):
         """With ``beta`` > 0 and full weights, a copy of this rank's share of every parameter as it starts: the KL
         term's reference. (Not in the checkpoint: a resumed run's ``configure_model`` makes the same weights.)"""
         if self.grpo.beta and not self.adapters:
-            self.reference_weights = [_local(parameter).detach().clone() for parameter in self.net.parameters()]
+            self.reference_weights = [local_tensor(parameter).detach().clone() for parameter in self.net.parameters()]
         return self.reference_weights
 
     def _reference(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -330,7 +330,7 @@ class GRPOModule(LanguageModelModule):
         FSDP's and tensor parallelism's collectives read the shards), and exchanged back on the way out, what the
         model options derive from the weights (Float8's gathered scales) made again each time."""
         scalings = [module.scaling for module in self.adapters]
-        parameters = [_local(parameter) for parameter in self.net.parameters()] if self.reference_weights else []
+        parameters = [local_tensor(parameter) for parameter in self.net.parameters()] if self.reference_weights else []
         exchanged = 0
         try:
             for module in self.adapters:
@@ -357,7 +357,7 @@ class GRPOModule(LanguageModelModule):
     def _kept_as_parameters(self) -> None:
         """The kept copy in the parameters' dtypes: Lightning's true half precisions convert the model after
         ``configure_model`` (the same values, rounded as the model's were)."""
-        parameters = [_local(parameter) for parameter in self.net.parameters()] if self.reference_weights else []
+        parameters = [local_tensor(parameter) for parameter in self.net.parameters()] if self.reference_weights else []
         self.reference_weights = [
             kept.to(parameter.dtype) for kept, parameter in zip(self.reference_weights, parameters, strict=True)
         ]
@@ -442,12 +442,6 @@ class GRPOModule(LanguageModelModule):
                     "by name, and returns one number (or None) per completion, as TRL's reward functions do.",
                 )
         return None
-
-
-def _local(parameter: torch.Tensor) -> torch.Tensor:
-    """This rank's values of ``parameter``: a DTensor's local shard (FSDP's, tensor parallelism's), where its
-    collectives read them."""
-    return parameter.to_local() if isinstance(parameter, DTensor) else parameter
 
 
 @torch.no_grad()
