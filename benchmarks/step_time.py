@@ -179,8 +179,8 @@ ROWS = [
         829,
         ["model=llama_70b", "strategy=fsdp", "strategy.tensor_parallel_size=8", "trainer.devices=8"]
         + ["trainer.num_nodes=32", "data.batch_size=16", "model.activation_checkpointing=true", "model.compile=true"]
-        + GRAND_TETON,
-        "Float8 not modelled (bf16)",
+        + ["model.float8.enabled=true", *GRAND_TETON],
+        "async TP not modelled",
     ),
 ]
 

@@ -607,11 +607,7 @@ CASES = [
         ["model=moe", "strategy=ddp", "trainer.devices=2", "strategy.expert_parallel_size=2"],
         "strategy.expert_parallel_size: is not a key of strategy (its keys are",
     ),
-    # Float8: not with tensor parallelism, LoRA, or GPUs (planned for) without float8 tensor cores
-    (
-        ["model=llama", "strategy=tensor_parallel", "trainer.devices=2", "model.float8.enabled=true"],
-        "model.float8.enabled: is true with 2 tensor-parallel ranks (strategy.tensor_parallel_size)",
-    ),
+    # Float8: not with LoRA, or GPUs (planned for) without float8 tensor cores
     (
         ["model=llama", "model.float8.enabled=true", "model.lora.rank=4", "model.lora.targets=[q]"],
         "model.float8.enabled: is true with LoRA adapters (model.lora)",

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import FLOAT8, run_command, train
+from conftest import FLOAT8, TINY_LLAMA_TP, run_command, train
 from safetensors.torch import load_file
 from test_memory_plan import resolved
 
@@ -151,6 +151,50 @@ def test_a_plan_on_gpus_prices_float8_matmuls_at_the_float8_peak_and_gathers_the
     net = job.meta_net()
     converted = sum(module.weight.numel() for module in float8_layers(net, "tensorwise", small_layers=True).values())
     assert gathered["false"] - gathered["true"] == 2 * converted  # (2 - 1) byte, gathered twice a step
+
+
+def test_float8_split_by_tensor_parallelism_computes_one_devices_float8(tmp_path, home):
+    """On 2 gloo ranks, a tiny Llama and an MLP in Float8 (both recipes, the small layers converted), split by tensor
+    parallelism with sequence parallelism, against the same model whole on one device in torchao's Float8, one
+    forward and backward pass each, five seeds (tests/helpers/float8_tensor_parallel.py). Each cast's scale is the
+    whole tensor's (a maximum over the ranks' shares), so the split computes the same casts and products, its sums
+    in another order. An element that lands on a float8 rounding boundary can round the other way, a whole float8
+    step (2^-3 or 2^-2 of it), and a gradient, passed back through later layers' casts, can carry that further; so
+    the outputs within 1e-4 in every seed and every gradient within 1e-4 (norms) in the median seed: Float8 against
+    the model's own precision is 1e-2 or more apart in both, and a cast scaled by one rank's share alone (what a
+    layout that missed the split would compute) is as far."""
+    out = tmp_path / "differences.json"
+    command = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/helpers/float8_tensor_parallel.py"]
+    result = run_command([sys.executable, *command, str(out), "0,1,2,3,4"], home)
+    assert result.returncode == 0, result.output[-3000:]
+    cases: dict[str, list[dict]] = {}
+    for name, case in json.loads(out.read_text()).items():
+        cases.setdefault(name.rsplit(" ", 1)[0], []).append(case)
+    assert set(cases) == {f"{family} {recipe}" for family in ("llama", "mlp") for recipe in ("tensorwise", "rowwise")}
+    for name, seeds in cases.items():
+        assert {seed["float8_layers"] for seed in seeds} == {14 if name.startswith("llama") else 2}, name
+        for seed in seeds:
+            assert seed["split"]["output"] < 1e-4 < 1e-2 < seed["plain"]["output"], (name, seed)
+            assert min(seed["plain"]["gradients"].values()) > 1e-3, (name, seed)
+        largest = sorted(max(seed["split"]["gradients"].values()) for seed in seeds)
+        assert largest[len(largest) // 2] < 1e-4, (name, largest)
+
+
+def test_a_tensor_parallel_plan_on_gpus_gathers_the_sequence_in_float8():
+    """The tiny Llama split over 2 tensor-parallel ranks, planned for H100s (torchao's float8 styles; a CPU's gloo
+    carries no float8, so only a GPU run gathers so): sequence parallelism all-gathers each block's attention and MLP
+    input, 16 x 16 tokens of width 32 (forward), and their gradients back through the row-parallel layers' outputs
+    (backward): 2 blocks x 2 x 2 gathers of 8,192 elements, in bf16 2 bytes an element, in Float8 1."""
+    base = [*TINY_LLAMA_TP, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp", "cluster=h100_sxm_8x"]
+    base += ["strategy.tensor_parallel_size=2", "trainer.precision=bf16-mixed", "model.float8.small_layers=true"]
+    gathered = {
+        flag: simulate_devices(resolved([*base, f"model.float8.enabled={flag}"]))[0][0].collectives[
+            "all_gather|tensor_parallel|2|1"
+        ]
+        for flag in ("false", "true")
+    }
+    elements = 2 * 2 * 2 * 16 * 16 * 32
+    assert gathered == {"false": 2 * elements, "true": elements}
 
 
 # ---- the runs (tests/conftest.py: llama_float8_sweep): bf16 (job 0) and Float8 (job 1) under fsdp x 2 ----

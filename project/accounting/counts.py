@@ -339,7 +339,7 @@ class StepCounts(TorchDispatchMode):
                 link = group_link(COLLECTIVES[packet.__name__], group, self.devices_per_node, self.world_dim)
                 tensors = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
                 self.materialize(tensors)
-                self.collectives[link.key] += max((t.numel() * t.element_size() for t in tensors), default=0)
+                self.collectives[link.key] += max((_bytes(t) for t in tensors), default=0)  # float8's a byte
                 self.collective_calls[link.key] += 1
         elif self._on_step_tensors(args, kwargs):
             formula = FLOP_FORMULAS.get(packet)

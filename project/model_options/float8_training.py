@@ -39,7 +39,7 @@ class Float8Training(ModelOption):
 
     def problem(self, job: Job, net: BlockSequence) -> ConfigError | None:
         """torchao installed; float8 tensor cores on the job's GPUs, or on the cluster it is planned for; no
-        tensor-parallel split of the layers, nor LoRA's layers, which it does not convert."""
+        LoRA's layers, which it does not convert."""
         try:
             torchao_float8()
         except ConfigError as missing:
@@ -64,14 +64,6 @@ class Float8Training(ModelOption):
                 f"is true, but cluster={job.cluster.name}'s GPUs have no float8 tensor cores "
                 "(cluster.float8_peak_tflops).",
                 "plan for GPUs that have them (cluster=h100_sxm_8x or h200_8x), or set model.float8.enabled=false.",
-            )
-        if job.dims.tensor_parallel > 1:
-            return ConfigError(
-                "model.float8.enabled",
-                f"is true with {job.dims.tensor_parallel} tensor-parallel ranks (strategy.tensor_parallel_size), "
-                "whose split layers this project does not convert to Float8.",
-                "set strategy.tensor_parallel_size=1 (FSDP and pipelines train in Float8), or "
-                "model.float8.enabled=false.",
             )
         if any(isinstance(module, LoRALinear) for module in net.modules()):
             return ConfigError(

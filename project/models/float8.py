@@ -44,6 +44,7 @@ MULTIPLE = 16  # the float8 matmul kernels' rule for both widths of a weight
 # The torchao releases whose float8-gathered weight ``fake_scales_flattened`` mends (their __tensor_flatten__ is the
 # same).
 TORCHAO_RELEASES = ("0.18.",)
+INSTALL_OR_TURN_OFF = "pip install 'project[float8]' (torchao, the optional extra), or set model.float8.enabled=false."
 
 
 def torchao_float8() -> ModuleType:
@@ -51,7 +52,7 @@ def torchao_float8() -> ModuleType:
     return import_torchao(
         "torchao.float8",
         "model.float8.enabled",
-        "pip install 'project[float8]' (torchao, the optional extra), or set model.float8.enabled=false.",
+        INSTALL_OR_TURN_OFF,
     )
 
 
@@ -116,6 +117,32 @@ def convert_to_float8(
     ids = {id(module) for module in chosen.values()}
     float8.convert_to_float8_training(net.blocks, config=config, module_filter_fn=lambda module, _: id(module) in ids)
     return list(chosen)
+
+
+def gathers_in_float8_under_tensor_parallel(module: nn.Module) -> bool:
+    """Whether ``module`` is a Float8 layer that tensor parallelism lays out with torchao's float8 styles
+    (``float8_tensor_parallel``): its input cast to float8 before sequence parallelism's all-gather, a byte an
+    element, its output's gradient cast in backward. Tensorwise scaling only, as torchao and torchtitan do: one scale
+    a tensor, whose maximum over the ranks' shares is the whole tensor's. A rowwise layer keeps torch's styles and
+    casts what they gather (torchtitan's rule too)."""
+    linear = sys.modules.get("torchao.float8.float8_linear")  # not imported: nothing is a Float8 layer
+    if linear is None or not isinstance(module, linear.Float8Linear):
+        return False
+    if module.config.emulate:  # a CPU's: gloo's collectives carry no float8
+        return False
+    tensorwise = torchao_float8().ScalingGranularity.TENSORWISE
+    casts = (module.config.cast_config_input, module.config.cast_config_grad_output)
+    return all(cast.scaling_granularity is tensorwise for cast in casts)
+
+
+def float8_tensor_parallel() -> ModuleType:
+    """torchao's float8 tensor-parallel styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
+    ``PrepareFloat8ModuleInput``)."""
+    return import_torchao(
+        "torchao.float8.float8_tensor_parallel",
+        "model.float8.enabled",
+        INSTALL_OR_TURN_OFF,
+    )
 
 
 def precompute_float8_scales(net: nn.Module) -> None:

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from project.models import gpt, llama
+from project.models.float8 import float8_tensor_parallel, gathers_in_float8_under_tensor_parallel
 from project.models.gpt import GPT, LMHead
 from project.models.llama import Llama
 from project.models.mlp import MLP
@@ -132,21 +133,53 @@ class AdaptedRowwiseParallel(RowwiseParallel):
         _distribute_parameters(module, device_mesh, weight, Replicate(), self.src_data_rank)
 
 
+def _colwise(layer: nn.Module) -> ParallelStyle:
+    """A layer split by output features: with its input cast to float8 first where it computes in float8 so
+    (``gathers_in_float8_under_tensor_parallel``), else torch's style (LoRA's layers too)."""
+    if gathers_in_float8_under_tensor_parallel(layer):
+        return float8_tensor_parallel().Float8ColwiseParallel()
+    return AdaptedColwiseParallel()
+
+
+def _rowwise(
+    layer: nn.Module, input_layouts: Placement | None = None, output_layouts: Placement | None = None
+) -> ParallelStyle:
+    """A layer split by input features, its partial sums added up into ``output_layouts``; in float8 as
+    ``_colwise``."""
+    if gathers_in_float8_under_tensor_parallel(layer):
+        return float8_tensor_parallel().Float8RowwiseParallel(
+            input_layouts=input_layouts, output_layouts=output_layouts
+        )
+    return AdaptedRowwiseParallel(input_layouts=input_layouts, output_layouts=output_layouts)
+
+
+def _gathered(layers: list[nn.Module]) -> ParallelStyle:
+    """The whole sequence into attention or the MLP, all-gathered from the ranks' shares: cast to float8 before the
+    gather (a byte an element, one cast for all) where every layer it feeds computes in float8 so, else as it is."""
+    layouts: dict[str, Any] = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
+    if all(gathers_in_float8_under_tensor_parallel(layer) for layer in layers):
+        return float8_tensor_parallel().PrepareFloat8ModuleInput(**layouts)
+    return PrepareModuleInput(**layouts)
+
+
 def _transformer_block_plan(
-    attention: tuple[str, str, str, str], mlp_in: tuple[str, ...], mlp_out: str, sequence_parallel: bool
+    block: nn.Module,
+    attention: tuple[str, str, str, str],
+    mlp_in: tuple[str, ...],
+    mlp_out: str,
+    sequence_parallel: bool,
 ) -> dict[str, ParallelStyle]:
-    """A pre-norm block ``x + attention(norm1(x))``, ``x + mlp(norm2(x))``: ``attention`` names the query, key,
+    """A pre-norm ``block``, ``x + attention(norm1(x))``, ``x + mlp(norm2(x))``: ``attention`` names the query, key,
     value and output projections; ``mlp_in`` the MLP's first layers, ``mlp_out`` its last."""
     between_blocks = Shard(1) if sequence_parallel else Replicate()  # the residual stream
     plan: dict[str, ParallelStyle] = {"norm1": _norm(sequence_parallel), "norm2": _norm(sequence_parallel)}
-    if sequence_parallel:  # the whole sequence into attention and MLP: gathered from the ranks' shares
-        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
-        plan.update({"attention": gather, "mlp": gather})
     *projections, output = attention
-    plan.update({f"attention.{name}": AdaptedColwiseParallel() for name in projections})
-    plan[f"attention.{output}"] = AdaptedRowwiseParallel(output_layouts=between_blocks)
-    plan.update({f"mlp.{name}": AdaptedColwiseParallel() for name in mlp_in})
-    plan[f"mlp.{mlp_out}"] = AdaptedRowwiseParallel(output_layouts=between_blocks)
+    for part, first, last in (("attention", projections, output), ("mlp", mlp_in, mlp_out)):
+        layers = {name: block.get_submodule(f"{part}.{name}") for name in first}
+        if sequence_parallel:
+            plan[part] = _gathered(list(layers.values()))
+        plan.update({f"{part}.{name}": _colwise(layer) for name, layer in layers.items()})
+        plan[f"{part}.{last}"] = _rowwise(block.get_submodule(f"{part}.{last}"), output_layouts=between_blocks)
     return plan
 
 
@@ -167,7 +200,7 @@ def _parallelize_decoder(
     net: GPT | Llama,
     mesh: DeviceMesh,
     stem_plan: dict[str, ParallelStyle],
-    block_plan: dict[str, ParallelStyle],
+    block_plan: Callable[[nn.Module], dict[str, ParallelStyle]],
     sequence_parallel: bool,
     loss_parallel: bool,
 ) -> None:
@@ -181,7 +214,7 @@ def _parallelize_decoder(
         parallelize_module(net.stem, mesh, stem_plan)
     for block in net.blocks:
         if not isinstance(block, nn.Identity):
-            parallelize_module(block, mesh, block_plan)
+            parallelize_module(block, mesh, block_plan(block))
     if holds["head"]:
         parallelize_module(net.head, mesh, _head_plan(sequence_parallel, loss_parallel))
     if tied:
@@ -195,7 +228,10 @@ def parallelize_gpt(net: GPT, mesh: DeviceMesh, sequence_parallel: bool, loss_pa
         "tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "positions": ReplicateParallel(),
     }
-    block_plan = _transformer_block_plan(("q", "k", "v", "proj"), ("up",), "down", sequence_parallel)
+
+    def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+        return _transformer_block_plan(block, ("q", "k", "v", "proj"), ("up",), "down", sequence_parallel)
+
     _parallelize_decoder(net, mesh, stem_plan, block_plan, sequence_parallel, loss_parallel)
     if not isinstance(net.stem, nn.Identity):
         _gradient_split_like_weight(cast(gpt.Embedding, net.stem).tokens)
@@ -213,13 +249,16 @@ def parallelize_llama(net: Llama, mesh: DeviceMesh, sequence_parallel: bool, los
             input_layouts=Replicate(), output_layouts=Shard(1) if sequence_parallel else Replicate()
         )
     }
-    block_plan = _transformer_block_plan(("q", "k", "v", "o"), ("gate", "up"), "down", sequence_parallel)
-    kept = [block for block in net.blocks if isinstance(block, llama.Block)]  # a pipeline stage keeps some
-    if kept and kept[0].attention.q_norm is not None:
-        # Qwen 3's per-head norms, on each rank's heads (dim 2 of the (batch, length, heads, width) projections): one
-        # weight for every head, its gradient summed over the ranks' heads (torchtitan's Qwen 3 plan does the same).
-        on_own_heads = SequenceParallel(sequence_dim=2, use_local_output=True)
-        block_plan.update({"attention.q_norm": on_own_heads, "attention.k_norm": on_own_heads})
+
+    def block_plan(block: nn.Module) -> dict[str, ParallelStyle]:
+        plan = _transformer_block_plan(block, ("q", "k", "v", "o"), ("gate", "up"), "down", sequence_parallel)
+        if cast(llama.Block, block).attention.q_norm is not None:
+            # Qwen 3's per-head norms, on each rank's heads (dim 2 of the (batch, length, heads, width) projections):
+            # one weight for every head, its gradient summed over the ranks' heads (torchtitan's Qwen 3 plan too).
+            on_own_heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan.update({"attention.q_norm": on_own_heads, "attention.k_norm": on_own_heads})
+        return plan
+
     _parallelize_decoder(net, mesh, stem_plan, block_plan, sequence_parallel, loss_parallel)
 
 
@@ -232,12 +271,13 @@ def parallelize_mlp(net: MLP, mesh: DeviceMesh, sequence_parallel: bool, loss_pa
         if isinstance(block, nn.Identity):
             continue
         linear = "0" if isinstance(block, nn.Sequential) else ""
+        layer = block.get_submodule(linear)
         if index >= 2 * pairs:
             style: ParallelStyle = ReplicateParallel()
         elif index % 2 == 0:
-            style = ColwiseParallel()
+            style = _colwise(layer)
         else:
-            style = RowwiseParallel(input_layouts=Shard(-1))
+            style = _rowwise(layer, input_layouts=Shard(-1))
         parallelize_module(block, mesh, {linear: style} if linear else style)
 
 
