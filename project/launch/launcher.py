@@ -58,6 +58,7 @@ from project.observability.console import (
     program,
 )
 from project.options.errors import ConfigError, JobFailed, JobStopped
+from project.options.log_records import quieted
 from project.plan.memory_plan import write_plan
 
 log = logging.getLogger(__name__)
@@ -142,15 +143,12 @@ def _quiet_worker_failures() -> Iterator[None]:
     """Without torchelastic's own lines on a failed worker ("failed (exitcode: 1) local_rank: 0 ...", "Sending
     process ... closing signal SIGTERM") or on a signal that stops the job (Ctrl-C's): the launcher's report says the
     same once, per rank, with the cause."""
-    processes_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
-    level = processes_log.level
-    processes_log.setLevel(logging.CRITICAL)
     agent_log.addFilter(_death_signal)
     try:
-        yield
+        with quieted("torch.distributed.elastic.multiprocessing.api", level=logging.CRITICAL):
+            yield
     finally:
-        processes_log.setLevel(level)
         agent_log.removeFilter(_death_signal)
 
 

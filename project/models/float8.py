@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from project.models.moe import Experts
 from project.models.sequence import BlockSequence
 from project.models.torchao_import import import_torchao
+from project.options.log_records import quieted
 
 Float8Recipe = Literal["tensorwise", "rowwise"]
 MULTIPLE = 16  # the float8 matmul kernels' rule for both widths of a weight
@@ -149,7 +150,10 @@ def precompute_float8_scales(net: nn.Module) -> None:
     """The float8 scales of every FSDP-sharded Float8 weight from its updated shards, in one all-reduce of their
     maxima (torchao's ``precompute_float8_dynamic_scale_for_fsdp``): without it each weight's all-gather would
     reduce its own maximum first, one small collective per layer and step."""
-    torchao_float8().precompute_float8_dynamic_scale_for_fsdp(net)
+    # Under FSDP x tensor parallelism the maxima reduce over both mesh dimensions one after the other, which DTensor
+    # warns may differ between ranks by the order of a sum: a maximum has no order to differ by.
+    with quieted("torch.distributed.tensor._redistribute"):
+        torchao_float8().precompute_float8_dynamic_scale_for_fsdp(net)
 
 
 def plain_weights(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,24 +1,18 @@
 """torchao, an optional dependency (QLoRA's NF4, Float8 training), imported only when a run asks for it."""
 
 import importlib
-import logging
 from types import ModuleType
 
 from project.options.errors import ConfigError
+from project.options.log_records import quieted
 
 
 def import_torchao(module: str, key: str, fix: str) -> ModuleType:
     """torchao's ``module``, imported quietly (torchao logs a warning for each GPU kernel library it cannot load on
     this machine, and torch one for each of its types it registers), or a ``ConfigError`` naming ``key`` and
     ``fix`` without torchao."""
-    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(key, "needs torchao, which is not installed.", fix) from None
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    with quieted("torchao", "torch.utils._pytree"):
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            raise ConfigError(key, "needs torchao, which is not installed.", fix) from None

@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wr
 from torch.utils._pytree import tree_leaves
 
 from project.accounting.counts import RECOMPUTING, counting_kept
+from project.options.log_records import quieted
 
 log = logging.getLogger(__name__)
 
@@ -185,16 +186,6 @@ _GLOBAL_MODULE_HOOKS = [
 
 
 @contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    saved = logging.getLogger(logger).level
-    logging.getLogger(logger).setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logging.getLogger(logger).setLevel(saved)
-
-
-@contextmanager
 def _without_global_module_hooks() -> Iterator[None]:
     saved = {name: dict(getattr(module_registry, name)) for name in _GLOBAL_MODULE_HOOKS}
     for name in _GLOBAL_MODULE_HOOKS:
@@ -275,7 +266,7 @@ class PartitionedBlocks:
             FakeTensorMode(),
             identity,
             counting_kept(None),
-            _quiet("torch._higher_order_ops.wrap"),
+            quieted("torch._higher_order_ops.wrap"),
         ):
             fresh_tensors = {name: _fresh(tensor) for name, tensor in tensors.items()}
             fresh_args = tuple(_fresh(arg) if isinstance(arg, torch.Tensor) else arg for arg in args)
