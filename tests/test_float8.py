@@ -161,8 +161,8 @@ def test_float8_split_by_tensor_parallelism_computes_one_devices_float8(tmp_path
     in another order. An element that lands on a float8 rounding boundary can round the other way, a whole float8
     step (2^-3 or 2^-2 of it), and a gradient, passed back through later layers' casts, can carry that further; so
     the outputs within 1e-4 in every seed and every gradient within 1e-4 (norms) in the median seed: Float8 against
-    the model's own precision is 1e-2 or more apart in both, and a cast scaled by one rank's share alone (what a
-    layout that missed the split would compute) is as far."""
+    the model's own precision is 1e-2 or more apart in both, and casts scaled by each rank's share alone (what a
+    layout that missed the split would compute) fail the first."""
     out = tmp_path / "differences.json"
     command = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/helpers/float8_tensor_parallel.py"]
     result = run_command([sys.executable, *command, str(out), "0,1,2,3,4"], home)
