@@ -30,8 +30,8 @@ bf16 cases of gpt_350m and llama_1b fit the three efficiencies, its Float8 cases
 (the file's overrides, ``step_checks`` as the run had it); the peer trainer's throughput is printed beside.
 
 Each row's layout is planned as ``plan=search`` plans it (``extrapolated_plan``: the counts the step time reads are
-exactly the whole simulation's). Table 5's 405B pipelines are not among the rows: they ran Float8 and async tensor
-parallelism, which the model does not see.
+exactly the whole simulation's). Table 5's 405B pipelines are not among the rows: they ran async tensor
+parallelism, which the model does not see (and Float8, which it does).
 """
 
 import argparse

@@ -1,6 +1,7 @@
 """Float8 training (``model.float8``, project/models/float8.py): the layers converted against the rule, torchao's
 emulated matmuls against float8 casts written out by hand, the plan's float8 kernels and gathers against arithmetic,
-and fsdp runs in bf16 and in Float8 against each other, resumed and exported. (The bad-input cases: test_bad_input.)"""
+Float8 split by tensor parallelism against one device's, and fsdp runs in bf16 and in Float8 against each other,
+resumed and exported. (The bad-input cases: test_bad_input.)"""
 
 import json
 import math
@@ -155,24 +156,38 @@ def test_a_plan_on_gpus_prices_float8_matmuls_at_the_float8_peak_and_gathers_the
 
 def test_float8_split_by_tensor_parallelism_computes_one_devices_float8(tmp_path, home):
     """On 2 gloo ranks, a tiny Llama and an MLP in Float8 (both recipes, the small layers converted), split by tensor
-    parallelism with sequence parallelism, against the same model whole on one device in torchao's Float8, one
-    forward and backward pass each, five seeds (tests/helpers/float8_tensor_parallel.py). Each cast's scale is the
-    whole tensor's (a maximum over the ranks' shares), so the split computes the same casts and products, its sums
-    in another order. An element that lands on a float8 rounding boundary can round the other way, a whole float8
-    step (2^-3 or 2^-2 of it), and a gradient, passed back through later layers' casts, can carry that further; so
-    the outputs within 1e-4 in every seed and every gradient within 1e-4 (norms) in the median seed: Float8 against
-    the model's own precision is 1e-2 or more apart in both, and casts scaled by each rank's share alone (what a
-    layout that missed the split would compute) fail the first."""
+    parallelism, against the same model whole on one device in torchao's Float8, one forward and backward pass each,
+    five seeds (tests/helpers/float8_tensor_parallel.py). Twice: with sequence parallelism as this CPU lays the model
+    out (torch's styles, each layer casting what it gathered), and as a GPU does (torchao's float8 styles, for the
+    Llama's tensorwise layers alone: rowwise and biased layers keep torch's), without sequence parallelism, whose
+    float8 gathers gloo cannot carry.
+
+    Each cast's scale is the whole tensor's (a maximum over the ranks' shares), so the split computes the same casts
+    and products, its sums in another order. An element that lands on a float8 rounding boundary can round the
+    other way, a whole float8 step, and a gradient, passed back through later layers' casts, can carry that
+    further; so the outputs within 1e-4 in every seed and every gradient within 1e-4 (norms) in the median seed:
+    Float8 against the model unconverted is 1e-2 or more apart in both. Casts scaled by each rank's share alone fail
+    the first (seen), and torchao's styles on the MLP's biased layers the second (their bias gradients from the
+    float8 gradient: 2e-2 in every seed, seen)."""
     out = tmp_path / "differences.json"
-    command = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/helpers/float8_tensor_parallel.py"]
-    result = run_command([sys.executable, *command, str(out), "0,1,2,3,4"], home)
+    command = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    result = run_command(
+        [sys.executable, *command, "tests/helpers/float8_tensor_parallel.py", str(out), "0,1,2,3,4"], home
+    )
     assert result.returncode == 0, result.output[-3000:]
     cases: dict[str, list[dict]] = {}
     for name, case in json.loads(out.read_text()).items():
         cases.setdefault(name.rsplit(" ", 1)[0], []).append(case)
-    assert set(cases) == {f"{family} {recipe}" for family in ("llama", "mlp") for recipe in ("tensorwise", "rowwise")}
+    assert set(cases) == {
+        f"{family} {recipe} {layout}"
+        for family in ("llama", "mlp")
+        for recipe in ("tensorwise", "rowwise")
+        for layout in ("sequence parallel", "float8 styles")
+    }
     for name, seeds in cases.items():
-        assert {seed["float8_layers"] for seed in seeds} == {14 if name.startswith("llama") else 2}, name
+        assert {seed["float8_layers"] for seed in seeds} == {14 if name.startswith("llama") else 3}, name
+        styled = 14 if name == "llama tensorwise float8 styles" else 0
+        assert {seed["float8_styles"] for seed in seeds} == {styled}, name
         for seed in seeds:
             assert seed["split"]["output"] < 1e-4 < 1e-2 < seed["plain"]["output"], (name, seed)
             assert min(seed["plain"]["gradients"].values()) > 1e-3, (name, seed)
@@ -181,20 +196,25 @@ def test_float8_split_by_tensor_parallelism_computes_one_devices_float8(tmp_path
 
 
 def test_a_tensor_parallel_plan_on_gpus_gathers_the_sequence_in_float8():
-    """The tiny Llama split over 2 tensor-parallel ranks, planned for H100s (torchao's float8 styles; a CPU's gloo
-    carries no float8, so only a GPU run gathers so): sequence parallelism all-gathers each block's attention and MLP
-    input, 16 x 16 tokens of width 32 (forward), and their gradients back through the row-parallel layers' outputs
-    (backward): 2 blocks x 2 x 2 gathers of 8,192 elements, in bf16 2 bytes an element, in Float8 1."""
+    """The tiny Llama (2 blocks) split over 2 tensor-parallel ranks, 16 x 16 tokens of width 32, planned for H100s in
+    bf16-mixed and in Float8 (torchao's float8 styles, as a GPU run lays it out). Sequence parallelism all-gathers
+    the whole sequence, 8,192 elements, from the ranks' shares: each block's attention and MLP input (4, forward)
+    and the gradients of its two row-parallel outputs (4, backward), the final norm's output into the head (forward)
+    and the gradient of the embedding's output (backward). In bf16-mixed the inputs are float32 (the residual
+    stream and the norms' outputs, 4 bytes an element) and the blocks' gradients bf16 (2); in Float8 the blocks' 8
+    gathers carry a byte an element, the head's and the embedding's as before. (A gather's bytes are its whole
+    buffer, as the step-time model's ring reads them: seen failing when DTensor's gathers counted the share alone.)"""
     base = [*TINY_LLAMA_TP, "trainer.devices=2", "data.batch_size=16", "strategy=fsdp", "cluster=h100_sxm_8x"]
     base += ["strategy.tensor_parallel_size=2", "trainer.precision=bf16-mixed", "model.float8.small_layers=true"]
-    gathered = {
-        flag: simulate_devices(resolved([*base, f"model.float8.enabled={flag}"]))[0][0].collectives[
-            "all_gather|tensor_parallel|2|1"
-        ]
-        for flag in ("false", "true")
+    plans = {
+        flag: simulate_devices(resolved([*base, f"model.float8.enabled={flag}"]))[0][0] for flag in ("false", "true")
     }
-    elements = 2 * 2 * 2 * 16 * 16 * 32
-    assert gathered == {"false": 2 * elements, "true": elements}
+    gather = "all_gather|tensor_parallel|2|1"
+    assert {flag: plan.collective_calls[gather] for flag, plan in plans.items()} == {"false": 10, "true": 10}
+    sequence = 16 * 16 * 32
+    head_and_stem = sequence * (4 + 4)
+    assert plans["false"].collectives[gather] == sequence * (4 * 4 + 4 * 2) + head_and_stem
+    assert plans["true"].collectives[gather] == sequence * 8 + head_and_stem
 
 
 # ---- the runs (tests/conftest.py: llama_float8_sweep): bf16 (job 0) and Float8 (job 1) under fsdp x 2 ----

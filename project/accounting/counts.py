@@ -339,7 +339,10 @@ class StepCounts(TorchDispatchMode):
                 link = group_link(COLLECTIVES[packet.__name__], group, self.devices_per_node, self.world_dim)
                 tensors = [item for item in tree_leaves((args, kwargs)) if isinstance(item, torch.Tensor)]
                 self.materialize(tensors)
-                self.collectives[link.key] += max((_bytes(t) for t in tensors), default=0)  # float8's a byte
+                # The whole buffer (a functional all-gather, DTensor's, takes the rank's share and returns the
+                # gathered tensor), a float8 tensor a byte an element.
+                whole = [*tensors, *(item for item in tree_leaves(out) if isinstance(item, torch.Tensor))]
+                self.collectives[link.key] += max((_bytes(t) for t in whole), default=0)
                 self.collective_calls[link.key] += 1
         elif self._on_step_tensors(args, kwargs):
             formula = FLOP_FORMULAS.get(packet)

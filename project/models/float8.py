@@ -38,22 +38,20 @@ from torch.distributed.tensor import DTensor
 from project.models.moe import Experts
 from project.models.sequence import BlockSequence
 from project.models.torchao_import import import_torchao
-from project.options.log_records import quieted
 
 Float8Recipe = Literal["tensorwise", "rowwise"]
 MULTIPLE = 16  # the float8 matmul kernels' rule for both widths of a weight
 # The torchao releases whose float8-gathered weight ``fake_scales_flattened`` mends (their __tensor_flatten__ is the
 # same).
 TORCHAO_RELEASES = ("0.18.",)
-INSTALL_OR_TURN_OFF = "pip install 'project[float8]' (torchao, the optional extra), or set model.float8.enabled=false."
 
 
-def torchao_float8() -> ModuleType:
-    """``torchao.float8`` (``import_torchao``)."""
+def torchao_float8(submodule: str = "") -> ModuleType:
+    """``torchao.float8`` or its ``submodule`` (``import_torchao``)."""
     return import_torchao(
-        "torchao.float8",
+        f"torchao.float8{submodule}",
         "model.float8.enabled",
-        INSTALL_OR_TURN_OFF,
+        "pip install 'project[float8]' (torchao, the optional extra), or set model.float8.enabled=false.",
     )
 
 
@@ -120,40 +118,29 @@ def convert_to_float8(
     return list(chosen)
 
 
-def gathers_in_float8_under_tensor_parallel(module: nn.Module) -> bool:
-    """Whether ``module`` is a Float8 layer that tensor parallelism lays out with torchao's float8 styles
-    (``float8_tensor_parallel``): its input cast to float8 before sequence parallelism's all-gather, a byte an
-    element, its output's gradient cast in backward. Tensorwise scaling only, as torchao and torchtitan do: one scale
-    a tensor, whose maximum over the ranks' shares is the whole tensor's. A rowwise layer keeps torch's styles and
-    casts what they gather (torchtitan's rule too)."""
+def uses_float8_tensor_parallel_styles(module: nn.Module) -> bool:
+    """Whether tensor parallelism lays ``module`` out with torchao's float8 styles
+    (``torchao.float8.float8_tensor_parallel``): a Float8 layer whose input is cast to float8 before sequence
+    parallelism's all-gather (a byte an element) and its output's gradient before the backward's. Tensorwise scaling
+    only, as torchao and torchtitan do: one scale a tensor, whose maximum over the ranks' shares is the whole
+    tensor's. A rowwise layer keeps torch's styles and casts what they gather (torchtitan's rule too), as does an
+    emulated one, and one with a bias: torchao's styles cast the output's gradient before the bias's own gradient is
+    summed from it, which the layer whole sums in full precision (Llama's layers, torchtitan's, have none)."""
     linear = sys.modules.get("torchao.float8.float8_linear")  # not imported: nothing is a Float8 layer
     if linear is None or not isinstance(module, linear.Float8Linear):
         return False
-    if module.config.emulate:  # a CPU's: gloo's collectives carry no float8
+    if module.config.emulate or module.bias is not None:  # emulated: on a CPU, whose gloo carries no float8
         return False
     tensorwise = torchao_float8().ScalingGranularity.TENSORWISE
     casts = (module.config.cast_config_input, module.config.cast_config_grad_output)
     return all(cast.scaling_granularity is tensorwise for cast in casts)
 
 
-def float8_tensor_parallel() -> ModuleType:
-    """torchao's float8 tensor-parallel styles (``Float8ColwiseParallel``, ``Float8RowwiseParallel``,
-    ``PrepareFloat8ModuleInput``)."""
-    return import_torchao(
-        "torchao.float8.float8_tensor_parallel",
-        "model.float8.enabled",
-        INSTALL_OR_TURN_OFF,
-    )
-
-
 def precompute_float8_scales(net: nn.Module) -> None:
     """The float8 scales of every FSDP-sharded Float8 weight from its updated shards, in one all-reduce of their
     maxima (torchao's ``precompute_float8_dynamic_scale_for_fsdp``): without it each weight's all-gather would
     reduce its own maximum first, one small collective per layer and step."""
-    # Under FSDP x tensor parallelism the maxima reduce over both mesh dimensions one after the other, which DTensor
-    # warns may differ between ranks by the order of a sum: a maximum has no order to differ by.
-    with quieted("torch.distributed.tensor._redistribute"):
-        torchao_float8().precompute_float8_dynamic_scale_for_fsdp(net)
+    torchao_float8().precompute_float8_dynamic_scale_for_fsdp(net)
 
 
 def plain_weights(state: dict[str, Any]) -> dict[str, Any]:

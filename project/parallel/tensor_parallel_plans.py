@@ -1,5 +1,6 @@
 """Tensor-parallel plans of this project's models, torchtitan style: for each model a plain function that lays its
-layers out over a tensor-parallel mesh with torch's parallel styles, and the sizes that layout needs.
+layers out over a tensor-parallel mesh with torch's parallel styles (torchao's float8 ones for Float8 layers on GPUs),
+and the sizes that layout needs.
 
 Megatron's layout: in a transformer block the query, key and value projections and the MLP's first layers are split
 by output features (``ColwiseParallel``: each rank computes its own heads and its own slice of the hidden layer),
@@ -36,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from project.models import gpt, llama
-from project.models.float8 import float8_tensor_parallel, gathers_in_float8_under_tensor_parallel
+from project.models.float8 import torchao_float8, uses_float8_tensor_parallel_styles
 from project.models.gpt import GPT, LMHead
 from project.models.llama import Llama
 from project.models.mlp import MLP
@@ -134,10 +135,10 @@ class AdaptedRowwiseParallel(RowwiseParallel):
 
 
 def _colwise(layer: nn.Module) -> ParallelStyle:
-    """A layer split by output features: with its input cast to float8 first where it computes in float8 so
-    (``gathers_in_float8_under_tensor_parallel``), else torch's style (LoRA's layers too)."""
-    if gathers_in_float8_under_tensor_parallel(layer):
-        return float8_tensor_parallel().Float8ColwiseParallel()
+    """A layer split by output features: torchao's float8 style where ``uses_float8_tensor_parallel_styles`` says
+    so (its input cast to float8 first), else torch's (as ``AdaptedColwiseParallel``, which lays out LoRA's too)."""
+    if uses_float8_tensor_parallel_styles(layer):
+        return torchao_float8(".float8_tensor_parallel").Float8ColwiseParallel()
     return AdaptedColwiseParallel()
 
 
@@ -146,8 +147,8 @@ def _rowwise(
 ) -> ParallelStyle:
     """A layer split by input features, its partial sums added up into ``output_layouts``; in float8 as
     ``_colwise``."""
-    if gathers_in_float8_under_tensor_parallel(layer):
-        return float8_tensor_parallel().Float8RowwiseParallel(
+    if uses_float8_tensor_parallel_styles(layer):
+        return torchao_float8(".float8_tensor_parallel").Float8RowwiseParallel(
             input_layouts=input_layouts, output_layouts=output_layouts
         )
     return AdaptedRowwiseParallel(input_layouts=input_layouts, output_layouts=output_layouts)
@@ -157,8 +158,8 @@ def _gathered(layers: list[nn.Module]) -> ParallelStyle:
     """The whole sequence into attention or the MLP, all-gathered from the ranks' shares: cast to float8 before the
     gather (a byte an element, one cast for all) where every layer it feeds computes in float8 so, else as it is."""
     layouts: dict[str, Any] = {"input_layouts": (Shard(1),), "desired_input_layouts": (Replicate(),)}
-    if all(gathers_in_float8_under_tensor_parallel(layer) for layer in layers):
-        return float8_tensor_parallel().PrepareFloat8ModuleInput(**layouts)
+    if all(uses_float8_tensor_parallel_styles(layer) for layer in layers):
+        return torchao_float8(".float8_tensor_parallel").PrepareFloat8ModuleInput(**layouts)
     return PrepareModuleInput(**layouts)
 
 
