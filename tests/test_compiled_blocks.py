@@ -154,6 +154,47 @@ def test_the_plan_prices_each_compiled_block_call_by_its_scheduled_bytes(monkeyp
     assert graphs["by rule"] == [] and moved["by rule"] > moved["none"]
 
 
+class ComplexRotation(torch.nn.Module):
+    """Pairs of ``x``'s last dimension turned by ``turns`` as complex numbers (torchtitan's RoPE, less its casts)."""
+
+    def __init__(self, turns: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("turns", turns)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(torch.view_as_complex(x) * self.turns).flatten(-2)
+
+
+def test_a_compiled_blocks_kernels_left_to_aten_are_priced_by_their_bytes():
+    """Inductor generates no code for complex numbers: a block's complex multiply runs as ATen's kernel, forward
+    and backward (a fallback). The plan prices those bytes too: the forward, made of nothing else (its views none),
+    reads the input and the turns and writes the product, each a complex64 of 8 bytes; the backward's multiply reads
+    the output's gradient and writes the input's, at least."""
+    pairs, turns = 4 * 64 * 8, torch.polar(torch.ones(64, 8), torch.randn(64, 8))
+    block = ComplexRotation(turns)
+    with partitioned_blocks([block]) as partitioned:
+        scheduled = partitioned.scheduled(block, (torch.randn(4, 64, 8, 2, requires_grad=True),), {})
+    assert scheduled is not None
+    forward, backward = scheduled
+    assert forward.moved_bytes == 8 * (pairs + turns.numel() + pairs)
+    assert backward.moved_bytes >= 8 * 2 * pairs
+
+
+def test_blocks_that_differ_only_in_a_modules_class_are_traced_apart():
+    """Two blocks of one class whose settings and shapes agree but one of whose modules differs in class (tanh
+    against sigmoid) each run their own graphs, not the first one's."""
+    x = torch.randn(4, 8)
+    blocks = [
+        torch.nn.Sequential(torch.nn.Linear(8, 8), activation()) for activation in (torch.nn.Tanh, torch.nn.Sigmoid)
+    ]
+    eager = [block(x) for block in blocks]
+    with partitioned_blocks(blocks) as partitioned:
+        planned = [block(x) for block in blocks]
+    assert partitioned.eager_fallbacks == {}
+    for output, expected in zip(planned, eager, strict=True):
+        torch.testing.assert_close(output, expected)
+
+
 def activations(overrides: list[str]) -> list[int]:
     job = resolved(["data=tokens", "data.seq_length=64", "data.batch_size=4", "cluster=h200_8x", *overrides])
     devices, _ = simulate_devices(job)

@@ -43,7 +43,8 @@ from torch._higher_order_ops.wrap import tag_activation_checkpoint
 from torch._inductor.debug import DebugContext
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.graph import GraphLowering
-from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+from torch._inductor.ir import FallbackKernel
+from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import module as module_registry
@@ -51,7 +52,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from project.accounting.counts import RECOMPUTING, counting_kept
+from project.accounting.counts import FLOP_FORMULAS, RECOMPUTING, counting_kept
 from project.options.log_records import quieted
 
 log = logging.getLogger(__name__)
@@ -66,8 +67,9 @@ _SAID: set[tuple[str, str]] = set()  # (block class, why) already warned of: onc
 @dataclass(frozen=True)
 class FusedKernels:
     """What inductor's scheduler makes of one compiled graph (a block's forward or its backward), without generating
-    code: the kernels it fuses the ops into, beside the extern ones (matmuls, attention), and the bytes those read
-    and write (inductor's ``GraphLowering.count_bytes``, less the extern kernels', which are priced by shape)."""
+    code: the kernels it fuses the ops into and those it leaves to ATen, beside the matmuls and attention, and the
+    bytes those read and write (inductor's ``GraphLowering.count_bytes``, less the matmuls' and attention's, which
+    are priced by shape)."""
 
     kernels: int
     moved_bytes: int
@@ -81,12 +83,20 @@ def _scheduled(graph_module: torch.fx.GraphModule, inputs: list[Any], backward: 
     with DebugContext(), V.set_graph_handler(lowering), V.set_fake_mode(detect_fake_mode(inputs)):
         lowering.run(*inputs)
         lowering._update_scheduler()
-        nodes = [
-            node
-            for node in lowering.scheduler.nodes
-            if not isinstance(node, ExternKernelSchedulerNode | NopKernelSchedulerNode)
-        ]
+        nodes = [node for node in lowering.scheduler.nodes if _moves_bytes_apart(node)]
         return FusedKernels(len(nodes), sum(node.get_read_write_buffers_sizes() for node in nodes))
+
+
+def _moves_bytes_apart(node: BaseSchedulerNode) -> bool:
+    """Whether ``node`` is a kernel whose bytes the plan takes from inductor: one it generates, or an op it leaves
+    to ATen (a fallback: complex numbers, which it generates no code for) that is neither a view nor a matmul or
+    attention, which the simulation prices by their shapes (the ops with a FLOP formula)."""
+    if isinstance(node, NopKernelSchedulerNode):
+        return False
+    if not isinstance(node, ExternKernelSchedulerNode):
+        return True
+    op = node.node.op_overload if isinstance(node.node, FallbackKernel) else None
+    return isinstance(op, torch._ops.OpOverload) and not op.is_view and op.overloadpacket not in FLOP_FORMULAS
 
 
 # Each block signature's forward and backward as inductor schedules them (traced with ``_TRACED``).
@@ -100,7 +110,7 @@ def _tensor_signature(tensor: torch.Tensor) -> tuple[Any, ...]:
 def _signature(
     block: nn.Module, forward: Callable[..., Any], tensors: dict[str, torch.Tensor], args: tuple
 ) -> Signature:
-    """What a block's traced graphs depend on: its class and settings (the plain attributes of it and its modules:
+    """What a block's traced graphs depend on: its modules' classes and settings (the plain attributes of each:
     widths, head counts, RoPE's base), whether its ``forward`` is selectively checkpointed, its parameters' and
     inputs' shapes, strides and dtypes, and the autocast and grad modes they run under."""
     settings = tuple(
@@ -110,7 +120,7 @@ def _signature(
         if not key.startswith("_") and isinstance(value, int | float | str | bool | tuple | type(None))
     )
     return (
-        type(block),
+        tuple((name, type(module)) for name, module in block.named_modules()),
         settings,
         hasattr(forward, "selective_context"),
         tuple((name, _tensor_signature(tensor)) for name, tensor in tensors.items()),
