@@ -20,9 +20,10 @@ was fitted on the one Float8 run (again with
 loss's gain down to Float8's matmuls). Then torchtitan's
 published throughput (docs/performance.md of pytorch/torchtitan, at its commit 820504e of 2025-06-13, and the A100
 tables of its earlier version), each row predicted with the fitted efficiencies and its hardware's datasheet
-cluster: nothing is fitted to those rows. ``megatron`` predicts Megatron-LM's weak-scaling table instead (Narayanan
-et al., SC'21, Table 1: GPT from 1.7B to 1T parameters on 32 to 3,072 A100s, tensor, pipeline and data parallel),
-each row's TFLOP/s turned into tokens/s by the paper's own FLOP count (``megatron_tokens_per_s``).
+cluster, and torchtitan's attention and loss as they ran (``torchtitan_llama``): nothing is fitted to those rows.
+``megatron`` predicts Megatron-LM's weak-scaling table instead (Narayanan et al., SC'21, Table 1: GPT from 1.7B to
+1T parameters on 32 to 3,072 A100s, tensor, pipeline and data parallel), each row's TFLOP/s turned into tokens/s by
+the paper's own FLOP count (``megatron_tokens_per_s``).
 
 ``--refit FILE`` fits them on a ``make gpu-collect`` JSON instead (``scripts/gpu_collect.py``; ``collected``): its
 bf16 cases of gpt_350m and llama_1b fit the three efficiencies, its Float8 cases Float8's, its host-bound cases
@@ -50,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from gpu_collect import check as check_collected  # noqa: E402
+from torchtitan_llama import AS_TORCHTITAN_RAN  # noqa: E402
 
 from project.cli.calibrate import BASES  # noqa: E402
 from project.config.checks import check_config  # noqa: E402
@@ -183,6 +185,8 @@ ROWS = [
         "async TP not modelled",
     ),
 ]
+# Each of them planned with torchtitan's own attention and loss as they ran (benchmarks/torchtitan_llama.py).
+ROWS = [dataclasses.replace(row, overrides=[*row.overrides, *AS_TORCHTITAN_RAN]) for row in ROWS]
 
 
 def megatron_tokens_per_s(tflops: float, layers: int, hidden: int, seq: int = 2048, vocab: int = 51200) -> float:

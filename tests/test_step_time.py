@@ -415,3 +415,32 @@ def test_megatrons_published_flop_count_is_the_plans_with_recomputation(layers, 
     flops_per_token = plan_memory(job, suggest=False).devices[0].flops / (2 * sequence)
     counted = 1e12 / megatron_tokens_per_s(1.0, layers, width, sequence, vocabulary)  # FLOPs a token by the paper
     assert flops_per_token == pytest.approx(counted, rel=0.03)
+
+
+def test_torchtitans_attention_as_planned_is_llamas_with_its_rotation_pairs_laid_out_apart():
+    """benchmarks/torchtitan_llama.py plans torchtitan's rows with its attention as it ran (RoPE in complex numbers
+    on adjacent pairs, keys and values repeated to every query head). It computes Llama's attention: a model with its
+    query and key projections' rows of each head reordered from adjacent pairs (2i, 2i + 1) into halves (i, i + width
+    / 2), this project's layout, gives the same logits (grouped heads: 4 query heads, 2 key/value heads)."""
+    from torchtitan_llama import TorchtitanLlama
+
+    from project.models import Llama
+
+    shape = dict(vocab_size=61, max_length=16, num_layers=2, dim=64, num_heads=4, num_kv_heads=2, hidden_dim=96)
+    torch.manual_seed(0)
+    torchtitan = TorchtitanLlama(**shape).eval()
+    width = 64 // 4
+    halves = torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])
+    weights = {}
+    for name, tensor in torchtitan.state_dict().items():
+        if name.endswith(("attention.q.weight", "attention.k.weight")):
+            heads = tensor.shape[0] // width
+            tensor = tensor.view(heads, width, -1)[:, halves].reshape_as(tensor)
+        weights[name] = tensor
+    llama, unordered = Llama(**shape).eval(), Llama(**shape).eval()
+    llama.load_state_dict(weights)
+    unordered.load_state_dict(torchtitan.state_dict())
+    tokens = torch.randint(0, 61, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(torchtitan(tokens), llama(tokens))
+        assert not torch.allclose(torchtitan(tokens), unordered(tokens), atol=1e-3)  # the rotation's pairs matter
