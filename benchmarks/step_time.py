@@ -20,7 +20,7 @@ was fitted on the one Float8 run (again with
 loss's gain down to Float8's matmuls). Then torchtitan's
 published throughput (docs/performance.md of pytorch/torchtitan, at its commit 820504e of 2025-06-13, and the A100
 tables of its earlier version), each row predicted with the fitted efficiencies and its hardware's datasheet
-cluster, and torchtitan's attention and loss as they ran (``torchtitan_llama``): nothing is fitted to those rows.
+cluster, and torchtitan's model and loss as they ran (``torchtitan_llama``): nothing is fitted to those rows.
 ``megatron`` predicts Megatron-LM's weak-scaling table instead (Narayanan et al., SC'21, Table 1: GPT from 1.7B to
 1T parameters on 32 to 3,072 A100s, tensor, pipeline and data parallel), each row's TFLOP/s turned into tokens/s by
 the paper's own FLOP count (``megatron_tokens_per_s``).
@@ -51,7 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from gpu_collect import check as check_collected  # noqa: E402
-from torchtitan_llama import AS_TORCHTITAN_RAN  # noqa: E402
+from torchtitan_llama import as_torchtitan_ran  # noqa: E402
 
 from project.cli.calibrate import BASES  # noqa: E402
 from project.config.checks import check_config  # noqa: E402
@@ -63,6 +63,10 @@ from project.plan.step_time import StepTime, predict_step  # noqa: E402
 
 # torchtitan's H100s: 96 GB HBM2e at 500 W ("between SXM and NVL"), 8 per host on NVLink, 400 Gb/s RDMA per GPU.
 GRAND_TETON = ["cluster=h100_96g_500w_8x"]
+# torchtitan's model and loss as each page's rows ran them (benchmarks/torchtitan_llama.py): the H100 tables' code
+# (its commit 9dec370) normalised op by op in float32, the A100 tables' (April 2024) with a fused kernel.
+AS_RUN_ON_H100 = as_torchtitan_ran("rmsnorm")
+AS_RUN_ON_A100 = as_torchtitan_ran("fused_rmsnorm")
 SEQUENCE = ["data=tokens", "data.vocab_size=128256", "data.seq_length=8192", "trainer.precision=bf16-mixed"]
 # benchmarks/gpu.py's cases: one H200, sequence 1024, the models' own vocabularies. Measured while the host read each
 # step's flags at once (it waited for the GPU at every step's end: step_checks=each_step, the code then).
@@ -116,7 +120,7 @@ SELECTIVE = ["model.activation_checkpointing=selective"]  # torchtitan's per-op 
 # RoPE; the 70B's shape is Llama 3's (grouped keys and values, SwiGLU 28,672 wide), the 13B's is Llama 2's own.
 LLAMA_2 = ["data=tokens", "data.vocab_size=32000", "data.seq_length=4096", "trainer.precision=bf16-mixed"]
 LLAMA_2 += ["model.net.rope_scaling=null", "model.net.rope_theta=10000.0", "cluster=a100_80g_8x", "strategy=fsdp"]
-LLAMA_2 += ["trainer.devices=8", "trainer.num_nodes=8"]
+LLAMA_2 += ["trainer.devices=8", "trainer.num_nodes=8", *AS_RUN_ON_A100]
 LLAMA_2_13B = ["model=llama_8b", "model.net.num_layers=40", "model.net.dim=5120", "model.net.num_heads=40"]
 LLAMA_2_13B += ["model.net.num_kv_heads=40", "model.net.hidden_dim=13824"]
 ROWS = [
@@ -124,35 +128,43 @@ ROWS = [
         "Table 1",
         "8B, FSDP 8, H100, local batch 2, selective AC",
         5762,
-        ["model=llama_8b", "strategy=fsdp", "trainer.devices=8", "data.batch_size=2", *SELECTIVE, *GRAND_TETON],
+        [
+            "model=llama_8b",
+            "strategy=fsdp",
+            "trainer.devices=8",
+            "data.batch_size=2",
+            *SELECTIVE,
+            *GRAND_TETON,
+            *AS_RUN_ON_H100,
+        ],
     ),
     Row(
         "Table 1",
         "8B, FSDP 8 + torch.compile, H100, local batch 2, selective AC",
         6667,
         ["model=llama_8b", "strategy=fsdp", "trainer.devices=8", "data.batch_size=2", "model.compile=true"]
-        + [*SELECTIVE, *GRAND_TETON],
+        + [*SELECTIVE, *GRAND_TETON, *AS_RUN_ON_H100],
     ),
     Row(
         "Table 3",
         "8B, FSDP 128, H100, local batch 2, selective AC",
         5605,
         ["model=llama_8b", "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=16", "data.batch_size=2"]
-        + [*SELECTIVE, *GRAND_TETON],
+        + [*SELECTIVE, *GRAND_TETON, *AS_RUN_ON_H100],
     ),
     Row(
         "Llama 3 on A100 (earlier version)",
         "8B, FSDP 64, A100 80GB, local batch 1, selective op AC",
         2973,
         ["model=llama_8b", "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=8", "data.batch_size=1"]
-        + [*SELECTIVE, "cluster=a100_80g_8x"],
+        + [*SELECTIVE, "cluster=a100_80g_8x", *AS_RUN_ON_A100],
     ),
     Row(
         "Llama 3 on A100 (earlier version)",
         "70B, FSDP 64, A100 80GB, local batch 1, full AC",
         331,
         ["model=llama_70b", "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=8", "data.batch_size=1"]
-        + ["model.activation_checkpointing=true", "cluster=a100_80g_8x"],
+        + ["model.activation_checkpointing=true", "cluster=a100_80g_8x", *AS_RUN_ON_A100],
     ),
     *[
         Row("Llama 2 on A100 (earlier version)", what, published, [*LLAMA_2, *overrides], over_sequence=False)
@@ -181,12 +193,10 @@ ROWS = [
         829,
         ["model=llama_70b", "strategy=fsdp", "strategy.tensor_parallel_size=8", "trainer.devices=8"]
         + ["trainer.num_nodes=32", "data.batch_size=16", "model.activation_checkpointing=true", "model.compile=true"]
-        + ["model.float8.enabled=true", *GRAND_TETON],
+        + ["model.float8.enabled=true", *GRAND_TETON, *AS_RUN_ON_H100],
         "async TP not modelled",
     ),
 ]
-# Each of them planned with torchtitan's own attention and loss as they ran (benchmarks/torchtitan_llama.py).
-ROWS = [dataclasses.replace(row, overrides=[*row.overrides, *AS_TORCHTITAN_RAN]) for row in ROWS]
 
 
 def megatron_tokens_per_s(tflops: float, layers: int, hidden: int, seq: int = 2048, vocab: int = 51200) -> float:

@@ -1,18 +1,21 @@
 """torchtitan's Llama 3 as it ran its published rows, for ``benchmarks/step_time.py`` to plan them as they ran.
 
-torchtitan published Table 1 (Llama 3.1 8B on 8 H100s, eager and compiled) with its commit d4c86e375 of
-2025-01-30; its model and training loop then differed from this project's in three ways that change what a step
-moves, each kept here as it was (``torchtitan/models/llama/model.py`` and ``train.py`` at that commit; its A100
-rows' code of 2024 had the same three):
+torchtitan's performance page names the code its H100 tables ran: its commit 9dec370 of 2024-12-26 (the model and
+loss as at d4c86e375, which published the page). Its A100 tables ran its code of April 2024. Both differ from this
+project's in ways that change what a step moves, each kept here as it was (``torchtitan/models/llama/model.py``,
+``torchtitan/models/norms.py``, ``train.py`` and ``train_configs/``):
 
 - RoPE in complex numbers: each query and key cast to float32, viewed as complex64, multiplied by the positions'
   complex frequencies, viewed back and cast to bf16. Inductor generates no code for complex numbers: compiled, the
-  multiply runs as its own kernel in float32, forward and backward, where this project's rotation fuses into its
-  neighbours.
+  multiply runs as ATen's own kernel in float32, forward and backward, where this project's rotation fuses into its
+  neighbours. (Both versions.)
 - Keys and values repeated to every query head (``repeat_kv``) before attention, where this project's attention
-  takes the grouped heads as they are (``enable_gqa``).
-- The loss not compiled ("compiling loss function causes CUDA errors, turning off for now"): the float32 copy of
-  the logits and their log-softmax written and read eagerly, compiled or not.
+  takes the grouped heads as they are (``enable_gqa``). (Both.)
+- The loss not compiled ("compiling loss function causes CUDA errors, turning off for now" at 9dec370; April 2024's
+  compiled nothing but the blocks): the float32 copy of the logits and their log-softmax written and read eagerly.
+- The norms: 9dec370's configs chose ``norm_type = "rmsnorm"``, torchtitan's own RMSNorm, op by op in float32
+  (eager, a kernel an op; compiled, fused like any other); April 2024's ``fused_rmsnorm``, a Triton kernel forward
+  and one backward, as this project's ``nn.RMSNorm`` runs on a GPU (``norm_type``).
 
 Only what a step costs is kept: the weights' layout (torchtitan rotates adjacent pairs, this project each head's
 two halves) and initialisation are this project's, which change no cost.
@@ -64,13 +67,27 @@ class TorchtitanAttention(Attention):
         return self.o(y.transpose(1, 2).contiguous().view(batch, length, -1))
 
 
-class TorchtitanLlama(Llama):
-    """``Llama`` with torchtitan's attention in every block."""
+class TorchtitanRMSNorm(nn.RMSNorm):
+    """torchtitan's ``RMSNorm`` (``norm_type = "rmsnorm"``): normalised in float32 op by op, then scaled."""
 
-    def __init__(self, **kwargs) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class TorchtitanLlama(Llama):
+    """``Llama`` (Llama 3's: no query or key norms, no biases) with torchtitan's attention in every block and its
+    ``norm_type``: "rmsnorm" (``TorchtitanRMSNorm``) or "fused_rmsnorm" (a kernel, as ``nn.RMSNorm``)."""
+
+    def __init__(self, norm_type: str = "fused_rmsnorm", **kwargs) -> None:
         super().__init__(**kwargs)
+        if norm_type not in ("rmsnorm", "fused_rmsnorm"):
+            raise ValueError(f"norm_type {norm_type!r}: torchtitan's rows ran rmsnorm or fused_rmsnorm")
         for block in self.blocks:
             block.attention.__class__ = TorchtitanAttention
+        for module in self.modules():
+            if norm_type == "rmsnorm" and type(module) is nn.RMSNorm:
+                module.__class__ = TorchtitanRMSNorm
 
 
 # Split by tensor parallelism as this project's Llama is (the same projections, named alike): the table every model's
@@ -88,8 +105,11 @@ class TorchtitanLanguageModel(LanguageModelModule):
         return None
 
 
-# The overrides that plan a row with torchtitan's model and loss (benchmarks/ on sys.path).
-AS_TORCHTITAN_RAN = [
-    "model._target_=torchtitan_llama.TorchtitanLanguageModel",
-    "model.net._target_=torchtitan_llama.TorchtitanLlama",
-]
+def as_torchtitan_ran(norm_type: str) -> list[str]:
+    """The overrides that plan a row with torchtitan's model and loss, its norm ``norm_type`` (benchmarks/ on
+    sys.path)."""
+    return [
+        "model._target_=torchtitan_llama.TorchtitanLanguageModel",
+        "model.net._target_=torchtitan_llama.TorchtitanLlama",
+        f"+model.net.norm_type={norm_type}",
+    ]

@@ -83,7 +83,8 @@ SCHEDULED = compiled_blocks._scheduled  # inductor's scheduler on a graph, for t
 
 def triton_scheduled(graph_module: torch.fx.GraphModule, inputs: list[Any], backward: bool) -> tuple[int, int]:
     """``graph_module`` (a block's graph on CPU fake tensors) traced again on CUDA fake tensors and scheduled by
-    inductor's Triton backend: its kernels beside the extern ones, and the bytes they read and write."""
+    inductor's Triton backend: its kernels beside the matmuls and attention (those it generates, and those it leaves
+    to ATen), and the bytes they read and write."""
     graph_module = copy.deepcopy(graph_module)
     for node in graph_module.graph.nodes:
         if node.kwargs.get("device") == torch.device("cpu"):

@@ -417,18 +417,23 @@ def test_megatrons_published_flop_count_is_the_plans_with_recomputation(layers, 
     assert flops_per_token == pytest.approx(counted, rel=0.03)
 
 
-def test_torchtitans_attention_as_planned_is_llamas_with_its_rotation_pairs_laid_out_apart():
-    """benchmarks/torchtitan_llama.py plans torchtitan's rows with its attention as it ran (RoPE in complex numbers
-    on adjacent pairs, keys and values repeated to every query head). It computes Llama's attention: a model with its
-    query and key projections' rows of each head reordered from adjacent pairs (2i, 2i + 1) into halves (i, i + width
-    / 2), this project's layout, gives the same logits (grouped heads: 4 query heads, 2 key/value heads)."""
+@pytest.mark.parametrize("norm_type", ["rmsnorm", "fused_rmsnorm"])
+def test_torchtitans_llama_as_planned_is_llamas_with_its_rotation_pairs_laid_out_apart(norm_type):
+    """benchmarks/torchtitan_llama.py plans torchtitan's rows with its model as it ran (RoPE in complex numbers on
+    adjacent pairs, keys and values repeated to every query head, its own RMSNorm or a fused one). It computes
+    Llama: a model with its query and key projections' rows of each head reordered from adjacent pairs (2i, 2i + 1)
+    into halves (i, i + width / 2), this project's layout, gives the same logits (grouped heads: 4 query heads, 2
+    key/value heads), where the rows as they are do not."""
     from torchtitan_llama import TorchtitanLlama
 
     from project.models import Llama
 
     shape = dict(vocab_size=61, max_length=16, num_layers=2, dim=64, num_heads=4, num_kv_heads=2, hidden_dim=96)
     torch.manual_seed(0)
-    torchtitan = TorchtitanLlama(**shape).eval()
+    torchtitan = TorchtitanLlama(norm_type, **shape).eval()
+    for module in torchtitan.modules():  # weights away from 1, which a norm that forgets them would pass with
+        if isinstance(module, torch.nn.RMSNorm):
+            torch.nn.init.uniform_(module.weight, 0.5, 1.5)
     width = 64 // 4
     halves = torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])
     weights = {}

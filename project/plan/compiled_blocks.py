@@ -43,7 +43,6 @@ from torch._higher_order_ops.wrap import tag_activation_checkpoint
 from torch._inductor.debug import DebugContext
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.graph import GraphLowering
-from torch._inductor.ir import FallbackKernel
 from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -89,13 +88,13 @@ def _scheduled(graph_module: torch.fx.GraphModule, inputs: list[Any], backward: 
 
 def _moves_bytes_apart(node: BaseSchedulerNode) -> bool:
     """Whether ``node`` is a kernel whose bytes the plan takes from inductor: one it generates, or an op it leaves
-    to ATen (a fallback: complex numbers, which it generates no code for) that is neither a view nor a matmul or
-    attention, which the simulation prices by their shapes (the ops with a FLOP formula)."""
+    to ATen or a library (a fallback: complex numbers, for one, which it generates no code for) that is neither a
+    view nor a matmul or attention, which the simulation prices by their shapes (the ops with a FLOP formula)."""
     if isinstance(node, NopKernelSchedulerNode):
         return False
     if not isinstance(node, ExternKernelSchedulerNode):
         return True
-    op = node.node.op_overload if isinstance(node.node, FallbackKernel) else None
+    op = getattr(node.node, "op_overload", None)  # none on a multi-output kernel's outputs (counted with it)
     return isinstance(op, torch._ops.OpOverload) and not op.is_view and op.overloadpacket not in FLOP_FORMULAS
 
 
