@@ -15,7 +15,8 @@ project's in ways that change what a step moves, each kept here as it was (``tor
   compiled nothing but the blocks): the float32 copy of the logits and their log-softmax written and read eagerly.
 - The norms: 9dec370's configs chose ``norm_type = "rmsnorm"``, torchtitan's own RMSNorm, op by op in float32
   (eager, a kernel an op; compiled, fused like any other); April 2024's ``fused_rmsnorm``, a Triton kernel forward
-  and one backward, as this project's ``nn.RMSNorm`` runs on a GPU (``norm_type``).
+  and one backward, as ``nn.RMSNorm`` runs on a GPU, but in its input's dtype (``norm_type``). Both return bf16
+  where this project's norm under CUDA's autocast (torch 2.13's) returns float32.
 
 Only what a step costs is kept: the weights' layout (torchtitan rotates adjacent pairs, this project each head's
 two halves) and initialisation are this project's, which change no cost.
@@ -75,19 +76,32 @@ class TorchtitanRMSNorm(nn.RMSNorm):
         return (wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
+class TorchtitanFusedRMSNorm(nn.RMSNorm):
+    """torchtitan's ``FusedRMSNorm`` (``norm_type = "fused_rmsnorm"``): one kernel forward and one backward, in its
+    input's dtype (where CUDA's autocast would run ``rms_norm`` in float32 on torch 2.13)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            weight = None if self.weight is None else self.weight.to(x.dtype)
+            return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
+NORMS = {"rmsnorm": TorchtitanRMSNorm, "fused_rmsnorm": TorchtitanFusedRMSNorm}
+
+
 class TorchtitanLlama(Llama):
     """``Llama`` (Llama 3's: no query or key norms, no biases) with torchtitan's attention in every block and its
-    ``norm_type``: "rmsnorm" (``TorchtitanRMSNorm``) or "fused_rmsnorm" (a kernel, as ``nn.RMSNorm``)."""
+    ``norm_type``'s norms (``NORMS``)."""
 
     def __init__(self, norm_type: str = "fused_rmsnorm", **kwargs) -> None:
         super().__init__(**kwargs)
-        if norm_type not in ("rmsnorm", "fused_rmsnorm"):
-            raise ValueError(f"norm_type {norm_type!r}: torchtitan's rows ran rmsnorm or fused_rmsnorm")
+        if norm_type not in NORMS:
+            raise ValueError(f"norm_type {norm_type!r}: torchtitan's rows ran one of {sorted(NORMS)}")
         for block in self.blocks:
             block.attention.__class__ = TorchtitanAttention
         for module in self.modules():
-            if norm_type == "rmsnorm" and type(module) is nn.RMSNorm:
-                module.__class__ = TorchtitanRMSNorm
+            if type(module) is nn.RMSNorm:
+                module.__class__ = NORMS[norm_type]
 
 
 # Split by tensor parallelism as this project's Llama is (the same projections, named alike): the table every model's
