@@ -229,3 +229,32 @@ def test_an_rms_norm_whose_weight_has_another_dtype_keeps_the_inputs():
     with FakeTensorMode(), cuda():
         x = torch.empty(4, 8, dtype=torch.bfloat16)
         assert F.rms_norm(x, (8,), torch.empty(8), 1e-5).dtype == torch.bfloat16
+
+
+def dropout_saves() -> list:
+    with FakeTensorMode():
+        x = torch.empty(4, 8, dtype=torch.bfloat16, requires_grad=True)
+        return saved_for_backward(lambda: F.dropout(x, 0.1, training=True))
+
+
+def test_dropout_saves_cudas_byte_mask_not_the_cpus_noise():
+    """CUDA's dropout is one kernel (``native_dropout``) that saves a mask of a byte an element; the CPU's composite
+    saves a noise tensor in the input's dtype. Undone on exit."""
+    cpu_saved = dropout_saves()
+    with cuda():
+        assert dropout_saves() == [((4, 8), torch.bool)]
+    assert cpu_saved == [((4, 8), torch.bfloat16)]
+    assert dropout_saves() == cpu_saved
+
+
+def test_cudas_dropout_keeps_or_scales_each_element_as_dropout_does():
+    """On real tensors: each element zero or scaled by 1 / (1 - p), about p of them dropped; outside training, and
+    at p = 0, the input itself."""
+    torch.manual_seed(0)
+    x = torch.rand(200, 50) + 1
+    with cuda():
+        dropped = F.dropout(x, 0.25, training=True)
+        assert F.dropout(x, 0.25, training=False) is x and F.dropout(x, 0.0, training=True) is x
+    kept = dropped != 0
+    torch.testing.assert_close(dropped[kept], x[kept] / 0.75)
+    assert abs((~kept).float().mean().item() - 0.25) < 0.02

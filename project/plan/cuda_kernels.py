@@ -4,7 +4,7 @@ A memory plan simulates a device's step on fake CPU tensors, whatever device the
 torch cannot make a CUDA tensor, not even a fake one. Where CUDA's kernels would keep other tensors than the CPU's,
 the plan of a CUDA job would be off (four of six runs with activation checkpointing 12-14% over an H200's
 ``max_memory_allocated``, docs/gpu.md), so while simulating one this module makes the CPU behave as CUDA does in
-the four ways that change what a step holds:
+the five ways that change what a step holds:
 
 - **Autocast.** CUDA's mixed precision casts by other lists than the CPU's (``torch/include/ATen/autocast_mode.h``
   against ``aten/src/ATen/autocast_mode.cpp``'s CPU table). The difference that costs most: the CPU casts
@@ -16,6 +16,8 @@ the four ways that change what a step holds:
   backward: the output and log-sum-exp (the CPU's kernel keeps the score matrix under dropout, flash does not).
 - **RMSNorm.** CUDA runs ``rms_norm`` as one fused kernel, which saves its input and each row's reciprocal root;
   the CPU's composite also saves the normalised input in float32.
+- **Dropout.** CUDA runs ``dropout`` as one kernel that writes its output and a mask of a byte an element; the
+  CPU's composite draws a noise tensor in the input's dtype, scales it and multiplies, and saves the noise.
 - **The caching allocator** rounds every block up to 512 bytes (``max_memory_allocated`` counts blocks); torch's
   ``MemTracker`` rounds so for CUDA tensors only, and here for the CPU's that stand in for them.
 
@@ -365,6 +367,17 @@ def _cuda_rms_norm(
     return _FusedRMSNorm.apply(x, normalized_shape, weight, eps)
 
 
+def _cuda_dropout(x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
+    """``dropout`` as on CUDA (Dropout.cpp, ``is_fused_kernel_acceptable``): one kernel, ``native_dropout``, which
+    writes the output and a byte-an-element mask (saved for backward), where the CPU's composite draws a noise
+    tensor in the input's dtype, scales it and multiplies, each op a pass and the noise saved."""
+    if not train or p == 0 or x.numel() == 0:
+        return x
+    if p == 1:
+        return x * 0
+    return torch.ops.aten.native_dropout(x, p, train)[0]
+
+
 def _allocator_rounded(self: Any) -> int:
     """``_WeakRefInfo._calculate_mem_consumed`` as torch's tracker computes it for a CUDA tensor."""
     return math.ceil(self.size * self.element_size / ALLOCATOR_BLOCK) * ALLOCATOR_BLOCK
@@ -396,6 +409,7 @@ def cuda_kernels() -> Iterator[None]:
                     library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
             library.impl("scaled_dot_product_attention", _cuda_attention, "CompositeImplicitAutograd")
             library.impl("rms_norm", _cuda_rms_norm, "CompositeImplicitAutograd")
+            library.impl("dropout", _cuda_dropout, "CompositeImplicitAutograd")
         mem_tracker._WeakRefInfo._calculate_mem_consumed = _allocator_rounded  # type: ignore[method-assign]
         yield
     finally:
