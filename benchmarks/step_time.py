@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 from gpu_collect import check as check_collected  # noqa: E402
+from megatron_gpt import AS_MEGATRON_RAN  # noqa: E402
 from torchtitan_llama import as_torchtitan_ran  # noqa: E402
 
 from project.cli.calibrate import BASES  # noqa: E402
@@ -218,6 +219,7 @@ def megatron_row(
     replicas = gpus // (tp * pp)
     local = batch // replicas  # sequences a replica's step
     model = ["model=gpt", f"model.net.num_layers={layers}", f"model.net.dim={hidden}", f"model.net.num_heads={heads}"]
+    model += AS_MEGATRON_RAN
     model += ["model.net.vocab_size=51200", "data=tokens", "data.vocab_size=51200", "data.seq_length=2048"]
     model += ["trainer.precision=bf16-mixed", "model.activation_checkpointing=true", "cluster=a100_80g_8x"]
     nodes = [f"trainer.devices={min(gpus, 8)}", f"trainer.num_nodes={max(gpus // 8, 1)}", f"data.batch_size={local}"]

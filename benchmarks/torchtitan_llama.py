@@ -81,7 +81,7 @@ class TorchtitanFusedRMSNorm(nn.RMSNorm):
     input's dtype (where CUDA's autocast would run ``rms_norm`` in float32 on torch 2.13)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast("cuda" if x.is_cuda else "cpu", enabled=False):  # a plan's tensors may be meta
             weight = None if self.weight is None else self.weight.to(x.dtype)
             return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 

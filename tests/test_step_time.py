@@ -17,7 +17,7 @@ from test_memory_plan import resolved
 from project.accounting.counts import Kernel, Link, StepCounts
 from project.job.cluster import Cluster
 from project.parallel.dims import ParallelDims
-from project.plan.memory_plan import MemoryPlan, plan_memory
+from project.plan.memory_plan import MemoryPlan, plan_memory, simulate_devices
 from project.plan.simulate import DevicePlan
 from project.plan.step_time import (
     FRAMEWORK_STEP_OPS,
@@ -449,3 +449,46 @@ def test_torchtitans_llama_as_planned_is_llamas_with_its_rotation_pairs_laid_out
     with torch.no_grad():
         torch.testing.assert_close(torchtitan(tokens), llama(tokens))
         assert not torch.allclose(torchtitan(tokens), unordered(tokens), atol=1e-3)  # the rotation's pairs matter
+
+
+def test_megatrons_gpt_as_planned_gathers_its_norms_outputs_in_half_precision():
+    """benchmarks/megatron_gpt.py plans Megatron-LM's rows with its layer norm, whose output keeps its input's half
+    precision, where this project's norm under CUDA's autocast returns float32. The tiny GPT (2 blocks) over 2
+    data-parallel x 2 tensor-parallel ranks in bf16-mixed (FSDP computes in bf16), fully checkpointed: each norm's
+    output that sequence parallelism gathers, 16 x 16 x 128 elements, is 2 bytes an element less (the blocks' four,
+    forward and again in the recompute, and the final norm's), and so is each of their gradients it reduce-scatters
+    (five); nothing else differs."""
+    from megatron_gpt import AS_MEGATRON_RAN
+
+    base = ["model=gpt", "data=tokens", "data.seq_length=16", "data.batch_size=16", "cluster=h100_sxm_8x"]
+    base += ["strategy=fsdp", "trainer.devices=4", "strategy.tensor_parallel_size=2", "trainer.precision=bf16-mixed"]
+    base += ["model.activation_checkpointing=true"]
+    runs = ([], [*AS_MEGATRON_RAN, "model.net.dropout=0.0"])  # Megatron's dropout aside: its norms alone
+    ours, megatrons = (simulate_devices(resolved([*base, *extra]))[0][0] for extra in runs)
+    sequence = 16 * 16 * 128
+    differences = {key: ours.collectives[key] - megatrons.collectives[key] for key in ours.collectives}
+    assert differences == {
+        "all_gather|tensor_parallel|2|1": (2 * 2 * 2 + 1) * sequence * 2,
+        "reduce_scatter|tensor_parallel|2|1": (2 * 2 + 1) * sequence * 2,
+        "all_gather|data_parallel|2|1": 0,
+        "reduce_scatter|data_parallel|2|1": 0,
+        "all_reduce|tensor_parallel|2|1": 0,
+    }
+
+
+def test_megatrons_attention_as_planned_is_the_causal_attention_of_flash():
+    """benchmarks/megatron_gpt.py's GPT computes attention as Megatron did in 2021 (the scores and probabilities in
+    memory); without dropout its logits are this project's GPT's with the same weights, as flash attention computes
+    them (float32, the causal mask and the scale applied)."""
+    from megatron_gpt import MegatronGPT
+
+    from project.models import GPT
+
+    shape = dict(vocab_size=61, max_length=16, num_layers=2, dim=64, num_heads=4)
+    torch.manual_seed(0)
+    megatron = MegatronGPT(**shape).eval()
+    gpt = GPT(**shape).eval()
+    gpt.load_state_dict(megatron.state_dict())
+    tokens = torch.randint(0, 61, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(megatron(tokens), gpt(tokens))
