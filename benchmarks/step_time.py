@@ -212,10 +212,12 @@ def megatron_row(
 ) -> Row:
     """A row of Megatron-LM's weak-scaling table (Narayanan et al., SC'21, Table 1: GPT, sequence 2048, vocabulary
     51,200, mixed precision, full recomputation, DGX A100 80GB nodes with 8 HDR InfiniBand ports) in this project's
-    nearest layout: without a pipeline, tensor parallelism under FSDP (Megatron's data parallelism all-reduced
-    whole gradients, half the bytes of FSDP's two gathers and reduce-scatter; either hides behind these rows'
-    compute); with one, interleaved 1F1B (2 stages a rank) over micro-batches of one sequence (Table 1 states
-    neither: both assumed)."""
+    nearest layout, with Megatron's GPT (``megatron_gpt``): without a pipeline, tensor parallelism under FSDP
+    (Megatron's data parallelism all-reduced whole gradients, half the bytes of FSDP's two gathers and
+    reduce-scatter; either hides behind these rows' compute); with one, interleaved 1F1B (2 stages a rank) over
+    micro-batches of one sequence (Table 1 states neither: both assumed); tensor parallelism without sequence
+    parallelism, as Megatron's then, but under a pipeline, whose sends sequence parallelism splits as Megatron's
+    scatter/gather did."""
     replicas = gpus // (tp * pp)
     local = batch // replicas  # sequences a replica's step
     model = ["model=gpt", f"model.net.num_layers={layers}", f"model.net.dim={hidden}", f"model.net.num_heads={heads}"]
@@ -224,10 +226,13 @@ def megatron_row(
     model += ["trainer.precision=bf16-mixed", "model.activation_checkpointing=true", "cluster=a100_80g_8x"]
     nodes = [f"trainer.devices={min(gpus, 8)}", f"trainer.num_nodes={max(gpus // 8, 1)}", f"data.batch_size={local}"]
     if pp > 1:
+        # Sequence parallelism kept: its stages send each rank's share of the sequence, as Megatron's scatter/gather
+        # of the pipeline's sends did (the paper's section 4.1); without it they would send it whole, 8 times that
         layout = ["strategy=pipeline", f"strategy.tensor_parallel_size={tp}", f"strategy.num_stages={2 * pp}"]
         layout += ["strategy.schedule=interleaved_1f1b", "strategy.stages_per_rank=2", f"strategy.microbatches={local}"]
     elif tp > 1:
-        layout = ["strategy=fsdp", f"strategy.tensor_parallel_size={tp}"]
+        # Megatron of 2021 had no sequence parallelism: its ranks all-reduced and ran the norms on the whole sequence
+        layout = ["strategy=fsdp", f"strategy.tensor_parallel_size={tp}", "strategy.sequence_parallel=false"]
     else:
         layout = ["strategy=ddp"]
     what = f"GPT {billions}B, TP {tp} x PP {pp} x DP {replicas}, {gpus} A100s, batch {batch}"

@@ -457,13 +457,11 @@ def test_megatrons_gpt_as_planned_gathers_its_norms_outputs_in_half_precision():
     data-parallel x 2 tensor-parallel ranks in bf16-mixed (FSDP computes in bf16), fully checkpointed: each norm's
     output that sequence parallelism gathers, 16 x 16 x 128 elements, is 2 bytes an element less (the blocks' four,
     forward and again in the recompute, and the final norm's), and so is each of their gradients it reduce-scatters
-    (five); nothing else differs."""
-    from megatron_gpt import AS_MEGATRON_RAN
-
+    (five); no other collective differs."""
     base = ["model=gpt", "data=tokens", "data.seq_length=16", "data.batch_size=16", "cluster=h100_sxm_8x"]
     base += ["strategy=fsdp", "trainer.devices=4", "strategy.tensor_parallel_size=2", "trainer.precision=bf16-mixed"]
     base += ["model.activation_checkpointing=true"]
-    runs = ([], [*AS_MEGATRON_RAN, "model.net.dropout=0.0"])  # Megatron's dropout aside: its norms alone
+    runs = ([], ["model.net._target_=megatron_gpt.MegatronGPT"])  # its model alone: no dropout, sequence parallel
     ours, megatrons = (simulate_devices(resolved([*base, *extra]))[0][0] for extra in runs)
     sequence = 16 * 16 * 128
     differences = {key: ours.collectives[key] - megatrons.collectives[key] for key in ours.collectives}
