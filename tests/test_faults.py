@@ -5,13 +5,15 @@ import os
 import re
 import shlex
 import signal
+import subprocess
+import sys
 import time
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, PreloadedRun, train
+from conftest import REPO, TINY, PreloadedRun, train
 from helpers.probes import thaw
 from hydra.utils import instantiate
 from lightning.pytorch.plugins import MixedPrecision
@@ -335,6 +337,27 @@ def test_ctrl_c_on_a_multi_process_run_says_a_line_a_rank_at_most_then_how_to_re
     report = next(index for index, line in enumerate(said) if "Stopped by SIGINT: all 2 workers were stopped." in line)
     assert report <= 2 and "death signal" not in output, said
     assert len(said) == report + 2 and said[-1].endswith(f"hydra.run.dir={job_dir} ckpt_path=auto"), said
+
+
+def test_a_workers_second_ctrl_c_is_ignored_even_after_lightning_puts_its_handler_back():
+    """The race behind a traceback once seen in CI: a worker's first SIGINT raises KeyboardInterrupt; Lightning's
+    teardown then restores the handler it saved at setup (the worker's own), and torchelastic's copy of the signal
+    lands after it. That copy must not raise again. Run in a process of its own: the handler is process-wide."""
+    script = """
+import signal
+from project.launch.processes import interrupt_once
+interrupt_once()
+saved = signal.getsignal(signal.SIGINT)  # what Lightning's signal connector keeps at setup
+try:
+    signal.raise_signal(signal.SIGINT)  # the terminal's Ctrl-C
+except KeyboardInterrupt:
+    print("interrupted")
+signal.signal(signal.SIGINT, saved)  # its teardown puts it back
+signal.raise_signal(signal.SIGINT)  # torchelastic's copy, passed on late
+print("went on")
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.split()) == (0, ["interrupted", "went", "on"]), done.stderr
 
 
 def test_a_stopped_worker_fails_the_job_within_the_heartbeat_timeout_with_every_stack_in_the_log(home, tmp_path):
