@@ -864,6 +864,18 @@ def llama_tensor_parallel(runs_dir, home):
     )
 
 
+@pytest.fixture(scope="session")
+def llama_tensor_parallel_compiled(runs_dir, home):
+    """The same, its blocks compiled (model.compile=true): the first block's input is the stem's reduce-scattered
+    share, a collective's pending result, which torch 2.13's compiled backward did not take."""
+    return one_run(
+        "llama-tp2-compiled",
+        [*TINY_LLAMA_TP, "data.batch_size=32", "strategy=tensor_parallel", "trainer.devices=2", "model.compile=true"],
+        runs_dir,
+        home,
+    )
+
+
 def qwen_tensor_parallel(family: str, runs_dir: Path, home: Path) -> Path:
     """model=<family> over 2 tensor-parallel ranks (sequence parallel): each rank with its heads' biases (qwen2),
     or its heads normalised by the norms' one weight (qwen3)."""

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable import checkpoint
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -250,12 +251,39 @@ def _selectively_checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]
     return checkpointed
 
 
+class _Waited(torch.autograd.Function):
+    """A collective's result waited for (``AsyncCollectiveTensor.wait``), its gradient passed through as it is."""
+
+    @staticmethod
+    def forward(ctx: Any, pending: AsyncCollectiveTensor) -> torch.Tensor:
+        return pending.wait()
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> torch.Tensor:
+        return gradient
+
+
+def _waiting_for_collectives(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` given its inputs as plain tensors: a collective's still pending result (tensor parallelism's
+    stem hands the first block its reduce-scattered share as one) is waited for first. torch 2.13's compiled
+    backward returns such an input's gradient in a form the DTensor redistribution behind it cannot take (a plain
+    tensor where it reads a DTensor's; 2.11's runs it): a compiled Llama under tensor parallelism failed in its
+    first backward."""
+
+    @functools.wraps(forward)
+    def waiting(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(_Waited.apply(arg) if isinstance(arg, AsyncCollectiveTensor) else arg for arg in args)
+        return forward(*args, **kwargs)
+
+    return waiting
+
+
 def compile_blocks(model: BlockSequence) -> None:
     """``torch.compile`` each block's forward, torchtitan's way: the blocks are alike, so the first compiles and the
     others reuse its code. The hooks a strategy puts on a block (FSDP's parameter gathers, activation checkpointing)
     run around the compiled forward, not inside it; parameter names, and so checkpoints, stay as without it."""
     for block in model.blocks:
-        block.forward = torch.compile(block.forward)
+        block.forward = _waiting_for_collectives(torch.compile(block.forward))
 
 
 @contextmanager
