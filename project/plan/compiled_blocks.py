@@ -21,9 +21,11 @@ A selectively checkpointed block is traced as dynamo hands it to AOTAutograd (``
 higher-order op, whose policy tags each op, so that the partitioner keeps what the policy saves and recomputes the
 rest in the backward graph, as the compiled run does.
 
-A block whose forward AOTAutograd cannot trace here runs eagerly, as before (``eager_fallbacks`` names it): one
-holding tensor subclasses (DTensor under tensor parallelism, NF4 under QLoRA), a forward with a data-dependent shape
-(a mixture's routing).
+A block whose weights or inputs are tensor subclasses (DTensors under tensor parallelism, torchao's Float8 weights
+under FSDP) is traced as AOTAutograd takes them apart, as a compiled run's: its graphs hold the local tensors, and
+tensor parallelism's collectives as functional collectives, which the simulation prices as communication (they are
+left out of the kernels' bytes). A block whose forward AOTAutograd cannot trace here runs eagerly, as before
+(``eager_fallbacks`` names it): a forward with a data-dependent shape (a mixture's routing), for one.
 """
 
 import copy
@@ -46,6 +48,7 @@ from torch._inductor.graph import GraphLowering
 from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNode, NopKernelSchedulerNode
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules import module as module_registry
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
@@ -57,6 +60,7 @@ from project.options.log_records import quieted
 log = logging.getLogger(__name__)
 
 Signature = tuple[Any, ...]
+_COLLECTIVES = ("_c10d_functional", "c10d")  # priced as communication by the simulation, not as bytes moved
 # Each block signature's graphs, or why AOTAutograd could not trace it: traced once a process (a plan, a search,
 # simulates many steps of the same blocks).
 _TRACED: dict[Signature, Callable[..., Any] | str] = {}
@@ -95,7 +99,12 @@ def _moves_bytes_apart(node: BaseSchedulerNode) -> bool:
     if not isinstance(node, ExternKernelSchedulerNode):
         return True
     op = getattr(node.node, "op_overload", None)  # none on a multi-output kernel's outputs (counted with it)
-    return isinstance(op, torch._ops.OpOverload) and not op.is_view and op.overloadpacket not in FLOP_FORMULAS
+    return (
+        isinstance(op, torch._ops.OpOverload)
+        and not op.is_view
+        and op.overloadpacket not in FLOP_FORMULAS
+        and op.namespace not in _COLLECTIVES
+    )
 
 
 # Each block signature's forward and backward as inductor schedules them (traced with ``_TRACED``).
@@ -103,7 +112,29 @@ _SCHEDULED: dict[Signature, tuple[FusedKernels, FusedKernels]] = {}
 
 
 def _tensor_signature(tensor: torch.Tensor) -> tuple[Any, ...]:
-    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad)
+    """A tensor's shape, strides, dtype and whether it requires grad; a subclass's class, its layout (a DTensor's
+    placements, its mesh's shape and process groups, which its graph's collectives name) and its inner tensors'."""
+    signature = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad)
+    if not is_traceable_wrapper_subclass(tensor):
+        return signature
+    names, context = tensor.__tensor_flatten__()
+    inner = [(name, getattr(tensor, name)) for name in names]
+    return (
+        type(tensor),
+        *signature,
+        repr(context),
+        tuple(
+            (name, _tensor_signature(value) if isinstance(value, torch.Tensor) else _mesh_signature(value))
+            for name, value in inner
+        ),
+    )
+
+
+def _mesh_signature(value: Any) -> Any:
+    if not isinstance(value, DeviceMesh):
+        return repr(value)
+    groups = tuple(value.get_group(dim).group_name for dim in range(value.ndim))
+    return (tuple(value.shape), value.mesh_dim_names, groups)
 
 
 def _signature(
@@ -130,13 +161,16 @@ def _signature(
     )
 
 
-def _traceable(tensors: list[torch.Tensor]) -> bool:
-    return all(not is_traceable_wrapper_subclass(tensor) for tensor in tensors)
-
-
 def _fresh(tensor: torch.Tensor) -> torch.Tensor:
-    """A fake tensor of the mode in force, shaped as ``tensor``."""
-    made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+    """A fake tensor of the mode in force, shaped as ``tensor``; a tensor subclass (DTensor, torchao's Float8
+    weight) rebuilt around fresh inner tensors, as AOTAutograd takes it apart."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, context = tensor.__tensor_flatten__()
+        inner = {name: getattr(tensor, name) for name in names}  # (torch 2.13's DTensor lists its mesh too)
+        inner = {name: _fresh(t).detach() if isinstance(t, torch.Tensor) else t for name, t in inner.items()}
+        made = type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())
+    else:
+        made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
     return made.requires_grad_(tensor.requires_grad)
 
 
@@ -307,9 +341,6 @@ class PartitionedBlocks:
         """``block``'s signature on ``args`` and its traced graphs (traced on the first call of the signature), or
         why it runs eagerly."""
         tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
-        inputs = [arg for arg in args if isinstance(arg, torch.Tensor)]
-        if not _traceable([*tensors.values(), *inputs]):
-            return "a tensor subclass among its weights or inputs (DTensor, NF4)"
         if kwargs:
             return f"called with keyword arguments {sorted(kwargs)}"
         key = _signature(block, self.forwards[block], tensors, args)
