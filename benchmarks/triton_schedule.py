@@ -1,7 +1,7 @@
 """What inductor's Triton backend would make of the compiled blocks the plan prices, beside what its CPU backend
 makes (``FusedKernels``, which the plan prices): the figures of docs/step-time.md's compiled rows.
 
-    .venv-torch2.11.0/bin/python benchmarks/triton_schedule.py   # about 20 s on 2 CPU cores
+    .venv-torch2.11.0/bin/python benchmarks/triton_schedule.py   # about 90 s on 2 busy CPU cores
 
 The plan schedules each compiled block's graphs with inductor's CPU backend, the one every machine has. A GPU's
 code is Triton's, which may fuse the same graph otherwise. Scheduling needs no GPU, only Triton (installed with
@@ -108,8 +108,6 @@ def main() -> None:
     print("| row | graph | CPU kernels | CPU GB | Triton kernels | Triton GB | Triton / CPU bytes |")
     print("|---|---|---|---|---|---|---|")
     for row in [*[row for row in FITTED if "compiled" in row.what], *[row for row in ROWS if "compile" in row.what]]:
-        if "Float8" in row.what:
-            continue  # under tensor parallelism: its blocks are DTensors, eager in the plan
         seen: list[tuple[bool, Any, tuple[int, int]]] = []
 
         def both(graph_module: torch.fx.GraphModule, inputs: list[Any], backward: bool) -> Any:

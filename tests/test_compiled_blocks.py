@@ -248,8 +248,8 @@ def test_a_selectively_checkpointed_compiled_plan_recomputes_what_the_policy_lea
 def tensor_parallel_net() -> torch.nn.Module:
     """A one-block GPT laid out over a tensor-parallel mesh of 2 (a rank of the fake process group the caller holds)
     as ``strategy.tensor_parallel_size=2`` lays it out: sequence parallel, the loss's logits split. (Not the Llama:
-    torch 2.13's compiled backward of its tensor-parallel block fails, a plain gradient where its stem's
-    redistribution wants a DTensor; torch 2.11's runs it.)"""
+    the test compiles the block with ``torch.compile`` alone, and torch 2.13's compiled backward of the Llama's
+    first block fails on its pending input, which ``compile_blocks`` waits for.)"""
     torch.manual_seed(0)
     net = GPT(vocab_size=61, max_length=SEQ, num_layers=1, dim=64, num_heads=4)
     apply_tensor_parallel(net, init_device_mesh("cpu", (2,), mesh_dim_names=("tensor_parallel",)))
@@ -308,3 +308,41 @@ def test_a_compiled_tensor_parallel_block_is_planned_as_inductor_compiles_it():
     assert forward.kernels + backward.kernels == kernels
     assert forward.moved_bytes == pytest.approx(compiled_forward, abs=4 * forward.kernels)
     assert backward.moved_bytes == pytest.approx(compiled_backward, abs=4 * backward.kernels)
+
+
+def test_a_tensor_parallel_block_is_traced_again_for_another_worlds_groups(monkeypatch):
+    """One process plans several layouts (``plan=search``, the planner's other device counts): the same block over
+    tensor-parallel pairs of a world of 2, then of a world of 4 (2 x 2), has the same shapes and placements but
+    other process groups, which its graph's collectives name. Each world runs graphs traced in it (on torch 2.11,
+    whose DTensor keeps its mesh out of its inner tensors, the second reused the first's and its collectives ran
+    in the world of 4's default group: a shape error)."""
+    monkeypatch.setattr(compiled_blocks, "_TRACED", {})
+    monkeypatch.setattr(compiled_blocks, "_SCHEDULED", {})
+    tokens = torch.randint(0, 61, (BATCH, SEQ))
+    for world, dims, names in ((2, (2,), ("tensor_parallel",)), (4, (2, 2), ("data_parallel", "tensor_parallel"))):
+        with fake_process_group(world, 0):
+            torch.manual_seed(0)
+            net = GPT(vocab_size=61, max_length=SEQ, num_layers=1, dim=64, num_heads=4)
+            apply_tensor_parallel(net, init_device_mesh("cpu", dims, mesh_dim_names=names)["tensor_parallel"])
+            with partitioned_blocks(list(net.blocks)) as partitioned:
+                logits = local_values(net(tokens))
+            assert partitioned.eager_fallbacks == {}
+            assert logits.shape == (BATCH, SEQ, 61 // 2 + 1)  # this rank's share of the vocabulary
+    assert len(compiled_blocks._TRACED) == 2
+
+
+class KeywordBlock(torch.nn.Module):
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return torch.tanh(x) * scale
+
+
+def test_a_block_the_plan_cannot_trace_runs_eagerly_and_is_named(caplog, monkeypatch):
+    """A block called with keyword arguments, which the tracing does not take: run as its own forward (its output
+    as eager), and the plan says which block and why."""
+    monkeypatch.setattr(compiled_blocks, "_SAID", set())  # said once a process: perhaps already, by another test
+    block, x = KeywordBlock(), torch.randn(4, 8, requires_grad=True)
+    with caplog.at_level(logging.WARNING, "project.plan.compiled_blocks"), partitioned_blocks([block]) as partitioned:
+        output = block(x, scale=2.0)
+    torch.testing.assert_close(output, torch.tanh(x) * 2.0)
+    assert partitioned.eager_fallbacks == {"KeywordBlock": "called with keyword arguments ['scale']"}
+    assert "KeywordBlock planned as eager: called with keyword arguments ['scale']" in caplog.text

@@ -302,16 +302,17 @@ def by_step(rows: list[dict[str, float]], key: str) -> dict[int, float]:
     return {int(row["step"]): row[key] for row in rows if key in row}
 
 
-@pytest.mark.slow
 def saved_checkpoint(last: Path) -> dict | None:
     """The checkpoint ``last`` holds (its metadata where it is a sharded dir), None while there is none: a background
-    write swaps the new dir in for the old one by renaming, so that the path is briefly absent."""
+    write swaps the new dir in for the old one by renaming, so that the path is briefly absent (or a dir where it
+    was looked for as a file)."""
     try:
         return torch.load(last / META_FILE if last.is_dir() else last, weights_only=False)
-    except FileNotFoundError:
+    except (FileNotFoundError, IsADirectoryError):
         return None
 
 
+@pytest.mark.slow
 def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_device_and_on_fsdp_x_2(corpus, tmp_path):
     """The tiny GPT on the prepared corpus, 12 batches an epoch, validated every 6 batches, a checkpoint every 5
     steps (and after each validation) and a step row every step. fsdp x 2 (8 per device, a DataLoader worker each, so
@@ -386,7 +387,7 @@ def test_training_on_shards_resumes_exactly_after_a_sigkill_mid_epoch_on_one_dev
         last = job / "checkpoints" / "last.ckpt"
         # fsdp writes its checkpoints in the background (async_save): on a busy machine the step-15 one can still be
         # on its way at step 17 (CI once killed the run with last.ckpt at step 12). The kill waits for it.
-        while (saved := saved_checkpoint(last)) is None or saved["global_step"] != 15:
+        while (saved := saved_checkpoint(last)) is None or saved["global_step"] < 15:
             if time.monotonic() - launched > 420:
                 kill_process_tree(run.pid)
                 pytest.fail(f"{name}: no step-15 checkpoint after 420 s: {saved and saved['global_step']}")

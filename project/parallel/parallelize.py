@@ -270,10 +270,12 @@ def _waiting_for_collectives(forward: Callable[..., Any]) -> Callable[..., Any]:
     tensor where it reads a DTensor's; 2.11's runs it): a compiled Llama under tensor parallelism failed in its
     first backward."""
 
+    def waited(value: Any) -> Any:
+        return _Waited.apply(value) if isinstance(value, AsyncCollectiveTensor) else value
+
     @functools.wraps(forward)
     def waiting(*args: Any, **kwargs: Any) -> Any:
-        args = tuple(_Waited.apply(arg) if isinstance(arg, AsyncCollectiveTensor) else arg for arg in args)
-        return forward(*args, **kwargs)
+        return forward(*map(waited, args), **{name: waited(value) for name, value in kwargs.items()})
 
     return waiting
 

@@ -49,6 +49,7 @@ from torch._inductor.scheduler import BaseSchedulerNode, ExternKernelSchedulerNo
 from torch._inductor.virtualized import V
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as module_registry
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
@@ -113,28 +114,26 @@ _SCHEDULED: dict[Signature, tuple[FusedKernels, FusedKernels]] = {}
 
 def _tensor_signature(tensor: torch.Tensor) -> tuple[Any, ...]:
     """A tensor's shape, strides, dtype and whether it requires grad; a subclass's class, its layout (a DTensor's
-    placements, its mesh's shape and process groups, which its graph's collectives name) and its inner tensors'."""
+    placements) and its inner tensors'; a DTensor's mesh, its process groups included, which its graph's
+    collectives name (a plan of another world in the same process has other groups)."""
     signature = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.requires_grad)
     if not is_traceable_wrapper_subclass(tensor):
         return signature
     names, context = tensor.__tensor_flatten__()
-    inner = [(name, getattr(tensor, name)) for name in names]
+    inner = [getattr(tensor, name) for name in names]  # (torch 2.13's DTensor lists its mesh among them)
+    mesh = _mesh_signature(tensor.device_mesh) if isinstance(tensor, DTensor) else None
     return (
         type(tensor),
         *signature,
         repr(context),
-        tuple(
-            (name, _tensor_signature(value) if isinstance(value, torch.Tensor) else _mesh_signature(value))
-            for name, value in inner
-        ),
+        mesh,
+        tuple(_tensor_signature(value) if isinstance(value, torch.Tensor) else repr(value) for value in inner),
     )
 
 
-def _mesh_signature(value: Any) -> Any:
-    if not isinstance(value, DeviceMesh):
-        return repr(value)
-    groups = tuple(value.get_group(dim).group_name for dim in range(value.ndim))
-    return (tuple(value.shape), value.mesh_dim_names, groups)
+def _mesh_signature(mesh: DeviceMesh) -> tuple[Any, ...]:
+    groups = tuple(mesh.get_group(dim).group_name for dim in range(mesh.ndim))
+    return (tuple(mesh.shape), mesh.mesh_dim_names, groups)
 
 
 def _signature(
