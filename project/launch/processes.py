@@ -44,15 +44,15 @@ def interrupt_once() -> None:
     """Ctrl-C interrupts this worker once (KeyboardInterrupt: Lightning stops the run cleanly), and later ones are
     ignored: a terminal sends SIGINT to the launcher and the workers, and torchelastic passes it on to the workers
     again, which would interrupt their stopping (a traceback from whatever teardown it lands in). The handler keeps
-    its own count rather than setting SIG_IGN: Lightning's teardown puts back the handlers it found at setup, this
+    its own flag rather than setting SIG_IGN: Lightning's teardown puts back the handlers it found at setup, this
     one among them, and a signal passed on late would then land in that teardown."""
-    interrupted = threading.Event()
+    interrupted = False
 
     def interrupt(signum: int, frame: object) -> None:
-        if interrupted.is_set():
-            return
-        interrupted.set()
-        raise KeyboardInterrupt
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
 
