@@ -11,10 +11,12 @@
 First our own runs on one H200 (docs/gpu.md: the GPU benchmark's gpt_350m and llama_1b, eager and compiled). The
 model's three efficiencies (conf/step_time/roofline.yaml) were fitted on them: the values, on a grid of 0.01, that
 make the largest error smallest (``--refit`` fits them again; without it they are conf/step_time/roofline.yaml's,
-docs/step-time.md says why). The host's speed (``host_op_us``) is fitted on the compiled gpt_350m's row, whose pace
-the host sets; gpt_125m's rows check it. ``--cpu-host-costs`` prices our rows with the 2-core CPU machine's own host
-costs (``HOST_COSTS``, ``cluster.host_costs: null``) instead of roofline.yaml's, the host's speed fitted to make the
-largest error of all our rows smallest: why the GPU clusters keep roofline.yaml's. Then Float8's matmul efficiency
+docs/step-time.md says why). The host's speed (``host_op_us``) was fitted on the compiled gpt_350m's row, whose pace
+the host then set; the device sets it since compiled blocks are priced by inductor's kernels, so ``--refit`` keeps
+roofline.yaml's (``fit_host``: a fit at the grid's end is none); gpt_125m's rows, set by the host, check it.
+``--cpu-host-costs`` prices our rows with the 2-core CPU machine's own host costs (``HOST_COSTS``,
+``cluster.host_costs: null``) instead of roofline.yaml's, the host's speed fitted to make the largest error of all
+our rows smallest: why the GPU clusters keep roofline.yaml's. Then Float8's matmul efficiency
 was fitted on the one Float8 run (again with
 ``--refit``: the measured runs predate the compiled loss, which the model now prices, so a fit today would put the
 loss's gain down to Float8's matmuls). Then torchtitan's
@@ -94,7 +96,7 @@ def own(preset: str, vocab: int, batch: int, compiled: bool) -> list[str]:
 
 
 # Measured by us on one H200 at 700 W (docs/gpu.md, 2026-11-26 and 27): the rows the efficiencies are fitted on (the
-# compiled gpt_350m's is also the one the host's speed, host_op_us, is fitted on: the host sets its pace).
+# compiled gpt_350m's is also the one ``--refit`` fits the host's speed, host_op_us, on, where the host sets its pace).
 FITTED = [
     Row("docs/gpu.md", "gpt_350m, batch 16 x 1024, eager", 148185, own("gpt_350m", 50304, 16, False)),
     Row("docs/gpu.md", "gpt_350m, batch 16 x 1024, compiled", 180468, own("gpt_350m", 50304, 16, True)),
@@ -341,10 +343,16 @@ def fit(rows: list[Planned], names: tuple[str, ...], fixed: dict[str, float] | N
     return best([[round(coarse[name] + step / 100, 2) for step in range(-4, 5)] for name in names])
 
 
-def fit_host(rows: list[Planned], efficiencies: dict[str, Any]) -> float:
-    """The cluster's ``host_op_us``, to 0.1, whose largest error over ``rows`` is smallest."""
-    grid = [tenth / 10 for tenth in range(10, 1000)]
-    return min(grid, key=lambda host: max(abs(row.error({**efficiencies, "host_op_us": host})) for row in rows))
+HOST_GRID = [tenth / 10 for tenth in range(10, 1000)]  # host_op_us from 1 to 99.9 us an op
+
+
+def fit_host(rows: list[Planned], efficiencies: dict[str, Any]) -> float | None:
+    """The cluster's ``host_op_us``, to 0.1, whose largest error over ``rows`` is smallest; None where that is an end
+    of the grid: the rows do not pin it (a step the device sets moves with the host's speed only by the framework's
+    work after its wait; where the device alone is already slower than measured, the least error runs off to the
+    fastest host)."""
+    best = min(HOST_GRID, key=lambda host: max(abs(row.error({**efficiencies, "host_op_us": host})) for row in rows))
+    return None if best in (HOST_GRID[0], HOST_GRID[-1]) else best
 
 
 def _figure(tokens_per_s: float) -> str:
@@ -355,16 +363,16 @@ def _figure(tokens_per_s: float) -> str:
 def table(rows: list[Planned], efficiencies: dict[str, Any]) -> None:
     print(
         "| source | run | measured tokens/s/GPU | predicted | error | MFU | exposed comm s | bubble s | host's share | "
-        "note |"
+        "waiting on the host s | note |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         step = row.step(efficiencies)
         print(
             f"| {row.row.source} | {row.row.what} | {_figure(row.row.published)} | "
             f"{_figure(step.tokens_per_device_per_s)} | "
             f"{row.error(efficiencies):+.1%} | {step.mfu:.1%} | {step.exposed_communication:.3f} | "
-            f"{step.bubble:.3f} | {step.host / step.seconds:.0%} | {row.row.note} |",
+            f"{step.bubble:.3f} | {step.host / step.seconds:.0%} | {step.host_bound:.4f} | {row.row.note} |",
             flush=True,
         )
 
@@ -397,13 +405,17 @@ def main() -> None:
     if refit and float8_rows:
         efficiencies = fit(float8_rows, ("float8_matmul_efficiency",), efficiencies)
     host_checks = [planned(row) for row in host_bound]
+    host: float | None = roofline["host_op_us"]
     if args.cpu_host_costs:
         efficiencies = {**efficiencies, "host_costs": None}
         host = fit_host(own_rows + host_checks, efficiencies)
     elif refit and measured is not None and host_checks:
         host = fit_host(host_checks, efficiencies)  # the host-bound cases: the host sets their pace
-    else:
-        host = fit_host([own_rows[1]], efficiencies) if refit else roofline["host_op_us"]
+    elif refit:
+        host = fit_host([own_rows[1]], efficiencies)
+    if host is None:
+        host = roofline["host_op_us"]
+        print(f"host_op_us: not pinned by the rows it is fitted on (the device sets their step); kept at {host}")
     efficiencies = {**efficiencies, "host_op_us": host}
     figures = ", ".join(f"{name} {value:.2f}" for name, value in efficiencies.items() if value is not None)
     rows_named = "On our H200 rows:" if measured is None else f"On {args.refit}:"

@@ -400,6 +400,24 @@ def test_a_cpu_step_is_its_host_and_its_compute_one_after_the_other_on_its_share
     assert step.host_bound == pytest.approx(host.total)
 
 
+def test_the_host_speed_is_fitted_only_where_the_rows_pin_it():
+    """``benchmarks/step_time.py --refit`` fits ``host_op_us`` on rows: a tiny GPT's step on an H200, which its host
+    sets, measured at the throughput the model gives at 30 us an op, gives 30 back; measured faster than the model
+    gives at the grid's fastest host (1 us), its least error lies at the grid's end, which pins nothing: None, and
+    the caller keeps roofline.yaml's (until 2026-12-07 that fit took 1 us)."""
+    from step_time import Row, fit_host, planned
+
+    efficiencies = {"matmul_efficiency": 0.74, "attention_efficiency": 0.36, "bandwidth_efficiency": 0.57}
+    overrides = [*TINY_GPT, "cluster=h200_8x", "trainer.devices=1", "trainer.precision=bf16-mixed"]
+    row = planned(Row("test", "tiny GPT", 1.0, overrides, over_sequence=False))
+    at = {host: row.step({**efficiencies, "host_op_us": host}).tokens_per_device_per_s for host in (1.0, 30.0)}
+    assert at[1.0] > 10 * at[30.0]  # the host sets the step
+    row.row.published = at[30.0]
+    assert fit_host([row], efficiencies) == 30.0
+    row.row.published = 2 * at[1.0]
+    assert fit_host([row], efficiencies) is None
+
+
 @pytest.mark.parametrize("layers, width, heads, sequence, vocabulary", [(2, 64, 2, 128, 512), (3, 96, 4, 256, 1024)])
 def test_megatrons_published_flop_count_is_the_plans_with_recomputation(layers, width, heads, sequence, vocabulary):
     """benchmarks/step_time.py turns Megatron-LM's published TFLOP/s into tokens/s by the paper's count, 96 B s l h^2
