@@ -13,7 +13,8 @@ model's three efficiencies (conf/step_time/roofline.yaml) were fitted on them: t
 make the largest error smallest (``--refit`` fits them again; without it they are conf/step_time/roofline.yaml's,
 docs/step-time.md says why). The host's speed (``host_op_us``) was fitted on the compiled gpt_350m's row, whose pace
 the host then set; the device sets it since compiled blocks are priced by inductor's kernels, so ``--refit`` keeps
-roofline.yaml's (``fit_host``: a fit at the grid's end is none); gpt_125m's rows, set by the host, check it.
+roofline.yaml's unless a fitted row pins it (``fit_host``: a fit at the grid's end is none); gpt_125m's rows, set by
+the host, check it.
 ``--cpu-host-costs`` prices our rows with the 2-core CPU machine's own host costs (``HOST_COSTS``,
 ``cluster.host_costs: null``) instead of roofline.yaml's, the host's speed fitted to make the largest error of all
 our rows smallest: why the GPU clusters keep roofline.yaml's. Then Float8's matmul efficiency
@@ -95,8 +96,8 @@ def own(preset: str, vocab: int, batch: int, compiled: bool) -> list[str]:
     ]
 
 
-# Measured by us on one H200 at 700 W (docs/gpu.md, 2026-11-26 and 27): the rows the efficiencies are fitted on (the
-# compiled gpt_350m's is also the one ``--refit`` fits the host's speed, host_op_us, on, where the host sets its pace).
+# Measured by us on one H200 at 700 W (docs/gpu.md, 2026-11-26 and 27): the rows the efficiencies are fitted on, and
+# ``--refit`` the host's speed, host_op_us, where one of them pins it (the host sets its step).
 FITTED = [
     Row("docs/gpu.md", "gpt_350m, batch 16 x 1024, eager", 148185, own("gpt_350m", 50304, 16, False)),
     Row("docs/gpu.md", "gpt_350m, batch 16 x 1024, compiled", 180468, own("gpt_350m", 50304, 16, True)),
@@ -412,10 +413,12 @@ def main() -> None:
     elif refit and measured is not None and host_checks:
         host = fit_host(host_checks, efficiencies)  # the host-bound cases: the host sets their pace
     elif refit:
-        host = fit_host([own_rows[1]], efficiencies)
+        host = fit_host(own_rows, efficiencies)
+    if host is None and args.cpu_host_costs:
+        raise SystemExit("host_op_us: our rows do not pin it under the CPU machine's host costs (see fit_host)")
     if host is None:
         host = roofline["host_op_us"]
-        print(f"host_op_us: not pinned by the rows it is fitted on (the device sets their step); kept at {host}")
+        print(f"host_op_us: the rows it is fitted on do not pin it (the least error at the grid's end); kept at {host}")
     efficiencies = {**efficiencies, "host_op_us": host}
     figures = ", ".join(f"{name} {value:.2f}" for name, value in efficiencies.items() if value is not None)
     rows_named = "On our H200 rows:" if measured is None else f"On {args.refit}:"
