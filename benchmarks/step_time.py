@@ -14,13 +14,11 @@ make the largest error smallest (``--refit`` fits them again; without it they ar
 docs/step-time.md says why). The host's speed (``host_op_us``) was fitted on the compiled gpt_350m's row, whose pace
 the host then set; the device sets it since compiled blocks are priced by inductor's kernels, so ``--refit`` keeps
 roofline.yaml's unless a fitted row pins it (``fit_host``: a fit at the grid's end is none); gpt_125m's rows, set by
-the host, check it.
-``--cpu-host-costs`` prices our rows with the 2-core CPU machine's own host costs (``HOST_COSTS``,
-``cluster.host_costs: null``) instead of roofline.yaml's, the host's speed fitted to make the largest error of all
-our rows smallest: why the GPU clusters keep roofline.yaml's. Then Float8's matmul efficiency
-was fitted on the one Float8 run (again with
-``--refit``: the measured runs predate the compiled loss, which the model now prices, so a fit today would put the
-loss's gain down to Float8's matmuls). Then torchtitan's
+the host, check it. ``--cpu-host-costs`` prices our rows with the 2-core CPU machine's own host costs
+(``HOST_COSTS``, ``cluster.host_costs: null``) instead of roofline.yaml's, the host's speed fitted to make the
+largest error of all our rows smallest: why the GPU clusters keep roofline.yaml's. Then Float8's matmul efficiency
+was fitted on the one Float8 run (again with ``--refit``: the measured runs predate the compiled loss, which the
+model now prices, so a fit today would put the loss's gain down to Float8's matmuls). Then torchtitan's
 published throughput (docs/performance.md of pytorch/torchtitan, at its commit 820504e of 2025-06-13, and the A100
 tables of its earlier version), each row predicted with the fitted efficiencies and its hardware's datasheet
 cluster, and torchtitan's model and loss as they ran (``torchtitan_llama``): nothing is fitted to those rows.
